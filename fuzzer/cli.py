@@ -1,0 +1,194 @@
+"""attnfuzz command line: run | replay | list.
+
+Exit codes: 0 nothing found (or a replayed bug is fixed), 1 findings (or the bug is still there),
+2 usage or environment errors (unknown target, vLLM missing, a malformed case).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+EXIT_CLEAN, EXIT_FOUND, EXIT_USAGE = 0, 1, 2
+
+
+def _duration(text: str) -> float:
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([smh]?)", text.strip())
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (use e.g. 90s, 10m, 8h)")
+    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="attnfuzz", description="Differential fuzzer for vLLM's sparse-MLA backends")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if this host has a GPU")
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="run a campaign against one target")
+    r.add_argument("--target", required=True)
+    r.add_argument("--seed", type=int, default=0)
+    g = r.add_mutually_exclusive_group()
+    g.add_argument("--max-examples", type=int, default=None)
+    g.add_argument("--time-budget", type=_duration, default=None, metavar="D")
+    r.add_argument("--inject", metavar="NAME_OR_FILE", help="a built-in mutant or a Python file to run first")
+    r.add_argument("--profile", default=None, help="case sizes: cpu or gpu (default: the device's)")
+    r.add_argument("--json", type=Path, metavar="PATH", help="write a JSON summary here")
+    r.add_argument("--repros", type=Path, default=Path("repros"), help="where findings are saved")
+    r.add_argument("--quiet", action="store_true")
+    rp = sub.add_parser("replay", help="re-run a saved finding (repros/<id>/ or its case.json)")
+    rp.add_argument("path", type=Path)
+    sub.add_parser("list", help="targets, mutants and what this host can run")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from fuzzer.env import prepare_process
+
+    device = prepare_process(args.device)
+    try:
+        return {"run": cmd_run, "replay": cmd_replay, "list": cmd_list}[args.command](args, device)
+    except UsageError as e:
+        print(f"attnfuzz: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+class UsageError(Exception):
+    pass
+
+
+def _import_vllm():
+    try:
+        import vllm  # noqa: F401  (once per process: 7-20 s on the GPU host)
+    except Exception as e:
+        raise UsageError(f"vLLM is not importable here ({type(e).__name__}: {e}); see README's set-up") from e
+
+
+def _make_target(name: str, device: str):
+    from fuzzer.targets import TARGETS
+
+    if name not in TARGETS:
+        raise UsageError(f"unknown target {name!r}; known: {', '.join(TARGETS)}")
+    target = TARGETS[name](device)
+    why = target.unavailable()
+    if why:
+        raise UsageError(f"target {name} is not available here: {why}")
+    target.prepare()
+    return target
+
+
+def cmd_run(args, device: str) -> int:
+    from fuzzer.campaign import Campaign, HarnessError
+    from fuzzer.env import host_info
+    from fuzzer.mutants import MutantError, inject
+    from fuzzer.progress import Progress
+    from fuzzer.repro import write_repro
+    from strategies.profiles import PROFILES
+
+    _import_vllm()
+    target = _make_target(args.target, device)  # detects the release's API before any mutant patches it
+    label = None
+    if args.inject:
+        try:
+            label = inject(args.inject)
+        except (MutantError, RuntimeError) as e:
+            raise UsageError(str(e)) from e
+    profile_name = args.profile or ("gpu" if device == "cuda" else "cpu")
+    if profile_name not in PROFILES:
+        raise UsageError(f"unknown profile {profile_name!r}; known: {', '.join(PROFILES)}")
+    max_examples = args.max_examples if args.max_examples is not None or args.time_budget else 100
+    host = host_info(device)
+    campaign = Campaign(target, PROFILES[profile_name], host, seed=args.seed, max_examples=max_examples,
+                        time_budget=args.time_budget, inject=label, progress=Progress(target.name, args.quiet))
+    try:
+        result = campaign.run()
+    except HarnessError as e:
+        print(f"attnfuzz: harness error (a bug in attnfuzz, not in vLLM):\n{e}", file=sys.stderr)
+        return EXIT_USAGE
+    saved = [write_repro(f, target, args.repros) for f in result.findings]
+    _print_summary(result, saved, host)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            "target": result.target, "seed": args.seed, "inject": label, "profile": profile_name,
+            "examples": result.examples, "seconds": round(result.seconds, 2), "cases_per_second": round(result.rate, 2),
+            "checks": result.checks, "host": host.to_dict(),
+            "findings": [dict(f.to_dict(), path=str(p)) for f, p in zip(result.findings, saved)],
+        }, indent=1) + "\n")
+    return EXIT_FOUND if result.findings else EXIT_CLEAN
+
+
+def _print_summary(result, saved, host) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"{result.target}: {result.examples} cases in {result.seconds:.1f} s "
+                  f"({result.rate:.1f}/s) on {host.device}, vLLM {host.vllm}: {len(result.findings)} finding(s)")
+    for f, path in zip(result.findings, saved):
+        classes = ",".join(sorted({v.bug_class for v in f.verdicts if v.bug_class})) or "-"
+        console.print(f"[bold red]FOUND[/] {path}  class {classes}, after {f.examples_to_find} cases "
+                      f"({f.seconds_to_find:.1f} s)\n  case: {f.case.summary()}\n  {f.title}", highlight=False)
+
+
+def cmd_replay(args, device: str) -> int:
+    from fuzzer.mutants import inject
+    from strategies.case import Case, CaseError
+
+    path = args.path
+    case_file = path / "case.json" if path.is_dir() else path
+    meta_file = case_file.parent / "finding.json"
+    if not case_file.is_file():
+        raise UsageError(f"{case_file}: no such file")
+    try:
+        case = Case.from_json(case_file.read_text())
+    except CaseError as e:
+        raise UsageError(f"{case_file}: {e}") from e
+    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+    if "target" not in meta:
+        raise UsageError(f"{meta_file}: missing, or has no 'target' field")
+    _import_vllm()
+    target = _make_target(meta["target"], device)
+    if meta.get("inject"):
+        inject(meta["inject"])
+    obs = target.run(case)
+    failed = [v for v in target.oracle(case, obs) if not v.ok]
+    for v in failed:
+        print(f"BUG [{v.check}] {v.detail}")
+    print(f"{meta['target']} on {case.summary()}: {'still failing' if failed else 'passes (fixed)'}")
+    return EXIT_FOUND if failed else EXIT_CLEAN
+
+
+def cmd_list(args, device: str) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from fuzzer.env import host_info
+    from fuzzer.mutants import MUTANTS, load
+    from fuzzer.targets import TARGETS
+
+    console = Console()
+    try:
+        _import_vllm()
+    except UsageError as e:
+        console.print(str(e))
+    t = Table("target", "classes", "runs here", "what")
+    for name, cls in TARGETS.items():
+        why = cls(device).unavailable()
+        t.add_row(name, cls.bug_classes, "yes" if why is None else f"no: {why}", cls.summary)
+    console.print(t)
+    m = Table("mutant (--inject)", "class", "targets", "what")
+    for name in MUTANTS:
+        mod = load(name)
+        m.add_row(name, mod.BUG_CLASS, ", ".join(mod.TARGETS), (mod.__doc__ or "").split("\n")[0])
+    console.print(m)
+    h = host_info(device)
+    console.print(f"host: {h.device} ({h.device_name}); vLLM {h.vllm}; torch {h.torch}; triton {h.triton}; "
+                  f"Triton {'interpreted' if h.interpreted else 'compiled'}")
+    return EXIT_CLEAN
+
+
+if __name__ == "__main__":
+    sys.exit(main())

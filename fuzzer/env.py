@@ -1,0 +1,77 @@
+"""Where attnfuzz runs: the host, its device, and how vLLM must be imported there.
+
+Everything that has to happen *before* `import vllm` lives here, because vLLM decides at import time
+whether Triton is real (see ../shared/docs/measured.md, Trap 1).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+STATE_DIR = Path(os.environ.get("ATTNFUZZ_STATE", ".attnfuzz"))
+
+
+def _has_cuda_driver() -> bool:
+    return any(Path(p).exists() for p in ("/dev/nvidia0", "/dev/nvidiactl", "/proc/driver/nvidia"))
+
+
+def prepare_process(device: str | None = None) -> str:
+    """Configure this process for `device` ("cpu" or "cuda"; None = what the host has) before vLLM loads.
+
+    On a host without a GPU driver, vLLM swaps Triton for a placeholder whose `jit` does nothing unless
+    CUDA_VISIBLE_DEVICES is set and empty; Triton must also run its interpreter there.
+    """
+    if "vllm" in sys.modules:
+        return "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+    if device is None:
+        device = "cuda" if _has_cuda_driver() else "cpu"
+    if device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        os.environ["TRITON_INTERPRET"] = "1"
+    # vLLM writes caches and distributed-init files: keep them inside the campaign's own directory.
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("VLLM_CACHE_ROOT", str((STATE_DIR / "vllm-cache").resolve()))
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    return device
+
+
+@dataclass(frozen=True)
+class HostInfo:
+    device: str
+    device_name: str
+    vllm: str
+    torch: str
+    triton: str
+    python: str
+    interpreted: bool
+    emulated_ops: tuple[str, ...] = field(default_factory=tuple)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def host_info(device: str, emulated_ops: tuple[str, ...] = ()) -> HostInfo:
+    import torch
+    import triton
+
+    try:
+        import vllm
+
+        vllm_version = vllm.__version__
+    except Exception as e:  # pragma: no cover - reported, not raised
+        vllm_version = f"unavailable ({type(e).__name__}: {e})"
+    name = torch.cuda.get_device_name(0) if device == "cuda" else (platform.processor() or platform.machine())
+    return HostInfo(
+        device=device,
+        device_name=name,
+        vllm=vllm_version,
+        torch=torch.__version__,
+        triton=triton.__version__,
+        python=platform.python_version(),
+        interpreted=os.environ.get("TRITON_INTERPRET") == "1",
+        emulated_ops=tuple(emulated_ops),
+    )

@@ -1,0 +1,52 @@
+"""Injected bugs: each file patches vLLM the way a real bug would and names its bug class.
+
+A mutant module is standalone (torch, triton and vLLM only) so that a reproducer can inline it; it
+defines BUG_CLASS, TARGETS and `apply()`. Add one: a file here, one line in MUTANTS.
+`--inject` also takes any Python file; it runs after vLLM is imported and may patch anything.
+"""
+
+from __future__ import annotations
+
+import importlib
+import runpy
+from pathlib import Path
+from types import ModuleType
+
+MUTANTS: dict[str, str] = {
+    "remap-no-length-check": "fuzzer.mutants.remap_no_length_check",
+    "remap-count-past-table": "fuzzer.mutants.remap_count_past_table",
+    "remap-past-table-not-invalid": "fuzzer.mutants.remap_past_table_not_invalid",
+    "dcp-owner-ignores-interleave": "fuzzer.mutants.dcp_owner_ignores_interleave",
+}
+
+
+class MutantError(RuntimeError):
+    """The mutant cannot be applied to the installed vLLM (the code it patches is not there)."""
+
+
+def load(name: str) -> ModuleType:
+    return importlib.import_module(MUTANTS[name])
+
+
+def inject(name_or_file: str) -> str:
+    """Apply a built-in mutant or run a user's Python file; returns a label for reports."""
+    if name_or_file in MUTANTS:
+        load(name_or_file).apply()
+        return name_or_file
+    path = Path(name_or_file)
+    if not path.is_file():
+        raise MutantError(f"--inject {name_or_file!r}: neither a built-in mutant ({', '.join(MUTANTS)}) nor a file")
+    ns = runpy.run_path(str(path))
+    if callable(ns.get("apply")):
+        ns["apply"]()
+    return str(path)
+
+
+def source(name_or_file: str) -> str:
+    """The mutant's source, for inlining into a reproducer."""
+    path = Path(name_or_file) if name_or_file not in MUTANTS else Path(load(name_or_file).__file__)
+    text = path.read_text()
+    helper = "from fuzzer.mutants._remap_kernel import patch_remap_kernel\n"
+    if helper in text:  # inline the shared helper so the reproducer needs no attnfuzz
+        text = (Path(__file__).parent / "_remap_kernel.py").read_text() + "\n\n" + text.replace(helper, "")
+    return text

@@ -1,0 +1,13 @@
+"""DCP ownership (class G): the owner rank of a token is computed round-robin per token, ignoring
+cp_kv_cache_interleave_size, so with interleave > 1 a rank keeps tokens it does not hold and drops
+tokens it does."""
+
+from fuzzer.mutants._remap_kernel import patch_remap_kernel
+
+BUG_CLASS = "G"
+TARGETS = ("vllm.dcp_filter",)
+
+
+def apply():
+    patch_remap_kernel([("owning_rank = tok // DCP_INTERLEAVE % DCP_SIZE", "owning_rank = tok % DCP_SIZE")],
+                       "dcp-owner-ignores-interleave")

@@ -1,0 +1,161 @@
+"""Render a standalone reproducer (torch + vLLM only) from a finding.
+
+The reproducer is for a stranger: the step's tensors as literals, the one vLLM call, the expected answer
+computed by attnfuzz's oracle (as a literal), and a check that prints what is wrong and exits 1 while the
+bug is present. On CPU it inlines the interpreter bounds checker (torch/triton/numpy only); an injected
+mutant is inlined too, since it *is* the bug.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import torch
+
+from fuzzer.interp import sanitizer as sanitizer_module
+from oracles.index import expected_remap, remap_args_for
+from oracles.materialize import materialize_index_inputs
+
+
+def compact_list(xs: list[int]) -> str:
+    """A short Python expression for a list of ints: runs become `[v] * n` and `list(range(a, b))`."""
+    parts, i, lit = [], 0, []
+
+    def flush():
+        if lit:
+            parts.append("[" + ", ".join(map(str, lit)) + "]")
+            lit.clear()
+
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[i]:
+            j += 1
+        if j - i >= 3:
+            flush(); parts.append(f"[{xs[i]}] * {j - i + 1}"); i = j + 1; continue  # noqa: E702
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        if j - i >= 3:
+            flush(); parts.append(f"list(range({xs[i]}, {xs[j] + 1}))"); i = j + 1; continue  # noqa: E702
+        lit.append(xs[i])
+        i += 1
+    flush()
+    return " + ".join(parts) if parts else "[]"
+
+
+def tensor_literal(name: str, t: torch.Tensor) -> str:
+    if t.dim() == 1:
+        return f"{name} = torch.tensor({compact_list(t.tolist())}, dtype=torch.int32, device=DEVICE)"
+    rows = ",\n    ".join(compact_list(r) for r in t.tolist())
+    return f"{name} = torch.tensor([\n    {rows},\n], dtype=torch.int32, device=DEVICE).reshape({t.shape[0]}, {t.shape[1]})"
+
+
+_CHECK = '''
+def check(out, valid_counts, expected, compacted):
+    """Row by row against the documented remap; with compaction only the valid set matters."""
+    problems = []
+    out, exp = out.cpu().tolist(), expected.tolist()
+    for r, (o, e) in enumerate(zip(out, exp)):
+        want = sorted(x for x in e if x >= 0)
+        if valid_counts is not None and int(valid_counts[r]) != len(want):
+            problems.append(f"row {r}: valid count {int(valid_counts[r])}, expected {len(want)}")
+        elif compacted and (sorted(o[: len(want)]) != want or any(x != -1 for x in o[len(want):])):
+            problems.append(f"row {r}: valid prefix {sorted(o[: len(want)])[:8]}..., expected {want[:8]}...")
+        elif not compacted and o != e:
+            j = next(j for j in range(len(e)) if o[j] != e[j])
+            problems.append(f"row {r}: out[{r}, {j}] = {o[j]}, expected {e[j]} (topk_indices[{r}, {j}])")
+    return problems
+'''
+
+
+_CPU_ENV = """
+# CPU: run vLLM's Triton kernels under Triton's interpreter. An empty CUDA_VISIBLE_DEVICES keeps vLLM
+# from swapping Triton for a placeholder on a machine with no GPU driver.
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+os.environ["TRITON_INTERPRET"] = "1"
+"""
+
+_MAIN = """
+def main():
+    {install}
+    problems, error = [], None
+    with {collect} as oob:
+        try:
+{call}
+        except Exception as e:  # vLLM refused the call
+            error = e
+    problems += [v.describe() for v in oob]
+    if {breaks}:  # req_id_per_token and topk_indices cover different tokens: only a clear error is right
+        if error is None:
+            problems.append(f"accepted req_id_per_token of {{req_id_per_token.shape[0]}} rows with topk_indices "
+                            f"of {{topk_indices.shape[0]}} rows (the grid follows req_id, the output topk_indices)")
+    elif error is not None:
+        problems.append(f"raised {{type(error).__name__}}: {{error}}")
+    else:
+        problems += check(out, valid_counts, expected, compacted={compacted})
+    for p in problems:
+        print("BUG:", p)
+    print("vLLM", __import__("vllm").__version__, "-", "bug present" if problems else "no bug: fixed")
+    return 1 if problems else 0
+"""
+
+_NO_CHECKER = """
+class _NoBoundsCheck:  # native GPU: memory errors are compute-sanitizer's to see
+    def __enter__(self):
+        return []
+
+    def __exit__(self, *exc):
+        return False
+"""
+
+
+def render_index_repro(finding, target) -> str:
+    case, host = finding.case, finding.host
+    a = remap_args_for(case, materialize_index_inputs(case, "cpu"))
+    cpu = host.device == "cpu"
+    tensors = [tensor_literal("req_id_per_token", a.req_id), tensor_literal("block_table", a.block_table),
+               tensor_literal("topk_indices", a.token_indices)]
+    if a.idx_mapping is not None:
+        tensors.append(tensor_literal("idx_mapping", a.idx_mapping))
+    if a.prefill_request_id is not None:
+        tensors += [tensor_literal("prefill_workspace_request_ids", a.prefill_request_id),
+                    tensor_literal("prefill_workspace_starts", a.prefill_workspace_starts)]
+    breaks = a.req_id.shape[0] != a.token_indices.shape[0]
+    if not breaks:
+        tensors.append("# expected: the documented remap of topk_indices (attnfuzz's oracle)")
+        tensors.append(tensor_literal("expected", expected_remap(a).to(torch.int32)))
+    install = ["SANITIZER.install()" if cpu else "pass"]
+    if finding.inject:
+        install.append("apply()  # the injected bug")
+    header = (
+        f'#!/usr/bin/env python3\n"""attnfuzz reproducer {finding.id}: {finding.title[:150]}\n\n'
+        f"Found by attnfuzz target `{finding.target}` on vLLM {host.vllm}, {host.device} ({host.device_name})"
+        + (f", with the injected bug `{finding.inject}` (inlined below)" if finding.inject else "") + ".\n"
+        f"Shrunk case: {case.summary()}\n"
+        'Run:  python repro.py     (torch + vLLM only; exits 1 while the bug is present, 0 once fixed)\n"""\n'
+    )
+    parts = [header, "import os\nimport sys\n", _CPU_ENV if cpu else "", "import torch\n",
+             f'DEVICE = "{"cpu" if cpu else "cuda"}"\n# What attnfuzz saw:\n'
+             + "\n".join(f"#   {v.check}: {v.detail}" for v in finding.verdicts) + "\n",
+             "\n".join(tensors) + "\n", _CHECK,
+             _MAIN.format(install="\n    ".join(install), collect="SANITIZER.collect()" if cpu else "_NoBoundsCheck()",
+                          call="\n".join("            " + ln for ln in target.repro_call(case).splitlines()),
+                          breaks=breaks, compacted=finding.observation.notes.get("compacted", False))]
+    if finding.inject:
+        from fuzzer.mutants import source
+
+        parts.append(f"\n# ---- the injected bug ({finding.inject}) ----\n{source(finding.inject)}")
+    if cpu:
+        src = inspect.getsource(sanitizer_module).split('"""', 2)[2].replace("from __future__ import annotations\n", "")
+        parts.append("\n# ---- support: bounds checks for Triton's interpreter (from attnfuzz; numpy/triton only) ----" + src)
+    else:
+        parts.append(_NO_CHECKER)
+    parts.append('\nif __name__ == "__main__":\n    sys.exit(main())\n')
+    return "\n".join(p for p in parts if p)
+
+
+def write_repro(finding, target, root: Path) -> Path:
+    from fuzzer.campaign import save_finding
+
+    return save_finding(finding, render_index_repro(finding, target), root)

@@ -1,0 +1,18 @@
+"""The target registry: name -> class. Add a target: one file here, one line below."""
+
+from __future__ import annotations
+
+from fuzzer.targets.base import Target
+from fuzzer.targets.dcp_filter import DcpFilter
+from fuzzer.targets.index_remap import IndexRemap
+
+TARGETS: dict[str, type[Target]] = {
+    IndexRemap.name: IndexRemap,
+    DcpFilter.name: DcpFilter,
+}
+
+
+def get_target(name: str) -> type[Target]:
+    if name not in TARGETS:
+        raise KeyError(f"unknown target {name!r}; known: {', '.join(TARGETS)}")
+    return TARGETS[name]

@@ -1,0 +1,82 @@
+"""The target interface: a thing in vLLM that attnfuzz can call with a case.
+
+A target knows vLLM; nothing else does. It says which cases it can take (a Hypothesis strategy built
+from `strategies`), runs one case and returns an `Observation`, and names the oracle that judges it.
+Add a target: one file in this folder, one line in `fuzzer/targets/__init__.py`.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from contextlib import contextmanager
+from typing import Callable, ClassVar
+
+from hypothesis.strategies import SearchStrategy
+
+from fuzzer.observation import Observation
+from oracles.verdict import Verdict
+from strategies.case import Case
+from strategies.profiles import Profile
+
+
+class Target(ABC):
+    name: ClassVar[str]
+    summary: ClassVar[str]
+    bug_classes: ClassVar[str]  # letters of bug-classes.md this target can show
+    oracle: ClassVar[Callable[[Case, Observation], list[Verdict]]]
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+
+    @abstractmethod
+    def unavailable(self) -> str | None:
+        """None when this host and vLLM release can run the target, else why not (in words)."""
+
+    def prepare(self) -> None:
+        """Detect what the installed vLLM offers; called once, before any mutant is injected."""
+
+    @abstractmethod
+    def cases(self, profile: Profile) -> SearchStrategy[Case]:
+        """The cases this target takes on this vLLM release."""
+
+    @abstractmethod
+    def run(self, case: Case) -> Observation:
+        """Run one case through vLLM's real code; never raise for what the code under test does."""
+
+    @abstractmethod
+    def repro_call(self, case: Case) -> str:
+        """Python source (torch + vLLM only) for a reproducer: the same call, on tensors the reproducer
+        defines under the names the target documents; it assigns `out` (and `valid_counts`)."""
+
+    # -- shared plumbing ---------------------------------------------------------------------------------
+    def observe(self, call: Callable[[], dict], notes: dict | None = None) -> Observation:
+        """Run `call` (which returns the outputs), capturing its exception and, on CPU, every
+        out-of-bounds access the interpreter sanitizer saw."""
+        obs = Observation(self.name, self.device, notes=dict(notes or {}), real=self.real_parts)
+        start = time.perf_counter()
+        with memory_checked(self.device) as violations:
+            try:
+                obs.outputs = {k: v.detach().cpu() for k, v in call().items() if v is not None}
+            except Exception as e:  # the code under test raised: an observation, not our failure
+                obs.error_type, obs.error = type(e).__name__, str(e).strip().splitlines()[0][:500] if str(e).strip() else ""
+            if self.device == "cuda":
+                import torch
+
+                torch.cuda.synchronize()
+        obs.memory = list(violations)
+        obs.seconds = time.perf_counter() - start
+        return obs
+
+    real_parts: ClassVar[tuple[str, ...]] = ()
+
+
+@contextmanager
+def memory_checked(device: str):
+    if device != "cpu":
+        yield []  # native GPU runs: compute-sanitizer's job (fuzzer/sanitizer), not ours
+        return
+    from fuzzer.interp.sanitizer import SANITIZER
+
+    with SANITIZER.install().collect() as found:
+        yield found

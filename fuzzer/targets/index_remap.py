@@ -1,0 +1,72 @@
+"""`vllm.index_remap`: `triton_convert_req_index_to_global_index`, every mode the release offers.
+
+Plain remap, valid counts (with compaction where the release compacts), prefill-workspace mode, a
+persistent block table through idx_mapping, BLOCK_STRIDE_ROWS above the block size, and call sites that
+pass only the MQA subset of topk_indices, including the pre-fix one that left req_id_per_token unsliced.
+"""
+
+from __future__ import annotations
+
+from fuzzer.targets import vllm_api
+from fuzzer.targets.base import Target
+from oracles.index import judge_remap, remap_args_for
+from oracles.materialize import materialize_index_inputs
+from strategies.batches import IndexFeatures, index_cases
+
+
+class IndexRemap(Target):
+    name = "vllm.index_remap"
+    summary = "sparse-MLA index remap: request-local top-k positions -> global KV-cache slots"
+    bug_classes = "A B C"
+    oracle = staticmethod(judge_remap)
+    real_parts = ("triton_convert_req_index_to_global_index", "sparse_mla_index_remap_kernel (Triton)")
+
+    def unavailable(self) -> str | None:
+        try:
+            vllm_api.remap_api()
+        except vllm_api.TargetUnavailable as e:
+            return str(e)
+        return None
+
+    def prepare(self) -> None:
+        self.api = vllm_api.remap_api()
+
+    def cases(self, profile):
+        api = vllm_api.remap_api()
+        return index_cases(profile, IndexFeatures(
+            block_stride_rows=api.has_block_stride_rows, idx_mapping=api.has_idx_mapping))
+
+    def kwargs(self, case, a) -> dict:
+        kw = dict(BLOCK_SIZE=case.block_size, NUM_TOPK_TOKENS=case.topk_width,
+                  return_valid_counts=case.call.valid_counts)
+        if self.api.has_block_stride_rows:
+            kw["BLOCK_STRIDE_ROWS"] = case.stride_rows
+        if a.idx_mapping is not None:
+            kw["idx_mapping"] = a.idx_mapping
+        if a.prefill_request_id is not None:
+            kw.update(HAS_PREFILL_WORKSPACE=True, prefill_workspace_request_ids=a.prefill_request_id,
+                      prefill_workspace_starts=a.prefill_workspace_starts)
+        return kw
+
+    def run(self, case):
+        a = remap_args_for(case, materialize_index_inputs(case, self.device))
+        kw = self.kwargs(case, a)
+
+        def call():
+            su = vllm_api.sparse_utils()  # at call time: an injected patch takes effect as inside vLLM
+            res = su.triton_convert_req_index_to_global_index(a.req_id, a.block_table, a.token_indices, **kw)
+            out, counts = res if isinstance(res, tuple) else (res, None)
+            return {"out": out, "valid_counts": counts}
+
+        return self.observe(call, {"compacted": case.call.valid_counts and self.api.compacts_valid_counts})
+
+    def repro_call(self, case) -> str:
+        a = remap_args_for(case, materialize_index_inputs(case, "cpu"))
+        kw = self.kwargs(case, a)
+        tensors = {"idx_mapping", "prefill_workspace_request_ids", "prefill_workspace_starts"}
+        args = ", ".join(f"{k}={k if k in tensors else repr(v)}" for k, v in kw.items())
+        return (
+            "from vllm.v1.attention.backends.mla import sparse_utils\n"
+            f"res = sparse_utils.triton_convert_req_index_to_global_index(req_id_per_token, block_table, topk_indices, {args})\n"
+            "out, valid_counts = res if isinstance(res, tuple) else (res, None)\n"
+        )

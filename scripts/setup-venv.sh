@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Build a CPU-only virtualenv that can run vLLM's sparse-MLA Python and Triton code under Triton's interpreter.
+#
+#   scripts/setup-venv.sh [VENV=.venv] [VLLM_VERSION=0.33.0]
+#
+# torch 2.13.0 (CPU build) + triton from PyPI + vLLM installed with --no-deps (its declared deps pull a CUDA
+# torch) + the packages vLLM's import chain needs (requirements/vllm-import.txt) + attnfuzz itself (editable).
+# Idempotent: re-running it on a finished venv only checks it.
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+VENV=${1:-$ROOT/.venv}
+VLLM_VERSION=${2:-0.33.0}
+PY=${PYTHON:-python3}
+if [ -x "$VENV/bin/python" ] && [ -f "$VENV/.attnfuzz-ready-$VLLM_VERSION" ]; then
+  echo "setup-venv: $VENV is ready (vllm $VLLM_VERSION)"; exit 0
+fi
+"$PY" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+"${PIP[@]}" --upgrade pip
+"${PIP[@]}" "torch==2.13.0" "triton>=3.8,<3.10"
+"${PIP[@]}" -r "$ROOT/requirements/vllm-import.txt"
+"${PIP[@]}" --no-deps "vllm==$VLLM_VERSION"
+"${PIP[@]}" --no-deps -e "$ROOT"
+"${PIP[@]}" "hypothesis>=6.100" rich safetensors pytest
+# Import check: the interpreter-mode environment the fuzzer uses (see fuzzer/env.py).
+CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 "$VENV/bin/python" -c "import vllm, torch, triton; print('setup-venv: vllm', vllm.__version__, 'torch', torch.__version__, 'triton', triton.__version__)"
+touch "$VENV/.attnfuzz-ready-$VLLM_VERSION"

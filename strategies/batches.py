@@ -1,0 +1,158 @@
+"""Hypothesis strategies for the steps a sparse-MLA backend sees.
+
+Small composable pieces (requests, block tables, top-k rows, DCP splits, call sites) joined by
+`index_cases`. Every draw shrinks toward the plain case: fewer requests, shorter contexts, the first
+top-k width, block size 64, no DCP, a contiguous block table, the call vLLM makes today.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypothesis import strategies as st
+
+from strategies.case import (
+    INVALID_AT,
+    MAX_DECODE_QUERY_LEN,
+    Case,
+    Dcp,
+    IndexCall,
+    Request,
+    TopkSpec,
+    rank_owned_positions,
+)
+from strategies.profiles import Profile
+
+
+@dataclass(frozen=True)
+class IndexFeatures:
+    """What the installed release's index kernels accept (targets fill this in from vLLM)."""
+
+    dcp: bool = False  # draw DCP splits (the DCP filter target)
+    block_stride_rows: bool = False
+    idx_mapping: bool = False
+    prefill_workspace: bool = True
+    row_contract_breaks: bool = True  # draw call sites that pass the full-batch req_id_per_token
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@st.composite
+def requests(draw, p: Profile, topk_width: int) -> tuple[tuple[Request, ...], int]:
+    """Requests in vLLM's batch order (decodes, padding rows, extends/prefills) and the decode count."""
+    n_dec = draw(st.integers(0, p.max_decodes))
+    q_dec = draw(st.integers(1, MAX_DECODE_QUERY_LEN))
+    budget = p.max_tokens
+    reqs = []
+    for _ in range(n_dec):
+        if budget < q_dec:
+            break
+        reqs.append(Request(q_dec, draw(st.integers(0, p.max_context))))
+        budget -= q_dec
+    reqs += [Request(0, 0)] * draw(st.integers(0, 2 if reqs else 0))  # padded decode batch (class C/D)
+    num_decodes = len(reqs)
+    for _ in range(draw(st.integers(0 if reqs else 1, p.max_prefills))):
+        if budget < 1:
+            break
+        # Short prefills (seq_len <= topk) leave the MQA path for dense MHA: draw them often.
+        short = draw(st.booleans())
+        q = draw(st.integers(1, max(1, min(budget, topk_width if short else budget))))
+        ctx_cap = max(0, topk_width - q) if short else p.max_context
+        ctx = draw(st.integers(0, min(ctx_cap, p.max_context)))  # > 0: chunked context / prefix-cache hit
+        reqs.append(Request(q, ctx))
+        budget -= q
+    if not any(r.query_len for r in reqs):
+        reqs.append(Request(1, draw(st.integers(0, p.max_context))))
+    return tuple(reqs), num_decodes
+
+
+@st.composite
+def block_tables(draw, blocks_needed: list[int], allow_idx_mapping: bool):
+    """Rows of physical block ids: contiguous, permuted, or sharing prefix blocks; 0 pads a row."""
+    width = max(max(blocks_needed, default=0), 1) + draw(st.integers(0, 2))
+    total = sum(blocks_needed)
+    layout = draw(st.sampled_from(("arange", "permuted", "shared_prefix")))
+    ids = list(range(1, total + 1))
+    if layout == "permuted" and total > 1:
+        ids = [i + 1 for i in draw(st.permutations(range(total)))]
+    rows, k = [], 0
+    for n in blocks_needed:
+        rows.append(ids[k : k + n] + [0] * (width - n))
+        k += n
+    if layout == "shared_prefix" and len(rows) > 1:
+        for row, n in zip(rows[1:], blocks_needed[1:]):
+            shared = min(n, blocks_needed[0], draw(st.integers(1, 4)))
+            row[:shared] = rows[0][:shared]
+    idx_mapping = None
+    if allow_idx_mapping and draw(st.booleans()):
+        # A persistent block table: requests live in arbitrary rows, other rows hold stale ids.
+        n_rows = len(rows) + draw(st.integers(0, 2))
+        where = draw(st.permutations(range(n_rows)))[: len(rows)]
+        table = [[(7 * r + c) % (total + 1) for c in range(width)] for r in range(n_rows)]
+        for row, w in zip(rows, where):
+            table[w] = row
+        rows, idx_mapping = table, tuple(where)
+    return tuple(tuple(r) for r in rows), idx_mapping
+
+
+def topk_specs(width: int) -> st.SearchStrategy[TopkSpec]:
+    return st.builds(
+        TopkSpec,
+        valid=st.integers(0, width),
+        invalid_at=st.sampled_from(INVALID_AT),
+        past_seq=st.integers(0, 3),
+        past_table=st.integers(0, 3),
+    )
+
+
+@st.composite
+def dcp_splits(draw, p: Profile, block_size: int) -> Dcp:
+    size = draw(st.sampled_from(p.dcp_sizes))
+    if size == 1:
+        return Dcp()
+    interleaves = [1] + [i for i in (2, 4, 8, 16, 32, 64) if block_size % i == 0]
+    return Dcp(size, draw(st.integers(0, size - 1)), draw(st.sampled_from(interleaves)))
+
+
+@st.composite
+def index_calls(draw, f: IndexFeatures, case_has_decodes: bool, case_has_prefills: bool, dcp: Dcp) -> IndexCall:
+    token_rows = "decodes" if case_has_decodes and draw(st.booleans()) else "all"
+    req_id_rows = "match"
+    if f.row_contract_breaks and token_rows == "decodes" and case_has_prefills and draw(st.booleans()):
+        req_id_rows = "full_batch"
+    workspace = f.prefill_workspace and dcp.size == 1 and case_has_prefills and draw(st.booleans())
+    return IndexCall(draw(st.booleans()), workspace, token_rows, req_id_rows)
+
+
+@st.composite
+def index_cases(draw, p: Profile, f: IndexFeatures) -> Case:
+    topk_width = draw(st.sampled_from(p.topk_widths))
+    reqs, num_decodes = draw(requests(p, topk_width))
+    block_size = draw(st.sampled_from(p.block_sizes))
+    dcp = draw(dcp_splits(p, block_size)) if f.dcp else Dcp()
+    local = [_local_len(r.seq_len, dcp) for r in reqs]
+    table, idx_mapping = draw(block_tables([_cdiv(n, block_size) for n in local], f.idx_mapping))
+    stride = 0
+    if f.block_stride_rows and draw(st.booleans()):
+        stride = block_size * draw(st.integers(2, 3))  # other layers' pages between this layer's blocks
+    has_dec = any(r.query_len for r in reqs[:num_decodes])
+    has_pre = any(r.query_len for r in reqs[num_decodes:])
+    return Case(
+        requests=reqs,
+        num_decodes=num_decodes,
+        block_size=block_size,
+        block_table=table,
+        topk_width=topk_width,
+        topk=tuple(draw(topk_specs(topk_width)) for _ in reqs),
+        block_stride_rows=stride,
+        idx_mapping=idx_mapping,
+        dcp=dcp,
+        call=draw(index_calls(f, has_dec, has_pre, dcp)),
+        seed=draw(st.integers(0, 2**16)),
+    ).validate()
+
+
+def _local_len(seq_len: int, dcp: Dcp) -> int:
+    return rank_owned_positions(seq_len, dcp.size, dcp.rank, dcp.interleave) if dcp.size > 1 else seq_len

@@ -1,0 +1,266 @@
+"""The case: one step of a sparse-MLA backend, as plain data.
+
+A case says what the backend sees (requests in vLLM's batch order, the block table, how each query row
+picks its top-k, dtypes, DCP split) and, for kernel targets, how the call site calls the kernel. It holds
+no tensors: `oracles.materialize` builds them from it deterministically, on any device. Cases are frozen,
+compare by value and round-trip through JSON; `Case.from_dict` names the field that is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any
+
+SCHEMA = 1
+KV_CACHE_DTYPES = ("bfloat16", "fp8_ds_mla")
+FP8_SCALES = ("pow2", "arbitrary", "e8m0_trunc")  # writer/reader scale conventions (bug class K)
+VALUE_KINDS = ("normal", "large", "tiny", "zero_tiles")
+INVALID_AT = ("tail", "head", "scattered", "leading_tiles")
+TOKEN_ROWS = ("all", "decodes")  # which rows of topk_indices the call site passes
+REQ_ID_ROWS = ("match", "full_batch")  # req_id_per_token sliced like topk_indices, or the whole batch's
+MAX_DECODE_QUERY_LEN = 4  # uniform decodes incl. MTP (1 + up to 3 draft tokens)
+
+
+class CaseError(ValueError):
+    """A malformed case; the message starts with the path of the offending field."""
+
+
+@dataclass(frozen=True)
+class Request:
+    query_len: int  # tokens scheduled this step; 0 = a padding row (CUDA-graph padding)
+    context_len: int  # tokens already in the KV cache (computed earlier or a prefix-cache hit)
+
+    @property
+    def seq_len(self) -> int:
+        return self.context_len + self.query_len
+
+
+@dataclass(frozen=True)
+class TopkSpec:
+    """How the indexer fills each query row of one request (topk_indices are request-local positions)."""
+
+    valid: int  # wanted in-sequence, causally visible positions per row (capped by what is visible)
+    invalid_at: str = "tail"  # where the -1 entries sit: tail, head, scattered, or whole leading 16-wide tiles
+    past_seq: int = 0  # entries >= seq_len whose block is still inside the block table
+    past_table: int = 0  # entries whose block lies beyond the block table's width
+
+
+@dataclass(frozen=True)
+class Dcp:
+    size: int = 1  # decode-context-parallel world size
+    rank: int = 0  # the rank whose view the call computes
+    interleave: int = 1  # cp_kv_cache_interleave_size: tokens per rank-group
+
+
+@dataclass(frozen=True)
+class IndexCall:
+    """How a call site invokes the index kernels (kernel targets only)."""
+
+    valid_counts: bool = False  # return_valid_counts (and compaction where the release compacts)
+    prefill_workspace: bool = False  # HAS_PREFILL_WORKSPACE: prefill rows map into a gathered workspace
+    token_rows: str = "all"  # "decodes": only the MQA subset of topk_indices is passed
+    req_id_rows: str = "match"  # "full_batch": req_id_per_token not sliced (the call site of vLLM PR 47327)
+
+    @property
+    def breaks_row_contract(self) -> bool:
+        return self.token_rows == "decodes" and self.req_id_rows == "full_batch"
+
+
+@dataclass(frozen=True)
+class Case:
+    requests: tuple[Request, ...]
+    num_decodes: int  # the leading requests that are decodes (uniform query_len, padding rows allowed)
+    block_size: int
+    block_table: tuple[tuple[int, ...], ...]  # physical block ids per row; 0 is the null block
+    topk_width: int  # index_topk: a multiple of 128
+    topk: tuple[TopkSpec, ...]  # one per request
+    block_stride_rows: int = 0  # physical rows between blocks; 0 means block_size
+    idx_mapping: tuple[int, ...] | None = None  # request -> block_table row (persistent block table)
+    dcp: Dcp = field(default_factory=Dcp)
+    call: IndexCall = field(default_factory=IndexCall)
+    heads: int = 16  # query heads per rank
+    kv_cache_dtype: str = "bfloat16"
+    fp8_scale: str = "pow2"
+    values: str = "normal"
+    seed: int = 0
+    schema: int = SCHEMA
+
+    # -- derived ---------------------------------------------------------------------------------------
+    @property
+    def stride_rows(self) -> int:
+        return self.block_stride_rows or self.block_size
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.query_len for r in self.requests)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(r.query_len for r in self.requests[: self.num_decodes])
+
+    @property
+    def num_blocks(self) -> int:
+        return 1 + max((b for row in self.block_table for b in row), default=0)
+
+    def table_row(self, req: int) -> int:
+        return self.idx_mapping[req] if self.idx_mapping is not None else req
+
+    def summary(self) -> str:
+        reqs = " ".join(
+            f"{'D' if i < self.num_decodes else 'P'}(q={r.query_len},ctx={r.context_len})"
+            for i, r in enumerate(self.requests)
+        )
+        extra = []
+        if self.dcp.size > 1:
+            extra.append(f"dcp={self.dcp.size}/r{self.dcp.rank}/i{self.dcp.interleave}")
+        if self.call != IndexCall():
+            extra.append(f"call={_nondefault(self.call)}")
+        return f"[{reqs}] topk={self.topk_width} block={self.block_size} {' '.join(extra)}".strip()
+
+    # -- validation ------------------------------------------------------------------------------------
+    def validate(self) -> "Case":
+        _check(self.schema == SCHEMA, "schema", f"unsupported schema {self.schema}, this attnfuzz reads {SCHEMA}")
+        for i, r in enumerate(self.requests):
+            _check(r.query_len >= 0, f"requests[{i}].query_len", f"must be >= 0, got {r.query_len}")
+            _check(r.context_len >= 0, f"requests[{i}].context_len", f"must be >= 0, got {r.context_len}")
+        n = len(self.requests)
+        _check(0 <= self.num_decodes <= n, "num_decodes", f"must be in [0, {n}], got {self.num_decodes}")
+        dq = {r.query_len for r in self.requests[: self.num_decodes] if r.query_len > 0}
+        _check(len(dq) <= 1, "num_decodes", f"decodes must share one query_len, got {sorted(dq)}")
+        _check(
+            all(q <= MAX_DECODE_QUERY_LEN for q in dq),
+            "num_decodes",
+            f"decode query_len must be <= {MAX_DECODE_QUERY_LEN}, got {sorted(dq)}",
+        )
+        _check(self.block_size > 0, "block_size", f"must be > 0, got {self.block_size}")
+        _check(
+            self.block_stride_rows == 0 or self.block_stride_rows >= self.block_size,
+            "block_stride_rows",
+            f"must be 0 or >= block_size ({self.block_size}), got {self.block_stride_rows}",
+        )
+        _check(len(self.block_table) > 0, "block_table", "needs at least one row")
+        width = len(self.block_table[0])
+        for i, row in enumerate(self.block_table):
+            _check(len(row) == width, f"block_table[{i}]", f"all rows need width {width}, got {len(row)}")
+            _check(all(b >= 0 for b in row), f"block_table[{i}]", "block ids must be >= 0")
+        if self.idx_mapping is None:
+            _check(len(self.block_table) == n, "block_table", f"needs one row per request ({n}), got {len(self.block_table)}")
+        else:
+            _check(len(self.idx_mapping) == n, "idx_mapping", f"needs one entry per request ({n})")
+            for i, m in enumerate(self.idx_mapping):
+                _check(0 <= m < len(self.block_table), f"idx_mapping[{i}]", f"row {m} is not in block_table")
+        _check(
+            self.topk_width > 0 and self.topk_width % 128 == 0,
+            "topk_width",
+            f"must be a positive multiple of 128, got {self.topk_width}",
+        )
+        _check(len(self.topk) == n, "topk", f"needs one TopkSpec per request ({n}), got {len(self.topk)}")
+        for i, t in enumerate(self.topk):
+            for name in ("valid", "past_seq", "past_table"):
+                v = getattr(t, name)
+                _check(0 <= v <= self.topk_width, f"topk[{i}].{name}", f"must be in [0, topk_width], got {v}")
+            _check(t.invalid_at in INVALID_AT, f"topk[{i}].invalid_at", f"one of {INVALID_AT}, got {t.invalid_at!r}")
+        d = self.dcp
+        _check(1 <= d.size <= 64, "dcp.size", f"must be in [1, 64], got {d.size}")
+        _check(0 <= d.rank < d.size, "dcp.rank", f"must be in [0, {d.size}), got {d.rank}")
+        _check(
+            d.interleave >= 1 and self.block_size % d.interleave == 0,
+            "dcp.interleave",
+            f"must divide block_size ({self.block_size}), got {d.interleave}",
+        )
+        c = self.call
+        _check(c.token_rows in TOKEN_ROWS, "call.token_rows", f"one of {TOKEN_ROWS}, got {c.token_rows!r}")
+        _check(c.req_id_rows in REQ_ID_ROWS, "call.req_id_rows", f"one of {REQ_ID_ROWS}, got {c.req_id_rows!r}")
+        _check(self.heads >= 1, "heads", f"must be >= 1, got {self.heads}")
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        _check(self.fp8_scale in FP8_SCALES, "fp8_scale", f"one of {FP8_SCALES}, got {self.fp8_scale!r}")
+        _check(self.values in VALUE_KINDS, "values", f"one of {VALUE_KINDS}, got {self.values!r}")
+        return self
+
+    # -- JSON ------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self, indent: int | None = 1) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "Case":
+        return _build(cls, data, "case").validate()
+
+    @classmethod
+    def from_json(cls, text: str) -> "Case":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise CaseError(f"case: not JSON ({e})") from None
+        return cls.from_dict(data)
+
+
+def rank_owned_positions(seq_len: int, dcp_size: int, rank: int, interleave: int) -> int:
+    """How many of a sequence's tokens `rank` holds when tokens are dealt in groups of `interleave`."""
+    full, rem = divmod(seq_len, dcp_size * interleave)
+    return full * interleave + min(max(rem - rank * interleave, 0), interleave)
+
+
+def _nondefault(obj) -> str:
+    return ",".join(f"{f.name}={getattr(obj, f.name)}" for f in fields(obj) if getattr(obj, f.name) != f.default)
+
+
+def _check(ok: bool, path: str, msg: str) -> None:
+    if not ok:
+        raise CaseError(f"case.{path}: {msg}")
+
+
+_NESTED = {"requests": Request, "topk": TopkSpec, "dcp": Dcp, "call": IndexCall}
+
+
+def _build(cls, data: Any, path: str):
+    """Build dataclass `cls` from JSON data, naming the path of any wrong field."""
+    if not isinstance(data, dict):
+        raise CaseError(f"{path}: expected an object, got {type(data).__name__}")
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise CaseError(f"{path}.{unknown[0]}: unknown field (known: {', '.join(known)})")
+    kwargs = {}
+    for name, f in known.items():
+        if name not in data:
+            if f.default is MISSING and f.default_factory is MISSING:
+                raise CaseError(f"{path}.{name}: missing")
+            continue
+        value, where = data[name], f"{path}.{name}"
+        if name in ("requests", "topk"):
+            if not isinstance(value, (list, tuple)):
+                raise CaseError(f"{where}: expected a list")
+            value = tuple(_build(_NESTED[name], v, f"{where}[{i}]") for i, v in enumerate(value))
+        elif name in ("dcp", "call"):
+            value = _build(_NESTED[name], value, where)
+        elif name == "block_table":
+            if not isinstance(value, (list, tuple)) or not all(isinstance(r, (list, tuple)) for r in value):
+                raise CaseError(f"{where}: expected a list of lists of ints")
+            value = tuple(tuple(_int(v, f"{where}[{i}][{j}]") for j, v in enumerate(r)) for i, r in enumerate(value))
+        elif name == "idx_mapping":
+            if value is not None:
+                if not isinstance(value, (list, tuple)):
+                    raise CaseError(f"{where}: expected a list of ints or null")
+                value = tuple(_int(v, f"{where}[{i}]") for i, v in enumerate(value))
+        else:
+            expected = f.type if isinstance(f.type, str) else f.type.__name__
+            if expected == "int":
+                value = _int(value, where)
+            elif expected == "bool":
+                if not isinstance(value, bool):
+                    raise CaseError(f"{where}: expected true/false, got {value!r}")
+            elif expected == "str":
+                if not isinstance(value, str):
+                    raise CaseError(f"{where}: expected a string, got {value!r}")
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def _int(v: Any, path: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise CaseError(f"{path}: expected an integer, got {v!r}")
+    return v

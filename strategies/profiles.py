@@ -1,0 +1,25 @@
+"""Size limits of generated cases, per host: interpreted Triton on a CPU costs ~1000x a GPU launch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    max_decodes: int  # decode requests (uniform query_len 1-4, MTP included)
+    max_prefills: int  # extends and prefills after them
+    max_tokens: int  # query tokens in the whole step
+    max_context: int  # cached tokens per request
+    topk_widths: tuple[int, ...]  # the first is where shrinking goes
+    block_sizes: tuple[int, ...]
+    dcp_sizes: tuple[int, ...] = (1, 2, 3, 4, 8)
+
+
+PROFILES = {
+    "cpu": Profile("cpu", max_decodes=4, max_prefills=3, max_tokens=40, max_context=1024,
+                   topk_widths=(128, 256, 512, 1024, 2048, 2176), block_sizes=(64, 16, 32, 128)),
+    "gpu": Profile("gpu", max_decodes=12, max_prefills=4, max_tokens=512, max_context=4096,
+                   topk_widths=(128, 256, 512, 1024, 2048, 2176), block_sizes=(64, 16, 32, 128)),
+}
