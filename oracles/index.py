@@ -168,7 +168,7 @@ def judge_remap(case, obs) -> list:
     for m in compare_remap(obs.outputs["out"], counts, expected, obs.notes.get("compacted", False)):
         kind = "token" if m.row < 0 else ("decode" if m.row < case.num_decode_tokens else "prefill")
         bug = {"count": "B", "set": "B", "layout": "B"}.get(m.what, "C" if case.dcp.size == 1 else "G")
-        verdicts.append(Verdict(m.what, False, f"row {m.row} ({kind}): {m.detail}", bug, where=f"{m.what}:{kind}"))
+        verdicts.append(Verdict(m.what, False, f"row {m.row} ({kind}): {m.detail}", bug))
     if not verdicts:
         verdicts.append(passed("values", f"{n_tok} rows exact"))
     return verdicts

@@ -107,10 +107,11 @@ class Case:
         return self.idx_mapping[req] if self.idx_mapping is not None else req
 
     def summary(self) -> str:
-        reqs = " ".join(
-            f"{'D' if i < self.num_decodes else 'P'}(q={r.query_len},ctx={r.context_len})"
-            for i, r in enumerate(self.requests)
-        )
+        def req(i, r):
+            topk = _nondefault(self.topk[i]) if i < len(self.topk) else ""
+            return f"{'D' if i < self.num_decodes else 'P'}(q={r.query_len},ctx={r.context_len}{',' + topk if topk else ''})"
+
+        reqs = " ".join(req(i, r) for i, r in enumerate(self.requests))
         extra = []
         if self.dcp.size > 1:
             extra.append(f"dcp={self.dcp.size}/r{self.dcp.rank}/i{self.dcp.interleave}")
@@ -205,7 +206,8 @@ def rank_owned_positions(seq_len: int, dcp_size: int, rank: int, interleave: int
 
 
 def _nondefault(obj) -> str:
-    return ",".join(f"{f.name}={getattr(obj, f.name)}" for f in fields(obj) if getattr(obj, f.name) != f.default)
+    return ",".join(  # fields without a default (TopkSpec.valid) always show
+f"{f.name}={getattr(obj, f.name)}" for f in fields(obj) if getattr(obj, f.name) != f.default)
 
 
 def _check(ok: bool, path: str, msg: str) -> None:

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# On the GPU test host (torch + triton + hypothesis, no vLLM, no registry): make vLLM importable from the
+# bundle that ../shared/gpu-host/build-bundle.sh builds into .gpu-bundle, then run the command given.
+#
+#   scripts/gpu-host.sh [--vllm 0.26.0] -- attnfuzz run --target vllm.index_remap ...
+#
+# Older releases (for nightly runs against them) come from .gpu-bundle/old/vllm-<version>.tgz: their
+# Python sources only, which is all the index targets need; they share the bundle's wheels.
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+VER=""
+if [ "${1:-}" = "--vllm" ]; then VER=$2; shift 2; fi
+[ "${1:-}" = "--" ] && shift
+source "$ROOT/.gpu-bundle/activate.sh" >/dev/null
+if [ -n "$VER" ]; then
+  SRC=/tmp/vllm-$VER/src
+  if [ ! -d "$SRC/vllm" ]; then
+    mkdir -p "$SRC" && tar xzf "$ROOT/.gpu-bundle/old/vllm-$VER.tgz" -C "$SRC"
+    : > "$SRC/vllm/_C_stable_libtorch.py"
+    mkdir -p "$SRC/vllm/vllm_flash_attn" && cp "$ROOT/.gpu-bundle/fa_standin.py" "$SRC/vllm/vllm_flash_attn/__init__.py"
+  fi
+  export PYTHONPATH="$SRC:/tmp/gpu-bundle/site"
+fi
+export PYTHONPATH="$ROOT:$PYTHONPATH"
+if [ "${1:-}" = "attnfuzz" ]; then shift; exec python3 -m fuzzer.cli "$@"; fi
+exec "$@"

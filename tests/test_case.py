@@ -1,0 +1,63 @@
+import json
+
+import pytest
+from hypothesis import given, settings
+
+from strategies.batches import IndexFeatures, index_cases
+from strategies.case import Case, CaseError, Dcp, IndexCall, Request, TopkSpec, rank_owned_positions
+from strategies.profiles import PROFILES
+
+
+def small_case(**kw) -> Case:
+    base = dict(requests=(Request(1, 10), Request(5, 0)), num_decodes=1, block_size=64,
+                block_table=((1,), (2,)), topk_width=128, topk=(TopkSpec(3), TopkSpec(5)))
+    base.update(kw)
+    return Case(**base).validate()
+
+
+def test_json_round_trip():
+    c = small_case(dcp=Dcp(2, 1, 4), call=IndexCall(True, False, "decodes", "full_batch"), idx_mapping=(1, 0))
+    assert Case.from_json(c.to_json()) == c
+    assert Case.from_dict(json.loads(c.to_json())) == c
+
+
+@pytest.mark.parametrize("patch, message", [
+    ({"requests": [{"query_len": -1, "context_len": 0}, {"query_len": 1, "context_len": 0}]}, "case.requests[0].query_len"),
+    ({"dcp": {"size": 2, "rank": 3, "interleave": 1}}, "case.dcp.rank"),
+    ({"topk_width": 100}, "case.topk_width"),
+    ({"bogus": 1}, "case.bogus: unknown field"),
+    ({"topk": [{"valid": "x"}, {"valid": 1}]}, "case.topk[0].valid"),
+    ({"block_table": [[1], [2, 3]]}, "case.block_table[1]"),
+    ({"kv_cache_dtype": "fp4"}, "case.kv_cache_dtype"),
+    ({"num_decodes": 3}, "case.num_decodes"),
+])
+def test_malformed_case_names_the_field(patch, message):
+    data = json.loads(small_case().to_json())
+    data.update(patch)
+    with pytest.raises(CaseError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        Case.from_dict(data)
+
+
+def test_not_json():
+    with pytest.raises(CaseError, match="not JSON"):
+        Case.from_json("{")
+
+
+def test_rank_owned_positions_partition_the_sequence():
+    for seq in range(0, 70):
+        for n in (1, 2, 3, 8):
+            for inter in (1, 2, 4, 16):
+                owned = [rank_owned_positions(seq, n, r, inter) for r in range(n)]
+                brute = [sum(1 for t in range(seq) if (t // inter) % n == r) for r in range(n)]
+                assert owned == brute
+
+
+@settings(max_examples=150, deadline=None)
+@given(index_cases(PROFILES["cpu"], IndexFeatures(dcp=True, block_stride_rows=True, idx_mapping=True)))
+def test_generated_cases_are_valid_and_fit_the_profile(case):
+    assert Case.from_json(case.to_json()) == case
+    assert case.num_tokens <= PROFILES["cpu"].max_tokens + 4
+    for i, r in enumerate(case.requests):  # every request's blocks are in its (rank-local) table row
+        local = rank_owned_positions(r.seq_len, case.dcp.size, case.dcp.rank, case.dcp.interleave)
+        row = case.block_table[case.table_row(i)]
+        assert len(row) * case.block_size >= local

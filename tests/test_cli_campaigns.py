@@ -1,0 +1,97 @@
+"""End to end through the CLI, against the installed vLLM's real Python and Triton code (CPU, interpreted).
+
+Each campaign runs in a fresh process: mutants patch vLLM process-wide.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import attnfuzz
+
+pytestmark = pytest.mark.vllm
+
+
+def _api():
+    from fuzzer.targets import vllm_api
+
+    return vllm_api.remap_api()
+
+
+def _load(path):
+    return json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("target", ["vllm.index_remap", "vllm.dcp_filter"])
+def test_clean_campaign(target, tmp_path):
+    if target == "vllm.dcp_filter" and not _api().has_dcp_filter:
+        r = attnfuzz("run", "--target", target, "--max-examples", "5")
+        assert r.returncode == 2 and "not available" in r.stderr
+        return
+    r = attnfuzz("run", "--target", target, "--seed", "3", "--max-examples", "60", "--json", str(tmp_path / "s.json"),
+                 "--repros", str(tmp_path / "repros"))
+    summary = _load(tmp_path / "s.json")
+    assert summary["examples"] >= 60
+    if _api().checks_row_contract or target == "vllm.dcp_filter":
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert summary["findings"] == []
+    else:  # releases before the fix for issue 48611 (e.g. 0.23.0) have the seed bug themselves
+        assert r.returncode == 1
+        assert {c for f in summary["findings"] for c in f["bug_classes"]} == {"A"}
+
+
+def test_seed_bug_is_found_shrunk_and_reproduced(tmp_path):
+    r = attnfuzz("run", "--target", "vllm.index_remap", "--inject", "remap-no-length-check", "--seed", "1",
+                 "--max-examples", "300", "--json", str(tmp_path / "s.json"), "--repros", str(tmp_path / "repros"))
+    assert r.returncode == 1, r.stdout + r.stderr
+    (finding,) = _load(tmp_path / "s.json")["findings"]
+    assert finding["bug_classes"] == ["A"]
+    assert finding["verdicts"][0]["check"] == "memory"
+    assert any("out-of-bounds store" in m for m in finding["memory"])
+    case = _load(tmp_path / "repros" / finding["id"] / "case.json")
+    assert len(case["requests"]) <= 3
+    repro = subprocess.run([sys.executable, "repro.py"], cwd=tmp_path / "repros" / finding["id"],
+                           capture_output=True, text=True, timeout=300)
+    assert repro.returncode == 1, repro.stdout + repro.stderr
+    assert "BUG: out-of-bounds store" in repro.stdout
+    assert "attnfuzz" not in "".join(l for l in (tmp_path / "repros" / finding["id"] / "repro.py").read_text().splitlines()
+                                     if l.startswith(("import", "from")))
+    replay = attnfuzz("replay", str(tmp_path / "repros" / finding["id"]))
+    assert replay.returncode == 1 and "still failing" in replay.stdout
+
+
+@pytest.mark.parametrize("target, mutant, bug_class", [
+    ("vllm.index_remap", "remap-count-past-table", "B"),
+    ("vllm.index_remap", "remap-past-table-not-invalid", "C"),
+    ("vllm.dcp_filter", "dcp-owner-ignores-interleave", "G"),
+])
+def test_mutant_is_found_by_a_default_campaign(target, mutant, bug_class, tmp_path):
+    if target == "vllm.dcp_filter" and not _api().has_dcp_filter:
+        pytest.skip("this vLLM release has no DCP filter")
+    r = attnfuzz("run", "--target", target, "--inject", mutant, "--max-examples", "300",
+                 "--json", str(tmp_path / "s.json"), "--repros", str(tmp_path / "repros"))
+    assert r.returncode == 1, r.stdout + r.stderr
+    classes = {c for f in _load(tmp_path / "s.json")["findings"] for c in f["bug_classes"]}
+    assert bug_class in classes
+
+
+def test_usage_errors_exit_2(tmp_path):
+    r = attnfuzz("run", "--target", "vllm.nope")
+    assert r.returncode == 2 and "unknown target" in r.stderr
+    r = attnfuzz("run", "--target", "vllm.index_remap", "--inject", "no-such-mutant")
+    assert r.returncode == 2 and "neither a built-in mutant" in r.stderr
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "case.json").write_text(json.dumps({"requests": [{"query_len": -2, "context_len": 0}]}))
+    (bad / "finding.json").write_text(json.dumps({"target": "vllm.index_remap"}))
+    r = attnfuzz("replay", str(bad))
+    assert r.returncode == 2 and "case.requests[0].query_len" in r.stderr
+
+
+def test_list_shows_targets_and_mutants():
+    r = attnfuzz("list")
+    assert r.returncode == 0
+    for name in ("vllm.index_remap", "vllm.dcp_filter", "remap-no-length-check", "dcp-owner-ignores-interleave"):
+        assert name in r.stdout
