@@ -169,7 +169,7 @@ def cmd_list(args, device: str) -> int:
     from fuzzer.mutants import MUTANTS, load
     from fuzzer.targets import TARGETS
 
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 200)  # logs and pipes: never truncate names
     try:
         _import_vllm()
     except UsageError as e:
@@ -182,7 +182,7 @@ def cmd_list(args, device: str) -> int:
     m = Table("mutant (--inject)", "class", "targets", "what")
     for name in MUTANTS:
         mod = load(name)
-        m.add_row(name, mod.BUG_CLASS, ", ".join(mod.TARGETS), (mod.__doc__ or "").split("\n")[0])
+        m.add_row(name, mod.BUG_CLASS, ", ".join(mod.TARGETS), (mod.__doc__ or "").split(":")[0].replace("\n", " "))
     console.print(m)
     h = host_info(device)
     console.print(f"host: {h.device} ({h.device_name}); vLLM {h.vllm}; torch {h.torch}; triton {h.triton}; "

@@ -86,19 +86,24 @@ def main():
         except Exception as e:  # vLLM refused the call
             error = e
     problems += [v.describe() for v in oob]
-    if {breaks}:  # req_id_per_token and topk_indices cover different tokens: only a clear error is right
-        if error is None:
-            problems.append(f"accepted req_id_per_token of {{req_id_per_token.shape[0]}} rows with topk_indices "
-                            f"of {{topk_indices.shape[0]}} rows (the grid follows req_id, the output topk_indices)")
-    elif error is not None:
-        problems.append(f"raised {{type(error).__name__}}: {{error}}")
-    else:
-        problems += check(out, valid_counts, expected, compacted={compacted})
+{judge}
     for p in problems:
         print("BUG:", p)
     print("vLLM", __import__("vllm").__version__, "-", "bug present" if problems else "no bug: fixed")
     return 1 if problems else 0
 """
+
+_JUDGE_CONTRACT = """\
+    # req_id_per_token and topk_indices cover different tokens: the only right answer is a clear error.
+    if error is None:
+        problems.append(f"accepted req_id_per_token of {req_id_per_token.shape[0]} rows with topk_indices "
+                        f"of {topk_indices.shape[0]} rows (the grid follows req_id, the output topk_indices)")"""
+
+_JUDGE_VALUES = """\
+    if error is not None:
+        problems.append(f"raised {type(error).__name__}: {error}")
+    else:
+        problems += check(out, valid_counts, expected, compacted=%s)"""
 
 _NO_CHECKER = """
 class _NoBoundsCheck:  # native GPU: memory errors are compute-sanitizer's to see
@@ -138,10 +143,10 @@ def render_index_repro(finding, target) -> str:
     parts = [header, "import os\nimport sys\n", _CPU_ENV if cpu else "", "import torch\n",
              f'DEVICE = "{"cpu" if cpu else "cuda"}"\n# What attnfuzz saw:\n'
              + "\n".join(f"#   {v.check}: {v.detail}" for v in finding.verdicts) + "\n",
-             "\n".join(tensors) + "\n", _CHECK,
+             "\n".join(tensors) + "\n", "" if breaks else _CHECK,
              _MAIN.format(install="\n    ".join(install), collect="SANITIZER.collect()" if cpu else "_NoBoundsCheck()",
                           call="\n".join("            " + ln for ln in target.repro_call(case).splitlines()),
-                          breaks=breaks, compacted=finding.observation.notes.get("compacted", False))]
+                          judge=_JUDGE_CONTRACT if breaks else _JUDGE_VALUES % finding.observation.notes.get("compacted", False))]
     if finding.inject:
         from fuzzer.mutants import source
 

@@ -33,13 +33,12 @@ def _topk_row(spec: TopkSpec, visible: int, seq_len: int, table_tokens: int, wid
     n_valid = min(spec.valid, visible, width)
     valid = torch.randperm(visible, generator=g)[:n_valid].tolist() if n_valid else []
     extra: list[int] = []
-    if spec.past_seq and table_tokens > seq_len:
-        span = table_tokens - seq_len
-        extra += [seq_len + int(x) for x in torch.randint(0, span, (spec.past_seq,), generator=g)]
-    if spec.past_table:
-        # Just past the table, and far past it (a wrapped or garbage index).
+    if spec.past_seq and table_tokens > seq_len:  # past the sequence, inside the block table
+        extra += [seq_len + int(x) for x in torch.randint(0, table_tokens - seq_len, (spec.past_seq,), generator=g)]
+    if spec.past_table:  # just past the block table; the last one far past it (a wrapped/garbage index)
         extra += [table_tokens + int(x) for x in torch.randint(0, 4096, (spec.past_table,), generator=g)]
-        extra[-1] = 2**30 + extra[-1] if spec.past_table > 1 else extra[-1]
+        if spec.past_table > 1:
+            extra[-1] += 2**30
     entries = (valid + extra)[:width]
     n_invalid = width - len(entries)
     if spec.invalid_at == "tail":

@@ -128,7 +128,8 @@ def index_calls(draw, f: IndexFeatures, case_has_decodes: bool, case_has_prefill
 
 @st.composite
 def index_cases(draw, p: Profile, f: IndexFeatures) -> Case:
-    topk_width = draw(st.sampled_from(p.topk_widths))
+    # The profile's widths first (shrinking goes to 128), then any multiple of 128 up to 2048.
+    topk_width = draw(st.one_of(st.sampled_from(p.topk_widths), st.integers(1, 16).map(lambda k: 128 * k)))
     reqs, num_decodes = draw(requests(p, topk_width))
     block_size = draw(st.sampled_from(p.block_sizes))
     dcp = draw(dcp_splits(p, block_size)) if f.dcp else Dcp()

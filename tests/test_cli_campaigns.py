@@ -84,7 +84,11 @@ def test_usage_errors_exit_2(tmp_path):
     assert r.returncode == 2 and "neither a built-in mutant" in r.stderr
     bad = tmp_path / "bad"
     bad.mkdir()
-    (bad / "case.json").write_text(json.dumps({"requests": [{"query_len": -2, "context_len": 0}]}))
+    from tests.test_case import small_case
+
+    data = json.loads(small_case().to_json())
+    data["requests"][0]["query_len"] = -2
+    (bad / "case.json").write_text(json.dumps(data))
     (bad / "finding.json").write_text(json.dumps({"target": "vllm.index_remap"}))
     r = attnfuzz("replay", str(bad))
     assert r.returncode == 2 and "case.requests[0].query_len" in r.stderr

@@ -13,13 +13,17 @@ from oracles.index import judge_remap, remap_args_for
 from oracles.materialize import materialize_index_inputs
 from strategies.batches import IndexFeatures, index_cases
 
+# Tensors a reproducer defines under these names; other keyword arguments are written as literals.
+_REPRO_TENSORS = {"idx_mapping", "prefill_workspace_request_ids", "prefill_workspace_starts"}
+
 
 class IndexRemap(Target):
     name = "vllm.index_remap"
     summary = "sparse-MLA index remap: request-local top-k positions -> global KV-cache slots"
     bug_classes = "A B C"
     oracle = staticmethod(judge_remap)
-    real_parts = ("triton_convert_req_index_to_global_index", "sparse_mla_index_remap_kernel (Triton)")
+    entry_point = "triton_convert_req_index_to_global_index"  # in vllm_api.SPARSE_UTILS
+    real_parts = (entry_point, "the index-remap Triton kernel")
 
     def unavailable(self) -> str | None:
         try:
@@ -33,8 +37,8 @@ class IndexRemap(Target):
 
     def cases(self, profile):
         api = vllm_api.remap_api()
-        return index_cases(profile, IndexFeatures(
-            block_stride_rows=api.has_block_stride_rows, idx_mapping=api.has_idx_mapping))
+        return index_cases(profile, IndexFeatures(block_stride_rows=api.has_block_stride_rows,
+                                                  idx_mapping=api.has_idx_mapping))
 
     def kwargs(self, case, a) -> dict:
         kw = dict(BLOCK_SIZE=case.block_size, NUM_TOPK_TOKENS=case.topk_width,
@@ -48,25 +52,27 @@ class IndexRemap(Target):
                       prefill_workspace_starts=a.prefill_workspace_starts)
         return kw
 
+    def compacted(self, case) -> bool:
+        return case.call.valid_counts and self.api.compacts_valid_counts
+
     def run(self, case):
         a = remap_args_for(case, materialize_index_inputs(case, self.device))
         kw = self.kwargs(case, a)
 
         def call():
-            su = vllm_api.sparse_utils()  # at call time: an injected patch takes effect as inside vLLM
-            res = su.triton_convert_req_index_to_global_index(a.req_id, a.block_table, a.token_indices, **kw)
+            # Looked up at call time, so that an injected patch takes effect as it would inside vLLM.
+            fn = getattr(vllm_api.sparse_utils(), self.entry_point)
+            res = fn(a.req_id, a.block_table, a.token_indices, **kw)
             out, counts = res if isinstance(res, tuple) else (res, None)
             return {"out": out, "valid_counts": counts}
 
-        return self.observe(call, {"compacted": case.call.valid_counts and self.api.compacts_valid_counts})
+        return self.observe(call, {"compacted": self.compacted(case)})
 
     def repro_call(self, case) -> str:
-        a = remap_args_for(case, materialize_index_inputs(case, "cpu"))
-        kw = self.kwargs(case, a)
-        tensors = {"idx_mapping", "prefill_workspace_request_ids", "prefill_workspace_starts"}
-        args = ", ".join(f"{k}={k if k in tensors else repr(v)}" for k, v in kw.items())
+        kw = self.kwargs(case, remap_args_for(case, materialize_index_inputs(case, "cpu")))
+        args = ", ".join(f"{k}={k if k in _REPRO_TENSORS else repr(v)}" for k, v in kw.items())
         return (
             "from vllm.v1.attention.backends.mla import sparse_utils\n"
-            f"res = sparse_utils.triton_convert_req_index_to_global_index(req_id_per_token, block_table, topk_indices, {args})\n"
+            f"res = sparse_utils.{self.entry_point}(req_id_per_token, block_table, topk_indices, {args})\n"
             "out, valid_counts = res if isinstance(res, tuple) else (res, None)\n"
         )
