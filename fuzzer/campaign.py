@@ -102,6 +102,10 @@ class Campaign:
         self._failures: dict[str, Finding] = {}
         self._exc_types: dict[str, type[CaseFailed]] = {}
         self._start = 0.0
+        self._batch_failed = False
+
+    def _out_of_time(self) -> bool:
+        return self.time_budget is not None and time.monotonic() - self._start > self.time_budget
 
     # -- one case -----------------------------------------------------------------------------------------
     def check(self, case: Case) -> tuple[Observation, list[Verdict]]:
@@ -114,6 +118,8 @@ class Campaign:
         return obs, verdicts
 
     def _test(self, case: Case) -> None:
+        if self._out_of_time() and not self._batch_failed:
+            return  # the budget is spent: let Hypothesis run out the batch without running cases
         obs, verdicts = self.check(case)
         r = self.result
         r.examples += 1
@@ -132,6 +138,7 @@ class Campaign:
             prior.examples_to_find if prior else r.examples,
             prior.seconds_to_find if prior else time.monotonic() - self._start,
         )
+        self._batch_failed = True  # from here on this batch is shrinking: never skip its cases
         exc = self._exc_types.setdefault(signature, type(f"CaseFailed{len(self._exc_types)}", (CaseFailed,), {}))
         raise exc(signature)
 
@@ -151,6 +158,7 @@ class Campaign:
                 n = self.max_examples - self.result.examples
                 if n <= 0 or batch > 0:
                     break
+            self._batch_failed = False
             self._hypothesis(strategy, db, seed, n)
             batch, seed = batch + 1, seed + 1
         self.result.seconds = time.monotonic() - self._start

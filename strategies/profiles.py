@@ -18,7 +18,7 @@ class Profile:
 
 
 PROFILES = {
-    "cpu": Profile("cpu", max_decodes=4, max_prefills=3, max_tokens=40, max_context=1024,
+    "cpu": Profile("cpu", max_decodes=4, max_prefills=3, max_tokens=72, max_context=1024,
                    topk_widths=(128, 256, 512, 1024, 2048, 2176), block_sizes=(64, 16, 32, 128)),
     "gpu": Profile("gpu", max_decodes=12, max_prefills=4, max_tokens=512, max_context=4096,
                    topk_widths=(128, 256, 512, 1024, 2048, 2176), block_sizes=(64, 16, 32, 128)),
