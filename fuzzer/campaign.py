@@ -190,8 +190,8 @@ class Campaign:
                     raise
 
 
-def save_finding(finding: Finding, repro_source: str, root: Path) -> Path:
-    """Write repros/<id>/: case.json, finding.json, report.md, repro.py."""
+def save_finding(finding: Finding, repro_source: str, root: Path, tensors: dict | None = None) -> Path:
+    """Write repros/<id>/: case.json, finding.json, report.md, repro.py (+ tensors.safetensors)."""
     from fuzzer.report import render_report
 
     d = root / finding.id
@@ -200,4 +200,8 @@ def save_finding(finding: Finding, repro_source: str, root: Path) -> Path:
     (d / "finding.json").write_text(json.dumps(finding.to_dict(), indent=1) + "\n")
     (d / "report.md").write_text(render_report(finding))
     (d / "repro.py").write_text(repro_source)
+    if tensors:
+        from safetensors.torch import save_file
+
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(d / "tensors.safetensors"))
     return d

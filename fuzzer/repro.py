@@ -152,8 +152,8 @@ def render_index_repro(finding, target) -> str:
 
         parts.append(f"\n# ---- the injected bug ({finding.inject}) ----\n{source(finding.inject)}")
     if cpu:
-        src = inspect.getsource(sanitizer_module).split('"""', 2)[2].replace("from __future__ import annotations\n", "")
-        parts.append("\n# ---- support: bounds checks for Triton's interpreter (from attnfuzz; numpy/triton only) ----" + src)
+        parts.append("\n# ---- support: bounds checks for Triton's interpreter (from attnfuzz; numpy/triton only) ----"
+                     + _support_source(sanitizer_module))
     else:
         parts.append(_NO_CHECKER)
     parts.append('\nif __name__ == "__main__":\n    sys.exit(main())\n')
@@ -163,4 +163,119 @@ def render_index_repro(finding, target) -> str:
 def write_repro(finding, target, root: Path) -> Path:
     from fuzzer.campaign import save_finding
 
-    return save_finding(finding, render_index_repro(finding, target), root)
+    source, tensors = target.render_repro(finding)
+    return save_finding(finding, source, root, tensors)
+
+
+# --- whole-backend targets: tensors in tensors.safetensors beside repro.py ---------------------------------
+
+def _support_source(module) -> str:
+    """A support module's code without its docstring and __future__ import, for inlining."""
+    return inspect.getsource(module).split('"""', 2)[2].replace("from __future__ import annotations\n", "")
+
+
+_BACKEND_MAIN = '''
+def main():
+{setup}
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+    from {backend_module} import {backend_class} as Backend
+
+    T = load_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tensors.safetensors"), device=DEVICE)
+    # The paged cache as the layer left it (other rows poisoned with NaN), blocks BLOCK_STRIDE_ROWS rows apart.
+    cache = T["kv_cache_rows"].as_strided((NUM_BLOCKS, BLOCK_SIZE, 576), (BLOCK_STRIDE_ROWS * 576, 576, 1))
+    before = cache.clone()
+    cfg = model_namespace(case, max_num_batched_tokens=T["topk_indices_buffer"].shape[0])
+    spec = MLAAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    fields = {{f.name for f in dataclasses.fields(CommonAttentionMetadata)}}
+    cam = CommonAttentionMetadata(**{{k: v for k, v in dict(
+        query_start_loc=T["query_start_loc"], query_start_loc_cpu=T["query_start_loc"].cpu(),
+        seq_lens=T["seq_lens"], seq_lens_cpu=T["seq_lens"].cpu(), seq_lens_cpu_upper_bound=T["seq_lens"].cpu(),
+        num_computed_tokens_cpu=T["num_computed_tokens"].cpu(), num_reqs=NUM_REQS, num_actual_tokens=NUM_TOKENS,
+        max_query_len=MAX_QUERY_LEN, max_seq_len=MAX_SEQ_LEN, block_table_tensor=T["block_table"],
+        slot_mapping=T["slot_mapping"]).items() if k in fields}})
+    problems, error = [], None
+    with {collect} as oob:
+        try:
+            metadata = Backend.get_builder_cls()(spec, ["layer"], cfg, torch.device(DEVICE)).build(0, cam)
+            impl = Backend.get_impl_cls()(HEADS, 576, SM_SCALE, 1, None, None, "auto", None, "decoder", None,
+                                          topk_indices_buffer=T["topk_indices_buffer"], kv_lora_rank=512)
+            q = T["q"]
+            out, _lse = impl.forward_mqa((q[..., :512], q[..., 512:]), cache, metadata, None)
+        except Exception as e:
+            error = e
+    problems += [v.describe() for v in oob]
+    if error is not None:
+        problems.append(f"raised {{type(error).__name__}}: {{error}}")
+    else:
+        out, expected = out.float().cpu(), T["expected_out"].float().cpu()
+        bad = ~torch.isfinite(out)
+        if bad.any():
+            t, h, _ = bad.nonzero()[0].tolist()
+            problems.append(f"{{int(bad.sum())}} non-finite outputs, first token {{t}} head {{h}}; the fp32 reference is finite")
+        err = ((out - expected).abs() / (ATOL + RTOL * expected.abs())).nan_to_num(0)
+        if err.max() > 1:
+            t, h, d = (err == err.max()).nonzero()[0].tolist()
+            problems.append(f"output off by {{err.max():.2f}}x the tolerance at token {{t}} head {{h}} dim {{d}}: "
+                            f"{{out[t, h, d]:.4g}} vs fp32 reference {{expected[t, h, d]:.4g}}")
+        if not torch.equal(cache.view(torch.int16), before.view(torch.int16)):
+            problems.append("the KV cache changed during attention")
+    for p in problems:
+        print("BUG:", p)
+    print("vLLM", __import__("vllm").__version__, "-", "bug present" if problems else "no bug: fixed")
+    return 1 if problems else 0
+'''
+
+
+def render_backend_repro(finding, target, tensors: dict, constants: dict, backend_module: str,
+                         backend_class: str) -> str:
+    from fuzzer.targets import backend_harness
+
+    case, host = finding.case, finding.host
+    cpu = host.device == "cpu"
+    setup = []
+    if cpu:
+        setup += ["    install_corrections()  # Triton's interpreter: bf16 dot and casts (attnfuzz, inlined below)",
+                  "    import vllm.utils.torch_utils", "    vllm.utils.torch_utils.PIN_MEMORY = False  # no accelerator to pin for"]
+        if finding.observation.memory:
+            setup.append("    SANITIZER.install()")
+    if finding.inject:
+        setup.append("    apply()  # the injected bug")
+    header = (
+        f'#!/usr/bin/env python3\n"""attnfuzz reproducer {finding.id}: {finding.title[:150]}\n\n'
+        f"Found by attnfuzz target `{finding.target}` on vLLM {host.vllm}, {host.device} ({host.device_name})"
+        + (f", with the injected bug `{finding.inject}` (inlined below)" if finding.inject else "") + ".\n"
+        f"Shrunk case: {case.summary()}; {case.heads} heads, values {case.values}.\n"
+        "Inputs in tensors.safetensors beside this file: q, the paged KV cache as written before attention, the\n"
+        "top-k buffer, the step's metadata and the fp32 reference output (attnfuzz's oracle).\n"
+        'Run:  python repro.py     (torch + vLLM only; exits 1 while the bug is present, 0 once fixed)\n"""\n'
+    )
+    consts = "\n".join(f"{k} = {v!r}" for k, v in constants.items())
+    case_ns = (f"case = SimpleNamespace(topk_width={case.topk_width}, heads={case.heads}, "
+               f"kv_cache_dtype={case.kv_cache_dtype!r}, block_size={case.block_size})")
+    parts = [header, "import dataclasses\nimport os\nimport sys\nfrom types import SimpleNamespace\n",
+             _CPU_ENV if cpu else "", "import torch\nfrom safetensors.torch import load_file\n",
+             f'DEVICE = "{"cpu" if cpu else "cuda"}"\n' + consts + "\n" + case_ns + "\n# What attnfuzz saw:\n"
+             + "\n".join(f"#   {v.check}: {v.detail}" for v in finding.verdicts) + "\n",
+             "# The config vLLM's builder reads (as vLLM's unit tests build it, without a model):\n"
+             + inspect.getsource(backend_harness.model_namespace).replace("KV_LORA_RANK", "512").replace("ROPE_DIM", "64")
+             .replace("HEAD_SIZE", "576").replace("MAX_MODEL_LEN", str(backend_harness.MAX_MODEL_LEN)),
+             _BACKEND_MAIN.format(setup="\n".join(setup) or "    pass", backend_module=backend_module,
+                                  backend_class=backend_class,
+                                  collect="SANITIZER.collect()" if cpu and finding.observation.memory else "_NoBoundsCheck()")]
+    if finding.inject:
+        from fuzzer.mutants import source
+
+        parts.append(f"\n# ---- the injected bug ({finding.inject}) ----\n{source(finding.inject)}")
+    if cpu:
+        from fuzzer.interp import corrections
+
+        parts.append("\n# ---- support: Triton interpreter corrections (from attnfuzz; numpy/torch/triton only) ----"
+                     + _support_source(corrections))
+    if cpu and finding.observation.memory:
+        parts.append("\n# ---- support: bounds checks for Triton's interpreter (from attnfuzz) ----"
+                     + _support_source(sanitizer_module))
+    else:
+        parts.append(_NO_CHECKER)
+    parts.append('\nif __name__ == "__main__":\n    sys.exit(main())\n')
+    return "\n".join(p for p in parts if p)

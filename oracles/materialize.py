@@ -90,3 +90,41 @@ def materialize_index_inputs(case: Case, device: str | torch.device = "cpu") -> 
         seq_lens=i32([q.seq_len for q in case.requests], (-1,)),
         query_start_loc=i32(qsl),
     )
+
+
+# --- attention inputs -------------------------------------------------------------------------------------
+
+KV_LORA_RANK, ROPE_DIM, HEAD_SIZE = 512, 64, 576
+SM_SCALE = 192**-0.5  # DeepSeek-V3: (qk_nope_head_dim 128 + qk_rope_head_dim 64) ** -0.5
+_VALUE_SCALE = {"normal": 0.25, "large": 4.0, "tiny": 1e-3, "zero_tiles": 0.25}
+
+
+@dataclass(frozen=True)
+class AttentionInputs:
+    index: IndexInputs
+    q: torch.Tensor  # bf16 [num_tokens, heads, 576]: (ql_nope | q_pe) as forward_mqa receives it
+    kv_c: torch.Tensor  # bf16 [num_slots, 512]: the latent of the token held in each physical cache slot
+    k_pe: torch.Tensor  # bf16 [num_slots, 64]
+    slot_of: list[torch.Tensor]  # per request: int64 [seq_len] physical slot of each position
+    num_slots: int  # num_blocks * block_size (logical slots; the cache may space blocks further apart)
+
+
+def materialize_attention_inputs(case: Case, device: str | torch.device = "cpu") -> AttentionInputs:
+    """Values live per physical slot, so requests that share prefix blocks see the same K/V there."""
+    index = materialize_index_inputs(case, device)
+    g = torch.Generator().manual_seed(case.seed + 1)
+    scale = _VALUE_SCALE[case.values]
+    num_slots = case.num_blocks * case.block_size
+    kv = torch.randn(num_slots, HEAD_SIZE, generator=g) * scale
+    if case.values == "zero_tiles":  # whole 128-wide NoPE tiles of zeros (fp8 scale edge cases)
+        tiles = kv[:, :KV_LORA_RANK].view(num_slots, 4, 128)
+        tiles[torch.rand(num_slots, 4, generator=g) < 0.5] = 0
+    q = torch.randn(case.num_tokens, case.heads, HEAD_SIZE, generator=g) * 0.25
+    slot_of = []
+    for r, req in enumerate(case.requests):
+        pos = torch.arange(req.seq_len)
+        row = torch.tensor(case.block_table[case.table_row(r)], dtype=torch.int64)
+        slot_of.append(row[pos // case.block_size] * case.block_size + pos % case.block_size)
+    kv = kv.to(torch.bfloat16)
+    return AttentionInputs(index, q.to(torch.bfloat16).to(device), kv[:, :KV_LORA_RANK].to(device),
+                           kv[:, KV_LORA_RANK:].to(device), slot_of, num_slots)

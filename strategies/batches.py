@@ -157,3 +157,47 @@ def index_cases(draw, p: Profile, f: IndexFeatures) -> Case:
 
 def _local_len(seq_len: int, dcp: Dcp) -> int:
     return rank_owned_positions(seq_len, dcp.size, dcp.rank, dcp.interleave) if dcp.size > 1 else seq_len
+
+
+@dataclass(frozen=True)
+class AttentionFeatures:
+    """What a backend target takes (targets fill this in from the backend class)."""
+
+    kv_cache_dtypes: tuple[str, ...] = ("bfloat16",)
+    heads: tuple[int, ...] | None = None  # per rank (128 heads over TP 1-16); None: the profile's
+    block_sizes: tuple[int, ...] | None = None  # None: the profile's
+    block_stride_rows: bool = True
+
+
+def attention_topk_specs(width: int) -> st.SearchStrategy[TopkSpec]:
+    # The indexer only emits positions < seq_len: no `past_seq` (its slots hold other data by design).
+    return st.builds(TopkSpec, valid=st.integers(0, width), invalid_at=st.sampled_from(INVALID_AT),
+                     past_table=st.integers(0, 2))
+
+
+@st.composite
+def attention_cases(draw, p: Profile, f: AttentionFeatures) -> Case:
+    from strategies.case import FP8_SCALES, VALUE_KINDS
+
+    heads = f.heads or p.attn_heads
+    p = p.for_attention()
+    topk_width = draw(st.sampled_from(p.topk_widths))
+    reqs, num_decodes = draw(requests(p, topk_width))
+    block_size = draw(st.sampled_from(f.block_sizes or p.block_sizes))
+    table, _ = draw(block_tables([_cdiv(r.seq_len, block_size) for r in reqs], False))
+    stride = block_size * draw(st.integers(2, 3)) if f.block_stride_rows and draw(st.booleans()) else 0
+    kv_dtype = draw(st.sampled_from(f.kv_cache_dtypes))
+    return Case(
+        requests=reqs,
+        num_decodes=num_decodes,
+        block_size=block_size,
+        block_table=table,
+        topk_width=topk_width,
+        topk=tuple(draw(attention_topk_specs(topk_width)) for _ in reqs),
+        block_stride_rows=stride,
+        heads=draw(st.sampled_from(heads)),
+        kv_cache_dtype=kv_dtype,
+        fp8_scale=draw(st.sampled_from(FP8_SCALES)) if kv_dtype == "fp8_ds_mla" else "pow2",
+        values=draw(st.sampled_from(VALUE_KINDS)),
+        seed=draw(st.integers(0, 2**16)),
+    ).validate()

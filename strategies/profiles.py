@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -15,11 +15,21 @@ class Profile:
     topk_widths: tuple[int, ...]  # the first is where shrinking goes
     block_sizes: tuple[int, ...]
     dcp_sizes: tuple[int, ...] = (1, 2, 3, 4, 8)
+    # Whole-backend targets run an attention kernel per case: interpreted, it costs ~1 ms per 16 heads x
+    # 16 top-k entries x token, so CPU cases stay small.
+    attn_max_tokens: int = 512
+    attn_topk_widths: tuple[int, ...] = (128, 256, 512, 1024, 2048)
+    attn_heads: tuple[int, ...] = (16, 8, 32, 64, 128)
+
+    def for_attention(self) -> "Profile":
+        return replace(self, max_tokens=self.attn_max_tokens, topk_widths=self.attn_topk_widths,
+                       max_decodes=min(self.max_decodes, self.attn_max_tokens))
 
 
 PROFILES = {
     "cpu": Profile("cpu", max_decodes=4, max_prefills=3, max_tokens=72, max_context=1024,
-                   topk_widths=(128, 256, 512, 1024, 2048, 2176), block_sizes=(64, 16, 32, 128)),
+                   topk_widths=(128, 256, 512, 1024, 2048, 2176), block_sizes=(64, 16, 32, 128),
+                   attn_max_tokens=12, attn_topk_widths=(128, 256), attn_heads=(16, 8, 32)),
     "gpu": Profile("gpu", max_decodes=12, max_prefills=4, max_tokens=512, max_context=4096,
                    topk_widths=(128, 256, 512, 1024, 2048, 2176), block_sizes=(64, 16, 32, 128)),
 }

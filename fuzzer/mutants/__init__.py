@@ -17,6 +17,7 @@ MUTANTS: dict[str, str] = {
     "remap-count-past-table": "fuzzer.mutants.remap_count_past_table",
     "remap-past-table-not-invalid": "fuzzer.mutants.remap_past_table_not_invalid",
     "dcp-owner-ignores-interleave": "fuzzer.mutants.dcp_owner_ignores_interleave",
+    "softmax-masked-tile-nan": "fuzzer.mutants.softmax_masked_tile_nan",
 }
 
 
@@ -46,7 +47,7 @@ def source(name_or_file: str) -> str:
     """The mutant's source, for inlining into a reproducer."""
     path = Path(name_or_file) if name_or_file not in MUTANTS else Path(load(name_or_file).__file__)
     text = path.read_text()
-    helper = "from fuzzer.mutants._remap_kernel import patch_remap_kernel\n"
-    if helper in text:  # inline the shared helper so the reproducer needs no attnfuzz
-        text = (Path(__file__).parent / "_remap_kernel.py").read_text() + "\n\n" + text.replace(helper, "")
+    for line in [ln for ln in text.splitlines() if ln.startswith("from fuzzer.mutants._kernel_patch import")]:
+        # inline the shared helper so the reproducer needs no attnfuzz
+        text = (Path(__file__).parent / "_kernel_patch.py").read_text() + "\n\n" + text.replace(line + "\n", "")
     return text

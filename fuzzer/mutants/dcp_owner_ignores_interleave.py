@@ -2,7 +2,7 @@
 cp_kv_cache_interleave_size, so with interleave > 1 a rank keeps tokens it does not hold and drops
 tokens it does."""
 
-from fuzzer.mutants._remap_kernel import patch_remap_kernel
+from fuzzer.mutants._kernel_patch import patch_remap_kernel
 
 BUG_CLASS = "G"
 TARGETS = ("vllm.dcp_filter",)

@@ -2,7 +2,7 @@
 entries it turned into -1 because their block lies past the block table, so a kernel that reads the
 first `valid_count` entries (topk_length) attends to -1 slots."""
 
-from fuzzer.mutants._remap_kernel import patch_remap_kernel
+from fuzzer.mutants._kernel_patch import patch_remap_kernel
 
 BUG_CLASS = "B"
 TARGETS = ("vllm.index_remap", "vllm.dcp_filter")

@@ -2,7 +2,7 @@
 the validity mask, so an entry whose block lies beyond the table maps to a slot in block 0 (the null
 block) instead of -1."""
 
-from fuzzer.mutants._remap_kernel import patch_remap_kernel
+from fuzzer.mutants._kernel_patch import patch_remap_kernel
 
 BUG_CLASS = "C"
 TARGETS = ("vllm.index_remap", "vllm.dcp_filter")

@@ -5,10 +5,12 @@ from __future__ import annotations
 from fuzzer.targets.base import Target
 from fuzzer.targets.dcp_filter import DcpFilter
 from fuzzer.targets.index_remap import IndexRemap
+from fuzzer.targets.triton_sparse import TritonSparse
 
 TARGETS: dict[str, type[Target]] = {
     IndexRemap.name: IndexRemap,
     DcpFilter.name: DcpFilter,
+    TritonSparse.name: TritonSparse,
 }
 
 

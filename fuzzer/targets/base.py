@@ -45,9 +45,9 @@ class Target(ABC):
         """Run one case through vLLM's real code; never raise for what the code under test does."""
 
     @abstractmethod
-    def repro_call(self, case: Case) -> str:
-        """Python source (torch + vLLM only) for a reproducer: the same call, on tensors the reproducer
-        defines under the names the target documents; it assigns `out` (and `valid_counts`)."""
+    def render_repro(self, finding) -> tuple[str, dict]:
+        """A standalone reproducer (torch + vLLM only) for a finding: its source and the tensors it loads
+        from tensors.safetensors beside it (none: the source holds its inputs as literals)."""
 
     # -- shared plumbing ---------------------------------------------------------------------------------
     def observe(self, call: Callable[[], dict], notes: dict | None = None) -> Observation:

@@ -68,7 +68,13 @@ class IndexRemap(Target):
 
         return self.observe(call, {"compacted": self.compacted(case)})
 
+    def render_repro(self, finding) -> tuple[str, dict]:
+        from fuzzer.repro import render_index_repro
+
+        return render_index_repro(finding, self), {}
+
     def repro_call(self, case) -> str:
+        """The call in a reproducer, on the tensors it defines as literals; it assigns `out`, `valid_counts`."""
         kw = self.kwargs(case, remap_args_for(case, materialize_index_inputs(case, "cpu")))
         args = ", ".join(f"{k}={k if k in _REPRO_TENSORS else repr(v)}" for k, v in kw.items())
         return (

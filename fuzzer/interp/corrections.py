@@ -1,0 +1,119 @@
+"""Arithmetic corrections for Triton's interpreter (CPU), so bf16 and fp8 kernels mean something there.
+
+The interpreter (triton 3.9, `triton/runtime/interpreter.py`) keeps bf16 as raw uint16 bit patterns and fp8
+as raw uint8 bit patterns (`_get_np_dtype`), and several of its operations treat those containers wrongly
+(measured.md, Trap 2). `install_corrections()` replaces the affected `InterpreterBuilder` methods at class
+level, like the sanitizer does for loads and stores; each replacement handles only the cases it corrects and
+hands everything else to the original method.
+
+Rounding is torch's `.to()` (round to nearest even, as the compiled `cvt.rn.*` casts on NVIDIA), with the
+two places where torch and the compiled Triton cast differ set to what the GPU does (measured: Triton 3.6
+on an H200, `x.to(...)` in a kernel): `cvt.rn.satfinite` clamps fp8 overflow and infinities to the largest
+finite value (torch 2.13 already does so for e4m3fn, but sends e5m2 overflow to inf), and NaN becomes the
+positive canonical NaN (fp8 0x7F, bf16 0x7FFF; torch keeps the sign, bf16 0x7FC0 or 0xFFFF). Everything else,
+ties and subnormals included, was byte-identical between torch, the GPU and these corrections.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+CORRECTIONS: tuple[str, ...] = (
+    "dot-bf16-fp16-fp8: tl.dot on the operands' true values, fp32 accumulation (triton#11584)",
+    "cast-to-fp8: float->fp8e4nv/fp8e5 rounded to nearest even, satfinite (triton#8322)",
+    "cast-from-fp8: fp8->float of NaN/inf codes",
+    "cast-bf16: float/int<->bf16 rounded to nearest even (the interpreter truncated)",
+)
+
+_installed = False
+_TORCH: dict = {}  # triton dtype -> torch dtype, for the types corrected here
+_LUTS: dict = {}  # fp8 triton dtype -> float32[256] values of its codes
+_SATFINITE = {"fp8e4nv": 448.0, "fp8e5": 57344.0}
+
+
+def _values(data, tl_dtype) -> np.ndarray:
+    """The true values of an interpreter container (bf16: uint16 bits, fp8: uint8 bits) as float32."""
+    data = np.asarray(data)
+    if tl_dtype.name == "bf16":  # bf16 is the top half of an fp32: exact, subnormals and NaN included
+        return (data.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    if tl_dtype in _LUTS:
+        return _LUTS[tl_dtype][data]
+    return data.astype(np.float32)
+
+
+def _encode(values, tl_dtype) -> np.ndarray:
+    """Round float32 values to `tl_dtype` as the compiled cast does; return the interpreter's container."""
+    import torch
+
+    v = np.asarray(values, dtype=np.float32)
+    if tl_dtype.name in ("fp16", "fp32"):
+        return v.astype(np.float16 if tl_dtype.name == "fp16" else np.float32)
+    if tl_dtype.name in _SATFINITE:
+        v = np.clip(v, -_SATFINITE[tl_dtype.name], _SATFINITE[tl_dtype.name])  # NaN stays NaN
+    t = torch.from_numpy(v.reshape(-1).copy()).to(_TORCH[tl_dtype])
+    bits = t.view(torch.int16).numpy().view(np.uint16) if tl_dtype.name == "bf16" else t.view(torch.uint8).numpy()
+    bits[np.isnan(v.reshape(-1))] = 0x7FFF if tl_dtype.name == "bf16" else 0x7F
+    return bits.reshape(v.shape)
+
+
+def install_corrections() -> tuple[str, ...]:
+    """Patch `InterpreterBuilder` (once per process); returns CORRECTIONS."""
+    global _installed
+    if _installed:
+        return CORRECTIONS
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter as interp
+
+    _TORCH.update({tl.bfloat16: torch.bfloat16, tl.float8e4nv: torch.float8_e4m3fn, tl.float8e5: torch.float8_e5m2})
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    _LUTS.update({t: codes.view(_TORCH[t]).float().numpy() for t in (tl.float8e4nv, tl.float8e5)})
+    B, TensorHandle = interp.InterpreterBuilder, interp.TensorHandle
+    dot, cast_impl, fp_to_fp = B.create_dot, B.cast_impl, B.create_fp_to_fp
+    low = (tl.bfloat16, tl.float16, tl.float8e4nv, tl.float8e5)
+    fp8 = (tl.float8e4nv, tl.float8e5)
+    floats = (tl.bfloat16, tl.float16, tl.float32, *fp8)
+
+    def create_dot(b, a, c, d, input_precision, max_num_imprecise_acc):
+        """Was: `np.matmul(a.data, b.data, dtype=acc)` on the containers, so bf16 operands entered the product
+        as the integers of their uint16 bit patterns (errors ~1e10). Now: each operand is widened to its
+        exact float32 value (bf16 by shifting its bits into the top half of an fp32), multiplied with fp32
+        accumulation, and the accumulator `d` is added, as the tensor cores do for bf16/fp16/fp8 inputs with
+        an fp32 accumulator. fp32/fp64/int8 dots and fp16 accumulators go to the original unchanged."""
+        if a.dtype.scalar in low and c.dtype.scalar in low and np.asarray(d.data).dtype == np.float32:
+            out = np.matmul(_values(a.data, a.dtype.scalar), _values(c.data, c.dtype.scalar)) + d.data
+            return TensorHandle(out.astype(np.float32), d.dtype.scalar)
+        return dot(b, a, c, d, input_precision, max_num_imprecise_acc)
+
+    def create_fp_to_fp(b, src, dst_type, rounding_mode):
+        """Was: `_convert_float`, whose round-to-nearest adds the guard bit to the truncated mantissa without
+        carrying into the exponent (it ORs the overflowed mantissa into the exponent field, so x.111|1 with an
+        odd exponent drops to 2^e), rounds ties away from zero instead of to even, re-truncates results that
+        land in the subnormal range, does not saturate, and decodes fp8 NaN/inf codes as finite numbers (e4m3fn 0x7F as
+        480). Now: the source's exact value is rounded by `_encode` (torch's round to nearest even, satfinite,
+        canonical NaN), for fp8 <-> bf16/fp16/fp32/fp8 under the default rounding mode; other cases (rtz,
+        fp64 sources, AMD fp8 types) go to the original."""
+        s, t = src.dtype.scalar, dst_type.scalar
+        rtne = rounding_mode in (None, interp._ir.ROUNDING_MODE.RTNE)
+        if (s in fp8 or t in fp8) and s in floats and t in floats and rtne:
+            return TensorHandle(_encode(_values(src.data, s), t), t)
+        return fp_to_fp(b, src, dst_type, rounding_mode)
+
+    def cast_impl_(b, src, dst_type):
+        """Was: fp32<->bf16 through `_convert_float(..., rounding_mode=None)`, i.e. truncation (half of all
+        fp32->bf16 casts one ulp low, against `cvt.rn.bf16.f32` on the GPU; `get_bf16` constants and the
+        implicit cast of `tl.store` included), and every other bf16 cast as `astype` on the uint16 bits
+        (int/fp64 <-> bf16 garbage). Now: bf16 is decoded exactly and encoded by `_encode` (round to nearest even,
+        canonical NaN); ints and fp64 go through float32 first, a second rounding only past 24 significant bits."""
+        s, t = src.dtype.scalar, dst_type.scalar
+        if s == t or tl.bfloat16 not in (s, t):
+            return cast_impl(b, src, dst_type)
+        if s == tl.bfloat16:
+            vals = TensorHandle(_values(src.data, s), tl.float32)
+            return vals if t == tl.float32 else cast_impl(b, vals, dst_type)
+        vals = np.asarray(src.data)
+        return TensorHandle(_encode(vals.astype(np.float32), t), t)
+
+    B.create_dot, B.create_fp_to_fp, B.cast_impl = create_dot, create_fp_to_fp, cast_impl_
+    _installed = True
+    return CORRECTIONS

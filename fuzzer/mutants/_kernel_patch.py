@@ -1,0 +1,43 @@
+"""Rebuild one of vLLM's Triton kernels from its source with edits (shared by the kernel-level mutants)."""
+
+import ast
+import importlib
+import inspect
+import linecache
+import textwrap
+
+
+def mutate_jit(jit, namespace, edits, label):
+    """A new Triton kernel: `jit`'s source with `edits` ((old, new) pairs) applied, defined in `namespace`."""
+    import triton
+
+    fn = getattr(jit, "fn", jit)
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    tree.body[0].decorator_list = []
+    src = ast.unparse(tree)
+    for old, new in edits:
+        if old not in src:
+            raise RuntimeError(f"mutant {label}: `{old}` not found in this vLLM's {fn.__name__}")
+        src = src.replace(old, new)
+    filename = f"<attnfuzz mutant {label}>"
+    linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)  # Triton reads the source
+    scope = dict(namespace)
+    exec(compile(src, filename, "exec"), scope)
+    return triton.jit(scope[fn.__name__])
+
+
+def patch_kernel(module_name, kernel_name, edits, label):
+    """Replace the module-level kernel `kernel_name`, which its callers look up at call time."""
+    module = importlib.import_module(module_name)
+    setattr(module, kernel_name, mutate_jit(getattr(module, kernel_name), vars(module), edits, label))
+
+
+def patch_remap_kernel(edits, label):
+    """Replace the sparse-MLA index-remap kernel, wherever the installed release keeps it."""
+    from vllm.v1.attention.backends.mla import sparse_utils as su
+
+    holder = getattr(su, "ConvertReqIndexToGlobalIndexKernel", None)  # 0.27+: a warmup-aware wrapper class
+    if holder is None:
+        patch_kernel(su.__name__, "_convert_req_index_to_global_index_kernel", edits, label)
+    else:
+        holder.kernel = mutate_jit(holder.kernel, vars(su), edits, label)

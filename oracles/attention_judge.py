@@ -1,0 +1,86 @@
+"""Verdicts for a whole sparse-MLA backend call: output and LSE against the fp32 reference, NaN/Inf,
+rows with no valid index, and a KV cache that the call must leave byte-identical."""
+
+from __future__ import annotations
+
+import torch
+
+from oracles.attention import error_margin, sparse_mla_reference, tolerance
+from oracles.materialize import SM_SCALE, materialize_attention_inputs
+from oracles.verdict import Verdict, passed
+
+
+def reference_for(case, inputs=None):
+    """(out [T, H, 512], lse [T, H], valid_rows [T]) from request-local positions and the case's own block
+    table: independent of vLLM's remap. Positions outside [0, seq_len) are not selected."""
+    inp = inputs or materialize_attention_inputs(case, "cpu")
+    kv = torch.cat([inp.kv_c, inp.k_pe], dim=-1).float().cpu()
+    topk = inp.index.topk_indices.long().cpu()
+    rows, offsets, start, global_idx = [], [], 0, []
+    for r, req in enumerate(case.requests):
+        rows.append(kv[inp.slot_of[r]])
+        offsets.append(start)
+        start += req.seq_len
+    k_all = torch.cat(rows) if rows else torch.zeros(0, kv.shape[1])
+    req_of = inp.index.req_id_per_token.long().cpu()
+    for t in range(case.num_tokens):
+        r = int(req_of[t])
+        idx = topk[t]
+        ok = (idx >= 0) & (idx < case.requests[r].seq_len)
+        global_idx.append(torch.where(ok, idx + offsets[r], torch.full_like(idx, -1)))
+    indices = torch.stack(global_idx) if global_idx else torch.zeros(0, case.topk_width, dtype=torch.long)
+    out, lse = sparse_mla_reference(inp.q.float().cpu(), k_all, indices, SM_SCALE, 512)
+    return out, lse, (indices >= 0).any(dim=1)
+
+
+def attention_tolerance(case, inputs) -> tuple[float, float]:
+    """vLLM's test tolerances are for values of order 1: atol scales with the largest V the case holds, so
+    tiny values are not waved through and large ones (bf16 P and output rounding) are not flagged."""
+    atol, rtol = tolerance("bfloat16", case.kv_cache_dtype)
+    return atol * (max(float(inputs.kv_c.float().abs().max()), 1e-6) if inputs.kv_c.numel() else 1.0), rtol
+
+
+def judge_attention(case, obs) -> list[Verdict]:
+    verdicts: list[Verdict] = []
+    for v in obs.memory:
+        verdicts.append(Verdict("memory", False, v.describe(), "C", where=v.kernel))
+    if obs.error_type is not None:
+        return verdicts + [Verdict("error", False, f"{obs.error_type}: {obs.error}", where=obs.error_type)]
+    if obs.notes.get("cache_changed"):
+        verdicts.append(Verdict("cache", False, f"the KV cache changed during an attention call that must only read "
+                                                f"it: {obs.notes['cache_changed']}", "H", where="cache"))
+    inputs = materialize_attention_inputs(case, "cpu")
+    out_ref, lse_ref, valid_rows = reference_for(case, inputs)
+    out = obs.outputs["out"].float()
+    if out.shape != out_ref.shape:
+        return verdicts + [Verdict("output", False, f"output shape {tuple(out.shape)}, expected {tuple(out_ref.shape)}",
+                                   "J", where="shape")]
+    bad = ~torch.isfinite(out)
+    if bad.any():
+        t, h, _ = (int(x) for x in bad.nonzero()[0])
+        kind = "row with no valid index" if not valid_rows[t] else "valid row"
+        verdicts.append(Verdict("nan", False, f"{int(bad.sum())} non-finite outputs; first token {t} head {h} "
+                                              f"({kind}; reference is finite)", "I", where="nan"))
+    atol, rtol = attention_tolerance(case, inputs)
+    empty = ~valid_rows
+    if empty.any() and torch.isfinite(out[empty]).all() and out[empty].abs().max() > 0:
+        t = int(empty.nonzero()[0])
+        verdicts.append(Verdict("empty_row", False, f"token {t} selects no valid index but its output is not 0 "
+                                                    f"(max |out| {out[t].abs().max():.3g})", "B", where="empty_row"))
+    finite = torch.isfinite(out)
+    margin = error_margin(torch.where(finite, out, out_ref), out_ref, atol, rtol)
+    if margin > 1:
+        err = ((out - out_ref).abs() / (atol + rtol * out_ref.abs())).nan_to_num(0)
+        t, h, d = (int(x) for x in (err == err.max()).nonzero()[0])
+        verdicts.append(Verdict("output", False, f"output off by {margin:.2f}x the tolerance (atol {atol}, rtol {rtol}); "
+                                                 f"worst at token {t} head {h} dim {d}: {out[t, h, d]:.4g} vs "
+                                                 f"{out_ref[t, h, d]:.4g}", margin=margin, where="output"))
+    lse = obs.outputs.get("lse")
+    if lse is not None:
+        lse_margin = error_margin(lse.float(), lse_ref, 1e-2, 1e-2)
+        if lse_margin > 1:
+            verdicts.append(Verdict("lse", False, f"LSE off by {lse_margin:.2f}x the tolerance", "G", margin=lse_margin,
+                                    where="lse"))
+    if not verdicts:
+        verdicts.append(passed("output", f"{case.num_tokens} tokens within tolerance", margin=margin))
+    return verdicts

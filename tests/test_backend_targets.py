@@ -1,0 +1,43 @@
+"""Whole-backend targets on CPU: vLLM's pure-Triton sparse-MLA backend (builder, impl, kernels)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fuzzer.interp.sanitizer import SANITIZER
+from fuzzer.standins.cache_ops import concat_and_cache_mla
+from tests.conftest import attnfuzz
+
+
+def test_concat_and_cache_mla_standin_writes_slots_and_checks_bounds():
+    cache = torch.zeros(2, 4, 576, dtype=torch.bfloat16)
+    kv_c, k_pe = torch.ones(3, 512), torch.full((3, 64), 2.0)
+    with SANITIZER.collect() as found:
+        concat_and_cache_mla(kv_c, k_pe, cache, torch.tensor([5, -1, 8]), "auto", torch.ones(()))
+    assert cache[1, 1, :512].eq(1).all() and cache[1, 1, 512:].eq(2).all()
+    assert cache.view(-1, 576).ne(0).any(dim=1).sum() == 1  # padding slot -1 skipped, slot 8 not written
+    assert [(v.op, v.argument) for v in found] == [("store", "kv_cache")]
+
+
+@pytest.mark.vllm
+def test_clean_triton_sparse_campaign(tmp_path):
+    r = attnfuzz("run", "--target", "vllm.triton_sparse", "--seed", "2", "--max-examples", "12",
+                 "--json", str(tmp_path / "s.json"), "--repros", str(tmp_path / "repros"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads((tmp_path / "s.json").read_text())["examples"] >= 12
+
+
+@pytest.mark.vllm
+def test_fully_masked_tile_mutant_is_found_and_reproduced(tmp_path):
+    r = attnfuzz("run", "--target", "vllm.triton_sparse", "--inject", "softmax-masked-tile-nan", "--max-examples", "60",
+                 "--json", str(tmp_path / "s.json"), "--repros", str(tmp_path / "repros"))
+    assert r.returncode == 1, r.stdout + r.stderr
+    (finding, *_) = json.loads((tmp_path / "s.json").read_text())["findings"]
+    assert "I" in finding["bug_classes"] and finding["verdicts"][0]["check"] == "nan"
+    assert finding["emulated"] == ["concat_and_cache_mla"]  # the CPU has no compiled cache ops
+    d = tmp_path / "repros" / finding["id"]
+    repro = subprocess.run([sys.executable, "repro.py"], cwd=d, capture_output=True, text=True, timeout=300)
+    assert repro.returncode == 1 and "BUG:" in repro.stdout and "non-finite" in repro.stdout, repro.stdout + repro.stderr

@@ -1,0 +1,139 @@
+"""Interpreter arithmetic corrections (fuzzer/interp/corrections.py; measured.md, Trap 2) on tiny kernels of
+our own, then vLLM's pure-Triton sparse MLA kernel end to end against the fp32 oracle."""
+
+import numpy as np
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from fuzzer.interp.corrections import CORRECTIONS, install_corrections
+
+install_corrections()
+
+
+@triton.jit
+def _dot(a, b, c, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, ACC: tl.constexpr):
+    m, n, k = tl.arange(0, M), tl.arange(0, N), tl.arange(0, K)
+    x = tl.load(a + m[:, None] * K + k[None, :])
+    y = tl.load(b + k[:, None] * N + n[None, :])
+    out = c + m[:, None] * N + n[None, :]
+    tl.store(out, tl.dot(x, y, tl.load(out)) if ACC else tl.dot(x, y))
+
+
+@triton.jit
+def _cast(x, y, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y + i, tl.load(x + i, mask=i < n).to(y.dtype.element_ty), mask=i < n)
+
+
+def _cast_run(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    y = torch.empty(x.numel(), dtype=dtype)
+    _cast[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
+    return y
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16)
+
+
+def test_install_is_idempotent():
+    from triton.runtime.interpreter import InterpreterBuilder as B
+
+    before = (B.create_dot, B.create_fp_to_fp, B.cast_impl)
+    assert install_corrections() == CORRECTIONS and len(CORRECTIONS) == 4
+    assert (B.create_dot, B.create_fp_to_fp, B.cast_impl) == before
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("acc", [False, True])
+def test_low_precision_dot_uses_true_values(dtype, acc):
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(16, 32, generator=g).to(dtype), torch.randn(32, 16, generator=g).to(dtype)
+    c0 = torch.randn(16, 16, generator=g) if acc else torch.zeros(16, 16)
+    c = c0.clone()
+    _dot[(1,)](a, b, c, 16, 16, 32, ACC=acc)
+    ref = a.float() @ b.float() + c0
+    assert ((c - ref).abs().max() / ref.abs().max()).item() < 1e-3  # uncorrected bf16: ~1e10 absolute
+
+
+def test_fp32_dot_is_unchanged():
+    g = torch.Generator().manual_seed(2)
+    a, b, c0 = torch.randn(16, 32, generator=g), torch.randn(32, 16, generator=g), torch.randn(16, 16, generator=g)
+    c = c0.clone()
+    _dot[(1,)](a, b, c, 16, 16, 32, ACC=True)
+    expect = np.matmul(a.numpy(), b.numpy(), dtype=np.float32) + c0.numpy()  # the interpreter's own fp32 dot
+    assert np.array_equal(c.numpy(), expect)
+
+
+def _fp8_inputs(dtype: torch.dtype, n: int = 4096) -> torch.Tensor:
+    """Random magnitudes across the whole range, exact ties between neighbouring codes (normal and
+    subnormal), subnormals, and values around the largest finite value (below torch's inf threshold)."""
+    g = torch.Generator().manual_seed(3)
+    grid = torch.arange(0, 0x7F, dtype=torch.int32).to(torch.uint8).view(dtype).float()
+    grid = grid[torch.isfinite(grid)].unique()
+    top, tiny = grid.max().item(), grid[1].item()
+    ties = (grid[:-1] + grid[1:]) / 2
+    subs = torch.rand(256, generator=g) * 8 * tiny  # subnormals and the first binade above them
+    near_top = top * (0.97 + 0.09 * torch.rand(256, generator=g))  # < 1.07 * top: torch's inf starts there (e5m2)
+    spread = torch.randn(n, generator=g) * torch.exp2(torch.randint(-20, int(np.log2(top)), (n,), generator=g).float())
+    spread = spread.clamp(-1.06 * top, 1.06 * top)
+    x = torch.cat([ties, grid, subs, near_top, spread])[:n]
+    signs = torch.where(torch.rand(x.numel(), generator=g) < 0.5, -1.0, 1.0)
+    return x * signs
+
+
+@pytest.mark.parametrize("dst", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("src", [torch.float32, torch.bfloat16, torch.float16])
+def test_cast_to_fp8_is_byte_identical_to_torch(src, dst):
+    x = _fp8_inputs(dst).to(src)
+    assert x.numel() == 4096
+    y = _cast_run(x, dst)
+    assert torch.equal(_bits(y), _bits(x.to(dst)))  # uncorrected: hundreds of the 4096 bytes wrong
+
+
+def test_cast_out_of_range_and_nan_as_compiled_triton():
+    """Bytes of `x.to(...)` in a compiled Triton 3.6 kernel on an H200: satfinite, positive canonical NaN.
+    Torch differs for e5m2 overflow (inf) and NaN signs/payloads; the corrections follow the GPU."""
+    x = torch.tensor([480.0, 1e9, float("inf"), -float("inf"), float("nan"), -float("nan"), 61440.0, -1e6])
+    assert _bits(_cast_run(x, torch.float8_e4m3fn)).tolist() == [0x7E, 0x7E, 0x7E, 0xFE, 0x7F, 0x7F, 0x7E, 0xFE]
+    assert _bits(_cast_run(x, torch.float8_e5m2)).tolist() == [0x60, 0x7B, 0x7B, 0xFB, 0x7F, 0x7F, 0x7B, 0xFB]
+    bf = (_bits(_cast_run(x, torch.bfloat16)).int() & 0xFFFF).tolist()
+    assert bf == [0x43F0, 0x4E6E, 0x7F80, 0xFF80, 0x7FFF, 0x7FFF, 0x4770, 0xC974]
+
+
+@pytest.mark.parametrize("src", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_cast_from_fp8_all_codes(src):
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(src)
+    y, ref = _cast_run(codes, torch.float32), codes.float()
+    assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y[~ref.isnan()], ref[~ref.isnan()])
+
+
+def test_bf16_casts_round_to_nearest_even():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(4096, generator=g) * torch.exp2(torch.randint(-30, 30, (4096,), generator=g).float())
+    x[:4] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, 2**-130, -(2**-133)])  # ties to even, subnormals
+    y = _cast_run(x, torch.bfloat16)
+    assert torch.equal(_bits(y), _bits(x.to(torch.bfloat16)))  # uncorrected: truncated, ~half of them low
+    assert torch.equal(_cast_run(y, torch.float32), y.float())
+    ints = torch.tensor([0, 1, -3, 257, 1000001], dtype=torch.int32)
+    assert torch.equal(_bits(_cast_run(ints, torch.bfloat16)), _bits(ints.to(torch.bfloat16)))
+
+
+@pytest.mark.vllm
+def test_vllm_bf16_sparse_mla_matches_oracle():
+    from oracles.attention import sparse_mla_reference
+    from vllm.v1.attention.ops.xpu_mla_sparse import triton_bf16_mla_sparse_interface
+
+    g = torch.Generator().manual_seed(0)
+    T, H, D, S, K = 4, 16, 576, 256, 128
+    q = torch.randn(T, H, D, generator=g).bfloat16()
+    kv = torch.randn(S, 1, D, generator=g).bfloat16()
+    idx = torch.stack([torch.randperm(S, generator=g)[:K] for _ in range(T)]).int()
+    idx[:, ::5] = -1
+    idx[1, :40] = -1
+    out, _, lse = triton_bf16_mla_sparse_interface(q, kv, idx.unsqueeze(1), D**-0.5)
+    ref_out, ref_lse = sparse_mla_reference(q, kv.squeeze(1), idx, D**-0.5)
+    # corrected: 2.7e-3 / 5e-7; dot correction alone 5.3e-3; uncorrected ~8e8 / ~3e10
+    assert (out.float() - ref_out).abs().max().item() < 1e-2
+    assert (lse - ref_lse).abs().max().item() < 1e-4
