@@ -10,27 +10,25 @@ from oracles.materialize import SM_SCALE, materialize_attention_inputs
 from oracles.verdict import Verdict, passed
 
 
-def reference_for(case, inputs=None):
-    """(out [T, H, 512], lse [T, H], valid_rows [T]) from request-local positions and the case's own block
-    table: independent of vLLM's remap. Positions outside [0, seq_len) are not selected."""
+def reference_for(case, inputs=None, device: str = "cpu"):
+    """(out [T, H, 512], lse [T, H], valid_rows [T]) on CPU, from request-local positions and the case's own
+    block table: independent of vLLM's remap. Positions outside [0, seq_len) are not selected. Computed on
+    `device` (in float64): a GPU host judges its large cases on the GPU."""
     inp = inputs or materialize_attention_inputs(case, "cpu")
-    kv = torch.cat([inp.kv_c, inp.k_pe], dim=-1).float().cpu()
-    topk = inp.index.topk_indices.long().cpu()
-    rows, offsets, start, global_idx = [], [], 0, []
+    kv = torch.cat([inp.kv_c, inp.k_pe], dim=-1).float().to(device)
+    topk = inp.index.topk_indices.long().to(device)
+    rows, offsets, start = [], [], 0
     for r, req in enumerate(case.requests):
-        rows.append(kv[inp.slot_of[r]])
+        rows.append(kv[inp.slot_of[r].to(device)])
         offsets.append(start)
         start += req.seq_len
-    k_all = torch.cat(rows) if rows else torch.zeros(0, kv.shape[1])
-    req_of = inp.index.req_id_per_token.long().cpu()
-    for t in range(case.num_tokens):
-        r = int(req_of[t])
-        idx = topk[t]
-        ok = (idx >= 0) & (idx < case.requests[r].seq_len)
-        global_idx.append(torch.where(ok, idx + offsets[r], torch.full_like(idx, -1)))
-    indices = torch.stack(global_idx) if global_idx else torch.zeros(0, case.topk_width, dtype=torch.long)
-    out, lse = sparse_mla_reference(inp.q.float().cpu(), k_all, indices, SM_SCALE, 512)
-    return out, lse, (indices >= 0).any(dim=1)
+    k_all = torch.cat(rows) if rows else torch.zeros(0, kv.shape[1], device=device)
+    req_of = inp.index.req_id_per_token.long().to(device)
+    offset = torch.tensor(offsets, dtype=torch.long, device=device)[req_of][:, None]
+    seq_len = inp.index.seq_lens.long().to(device)[req_of][:, None]
+    indices = torch.where((topk >= 0) & (topk < seq_len), topk + offset, torch.full_like(topk, -1))
+    out, lse = sparse_mla_reference(inp.q.float().to(device), k_all, indices, SM_SCALE, 512)
+    return out.cpu(), lse.cpu(), (indices >= 0).any(dim=1).cpu()
 
 
 def attention_tolerance(case, inputs) -> tuple[float, float]:
@@ -50,7 +48,7 @@ def judge_attention(case, obs) -> list[Verdict]:
         verdicts.append(Verdict("cache", False, f"the KV cache changed during an attention call that must only read "
                                                 f"it: {obs.notes['cache_changed']}", "H", where="cache"))
     inputs = materialize_attention_inputs(case, "cpu")
-    out_ref, lse_ref, valid_rows = reference_for(case, inputs)
+    out_ref, lse_ref, valid_rows = reference_for(case, inputs, device=obs.device)
     out = obs.outputs["out"].float()
     if out.shape != out_ref.shape:
         return verdicts + [Verdict("output", False, f"output shape {tuple(out.shape)}, expected {tuple(out_ref.shape)}",
