@@ -199,7 +199,8 @@ def main():
         try:
             metadata = Backend.get_builder_cls()(spec, ["layer"], cfg, torch.device(DEVICE)).build(0, cam)
             impl = Backend.get_impl_cls()(HEADS, 576, SM_SCALE, 1, None, None, "auto", None, "decoder", None,
-                                          topk_indices_buffer=T["topk_indices_buffer"], kv_lora_rank=512)
+                                          indexer=SimpleNamespace(topk_indices_buffer=T["topk_indices_buffer"]),
+                                          kv_lora_rank=512)
             q = T["q"]
             out, _lse = impl.forward_mqa((q[..., :512], q[..., 512:]), cache, metadata, None)
         except Exception as e:

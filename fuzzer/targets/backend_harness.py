@@ -20,7 +20,7 @@ MAX_MODEL_LEN = 8192
 def model_namespace(case, max_num_batched_tokens: int) -> SimpleNamespace:
     hf = SimpleNamespace(kv_lora_rank=KV_LORA_RANK, qk_nope_head_dim=128, qk_rope_head_dim=ROPE_DIM,
                          v_head_dim=128, index_topk=case.topk_width, q_lora_rank=None, model_type="deepseek_v32")
-    model = SimpleNamespace(hf_text_config=hf, max_model_len=MAX_MODEL_LEN, dtype=torch.bfloat16,
+    model = SimpleNamespace(hf_text_config=hf, hf_config=hf, max_model_len=MAX_MODEL_LEN, dtype=torch.bfloat16,
                             get_num_attention_heads=lambda parallel_config: case.heads,
                             get_head_size=lambda: HEAD_SIZE, get_num_kv_heads=lambda parallel_config: 1)
     return SimpleNamespace(model_config=model, parallel_config=SimpleNamespace(decode_context_parallel_size=1),

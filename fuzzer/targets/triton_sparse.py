@@ -9,6 +9,7 @@ and bounds checks), native on a GPU.
 from __future__ import annotations
 
 import importlib
+from types import SimpleNamespace
 
 import torch
 
@@ -50,7 +51,11 @@ class TritonSparse(Target):
             self.shims = [*install_cpu_shims(), *(f"interpreter correction: {c}" for c in CORRECTIONS)]
 
     def cases(self, profile):
-        return attention_cases(profile, AttentionFeatures(kv_cache_dtypes=("bfloat16",)))
+        from fuzzer.targets.vllm_api import remap_api
+
+        # Releases before flat_kv_row_view (0.26 and older) view the cache as contiguous rows.
+        return attention_cases(profile, AttentionFeatures(kv_cache_dtypes=("bfloat16",),
+                                                          block_stride_rows=remap_api().has_block_stride_rows))
 
     def step(self, case, device):
         """Everything the call needs, on `device`: inputs, poisoned cache, top-k buffer, config."""
@@ -78,8 +83,10 @@ class TritonSparse(Target):
             before.append(cache.clone())
             builder = backend.get_builder_cls()(spec, ["attnfuzz.layer"], cfg, torch.device(dev))
             metadata = builder.build(0, common_attn_metadata(case, inp.index, dev))
+            # The buffer through an indexer, as the model passes it (0.23's impl accepts nothing else).
             impl = backend.get_impl_cls()(case.heads, HEAD_SIZE, SM_SCALE, 1, None, None, "auto", None, "decoder",
-                                          None, topk_indices_buffer=topk_buffer, kv_lora_rank=KV_LORA_RANK)
+                                          None, indexer=SimpleNamespace(topk_indices_buffer=topk_buffer),
+                                          kv_lora_rank=KV_LORA_RANK)
             q = (inp.q[..., :KV_LORA_RANK], inp.q[..., KV_LORA_RANK:])  # (ql_nope, q_pe), as the layer passes it
             out, lse = impl.forward_mqa(q, cache, metadata, None)
             return {"out": out, "lse": lse}

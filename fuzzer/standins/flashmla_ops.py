@@ -1,0 +1,175 @@
+"""Torch stand-ins for the compiled ops FlashMLA-sparse calls (`vllm._flashmla_C`, `_C_cache_ops`).
+
+Semantics follow FlashMLA's interface docstrings (vllm/third_party/flashmla/flash_mla_interface.py) and its
+reference (deepseek-ai/FlashMLA tests/ref.py): natural-log LSE; a row with nothing to attend to gives
+out 0 and LSE +inf. Where the real kernel would read or write outside a tensor, the stand-in records a
+MemoryViolation (as the interpreter sanitizer does) and skips that entry instead of reading garbage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from fuzzer.interp.sanitizer import SANITIZER, MemoryViolation
+
+# fp8_ds_mla entry: 512 fp8 NoPE | 4 fp32 tile scales | 64 bf16 RoPE = 656 bytes
+NOPE, TILE, SCALES_AT, ROPE_AT, ENTRY_BYTES, FP8_MAX = 512, 128, 512, 528, 656, 448.0
+
+
+def _violation(op: str, argument: str, access: str, index: int, limit: int, elem_bytes: int) -> None:
+    SANITIZER.violations.append(MemoryViolation(
+        kernel=f"{op} (attnfuzz stand-in)", op=access, argument=argument, byte_offset=index * elem_bytes,
+        argument_bytes=limit * elem_bytes, element_bytes=elem_bytes, program_id=(0, 0, 0), lanes=1,
+        inside_allocation=False))
+
+
+def _report(op: str, argument: str, bad: torch.Tensor, values: torch.Tensor, limit: int, elem_bytes: int) -> None:
+    for v in values[bad].tolist()[:8]:  # the first few name the bug
+        _violation(op, argument, "load", int(v), limit, elem_bytes)
+
+
+def _sparse_attention(q: torch.Tensor, gathered: torch.Tensor, invalid: torch.Tensor, sm_scale: float, d_v: int):
+    """q [T, H, D], gathered [T, K, D] (fp32), invalid [T, K] -> out [T, H, d_v] fp32, max_logits, lse [T, H]."""
+    gathered = gathered.masked_fill(invalid[..., None], 0.0)  # masked rows may hold the cache's NaN poison
+    logits = torch.einsum("thd,tkd->thk", q.float(), gathered) * sm_scale
+    logits.masked_fill_(invalid[:, None, :], float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)
+    max_logits = logits.amax(dim=-1) if logits.shape[-1] else lse.clone()
+    empty = lse == float("-inf")
+    p = torch.exp(logits - torch.where(empty, float("inf"), lse)[..., None])  # empty row: all weights 0
+    out = torch.einsum("thk,tkd->thd", p, gathered[..., :d_v])
+    return out, max_logits, lse.masked_fill(empty, float("inf"))
+
+
+def _topk_length_mask(op: str, topk_length, shape, device) -> torch.Tensor:
+    """True past each row's topk_length (the kernel does not look there)."""
+    if topk_length is None:
+        return torch.zeros(shape, dtype=torch.bool, device=device)
+    k = shape[-1]
+    lengths = topk_length.reshape(-1).long()
+    _report(op, "indices", lengths > k, lengths, k, 4)  # the kernel would read indices past the row
+    return torch.arange(k, device=device) >= lengths.view(*shape[:-1], 1)
+
+
+def flash_mla_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int = 512,
+                         attn_sink: Optional[torch.Tensor] = None, topk_length: Optional[torch.Tensor] = None,
+                         out: Optional[torch.Tensor] = None):
+    """`sparse_prefill_fwd`: q [s_q, h_q, d_qk] bf16, kv [s_kv, 1, d_qk] bf16, indices [s_q, 1, topk] int32.
+    Indices < 0 or >= s_kv are invalid by contract (masked, not a fault). Returns (out, max_logits, lse)."""
+    assert kv.shape[1] == 1 and indices.shape[1] == 1 and d_v == 512, "h_kv must be 1, d_v 512"
+    s_kv = kv.shape[0]
+    idx = indices[:, 0, :].long()
+    invalid = (idx < 0) | (idx >= s_kv) | _topk_length_mask("flash_mla_sparse_fwd", topk_length, idx.shape, idx.device)
+    gathered = kv[:, 0][idx.masked_fill(invalid, 0)].float()
+    o, max_logits, lse = _sparse_attention(q, gathered, invalid, sm_scale, d_v)
+    if attn_sink is not None:
+        o = o * torch.sigmoid(lse - attn_sink.float()[None]).nan_to_num(0.0)[..., None]
+    if out is None:
+        out = torch.empty(q.shape[0], q.shape[1], d_v, dtype=q.dtype, device=q.device)
+    out.copy_(o)
+    return out, max_logits, lse
+
+
+@dataclasses.dataclass
+class FlashMLASchedMeta:
+    """The real one's shape-consistency contract: initialised on first use, reusable only with the same shapes."""
+
+    have_initialized: bool = False
+    config: Optional[tuple] = None
+    tile_scheduler_metadata: Optional[torch.Tensor] = None
+    num_splits: Optional[torch.Tensor] = None
+
+
+def get_mla_metadata(*args, **kwargs):
+    return FlashMLASchedMeta(), None
+
+
+def dequantize_fp8_ds_mla(entries: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 656] -> bf16 [..., 576]: NoPE = fp8 x its tile's fp32 scale (rounded to bf16), RoPE copied."""
+    e = entries.reshape(-1, ENTRY_BYTES).contiguous()
+    nope = e[:, :NOPE].view(torch.float8_e4m3fn).float().view(-1, NOPE // TILE, TILE)
+    scales = e[:, SCALES_AT:ROPE_AT].view(torch.float32)
+    rope = e[:, ROPE_AT:].view(torch.bfloat16)
+    out = torch.cat([(nope * scales[..., None]).reshape(-1, NOPE).to(torch.bfloat16), rope], dim=-1)
+    return out.view(*entries.shape[:-1], NOPE + rope.shape[-1])
+
+
+def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
+                           num_splits=None, softmax_scale=None, causal=False, is_fp8_kvcache=False, indices=None,
+                           attn_sink=None, extra_k_cache=None, extra_indices_in_kvcache=None, topk_length=None,
+                           extra_topk_length=None, out=None, enable_batch_invariant=False):
+    """Sparse fp8 decode (`sparse_decode_fwd`) only: q [b, s_q, h_q, 576], k_cache uint8 [pages, page_size, 1, 656],
+    indices [b, s_q, topk] = page * page_size + offset, -1 invalid. Returns out [b, s_q, h_q, 512], lse [b, h_q, s_q]."""
+    meta = tile_scheduler_metadata
+    assert isinstance(meta, FlashMLASchedMeta) and num_splits is None
+    assert indices is not None and is_fp8_kvcache and not causal, "stand-in covers sparse fp8 decode only"
+    assert extra_k_cache is None and extra_indices_in_kvcache is None and k_cache.shape[-1] == ENTRY_BYTES
+    config = (q.shape[0], q.shape[1], q.shape[2], k_cache.shape[1], k_cache.shape[2], causal, is_fp8_kvcache,
+              indices.shape[-1], None, None, enable_batch_invariant)
+    if not meta.have_initialized:
+        meta.have_initialized, meta.config = True, config
+    else:  # the real wrapper asserts the same, field by field
+        assert meta.config == config, f"sched_meta reused with other shapes: {meta.config} vs {config}"
+    softmax_scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    b, s_q, h_q, d = q.shape
+    pages, page_size = k_cache.shape[:2]
+    idx = indices.reshape(b * s_q, -1).long()
+    # FlashMLA's decode reference masks only -1; anything else outside the cache is a fault.
+    oob = (idx != -1) & ((idx < 0) | (idx >= pages * page_size))
+    _report("flash_mla_with_kvcache", "k_cache", oob, idx, pages * page_size, ENTRY_BYTES)
+    invalid = (idx == -1) | oob | _topk_length_mask("flash_mla_with_kvcache", topk_length, idx.shape, idx.device)
+    safe = idx.masked_fill(invalid, 0)
+    entries = k_cache[:, :, 0][safe // page_size, safe % page_size]  # honours the page stride of a strided cache
+    gathered = dequantize_fp8_ds_mla(entries).float()
+    o, _, lse = _sparse_attention(q.reshape(b * s_q, h_q, d), gathered, invalid, softmax_scale, head_dim_v)
+    if attn_sink is not None:
+        o = o * torch.sigmoid(lse - attn_sink.float()[None]).nan_to_num(0.0)[..., None]
+    o = o.view(b, s_q, h_q, head_dim_v)
+    if out is None:
+        out = torch.empty_like(o, dtype=q.dtype)
+    out.copy_(o)
+    return out, lse.view(b, s_q, h_q).transpose(1, 2).contiguous()
+
+
+def concat_mla_q(ql_nope: torch.Tensor, q_pe: torch.Tensor, q_out: torch.Tensor) -> None:
+    """`ops.concat_mla_q`: q_out[t, h] = ql_nope[t, h] | q_pe[t, h] for the input's heads (q_out may have more)."""
+    t, h, nope = ql_nope.shape
+    if q_out.shape[0] < t or q_out.shape[1] < h or q_out.shape[2] != nope + q_pe.shape[-1]:
+        _violation("concat_mla_q", "q_out", "store", q_out.numel(), q_out.numel(), q_out.element_size())
+        return
+    q_out[:t, :h, :nope] = ql_nope
+    q_out[:t, :h, nope:] = q_pe
+
+
+def _ceil_pow2(s: torch.Tensor) -> torch.Tensor:
+    mantissa, exponent = torch.frexp(s)
+    return torch.ldexp(torch.ones_like(s), exponent - (mantissa == 0.5).to(exponent.dtype))
+
+
+def quantize_fp8_ds_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, scale_convention: str = "pow2") -> torch.Tensor:
+    """[n, 512] + [n, 64] -> uint8 [n, 656]. "pow2": max(amax/448, 1e-4) rounded up to a power of two (newer CUDA
+    and the Triton writer); "arbitrary": max(amax/448, FLT_MIN) unrounded (older CUDA writer)."""
+    tiles = kv_c.float().view(-1, NOPE // TILE, TILE)
+    s = tiles.abs().amax(dim=-1) / FP8_MAX
+    s = _ceil_pow2(s.clamp(min=1e-4)) if scale_convention == "pow2" else s.clamp(min=torch.finfo(torch.float32).tiny)
+    fp8 = (tiles / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8).view(-1, NOPE)
+    return torch.cat([fp8, s.view(torch.uint8), k_pe.to(torch.bfloat16).contiguous().view(torch.uint8)], dim=-1)
+
+
+def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale, scale_convention="pow2"):
+    """`ops.concat_and_cache_mla` for "fp8_ds_mla" (per-entry scales; `scale` is ignored, as in the CUDA op);
+    unquantized dtypes go to the plain stand-in."""
+    if kv_cache_dtype != "fp8_ds_mla":
+        from fuzzer.standins.cache_ops import concat_and_cache_mla as plain
+
+        return plain(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale)
+    num_blocks, block_size = kv_cache.shape[:2]
+    slots, capacity = slot_mapping.long(), num_blocks * block_size
+    for slot in slots[slots >= capacity].tolist()[:8]:
+        _violation("concat_and_cache_mla", "kv_cache", "store", slot, capacity, ENTRY_BYTES)
+    keep = (slots >= 0) & (slots < capacity)
+    kv_cache[slots[keep] // block_size, slots[keep] % block_size] = quantize_fp8_ds_mla(
+        kv_c[keep], k_pe[keep], scale_convention)
