@@ -47,6 +47,7 @@ class Finding:
     inject: str | None
     examples_to_find: int
     seconds_to_find: float
+    has_repro: bool = True
 
     @property
     def id(self) -> str:
@@ -196,10 +197,12 @@ def save_finding(finding: Finding, repro_source: str, root: Path, tensors: dict 
 
     d = root / finding.id
     d.mkdir(parents=True, exist_ok=True)
+    finding.has_repro = bool(repro_source)
     (d / "case.json").write_text(finding.case.to_json() + "\n")
     (d / "finding.json").write_text(json.dumps(finding.to_dict(), indent=1) + "\n")
     (d / "report.md").write_text(render_report(finding))
-    (d / "repro.py").write_text(repro_source)
+    if repro_source:
+        (d / "repro.py").write_text(repro_source)
     if tensors:
         from safetensors.torch import save_file
 

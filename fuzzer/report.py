@@ -23,6 +23,8 @@ def render_report(f) -> str:
     lines += [f"- **{v.check}**: {v.detail}" for v in f.verdicts]
     if o.error_type:
         lines += ["", f"The call raised `{o.error_type}: {o.error}`:", "", "```", o.notes.get("traceback", "").rstrip(), "```"]
-    lines += ["", "## Reproduce", "", "```", "python repro.py   # exits 1 while the bug is present, 0 once fixed", "```",
+    how = ("python repro.py   # exits 1 while the bug is present, 0 once fixed" if f.has_repro else
+           f"attnfuzz replay repros/{f.id}   # this target renders no standalone repro.py yet")
+    lines += ["", "## Reproduce", "", "```", how, "```",
               "", "## Case", "", "```json", f.case.to_json(), "```", ""]
     return "\n".join(lines)

@@ -115,6 +115,17 @@ class _NoBoundsCheck:  # native GPU: memory errors are compute-sanitizer's to se
 """
 
 
+def _header(finding, about: str) -> str:
+    host = finding.host
+    return (
+        f'#!/usr/bin/env python3\n"""attnfuzz reproducer {finding.id}: {finding.title[:150]}\n\n'
+        f"Found by attnfuzz target `{finding.target}` on vLLM {host.vllm}, {host.device} ({host.device_name})"
+        + (f", with the injected bug `{finding.inject}` (inlined below)" if finding.inject else "") + ".\n"
+        f"{about}\n"
+        'Run:  python repro.py     (torch + vLLM only; exits 1 while the bug is present, 0 once fixed)\n"""\n'
+    )
+
+
 def render_index_repro(finding, target) -> str:
     case, host = finding.case, finding.host
     a = remap_args_for(case, materialize_index_inputs(case, "cpu"))
@@ -133,13 +144,7 @@ def render_index_repro(finding, target) -> str:
     install = ["SANITIZER.install()" if cpu else "pass"]
     if finding.inject:
         install.append("apply()  # the injected bug")
-    header = (
-        f'#!/usr/bin/env python3\n"""attnfuzz reproducer {finding.id}: {finding.title[:150]}\n\n'
-        f"Found by attnfuzz target `{finding.target}` on vLLM {host.vllm}, {host.device} ({host.device_name})"
-        + (f", with the injected bug `{finding.inject}` (inlined below)" if finding.inject else "") + ".\n"
-        f"Shrunk case: {case.summary()}\n"
-        'Run:  python repro.py     (torch + vLLM only; exits 1 while the bug is present, 0 once fixed)\n"""\n'
-    )
+    header = _header(finding, f"Shrunk case: {case.summary()}")
     parts = [header, "import os\nimport sys\n", _CPU_ENV if cpu else "", "import torch\n",
              f'DEVICE = "{"cpu" if cpu else "cuda"}"\n# What attnfuzz saw:\n'
              + "\n".join(f"#   {v.check}: {v.detail}" for v in finding.verdicts) + "\n",
@@ -242,15 +247,9 @@ def render_backend_repro(finding, target, tensors: dict, constants: dict, backen
             setup.append("    SANITIZER.install()")
     if finding.inject:
         setup.append("    apply()  # the injected bug")
-    header = (
-        f'#!/usr/bin/env python3\n"""attnfuzz reproducer {finding.id}: {finding.title[:150]}\n\n'
-        f"Found by attnfuzz target `{finding.target}` on vLLM {host.vllm}, {host.device} ({host.device_name})"
-        + (f", with the injected bug `{finding.inject}` (inlined below)" if finding.inject else "") + ".\n"
-        f"Shrunk case: {case.summary()}; {case.heads} heads, values {case.values}.\n"
-        "Inputs in tensors.safetensors beside this file: q, the paged KV cache as written before attention, the\n"
-        "top-k buffer, the step's metadata and the fp32 reference output (attnfuzz's oracle).\n"
-        'Run:  python repro.py     (torch + vLLM only; exits 1 while the bug is present, 0 once fixed)\n"""\n'
-    )
+    header = _header(finding, f"Shrunk case: {case.summary()}; {case.heads} heads, values {case.values}.\n"
+                     "Inputs in tensors.safetensors beside this file: q, the paged KV cache as written before attention,\n"
+                     "the top-k buffer, the step's metadata and the fp32 reference output (attnfuzz's oracle).")
     consts = "\n".join(f"{k} = {v!r}" for k, v in constants.items())
     case_ns = (f"case = SimpleNamespace(topk_width={case.topk_width}, heads={case.heads}, "
                f"kv_cache_dtype={case.kv_cache_dtype!r}, block_size={case.block_size})")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fuzzer.targets.base import Target
 from fuzzer.targets.dcp_filter import DcpFilter
+from fuzzer.targets.flashmla_sparse import FlashMLASparse
 from fuzzer.targets.index_remap import IndexRemap
 from fuzzer.targets.triton_sparse import TritonSparse
 
@@ -11,6 +12,7 @@ TARGETS: dict[str, type[Target]] = {
     IndexRemap.name: IndexRemap,
     DcpFilter.name: DcpFilter,
     TritonSparse.name: TritonSparse,
+    FlashMLASparse.name: FlashMLASparse,
 }
 
 

@@ -58,19 +58,25 @@ def install_standins() -> tuple[str, ...]:
         for name in ("flash_mla_sparse_fwd", "flash_mla_with_kvcache", "get_mla_metadata", "FlashMLASchedMeta"):
             setattr(mod, name, getattr(flashmla_ops, name))
         bound += ["flash_mla_sparse_fwd", "flash_mla_with_kvcache", "get_mla_metadata"]
-    if not _has_cache_op("concat_mla_q"):
-        mod.ops = SimpleNamespace(**{**vars(mod.ops), "concat_mla_q": flashmla_ops.concat_mla_q})
-        bound.append("concat_mla_q")
+    missing = [n for n in ("concat_mla_q", "cp_gather_and_upconvert_fp8_kv_cache") if not _has_cache_op(n)]
+    if missing:  # `ops` is vLLM's _custom_ops, bound by name: rebind it to a copy with the stand-ins
+        mod.ops = SimpleNamespace(**{**vars(mod.ops), **{n: getattr(flashmla_ops, n) for n in missing}})
+        bound += missing
     return tuple(bound)
 
 
 @functools.cache
 def cpu_shims() -> tuple[str, ...]:
     """CPU-only stand-ins for accelerator plumbing: they change no computation (streams are no-ops there)."""
+    import vllm.model_executor.layers.attention.mla_attention as mla_attention
+    import vllm.model_executor.layers.attention.sparse_mla_attention as sparse_mla_attention
     import vllm.v1.attention.backends.mla.index_group as index_group
+    import vllm.v1.attention.backends.utils as backend_utils
     import vllm.v1.worker.workspace as workspace
 
     mod = importlib.import_module(BACKEND_MODULE)
+    for m in (mla_attention, sparse_mla_attention, backend_utils):  # PIN_MEMORY bound by name at their import
+        m.PIN_MEMORY = False
 
     class _NoStream:  # CPU work is synchronous: waits, records and stream scopes order nothing
         def __init__(self, *a, **k): ...
@@ -88,7 +94,8 @@ def cpu_shims() -> tuple[str, ...]:
     workspace.torch = SimpleNamespace(**{**vars(torch), "accelerator": SimpleNamespace(empty_cache=lambda: None)})
     _zeros = torch.zeros
     mod.torch = SimpleNamespace(**{**vars(torch), "zeros": lambda *a, pin_memory=False, **k: _zeros(*a, **k)})
-    return ("flashmla_sparse.num_compute_units=132 (CPU platform raises)",
+    return ("PIN_MEMORY=False where (sparse_)mla_attention and backends.utils bound it",
+            "flashmla_sparse.num_compute_units=132 (CPU platform raises)",
             "index group side stream / events / current_stream: no-ops (CPU has no streams)",
             "workspace manager: torch.accelerator.empty_cache no-op",
             "flashmla_sparse: torch.zeros(pin_memory=True) unpinned (fp8 separate path)")
@@ -226,4 +233,6 @@ class FlashMLASparse(Target):
         return obs
 
     def render_repro(self, finding) -> tuple[str, dict]:
-        raise NotImplementedError("vllm.flashmla_sparse has no standalone reproducer yet (it needs the stand-ins)")
+        # Not yet: a standalone script would have to carry the stand-ins and the VllmConfig set-up. Until
+        # then the finding is replayed with `attnfuzz replay` (report.md says so).
+        return "", {}

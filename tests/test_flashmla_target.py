@@ -1,0 +1,80 @@
+"""The `vllm.flashmla_sparse` target on CPU: vLLM's FlashMLA builder + forward_mqa with torch stand-ins for
+FlashMLA's kernels and the cache ops, judged by the attention oracle the way the campaign's `check` does."""
+
+import functools
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+
+from fuzzer.interp.sanitizer import SANITIZER
+from strategies.case import Case, Request, TopkSpec
+from strategies.profiles import PROFILES
+
+pytestmark = pytest.mark.vllm
+
+
+@functools.cache
+def target():
+    from fuzzer.targets.flashmla_sparse import FlashMLASparse
+
+    t = FlashMLASparse("cpu")
+    assert t.unavailable() is None
+    t.prepare()
+    return t
+
+
+def check(case: Case):
+    t = target()
+    obs = t.run(case)
+    verdicts = t.oracle(case, obs)
+    assert all(v.ok for v in verdicts), (case.summary(), case.kv_cache_dtype, case.heads, verdicts)
+    return obs, verdicts
+
+
+def mixed_batch(kv_cache_dtype: str, heads: int, block_size: int) -> Case:
+    """2 decodes + 1 prefill, the prefill with a chunked context, unwritten positions and out-of-table picks."""
+    reqs = (Request(1, 70), Request(1, 5), Request(9, 30))
+    table, nxt = [], 1
+    for r in reqs:
+        n = -(-r.seq_len // block_size)
+        table.append(tuple(range(nxt, nxt + n)) + (0,) * (3 - n))
+        nxt += n
+    return Case(requests=reqs, num_decodes=2, block_size=block_size, block_table=tuple(table), topk_width=128,
+                topk=(TopkSpec(40), TopkSpec(128, "scattered"), TopkSpec(20, "head", past_table=2)), heads=heads,
+                kv_cache_dtype=kv_cache_dtype, block_stride_rows=2 * block_size, seed=3).validate()
+
+
+@pytest.mark.parametrize("kv_cache_dtype,heads,block_size", [
+    ("bfloat16", 16, 64), ("bfloat16", 64, 128),
+    ("fp8_ds_mla", 16, 64),  # heads < 32: fp8 mixed batch (the decode kernel for every token)
+    ("fp8_ds_mla", 64, 128),  # fp8 separate prefill/decode: upconverted workspace + bf16 prefill kernel
+])
+def test_mixed_batch_two_decodes_one_prefill(kv_cache_dtype, heads, block_size):
+    obs, verdicts = check(mixed_batch(kv_cache_dtype, heads, block_size))
+    assert obs.outputs["out"].shape == (11, heads, 512)
+    assert {"flash_mla_sparse_fwd", "flash_mla_with_kvcache", "get_mla_metadata", "concat_mla_q"} <= set(obs.emulated)
+
+
+@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(target().cases(PROFILES["cpu"]))
+def test_generated_cases_pass(case):
+    check(case)
+
+
+def test_sparse_prefill_standin_masks_by_contract_and_reports_faults():
+    from fuzzer.standins.flashmla_ops import flash_mla_sparse_fwd, flash_mla_with_kvcache, get_mla_metadata, quantize_fp8_ds_mla
+
+    kv = torch.randn(4, 1, 576, dtype=torch.bfloat16)
+    q = torch.randn(2, 8, 576, dtype=torch.bfloat16)
+    idx = torch.tensor([[[0, 3, -1, 9]], [[-1, -1, -1, -1]]], dtype=torch.int32)  # 9 >= s_kv: invalid by contract
+    with SANITIZER.collect() as found:
+        out, _, lse = flash_mla_sparse_fwd(q, kv, idx, 0.1, topk_length=torch.tensor([2, 4], dtype=torch.int32))
+    assert not found and out[1].eq(0).all() and lse[1].eq(float("inf")).all()  # empty row: 0 and +inf (FlashMLA ref)
+    ref, _, _ = flash_mla_sparse_fwd(q[:1], kv, idx[:1, :, :2], 0.1)
+    assert torch.equal(out[:1], ref)
+    cache = quantize_fp8_ds_mla(kv[:, 0, :512], kv[:, 0, 512:]).view(1, 4, 1, 656)
+    with SANITIZER.collect() as found:  # the decode kernel masks only -1: 7 is past the cache
+        flash_mla_with_kvcache(q[None], cache, None, None, 512, get_mla_metadata()[0], softmax_scale=0.1,
+                               is_fp8_kvcache=True, indices=torch.tensor([[[0, 7], [1, -1]]], dtype=torch.int32))
+    assert [(v.op, v.argument) for v in found] == [("load", "k_cache")]
