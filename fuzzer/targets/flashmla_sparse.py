@@ -9,6 +9,7 @@ CPU), torch stand-ins from `fuzzer.standins.flashmla_ops` are bound where `flash
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import json
@@ -101,6 +102,33 @@ def cpu_shims() -> tuple[str, ...]:
             "flashmla_sparse: torch.zeros(pin_memory=True) unpinned (fp8 separate path)")
 
 
+@contextlib.contextmanager
+def _inspect_in_process():
+    """ModelConfig inspects the architecture by importing DeepSeek's model module in a subprocess, whose
+    quantization utils ask vLLM's compiled `_C` whether CUTLASS block-fp8 GEMMs exist. Where `_C` is missing
+    (the GPU bundle), inspect in this process and answer as a build without those kernels would (False):
+    attention computes nothing with it."""
+    from vllm.model_executor.models import registry
+
+    try:
+        torch.ops._C.cutlass_scaled_mm_supports_block_fp8
+    except (AttributeError, RuntimeError):
+        if not _LIBS:
+            lib = torch.library.Library("_C", "FRAGMENT")
+            lib.define("cutlass_scaled_mm_supports_block_fp8(int cuda_device_capability) -> bool")
+            lib.impl("cutlass_scaled_mm_supports_block_fp8", lambda cap: False, "CompositeExplicitAutograd")
+            _LIBS.append(lib)  # the definition lives as long as the library object
+    run_in_subprocess = registry._run_in_subprocess
+    registry._run_in_subprocess = lambda fn: fn()
+    try:
+        yield
+    finally:
+        registry._run_in_subprocess = run_in_subprocess
+
+
+_LIBS: list = []
+
+
 @functools.cache
 def vllm_runtime(device: str):
     """Process-wide: one real VllmConfig (per-case fields are set by `configure`), a world-size-1 gloo
@@ -113,8 +141,9 @@ def vllm_runtime(device: str):
     model_dir = (STATE_DIR / "flashmla-model").resolve()
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / "config.json").write_text(json.dumps(HF_CONFIG))
-    model = ModelConfig(model=str(model_dir), tokenizer=None, skip_tokenizer_init=True, dtype="bfloat16",
-                        max_model_len=MAX_MODEL_LEN)
+    with _inspect_in_process():
+        model = ModelConfig(model=str(model_dir), tokenizer=None, skip_tokenizer_init=True, dtype="bfloat16",
+                            max_model_len=MAX_MODEL_LEN)
     cfg = VllmConfig(model_config=model, device_config=DeviceConfig(device=device))
     with set_current_vllm_config(cfg):
         if parallel_state._TP is None:
