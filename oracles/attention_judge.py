@@ -10,12 +10,17 @@ from oracles.materialize import SM_SCALE, materialize_attention_inputs
 from oracles.verdict import Verdict, passed
 
 
-def reference_for(case, inputs=None, device: str = "cpu"):
+def reference_for(case, inputs=None, device: str = "cpu", slot_values=None):
     """(out [T, H, 512], lse [T, H], valid_rows [T]) on CPU, from request-local positions and the case's own
     block table: independent of vLLM's remap. Positions outside [0, seq_len) are not selected. Computed on
-    `device` (in float64): a GPU host judges its large cases on the GPU."""
+    `device` (in float64): a GPU host judges its large cases on the GPU. `slot_values` (slots, rows) replaces
+    the K/V of those physical slots: a quantized cache is judged by what its bytes hold."""
     inp = inputs or materialize_attention_inputs(case, "cpu")
-    kv = torch.cat([inp.kv_c, inp.k_pe], dim=-1).float().to(device)
+    kv = torch.cat([inp.kv_c, inp.k_pe], dim=-1).float()
+    if slot_values is not None:
+        kv = kv.clone()
+        kv[slot_values[0].long().cpu()] = slot_values[1].float().cpu()
+    kv = kv.to(device)
     topk = inp.index.topk_indices.long().to(device)
     rows, offsets, start = [], [], 0
     for r, req in enumerate(case.requests):
@@ -31,10 +36,36 @@ def reference_for(case, inputs=None, device: str = "cpu"):
     return out.cpu(), lse.cpu(), (indices >= 0).any(dim=1).cpu()
 
 
+def judge_fp8_ds_mla_entries(case, inputs, slots, entries):
+    """The 656-byte entries the cache writer produced, read back: (slots, dequantized rows) for the reference,
+    and a verdict if they do not hold the values written (scale convention, layout; classes K and E).
+
+    The kernels consume the entries' values, so the output is judged against attention over exactly those
+    (rounded to bf16, as the kernels dequantize), with bf16's tolerance: the quantization error itself is
+    judged here, once, at the fp8 bound."""
+    from oracles.fp8_ds_mla import dequantize, split_entry
+
+    values = dequantize(entries.cpu()).to(torch.bfloat16).float()
+    want = torch.cat([inputs.kv_c, inputs.k_pe], dim=-1).float()[slots.long().cpu()]
+    # e4m3 keeps 3 mantissa bits (2^-4 relative) down to its subnormal step, 2^-9 times the tile's scale;
+    # the RoPE half is bf16 written as bf16.
+    scale = split_entry(entries.cpu())[1].float().repeat_interleave(128, dim=-1)
+    bound = torch.cat([2**-4 * want[:, :512].abs() + 2**-9 * scale, 2**-8 * want[:, 512:].abs()], dim=-1)
+    bad = ~((values - want).abs() <= bound + 1e-30)
+    verdict = None
+    if bad.any():
+        row, col = (int(x) for x in bad.nonzero()[0])
+        verdict = Verdict("cache_write", False, f"fp8_ds_mla entry of slot {int(slots[row])} reads back {values[row, col]:.4g} "
+                                                f"at element {col}, written {want[row, col]:.4g} ({int(bad.sum())} elements off)",
+                          "K" if col < 512 else "E", where="cache_write")
+    return (slots, values), verdict
+
+
 def attention_tolerance(case, inputs) -> tuple[float, float]:
     """vLLM's test tolerances are for values of order 1: atol scales with the largest V the case holds, so
     tiny values are not waved through and large ones (bf16 P and output rounding) are not flagged."""
-    atol, rtol = tolerance("bfloat16", case.kv_cache_dtype)
+    # A quantized cache is judged through its read-back values (judge_fp8_ds_mla_entries): bf16 from there.
+    atol, rtol = tolerance("bfloat16", "bfloat16")
     return atol * (max(float(inputs.kv_c.float().abs().max()), 1e-6) if inputs.kv_c.numel() else 1.0), rtol
 
 
@@ -48,7 +79,12 @@ def judge_attention(case, obs) -> list[Verdict]:
         verdicts.append(Verdict("cache", False, f"the KV cache changed during an attention call that must only read "
                                                 f"it: {obs.notes['cache_changed']}", "H", where="cache"))
     inputs = materialize_attention_inputs(case, "cpu")
-    out_ref, lse_ref, valid_rows = reference_for(case, inputs, device=obs.device)
+    slot_values = None
+    if case.kv_cache_dtype == "fp8_ds_mla" and "cache_entries" in obs.outputs:
+        slot_values, write_verdict = judge_fp8_ds_mla_entries(case, inputs, obs.outputs["cache_slots"],
+                                                              obs.outputs["cache_entries"])
+        verdicts += [write_verdict] if write_verdict else []
+    out_ref, lse_ref, valid_rows = reference_for(case, inputs, device=obs.device, slot_values=slot_values)
     out = obs.outputs["out"].float()
     if out.shape != out_ref.shape:
         return verdicts + [Verdict("output", False, f"output shape {tuple(out.shape)}, expected {tuple(out_ref.shape)}",

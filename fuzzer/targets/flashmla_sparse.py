@@ -254,6 +254,9 @@ class FlashMLASparse(Target):
             return {"out": out, "lse": lse}
 
         obs = self.observe(call)
+        if before and case.kv_cache_dtype == "fp8_ds_mla":  # the bytes written, for the oracle to read back
+            obs.outputs["cache_slots"] = slots.cpu()
+            obs.outputs["cache_entries"] = before[0][slots // case.block_size, slots % case.block_size].cpu()
         obs.emulated = tuple(x for x in (*self.emulated, write_emulated) if x)
         obs.notes["shims"] = self.shims
         changed = (cache.view(torch.uint8) != before[0].view(torch.uint8)).any(dim=-1).nonzero() if before else []
