@@ -18,6 +18,7 @@ MUTANTS: dict[str, str] = {
     "remap-past-table-not-invalid": "fuzzer.mutants.remap_past_table_not_invalid",
     "dcp-owner-ignores-interleave": "fuzzer.mutants.dcp_owner_ignores_interleave",
     "softmax-masked-tile-nan": "fuzzer.mutants.softmax_masked_tile_nan",
+    "flashmla-padded-heads-out": "fuzzer.mutants.flashmla_padded_heads_out",
 }
 
 

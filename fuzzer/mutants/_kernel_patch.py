@@ -41,3 +41,19 @@ def patch_remap_kernel(edits, label):
         patch_kernel(su.__name__, "_convert_req_index_to_global_index_kernel", edits, label)
     else:
         holder.kernel = mutate_jit(holder.kernel, vars(su), edits, label)
+
+
+def patch_method(module_name, class_name, method_name, edits, label):
+    """Replace a method of one of vLLM's classes by its source with `edits` applied."""
+    module = importlib.import_module(module_name)
+    cls = getattr(module, class_name)
+    fn = getattr(cls, method_name)
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    src = ast.unparse(tree)
+    for old, new in edits:
+        if old not in src:
+            raise RuntimeError(f"mutant {label}: `{old}` not found in this vLLM's {class_name}.{method_name}")
+        src = src.replace(old, new)
+    scope = dict(vars(module))
+    exec(compile(src, f"<attnfuzz mutant {label}>", "exec"), scope)
+    setattr(cls, method_name, scope[method_name])
