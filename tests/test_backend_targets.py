@@ -22,16 +22,31 @@ def test_concat_and_cache_mla_standin_writes_slots_and_checks_bounds():
     assert [(v.op, v.argument) for v in found] == [("store", "kv_cache")]
 
 
+def _xpu_kernel_masks_with_inf() -> bool:
+    """Releases up to 0.26 mask with -inf: a fully masked first tile gives NaN (their own class-I bug)."""
+    import inspect
+
+    from vllm.v1.attention.ops import xpu_mla_sparse
+
+    return 'float("inf")' in inspect.getsource(xpu_mla_sparse)
+
+
 @pytest.mark.vllm
 def test_clean_triton_sparse_campaign(tmp_path):
     r = attnfuzz("run", "--target", "vllm.triton_sparse", "--seed", "2", "--max-examples", "12",
                  "--json", str(tmp_path / "s.json"), "--repros", str(tmp_path / "repros"))
+    summary = json.loads((tmp_path / "s.json").read_text())
+    if _xpu_kernel_masks_with_inf():
+        assert r.returncode == 1 and {c for f in summary["findings"] for c in f["bug_classes"]} == {"I"}
+        return
     assert r.returncode == 0, r.stdout + r.stderr
-    assert json.loads((tmp_path / "s.json").read_text())["examples"] >= 12
+    assert summary["examples"] >= 12
 
 
 @pytest.mark.vllm
 def test_fully_masked_tile_mutant_is_found_and_reproduced(tmp_path):
+    if _xpu_kernel_masks_with_inf():
+        pytest.skip("this release already has the bug the mutant injects")
     r = attnfuzz("run", "--target", "vllm.triton_sparse", "--inject", "softmax-masked-tile-nan", "--max-examples", "60",
                  "--json", str(tmp_path / "s.json"), "--repros", str(tmp_path / "repros"))
     assert r.returncode == 1, r.stdout + r.stderr
@@ -45,6 +60,10 @@ def test_fully_masked_tile_mutant_is_found_and_reproduced(tmp_path):
 
 @pytest.mark.vllm
 def test_padded_heads_mutant_is_found_on_flashmla(tmp_path):
+    from fuzzer.targets.flashmla_sparse import FlashMLASparse
+
+    if FlashMLASparse("cpu").unavailable():
+        pytest.skip(FlashMLASparse("cpu").unavailable())
     r = attnfuzz("run", "--target", "vllm.flashmla_sparse", "--inject", "flashmla-padded-heads-out",
                  "--max-examples", "60", "--json", str(tmp_path / "s.json"), "--repros", str(tmp_path / "repros"))
     assert r.returncode == 1, r.stdout + r.stderr

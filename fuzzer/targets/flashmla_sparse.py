@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import importlib.util
 import json
 from types import SimpleNamespace
 
@@ -182,6 +183,10 @@ class FlashMLASparse(Target):
             importlib.import_module(BACKEND_MODULE)
         except Exception as e:
             return f"cannot import {BACKEND_MODULE}: {type(e).__name__}: {e}"
+        if importlib.util.find_spec("vllm.v1.attention.backends.mla.index_group") is None:
+            from fuzzer.targets.vllm_api import vllm_version
+
+            return f"drives vLLM's sparse-MLA index group (as in 0.33); vLLM {vllm_version()} has none: not supported yet"
         return None
 
     def prepare(self) -> None:
