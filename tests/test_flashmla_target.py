@@ -74,7 +74,7 @@ def test_sparse_prefill_standin_masks_by_contract_and_reports_faults():
         out, _, lse = flash_mla_sparse_fwd(q, kv, idx, 0.1, topk_length=torch.tensor([2, 4], dtype=torch.int32))
     assert not found and out[1].eq(0).all() and lse[1].eq(float("inf")).all()  # empty row: 0 and +inf (FlashMLA ref)
     ref, _, _ = flash_mla_sparse_fwd(q[:1], kv, idx[:1, :, :2], 0.1)
-    assert torch.equal(out[:1], ref)
+    torch.testing.assert_close(out[:1], ref, atol=1e-2, rtol=1e-2)  # same set; summation order may differ
     cache = quantize_fp8_ds_mla(kv[:, 0, :512], kv[:, 0, 512:]).view(1, 4, 1, 656)
     with SANITIZER.collect() as found:  # the decode kernel masks only -1: 7 is past the cache
         flash_mla_with_kvcache(q[None], cache, None, None, 512, get_mla_metadata()[0], softmax_scale=0.1,
