@@ -122,7 +122,6 @@ def cmd_run(args, device: str) -> int:
 
 def _print_summary(result, saved, host) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     console = Console()
     console.print(f"{result.target}: {result.examples} cases in {result.seconds:.1f} s "

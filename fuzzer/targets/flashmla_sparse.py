@@ -18,15 +18,14 @@ from types import SimpleNamespace
 
 import torch
 
-from fuzzer.targets.backend_harness import cache_writer, common_attn_metadata, paged_cache
+from fuzzer.targets.backend_harness import cache_writer, common_attn_metadata, paged_cache, step_tensors
 from fuzzer.targets.base import Target
 from oracles.attention_judge import judge_attention
-from oracles.materialize import HEAD_SIZE, KV_LORA_RANK, ROPE_DIM, SM_SCALE, materialize_attention_inputs
+from oracles.materialize import HEAD_SIZE, KV_LORA_RANK, ROPE_DIM, SM_SCALE
 from strategies.batches import AttentionFeatures, attention_cases
 
 BACKEND_MODULE = "vllm.v1.attention.backends.mla.flashmla_sparse"
 LAYER = "attnfuzz.layer"
-TOPK_POISON = 2**30 - 1  # rows of the top-k buffer past this step's tokens: must never be read
 FP8_ENTRY_BYTES = 656
 MAX_MODEL_LEN = 8192  # fp8 reserves max_model_len x sparse_mla_prefill_workspace_factor rows of 576 bf16
 # A small DeepSeek-V3.2-shaped HF config: ModelConfig needs one on disk (no hub); only the MLA dims matter.
@@ -205,10 +204,7 @@ class FlashMLASparse(Target):
 
     def step(self, case, device):
         """Inputs, poisoned cache, top-k buffer, new-token slots for `case` on `device`."""
-        inp = materialize_attention_inputs(case, device)
-        slots = (torch.unique(torch.cat(inp.slot_of)) if inp.slot_of else torch.zeros(0, dtype=torch.int64)).to(device)
-        topk_buffer = torch.full((case.num_tokens + 8, case.topk_width), TOPK_POISON, dtype=torch.int32, device=device)
-        topk_buffer[: case.num_tokens] = inp.index.topk_indices
+        inp, slots, topk_buffer = step_tensors(case, device)
         if case.kv_cache_dtype == "fp8_ds_mla":  # 0xFF: fp8 NaN codes, NaN scales, NaN RoPE
             cache = paged_cache(case, device, dtype=torch.uint8, width=FP8_ENTRY_BYTES, poison=255)
         else:

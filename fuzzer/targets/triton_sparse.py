@@ -13,14 +13,19 @@ from types import SimpleNamespace
 
 import torch
 
-from fuzzer.targets.backend_harness import cache_writer, common_attn_metadata, model_namespace, paged_cache
+from fuzzer.targets.backend_harness import (
+    cache_writer,
+    common_attn_metadata,
+    model_namespace,
+    paged_cache,
+    step_tensors,
+)
 from fuzzer.targets.base import Target
 from oracles.attention_judge import judge_attention
-from oracles.materialize import HEAD_SIZE, KV_LORA_RANK, SM_SCALE, materialize_attention_inputs
+from oracles.materialize import HEAD_SIZE, KV_LORA_RANK, SM_SCALE
 from strategies.batches import AttentionFeatures, attention_cases
 
 BACKEND_MODULE = "vllm.v1.attention.backends.mla.xpu_mla_sparse"
-TOPK_POISON = 2**30 - 1  # rows of the top-k buffer past this step's tokens: must never be read
 
 
 class TritonSparse(Target):
@@ -59,10 +64,7 @@ class TritonSparse(Target):
 
     def step(self, case, device):
         """Everything the call needs, on `device`: inputs, poisoned cache, top-k buffer, config."""
-        inp = materialize_attention_inputs(case, device)
-        slots = (torch.unique(torch.cat(inp.slot_of)) if inp.slot_of else torch.zeros(0, dtype=torch.int64)).to(device)
-        topk_buffer = torch.full((case.num_tokens + 8, case.topk_width), TOPK_POISON, dtype=torch.int32, device=device)
-        topk_buffer[: case.num_tokens] = inp.index.topk_indices
+        inp, slots, topk_buffer = step_tensors(case, device)
         return inp, slots, paged_cache(case, device), topk_buffer
 
     def run(self, case):
