@@ -33,6 +33,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--max-examples", type=int, default=None)
     g.add_argument("--time-budget", type=_duration, default=None, metavar="D")
     r.add_argument("--inject", metavar="NAME_OR_FILE", help="a built-in mutant or a Python file to run first")
+    r.add_argument("--kv-cache-dtype", default=None, help="draw only this kv_cache_dtype (backend targets)")
     r.add_argument("--profile", default=None, help="case sizes: cpu or gpu (default: the device's)")
     r.add_argument("--json", type=Path, metavar="PATH", help="write a JSON summary here")
     r.add_argument("--repros", type=Path, default=Path("repros"), help="where findings are saved")
@@ -89,6 +90,11 @@ def cmd_run(args, device: str) -> int:
 
     _import_vllm()
     target = _make_target(args.target, device)  # detects the release's API before any mutant patches it
+    if args.kv_cache_dtype:
+        if args.kv_cache_dtype not in target.kv_cache_dtypes:
+            raise UsageError(f"--kv-cache-dtype {args.kv_cache_dtype}: {target.name} takes "
+                             f"{', '.join(target.kv_cache_dtypes) or 'no kv cache'}")
+        target.kv_cache_dtypes = (args.kv_cache_dtype,)
     label = None
     if args.inject:
         try:
@@ -113,6 +119,7 @@ def cmd_run(args, device: str) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
             "target": result.target, "seed": args.seed, "inject": label, "profile": profile_name,
+            "kv_cache_dtypes": list(target.kv_cache_dtypes),
             "examples": result.examples, "seconds": round(result.seconds, 2), "cases_per_second": round(result.rate, 2),
             "checks": result.checks, "host": host.to_dict(),
             "findings": [dict(f.to_dict(), path=str(p)) for f, p in zip(result.findings, saved)],

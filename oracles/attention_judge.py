@@ -6,11 +6,11 @@ from __future__ import annotations
 import torch
 
 from oracles.attention import error_margin, sparse_mla_reference, tolerance
-from oracles.materialize import SM_SCALE, materialize_attention_inputs
+from oracles.materialize import SM_SCALE, materialize_attention_inputs, materialize_layer_inputs
 from oracles.verdict import Verdict, passed
 
 
-def reference_for(case, inputs=None, device: str = "cpu", slot_values=None):
+def reference_for(case, inputs=None, device: str = "cpu", slot_values=None, q=None):
     """(out [T, H, 512], lse [T, H], valid_rows [T]) on CPU, from request-local positions and the case's own
     block table: independent of vLLM's remap. Positions outside [0, seq_len) are not selected. Computed on
     `device` (in float64): a GPU host judges its large cases on the GPU. `slot_values` (slots, rows) replaces
@@ -32,7 +32,8 @@ def reference_for(case, inputs=None, device: str = "cpu", slot_values=None):
     offset = torch.tensor(offsets, dtype=torch.long, device=device)[req_of][:, None]
     seq_len = inp.index.seq_lens.long().to(device)[req_of][:, None]
     indices = torch.where((topk >= 0) & (topk < seq_len), topk + offset, torch.full_like(topk, -1))
-    out, lse = sparse_mla_reference(inp.q.float().to(device), k_all, indices, SM_SCALE, 512)
+    q = inp.q.float() if q is None else q  # q: a layer's absorbed q (float64)
+    out, lse = sparse_mla_reference(q.to(device), k_all, indices, SM_SCALE, 512)
     return out.cpu(), lse.cpu(), (indices >= 0).any(dim=1).cpu()
 
 
@@ -69,33 +70,36 @@ def attention_tolerance(case, inputs) -> tuple[float, float]:
     return atol * (max(float(inputs.kv_c.float().abs().max()), 1e-6) if inputs.kv_c.numel() else 1.0), rtol
 
 
-def judge_attention(case, obs) -> list[Verdict]:
-    verdicts: list[Verdict] = []
-    for v in obs.memory:
-        verdicts.append(Verdict("memory", False, v.describe(), "C", where=v.kernel))
+def _call_verdicts(obs) -> tuple[list[Verdict], bool]:
+    """Memory violations, a raised error (nothing else to judge then), a cache the call wrote."""
+    verdicts = [Verdict("memory", False, v.describe(), "C", where=v.kernel) for v in obs.memory]
+    for what in obs.notes.get("buffer_overrun", []):
+        verdicts.append(Verdict("memory", False, what, "A", where="buffer_overrun"))
     if obs.error_type is not None:
-        return verdicts + [Verdict("error", False, f"{obs.error_type}: {obs.error}", where=obs.error_type)]
+        return verdicts + [Verdict("error", False, f"{obs.error_type}: {obs.error}", where=obs.error_type)], False
     if obs.notes.get("cache_changed"):
         verdicts.append(Verdict("cache", False, f"the KV cache changed during an attention call that must only read "
                                                 f"it: {obs.notes['cache_changed']}", "H", where="cache"))
-    inputs = materialize_attention_inputs(case, "cpu")
-    slot_values = None
+    return verdicts, True
+
+
+def _read_back(case, inputs, obs, verdicts):
     if case.kv_cache_dtype == "fp8_ds_mla" and "cache_entries" in obs.outputs:
         slot_values, write_verdict = judge_fp8_ds_mla_entries(case, inputs, obs.outputs["cache_slots"],
                                                               obs.outputs["cache_entries"])
         verdicts += [write_verdict] if write_verdict else []
-    out_ref, lse_ref, valid_rows = reference_for(case, inputs, device=obs.device, slot_values=slot_values)
-    out = obs.outputs["out"].float()
-    if out.shape != out_ref.shape:
-        return verdicts + [Verdict("output", False, f"output shape {tuple(out.shape)}, expected {tuple(out_ref.shape)}",
-                                   "J", where="shape")]
+        return slot_values
+    return None
+
+
+def _output_verdicts(out, out_ref, valid_rows, atol, rtol) -> tuple[list[Verdict], float]:
+    verdicts = []
     bad = ~torch.isfinite(out)
     if bad.any():
         t, h, _ = (int(x) for x in bad.nonzero()[0])
         kind = "row with no valid index" if not valid_rows[t] else "valid row"
         verdicts.append(Verdict("nan", False, f"{int(bad.sum())} non-finite outputs; first token {t} head {h} "
                                               f"({kind}; reference is finite)", "I", where="nan"))
-    atol, rtol = attention_tolerance(case, inputs)
     empty = ~valid_rows
     if empty.any() and torch.isfinite(out[empty]).all() and out[empty].abs().max() > 0:
         t = int(empty.nonzero()[0])
@@ -106,15 +110,84 @@ def judge_attention(case, obs) -> list[Verdict]:
     if margin > 1:
         err = ((out - out_ref).abs() / (atol + rtol * out_ref.abs())).nan_to_num(0)
         t, h, d = (int(x) for x in (err == err.max()).nonzero()[0])
-        verdicts.append(Verdict("output", False, f"output off by {margin:.2f}x the tolerance (atol {atol}, rtol {rtol}); "
+        verdicts.append(Verdict("output", False, f"output off by {margin:.2f}x the tolerance (atol {atol:.3g}, rtol {rtol}); "
                                                  f"worst at token {t} head {h} dim {d}: {out[t, h, d]:.4g} vs "
                                                  f"{out_ref[t, h, d]:.4g}", margin=margin, where="output"))
+    return verdicts, margin
+
+
+def judge_attention(case, obs) -> list[Verdict]:
+    """An impl-level call (forward_mqa): latent output [T, H, 512] and LSE."""
+    verdicts, go_on = _call_verdicts(obs)
+    if not go_on:
+        return verdicts
+    inputs = materialize_attention_inputs(case, "cpu")
+    slot_values = _read_back(case, inputs, obs, verdicts)
+    out_ref, lse_ref, valid_rows = reference_for(case, inputs, device=obs.device, slot_values=slot_values)
+    out = obs.outputs["out"].float()
+    if out.shape != out_ref.shape:
+        return verdicts + [Verdict("output", False, f"output shape {tuple(out.shape)}, expected {tuple(out_ref.shape)}",
+                                   "J", where="shape")]
+    atol, rtol = attention_tolerance(case, inputs)
+    found, margin = _output_verdicts(out, out_ref, valid_rows, atol, rtol)
+    verdicts += found
     lse = obs.outputs.get("lse")
     if lse is not None:
         lse_margin = error_margin(lse.float(), lse_ref, 1e-2, 1e-2)
         if lse_margin > 1:
             verdicts.append(Verdict("lse", False, f"LSE off by {lse_margin:.2f}x the tolerance", "G", margin=lse_margin,
                                     where="lse"))
+    if not verdicts:
+        verdicts.append(passed("output", f"{case.num_tokens} tokens within tolerance", margin=margin))
+    return verdicts
+
+
+def layer_reference_for(case, layer_inputs, device: str = "cpu", slot_values=None, mha_tokens: int = 0):
+    """(out [T, H, 128], valid_rows): the layer's output, v-projected through W_UV, from the absorbed q.
+
+    The dense-MHA route projects the step's own tokens from kv_c_normed as given, not from the cache: with a
+    quantized cache its last `mha_tokens` rows see those tokens unquantized (and their context dequantized)."""
+    inp = layer_inputs.attention
+    q = layer_inputs.latent_q()
+    out, _, valid_rows = reference_for(case, inp, device, slot_values, q=q)
+    if mha_tokens and slot_values is not None:
+        first = case.num_tokens - mha_tokens
+        new_slots = [inp.slot_of[r][req.context_len:] for r, req in enumerate(case.requests)
+                     if req.query_len and case.token_start(r) >= first]
+        fresh = torch.cat(new_slots) if new_slots else torch.zeros(0, dtype=torch.int64)
+        keep = ~torch.isin(slot_values[0].long().cpu(), fresh)
+        mha_out, _, _ = reference_for(case, inp, device, (slot_values[0].cpu()[keep], slot_values[1][keep]), q=q)
+        out[first:] = mha_out[first:]
+    _, w_uv = layer_inputs.w_uk_uv()
+    return torch.einsum("thl,hvl->thv", out.double(), w_uv).float(), valid_rows
+
+
+def layer_tolerance(case, layer_inputs) -> tuple[float, float]:
+    """bf16's 1e-2, scaled by the size V can reach: max |kv_c| times the largest W_UV row norm."""
+    atol, rtol = tolerance("bfloat16", "bfloat16")
+    _, w_uv = layer_inputs.w_uk_uv()
+    kv = layer_inputs.attention.kv_c
+    v_scale = (float(kv.float().abs().max()) if kv.numel() else 1.0) * float(w_uv.norm(dim=-1).max())
+    return atol * max(v_scale, 1e-6), rtol
+
+
+def judge_layer(case, obs) -> list[Verdict]:
+    """A layer-level call (MLAAttention.forward_impl): output [T, H * 128] after W_UV, whichever route
+    vLLM took for each token (the target records how many tail tokens went to dense MHA)."""
+    verdicts, go_on = _call_verdicts(obs)
+    if not go_on:
+        return verdicts
+    layer_inputs = materialize_layer_inputs(case, "cpu")
+    slot_values = _read_back(case, layer_inputs.attention, obs, verdicts)
+    mha_tokens = int(obs.notes.get("route", {}).get("mha_tokens", 0))
+    out_ref, valid_rows = layer_reference_for(case, layer_inputs, obs.device, slot_values, mha_tokens)
+    out = obs.outputs["out"].float()
+    if out.numel() != out_ref.numel():
+        return verdicts + [Verdict("output", False, f"output shape {tuple(out.shape)}, expected {tuple(out_ref.shape)}",
+                                   "J", where="shape")]
+    atol, rtol = layer_tolerance(case, layer_inputs)
+    found, margin = _output_verdicts(out.view(out_ref.shape), out_ref, valid_rows, atol, rtol)
+    verdicts += found
     if not verdicts:
         verdicts.append(passed("output", f"{case.num_tokens} tokens within tolerance", margin=margin))
     return verdicts

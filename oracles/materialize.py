@@ -128,3 +128,36 @@ def materialize_attention_inputs(case: Case, device: str | torch.device = "cpu")
     kv = kv.to(torch.bfloat16)
     return AttentionInputs(index, q.to(torch.bfloat16).to(device), kv[:, :KV_LORA_RANK].to(device),
                            kv[:, KV_LORA_RANK:].to(device), slot_of, num_slots)
+
+
+QK_NOPE, V_HEAD = 128, 128  # DeepSeek-V3: per-head q/k NoPE and V widths before absorption
+
+
+@dataclass(frozen=True)
+class LayerInputs:
+    """What vLLM's MLAAttention layer receives: q before W_UK absorption, the new tokens' latent, and the
+    kv_b_proj weight whose per-head halves are W_UK (k NoPE) and W_UV (v)."""
+
+    attention: AttentionInputs  # kv_c / k_pe per slot and the index inputs (its latent q is unused)
+    q: torch.Tensor  # bf16 [num_tokens, heads, 192]: (q_nope 128 | q_pe 64)
+    kv_b_weight: torch.Tensor  # bf16 [heads * 256, 512]: rows h*256 .. +128 W_UK[h], +128 .. +256 W_UV[h]
+
+    def w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [H, 128, 512], W_UV [H, 128, 512]) in float64."""
+        w = self.kv_b_weight.double().view(-1, QK_NOPE + V_HEAD, KV_LORA_RANK)
+        return w[:, :QK_NOPE], w[:, QK_NOPE:]
+
+    def latent_q(self) -> torch.Tensor:
+        """float64 [T, H, 576]: q_nope absorbed through W_UK (what forward_mqa attends with), and q_pe."""
+        w_uk, _ = self.w_uk_uv()
+        q = self.q.double().cpu()
+        return torch.cat([torch.einsum("thn,hnl->thl", q[..., :QK_NOPE], w_uk.cpu()), q[..., QK_NOPE:]], dim=-1)
+
+
+def materialize_layer_inputs(case: Case, device: str | torch.device = "cpu") -> LayerInputs:
+    attention = materialize_attention_inputs(case, device)
+    g = torch.Generator().manual_seed(case.seed + 2)
+    # W entries ~ 1/sqrt(128): the absorbed q keeps q's scale (the latent q of the MQA targets).
+    w = torch.randn(case.heads * (QK_NOPE + V_HEAD), KV_LORA_RANK, generator=g) * QK_NOPE**-0.5
+    q = torch.randn(case.num_tokens, case.heads, QK_NOPE + ROPE_DIM, generator=g) * 0.25
+    return LayerInputs(attention, q.to(torch.bfloat16).to(device), w.to(torch.bfloat16).to(device))

@@ -167,12 +167,19 @@ class AttentionFeatures:
     heads: tuple[int, ...] | None = None  # per rank (128 heads over TP 1-16); None: the profile's
     block_sizes: tuple[int, ...] | None = None  # None: the profile's
     block_stride_rows: bool = True
+    # Rows of a request whose whole sequence fits in top-k select every visible position, as vLLM's indexer
+    # does. Layer-level targets need it: the dense-MHA route attends to all of them, by design.
+    indexer_fills_short_seqs: bool = False
 
 
 def attention_topk_specs(width: int) -> st.SearchStrategy[TopkSpec]:
     # The indexer only emits positions < seq_len: no `past_seq` (its slots hold other data by design).
     return st.builds(TopkSpec, valid=st.integers(0, width), invalid_at=st.sampled_from(INVALID_AT),
                      past_table=st.integers(0, 2))
+
+
+def _indexer_full_spec(width: int) -> st.SearchStrategy[TopkSpec]:
+    return st.builds(TopkSpec, valid=st.just(width), invalid_at=st.sampled_from(INVALID_AT))
 
 
 @st.composite
@@ -193,7 +200,8 @@ def attention_cases(draw, p: Profile, f: AttentionFeatures) -> Case:
         block_size=block_size,
         block_table=table,
         topk_width=topk_width,
-        topk=tuple(draw(attention_topk_specs(topk_width)) for _ in reqs),
+        topk=tuple(draw(_indexer_full_spec(topk_width) if f.indexer_fills_short_seqs and r.seq_len <= topk_width
+                        else attention_topk_specs(topk_width)) for r in reqs),
         block_stride_rows=stride,
         heads=draw(st.sampled_from(heads)),
         kv_cache_dtype=kv_dtype,

@@ -103,6 +103,10 @@ class Case:
     def num_blocks(self) -> int:
         return 1 + max((b for row in self.block_table for b in row), default=0)
 
+    def token_start(self, req: int) -> int:
+        """Index of request `req`'s first query token in the batch."""
+        return sum(r.query_len for r in self.requests[:req])
+
     def table_row(self, req: int) -> int:
         return self.idx_mapping[req] if self.idx_mapping is not None else req
 

@@ -19,6 +19,8 @@ MUTANTS: dict[str, str] = {
     "dcp-owner-ignores-interleave": "fuzzer.mutants.dcp_owner_ignores_interleave",
     "softmax-masked-tile-nan": "fuzzer.mutants.softmax_masked_tile_nan",
     "flashmla-padded-heads-out": "fuzzer.mutants.flashmla_padded_heads_out",
+    "remap-full-batch-req-id": "fuzzer.mutants.remap_full_batch_req_id",
+    "mha-context-flat-fp8-gather": "fuzzer.mutants.mha_context_flat_fp8_gather",
 }
 
 

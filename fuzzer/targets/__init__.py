@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fuzzer.targets.base import Target
 from fuzzer.targets.dcp_filter import DcpFilter
+from fuzzer.targets.flashmla_layer import FlashMLASparseLayer
 from fuzzer.targets.flashmla_sparse import FlashMLASparse
 from fuzzer.targets.index_remap import IndexRemap
 from fuzzer.targets.triton_sparse import TritonSparse
@@ -13,6 +14,7 @@ TARGETS: dict[str, type[Target]] = {
     DcpFilter.name: DcpFilter,
     TritonSparse.name: TritonSparse,
     FlashMLASparse.name: FlashMLASparse,
+    FlashMLASparseLayer.name: FlashMLASparseLayer,
 }
 
 

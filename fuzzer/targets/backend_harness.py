@@ -74,13 +74,14 @@ def cache_writer():
 TOPK_POISON = 2**30 - 1  # rows of the top-k buffer past this step's tokens: must never be read
 
 
-def step_tensors(case, device):
+def step_tensors(case, device, inputs=None):
     """(attention inputs, the physical slots the step's requests hold, the indexer's top-k buffer) on
     `device`. The buffer has spare rows, poisoned, as the indexer's persistent buffer has."""
     from oracles.materialize import materialize_attention_inputs
 
-    inp = materialize_attention_inputs(case, device)
+    inp = inputs if inputs is not None else materialize_attention_inputs(case, device)
     slots = (torch.unique(torch.cat(inp.slot_of)) if inp.slot_of else torch.zeros(0, dtype=torch.int64)).to(device)
     topk_buffer = torch.full((case.num_tokens + 8, case.topk_width), TOPK_POISON, dtype=torch.int32, device=device)
     topk_buffer[: case.num_tokens] = inp.index.topk_indices
     return inp, slots, topk_buffer
+

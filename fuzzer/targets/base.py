@@ -76,6 +76,7 @@ class Target(ABC):
         return obs
 
     real_parts: ClassVar[tuple[str, ...]] = ()
+    kv_cache_dtypes: tuple[str, ...] = ()  # the cache dtypes its cases draw; `run --kv-cache-dtype` narrows it
 
 
 class HarnessConfigError(RuntimeError):

@@ -35,6 +35,7 @@ class TritonSparse(Target):
     oracle = staticmethod(judge_attention)
     real_parts = ("XPUMLASparseMetadataBuilder", "XPUMLASparseImpl.forward_mqa", "the index-remap Triton kernel",
                   "_bf16_mla_sparse_kernel (Triton)")
+    kv_cache_dtypes = ("bfloat16",)  # the backend refuses fp8
 
     def unavailable(self) -> str | None:
         try:
@@ -59,7 +60,7 @@ class TritonSparse(Target):
         from fuzzer.targets.vllm_api import remap_api
 
         # Releases before flat_kv_row_view (0.26 and older) view the cache as contiguous rows.
-        return attention_cases(profile, AttentionFeatures(kv_cache_dtypes=("bfloat16",),
+        return attention_cases(profile, AttentionFeatures(kv_cache_dtypes=self.kv_cache_dtypes,
                                                           block_stride_rows=remap_api().has_block_stride_rows))
 
     def step(self, case, device):

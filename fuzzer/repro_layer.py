@@ -1,0 +1,177 @@
+"""Standalone reproducers for the FlashMLA layer target (`vllm.flashmla_sparse.layer`).
+
+The script builds the same VllmConfig and MLAAttention the target builds and calls `forward_impl` on the
+saved inputs (tensors.safetensors: q, kv_b_proj's weight, the cache as written, the top-k buffer, the step's
+metadata and the oracle's expected output). What it needs of attnfuzz (the set-up code, the stand-ins for
+compiled ops the host lacks, the interpreter's bounds checks) is inlined at the end as source text and
+loaded under attnfuzz's module names, so the script needs torch and vLLM only.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+_VENDORED_CPU = ("fuzzer.interp.corrections", "fuzzer.standins.cpu_shims")
+_VENDORED = ("fuzzer.interp.sanitizer", "fuzzer.standins.cache_ops", "fuzzer.standins.flashmla_ops",
+             "fuzzer.targets.flashmla_runtime")
+
+_MAIN = '''
+def main():
+    _load_vendored()
+    runtime = sys.modules["fuzzer.targets.flashmla_runtime"]
+{setup}
+    emulated = runtime.install_standins() + runtime.install_layer_standins(DEVICE)
+{inject}
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend as Backend
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    T = load_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tensors.safetensors"), device=DEVICE)
+    cfg = runtime.configure(runtime.vllm_runtime(DEVICE, tempfile.mkdtemp()), case,
+                            max_num_batched_tokens=T["topk_indices_buffer"].shape[0])
+    # The paged cache as the layer left it before attention (other rows poisoned), blocks BLOCK_STRIDE_ROWS apart.
+    width = T["kv_cache_rows"].shape[-1]
+    cache = T["kv_cache_rows"].as_strided((NUM_BLOCKS, BLOCK_SIZE, width), (BLOCK_STRIDE_ROWS * width, width, 1))
+    before = cache.clone()
+    spec = MLAAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=576, dtype=torch.bfloat16,
+                            cache_dtype_str=case.kv_cache_dtype)
+    fields = {{f.name for f in dataclasses.fields(CommonAttentionMetadata)}}
+    cam = CommonAttentionMetadata(**{{k: v for k, v in dict(
+        query_start_loc=T["query_start_loc"], query_start_loc_cpu=T["query_start_loc"].cpu(),
+        seq_lens=T["seq_lens"], seq_lens_cpu=T["seq_lens"].cpu(), seq_lens_cpu_upper_bound=T["seq_lens"].cpu(),
+        num_computed_tokens_cpu=T["num_computed_tokens"].cpu(), num_reqs=NUM_REQS, num_actual_tokens=NUM_TOKENS,
+        max_query_len=MAX_QUERY_LEN, max_seq_len=MAX_SEQ_LEN, block_table_tensor=T["block_table"],
+        slot_mapping=T["slot_mapping"]).items() if k in fields}})
+    problems, error, route, overruns = [], None, {{}}, []
+    with {collect} as oob:
+        try:
+            with set_current_vllm_config(cfg), torch.inference_mode():
+                layer = runtime.mla_layer(cfg, case.heads, T["kv_b_weight"], T["topk_indices_buffer"], DEVICE)
+                metadata = Backend.get_builder_cls()(spec, [runtime.LAYER], cfg, torch.device(DEVICE)).build(0, cam)
+                runtime.record_routes(layer.impl, route)
+                check_overrun = runtime.guard_index_group(layer.impl)
+                out = torch.full((NUM_TOKENS, case.heads * 128), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+                # Decode tokens go to forward_mqa, short prefills to dense MHA: vLLM's own split.
+                layer.forward_impl(T["q"], T["kv_c_normed"], T["k_pe"], cache, metadata, out)
+                overruns = check_overrun(route.get("mqa_tokens", 0))
+        except Exception as e:
+            error = e
+    problems += [v.describe() for v in oob] + overruns
+    if error is not None:
+        problems.append(f"raised {{type(error).__name__}}: {{error}}")
+    else:
+        expected = T["expected_out"].float().cpu()
+        out = out.float().cpu().view(expected.shape)
+        bad = ~torch.isfinite(out)
+        if bad.any():
+            t, h, _ = bad.nonzero()[0].tolist()
+            problems.append(f"{{int(bad.sum())}} non-finite outputs, first token {{t}} head {{h}}; the fp32 reference is finite")
+        err = ((out - expected).abs() / (ATOL + RTOL * expected.abs())).nan_to_num(0)
+        if err.max() > 1:
+            t, h, d = (err == err.max()).nonzero()[0].tolist()
+            problems.append(f"output off by {{err.max():.2f}}x the tolerance at token {{t}} head {{h}} dim {{d}}: "
+                            f"{{out[t, h, d]:.4g}} vs fp32 reference {{expected[t, h, d]:.4g}}")
+        if not torch.equal(cache.view(torch.uint8), before.view(torch.uint8)):
+            problems.append("the KV cache changed during attention")
+    print("routes:", route, "| stand-ins for ops this host lacks:", ", ".join(emulated) or "none")
+    for p in problems:
+        print("BUG:", p)
+    print("vLLM", __import__("vllm").__version__, "-", "bug present" if problems else "no bug: fixed")
+    return 1 if problems else 0
+'''
+
+_LOADER = '''
+def _load_vendored():
+    """attnfuzz's support modules, inlined below as source text, importable under their own names."""
+    import types
+
+    for name, source in VENDORED.items():
+        parts = name.split(".")
+        for i in range(1, len(parts)):  # the parent packages
+            sys.modules.setdefault(".".join(parts[:i]), types.ModuleType(".".join(parts[:i]))).__path__ = []
+        module = types.ModuleType(name)
+        module.__file__ = f"<attnfuzz {name}>"
+        sys.modules[name] = module
+        exec(compile(source, module.__file__, "exec"), vars(module))
+'''
+
+
+def render_layer_repro(finding, target) -> tuple[str, dict]:
+    from fuzzer.repro import _CPU_ENV, _NO_CHECKER, _header
+    from fuzzer.targets.backend_harness import common_attn_metadata, step_tensors
+    from oracles.attention_judge import judge_fp8_ds_mla_entries, layer_reference_for, layer_tolerance
+    from oracles.materialize import materialize_layer_inputs
+
+    case, cpu = finding.case, finding.host.device == "cpu"
+    inputs = materialize_layer_inputs(case, "cpu")
+    inp, slots, topk_buffer = step_tensors(case, "cpu", inputs.attention)
+    cache = target.cache(case, "cpu")
+    write, _ = target.writer(case)
+    write(inp.kv_c[slots], inp.k_pe[slots], cache, slots)
+    new = [inp.slot_of[r][req.context_len:] for r, req in enumerate(case.requests)]
+    new_slots = torch.cat(new) if new else torch.zeros(0, dtype=torch.int64)
+    obs = finding.observation
+    slot_values = None
+    if case.kv_cache_dtype == "fp8_ds_mla":
+        entries = cache[slots // case.block_size, slots % case.block_size]
+        slot_values, _ = judge_fp8_ds_mla_entries(case, inputs.attention, slots, entries)
+    mha_tokens = int(obs.notes.get("route", {}).get("mha_tokens", 0))
+    expected, _ = layer_reference_for(case, inputs, "cpu", slot_values, mha_tokens)
+    atol, rtol = layer_tolerance(case, inputs)
+    cam = common_attn_metadata(case, inp.index, "cpu")
+    width = cache.shape[-1]
+    tensors = dict(q=inputs.q, kv_b_weight=inputs.kv_b_weight,
+                   kv_cache_rows=cache.as_strided((case.num_blocks * case.stride_rows, width), (width, 1)),
+                   topk_indices_buffer=topk_buffer, kv_c_normed=inp.kv_c[new_slots], k_pe=inp.k_pe[new_slots].unsqueeze(1),
+                   query_start_loc=inp.index.query_start_loc, seq_lens=inp.index.seq_lens,
+                   block_table=inp.index.block_table, slot_mapping=cam.slot_mapping,
+                   num_computed_tokens=torch.tensor([r.context_len for r in case.requests], dtype=torch.int32),
+                   expected_out=expected)
+    constants = dict(BLOCK_SIZE=case.block_size, BLOCK_STRIDE_ROWS=case.stride_rows, NUM_BLOCKS=case.num_blocks,
+                     NUM_REQS=len(case.requests), NUM_TOKENS=case.num_tokens,
+                     MAX_QUERY_LEN=max(r.query_len for r in case.requests),
+                     MAX_SEQ_LEN=max(r.seq_len for r in case.requests), ATOL=atol, RTOL=rtol)
+    memory = bool(obs.memory)
+    setup = []
+    if cpu:
+        setup += ["    sys.modules['fuzzer.interp.corrections'].install_corrections()  # Triton interpreter: bf16 dot, casts",
+                  "    sys.modules['fuzzer.standins.cpu_shims'].install_cpu_shims()  # no accelerator: no pinned memory",
+                  "    runtime.cpu_shims()  # no streams on a CPU"]
+        if memory:
+            setup.append("    SANITIZER.install()  # bounds checks on every interpreted Triton load/store")
+    header = _header(finding, f"Shrunk case: {case.summary()}; {case.heads} heads, kv_cache_dtype {case.kv_cache_dtype}, "
+                     f"values {case.values}.\nInputs in tensors.safetensors beside this file; the expected output is "
+                     "attnfuzz's fp32 oracle (after W_UV).")
+    modules = (*(_VENDORED_CPU if cpu else ()), *_VENDORED)
+    vendored = "\n".join(f'    "{m}": r\'\'\'{_source(m)}\'\'\',' for m in modules)
+    parts = [header, "import dataclasses\nimport os\nimport sys\nimport tempfile\nfrom types import SimpleNamespace\n",
+             _CPU_ENV if cpu else "", "import torch\nfrom safetensors.torch import load_file\n",
+             f'DEVICE = "{"cpu" if cpu else "cuda"}"\n' + "\n".join(f"{k} = {v!r}" for k, v in constants.items())
+             + f"\ncase = SimpleNamespace(topk_width={case.topk_width}, heads={case.heads}, "
+               f"kv_cache_dtype={case.kv_cache_dtype!r}, block_size={case.block_size})\n# What attnfuzz saw:\n"
+             + "\n".join(f"#   {v.check}: {v.detail}" for v in finding.verdicts) + "\n",
+             _MAIN.format(setup="\n".join(setup), inject="    apply()  # the injected bug" if finding.inject else "",
+                          collect="SANITIZER.collect()" if cpu and memory else "_NoBoundsCheck()")]
+    if finding.inject:
+        from fuzzer.mutants import source
+
+        parts.append(f"\n# ---- the injected bug ({finding.inject}) ----\n{source(finding.inject)}")
+    if not (cpu and memory):
+        parts.append(_NO_CHECKER)
+    parts.append(_LOADER)
+    parts.append("\n# ---- support: attnfuzz's set-up code and stand-ins, verbatim ----\nVENDORED = {\n" + vendored + "\n}\n")
+    if cpu and memory:
+        parts.append("\n\ndef _sanitizer():\n    return sys.modules['fuzzer.interp.sanitizer'].SANITIZER\n\n\n"
+                     "class _Lazy:\n    def __getattr__(self, name):\n        return getattr(_sanitizer(), name)\n\n\n"
+                     "SANITIZER = _Lazy()\n")
+    parts.append('\nif __name__ == "__main__":\n    sys.exit(main())\n')
+    return "\n".join(p for p in parts if p), tensors
+
+
+def _source(module_name: str) -> str:
+    import importlib
+
+    return inspect.getsource(importlib.import_module(module_name))

@@ -1,0 +1,103 @@
+"""`vllm.flashmla_sparse.layer`: vLLM's MLAAttention layer on the FlashMLA sparse backend, whole.
+
+`MLAAttention.forward_impl` makes the split vLLM ships: decode tokens (and every token, when a prefill's
+sequence exceeds top-k) go through W_UK absorption to `FlashMLASparseImpl.forward_mqa`; short prefills
+(seq_len <= top-k) go to the dense-MHA path, `forward_mha`, which projects K/V through `kv_b_proj`, attends
+causally with the layer's prefill backend and, for chunked context or prefix-cache hits, gathers the cached
+context (`cp_gather_and_upconvert_fp8_kv_cache` for fp8_ds_mla, `gather_and_maybe_dequant_cache` otherwise)
+and merges the two parts by LSE. The output is judged after W_UV, for whichever route vLLM took.
+
+The prefill backend is vLLM's own torch backend, CPU_SDPA_MLA, on every host: FlashAttention is not in the
+GPU bundle. Compiled ops the host lacks are attnfuzz's stand-ins (see `fuzzer.standins`) and are listed in
+every result.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from fuzzer.targets.backend_harness import common_attn_metadata, step_tensors
+from fuzzer.targets.flashmla_runtime import (BACKEND_MODULE, LAYER, configure, guard_index_group,
+                                            install_layer_standins, mla_layer, record_routes)
+from fuzzer.targets.flashmla_sparse import FlashMLASparse
+from oracles.attention_judge import judge_layer
+from oracles.materialize import HEAD_SIZE, V_HEAD, materialize_layer_inputs
+from strategies.batches import AttentionFeatures, attention_cases
+
+
+class FlashMLASparseLayer(FlashMLASparse):
+    name = "vllm.flashmla_sparse.layer"
+    summary = "MLAAttention on FLASHMLA_SPARSE: decode -> forward_mqa, short prefill -> dense MHA + chunked context"
+    bug_classes = "A B C E F H I J K"
+    oracle = staticmethod(judge_layer)
+    real_parts = ("MLAAttention.forward_impl (the decode/MHA split, W_UK/W_UV)", "FlashMLASparseMetadataBuilder",
+                  "FlashMLASparseImpl.forward_mqa / forward_mha", "chunked-context metadata",
+                  "CPU_SDPA_MLA prefill backend", "SparseMLAIndexGroup", "the index-remap Triton kernel",
+                  "merge_attn_states")
+
+    def prepare(self) -> None:
+        super().prepare()
+        self.emulated = (*self.emulated, *install_layer_standins(self.device))
+
+    def cases(self, profile):
+        return attention_cases(profile, AttentionFeatures(kv_cache_dtypes=self.kv_cache_dtypes, block_sizes=(64, 128),
+                                                          indexer_fills_short_seqs=True))
+
+    @staticmethod
+    def backend():
+        return importlib.import_module(BACKEND_MODULE).FlashMLASparseBackend
+
+    def run(self, case):
+        from vllm.config import set_current_vllm_config
+        from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+        dev = self.device
+        inputs = materialize_layer_inputs(case, dev)
+        inp, slots, topk_buffer = step_tensors(case, dev, inputs.attention)
+        cache = self.cache(case, dev)
+        write, write_emulated = self.writer(case)
+        cfg = configure(self.cfg, case, max_num_batched_tokens=topk_buffer.shape[0])
+        spec = MLAAttentionSpec(block_size=case.block_size, num_kv_heads=1, head_size=HEAD_SIZE, dtype=torch.bfloat16,
+                                cache_dtype_str=case.kv_cache_dtype)
+        # The step's own tokens, in batch order: what the layer receives as kv_c_normed / k_pe.
+        new = [inp.slot_of[r][req.context_len:] for r, req in enumerate(case.requests)]
+        new_slots = (torch.cat(new) if new else torch.zeros(0, dtype=torch.int64)).to(dev)
+        route: dict = {"mqa_tokens": 0, "mha_tokens": 0}
+        before, overruns = [], []
+
+        def call():
+            write(inp.kv_c[slots], inp.k_pe[slots], cache, slots)  # the cache as the layer leaves it
+            before.append(cache.clone())
+            with set_current_vllm_config(cfg), torch.inference_mode():
+                layer = mla_layer(cfg, case.heads, inputs.kv_b_weight, topk_buffer, dev)
+                builder = self.backend().get_builder_cls()(spec, [LAYER], cfg, torch.device(dev))
+                metadata = builder.build(0, common_attn_metadata(case, inp.index, dev))
+                route.update(chunked_context=metadata.prefill is not None and metadata.prefill.chunked_context is not None,
+                             fp8_mixed_batch=bool(getattr(metadata, "fp8_use_mixed_batch", False)))
+                record_routes(layer.impl, route)
+                check_overrun = guard_index_group(layer.impl)
+                output = torch.full((case.num_tokens, case.heads * V_HEAD), float("nan"), dtype=torch.bfloat16, device=dev)
+                layer.forward_impl(inputs.q, inp.kv_c[new_slots], inp.k_pe[new_slots].unsqueeze(1), cache, metadata,
+                                   output)
+                overruns.extend(check_overrun(route["mqa_tokens"]))
+            return {"out": output}
+
+        obs = self.observe(call)
+        if before and case.kv_cache_dtype == "fp8_ds_mla":
+            obs.outputs["cache_slots"] = slots.cpu()
+            obs.outputs["cache_entries"] = before[0][slots // case.block_size, slots % case.block_size].cpu()
+        obs.emulated = tuple(x for x in (*self.emulated, write_emulated) if x)
+        obs.notes.update(shims=self.shims, route=dict(route))
+        if overruns:
+            obs.notes["buffer_overrun"] = overruns
+        changed = (cache.view(torch.uint8) != before[0].view(torch.uint8)).any(dim=-1).nonzero() if before else []
+        if len(changed):
+            obs.notes["cache_changed"] = f"{len(changed)} rows, first block {int(changed[0][0])} offset {int(changed[0][1])}"
+        return obs
+
+    def render_repro(self, finding) -> tuple[str, dict]:
+        from fuzzer.repro_layer import render_layer_repro
+
+        return render_layer_repro(finding, self)

@@ -1,0 +1,257 @@
+"""Setting vLLM up to run the FlashMLA sparse backend without a model, shared by the FlashMLA targets and
+their reproducers (which inline this file): the stand-ins bound where the host lacks compiled ops, the CPU
+shims, one real VllmConfig, and MLAAttention layers built like a DeepSeek-V3.2 layer. torch and vLLM only
+(plus attnfuzz's stand-in modules)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+# DeepSeek-V3.2's MLA dims
+KV_LORA_RANK, ROPE_DIM, QK_NOPE, V_HEAD = 512, 64, 128, 128
+HEAD_SIZE, SM_SCALE = KV_LORA_RANK + ROPE_DIM, (QK_NOPE + ROPE_DIM) ** -0.5
+
+BACKEND_MODULE = "vllm.v1.attention.backends.mla.flashmla_sparse"
+LAYER = "attnfuzz.layer"
+FP8_ENTRY_BYTES = 656
+MAX_MODEL_LEN = 8192  # fp8 reserves max_model_len x sparse_mla_prefill_workspace_factor rows of 576 bf16
+# A small DeepSeek-V3.2-shaped HF config: ModelConfig needs one on disk (no hub); only the MLA dims matter.
+HF_CONFIG = dict(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", hidden_size=1024,
+                 num_attention_heads=128, num_key_value_heads=128, kv_lora_rank=KV_LORA_RANK, q_lora_rank=None,
+                 qk_nope_head_dim=128, qk_rope_head_dim=ROPE_DIM, v_head_dim=128, index_topk=2048, index_n_heads=8,
+                 index_head_dim=128, num_hidden_layers=1, vocab_size=1000, intermediate_size=256,
+                 moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2,
+                 max_position_embeddings=MAX_MODEL_LEN, torch_dtype="bfloat16")
+
+
+def _has_flashmla_kernels() -> bool:
+    return importlib.import_module("vllm.v1.attention.ops.flashmla")._is_flashmla_available()[0]
+
+
+def has_cache_op(name: str) -> bool:
+    try:
+        getattr(torch.ops._C_cache_ops, name)
+        return True
+    except (AttributeError, RuntimeError):
+        return False
+
+
+@functools.cache
+def install_standins() -> tuple[str, ...]:
+    """Bind torch stand-ins where flashmla_sparse looks the compiled ops up; only for ops this host lacks."""
+    from fuzzer.standins import flashmla_ops
+
+    mod, bound = importlib.import_module(BACKEND_MODULE), []
+    if not _has_flashmla_kernels():
+        for name in ("flash_mla_sparse_fwd", "flash_mla_with_kvcache", "get_mla_metadata", "FlashMLASchedMeta"):
+            setattr(mod, name, getattr(flashmla_ops, name))
+        bound += ["flash_mla_sparse_fwd", "flash_mla_with_kvcache", "get_mla_metadata"]
+    missing = [n for n in ("concat_mla_q", "cp_gather_and_upconvert_fp8_kv_cache") if not has_cache_op(n)]
+    if missing:  # `ops` is vLLM's _custom_ops, bound by name: rebind it to a copy with the stand-ins
+        mod.ops = SimpleNamespace(**{**vars(mod.ops), **{n: getattr(flashmla_ops, n) for n in missing}})
+        bound += missing
+    return tuple(bound)
+
+
+@functools.cache
+def cpu_shims() -> tuple[str, ...]:
+    """CPU-only stand-ins for accelerator plumbing: they change no computation (streams are no-ops there)."""
+    import vllm.model_executor.layers.attention.mla_attention as mla_attention
+    import vllm.model_executor.layers.attention.sparse_mla_attention as sparse_mla_attention
+    import vllm.v1.attention.backends.mla.index_group as index_group
+    import vllm.v1.attention.backends.utils as backend_utils
+    import vllm.v1.worker.workspace as workspace
+
+    mod = importlib.import_module(BACKEND_MODULE)
+    for m in (mla_attention, sparse_mla_attention, backend_utils):  # PIN_MEMORY bound by name at their import
+        m.PIN_MEMORY = False
+
+    class _NoStream:  # CPU work is synchronous: waits, records and stream scopes order nothing
+        def __init__(self, *a, **k): ...
+        def wait_event(self, *a): ...
+        def wait_stream(self, *a): ...
+        def record(self, *a): ...
+        def synchronize(self): ...
+        def __enter__(self): return self
+        def __exit__(self, *a): return False
+
+    mod.num_compute_units = lambda device_id=0: 132  # CPU platform raises NotImplementedError; SM90's count
+    index_group._create_side_stream = lambda device: _NoStream()
+    index_group._create_event = lambda: _NoStream()
+    index_group.current_stream = mod.current_stream = lambda: _NoStream()
+    workspace.torch = SimpleNamespace(**{**vars(torch), "accelerator": SimpleNamespace(empty_cache=lambda: None)})
+    _zeros = torch.zeros
+    mod.torch = SimpleNamespace(**{**vars(torch), "zeros": lambda *a, pin_memory=False, **k: _zeros(*a, **k)})
+    return ("PIN_MEMORY=False where (sparse_)mla_attention and backends.utils bound it",
+            "flashmla_sparse.num_compute_units=132 (CPU platform raises)",
+            "index group side stream / events / current_stream: no-ops (CPU has no streams)",
+            "workspace manager: torch.accelerator.empty_cache no-op",
+            "flashmla_sparse: torch.zeros(pin_memory=True) unpinned (fp8 separate path)")
+
+
+@contextlib.contextmanager
+def _inspect_in_process():
+    """ModelConfig inspects the architecture by importing DeepSeek's model module in a subprocess, whose
+    quantization utils ask vLLM's compiled `_C` whether CUTLASS block-fp8 GEMMs exist. Where `_C` is missing
+    (the GPU bundle), inspect in this process and answer as a build without those kernels would (False):
+    attention computes nothing with it."""
+    from vllm.model_executor.models import registry
+
+    try:
+        torch.ops._C.cutlass_scaled_mm_supports_block_fp8
+    except (AttributeError, RuntimeError):
+        if not _LIBS:
+            lib = torch.library.Library("_C", "FRAGMENT")
+            lib.define("cutlass_scaled_mm_supports_block_fp8(int cuda_device_capability) -> bool")
+            lib.impl("cutlass_scaled_mm_supports_block_fp8", lambda cap: False, "CompositeExplicitAutograd")
+            _LIBS.append(lib)  # the definition lives as long as the library object
+    run_in_subprocess = registry._run_in_subprocess
+    registry._run_in_subprocess = lambda fn: fn()
+    try:
+        yield
+    finally:
+        registry._run_in_subprocess = run_in_subprocess
+
+
+_LIBS: list = []
+
+
+@functools.cache
+def vllm_runtime(device: str, state_dir: str):
+    """Process-wide: one real VllmConfig (per-case fields are set by `configure`), a world-size-1 gloo
+    process group (the impl asks for the TP group), and the workspace manager. `state_dir` holds the model's
+    config.json and the process group's init file."""
+    from vllm.config import DeviceConfig, ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state
+    from vllm.v1.worker.workspace import init_workspace_manager, is_workspace_manager_initialized
+
+    model_dir = (Path(state_dir) / "flashmla-model").resolve()
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(HF_CONFIG))
+    with _inspect_in_process():
+        model = ModelConfig(model=str(model_dir), tokenizer=None, skip_tokenizer_init=True, dtype="bfloat16",
+                            max_model_len=MAX_MODEL_LEN)
+    cfg = VllmConfig(model_config=model, device_config=DeviceConfig(device=device))
+    with set_current_vllm_config(cfg):
+        if parallel_state._TP is None:
+            init_file = (Path(state_dir) / "flashmla-dist-init").resolve()
+            init_file.unlink(missing_ok=True)
+            parallel_state.init_distributed_environment(1, 0, f"file://{init_file}", 0, "gloo")
+            parallel_state.initialize_model_parallel(1, 1)
+    if not is_workspace_manager_initialized():
+        init_workspace_manager(torch.device(device))
+    return cfg
+
+
+def configure(cfg, case, max_num_batched_tokens: int):
+    """The case's model/cache/scheduler fields on the shared config, as vLLM's tests patch theirs."""
+    cfg.model_config.hf_text_config.index_topk = case.topk_width
+    cfg.model_config.get_num_attention_heads = lambda parallel_config=None: case.heads  # TP = 128 / heads
+    cfg.cache_config.cache_dtype = case.kv_cache_dtype
+    cfg.cache_config.block_size = case.block_size
+    cfg.scheduler_config.max_num_batched_tokens = max_num_batched_tokens
+    # A placeholder layer with no prefill backend: every token takes forward_mqa.
+    cfg.compilation_config.static_forward_context[LAYER] = SimpleNamespace(prefill_backend=None)
+    return cfg
+
+
+
+
+def _has_op(namespace: str, name: str) -> bool:
+    try:
+        getattr(getattr(torch.ops, namespace), name)
+        return True
+    except (AttributeError, RuntimeError):
+        return False
+
+
+@functools.cache
+def install_layer_standins(device: str) -> tuple[str, ...]:
+    """The dense-MHA path's compiled ops, where this host lacks them."""
+    from fuzzer.standins import cache_ops, flashmla_ops
+
+    mla, bound = importlib.import_module(MLA_MODULE), []
+    standins = {"gather_and_maybe_dequant_cache": cache_ops.gather_and_maybe_dequant_cache,
+                "cp_gather_and_upconvert_fp8_kv_cache": flashmla_ops.cp_gather_and_upconvert_fp8_kv_cache}
+    missing = {name: op for name, op in standins.items() if not has_cache_op(name)}
+    if missing:  # mla_attention binds vLLM's _custom_ops as `ops`: rebind it to a copy carrying the stand-ins
+        mla.ops = SimpleNamespace(**{**vars(mla.ops), **missing})
+        bound += list(missing)
+    if device != "cpu" and not _has_op("_C", "merge_attn_states"):
+        # On CUDA vLLM merges with its compiled kernel; vLLM's own Triton merge (what other platforms use) runs
+        # in its place. (A CPU host already takes the Triton merge.)
+        import vllm._custom_ops as custom_ops
+        from vllm.v1.attention.ops.triton_merge_attn_states import merge_attn_states
+
+        custom_ops.merge_attn_states = merge_attn_states
+        bound.append("merge_attn_states (vLLM's Triton merge for the CUDA op)")
+    return tuple(bound)
+
+
+MLA_MODULE = "vllm.model_executor.layers.attention.mla_attention"
+
+
+def mla_layer(cfg, heads: int, kv_b_weight: torch.Tensor, topk_indices_buffer: torch.Tensor, device: str):
+    """A fresh MLAAttention on FLASHMLA_SPARSE with vLLM's CPU_SDPA_MLA prefill backend (FlashAttention is not
+    on every host), kv_b_proj holding `kv_b_weight`; it registers itself as the forward context's LAYER,
+    which the metadata builder reads. Call inside `set_current_vllm_config(cfg)`."""
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+    from vllm.model_executor.layers.linear import ColumnParallelLinear
+    from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import CPUSDPAMLAPrefillBackend
+
+    cfg.compilation_config.static_forward_context.pop(LAYER, None)
+    kv_b_proj = ColumnParallelLinear(KV_LORA_RANK, heads * (QK_NOPE + V_HEAD), bias=False, params_dtype=torch.bfloat16,
+                                     prefix=f"{LAYER}.kv_b_proj").to(device)
+    kv_b_proj.weight.data.copy_(kv_b_weight)
+    layer = MLAAttention(
+        num_heads=heads, scale=SM_SCALE, qk_nope_head_dim=QK_NOPE, qk_rope_head_dim=ROPE_DIM, v_head_dim=V_HEAD,
+        q_lora_rank=None, kv_lora_rank=KV_LORA_RANK, kv_b_proj=kv_b_proj, cache_config=cfg.cache_config, prefix=LAYER,
+        attn_backend=importlib.import_module(BACKEND_MODULE).FlashMLASparseBackend, use_sparse=True,
+        topk_indices_buffer=topk_indices_buffer, prefill_backend_cls=CPUSDPAMLAPrefillBackend)
+    layer.process_weights_after_loading(torch.bfloat16)  # W_UK_T / W_UV from kv_b_proj, as after loading
+    return layer
+
+
+def record_routes(impl, route: dict) -> None:
+    """Count the tokens vLLM hands each route (instance attributes shadow the impl's methods)."""
+    forward_mqa, forward_mha = impl.forward_mqa, impl.forward_mha
+
+    def mqa(q, *args, **kwargs):
+        route["mqa_tokens"] = route.get("mqa_tokens", 0) + (q[0] if isinstance(q, tuple) else q).shape[0]
+        return forward_mqa(q, *args, **kwargs)
+
+    def mha(q, *args, **kwargs):
+        route["mha_tokens"] = route.get("mha_tokens", 0) + q.shape[0]
+        return forward_mha(q, *args, **kwargs)
+
+    impl.forward_mqa, impl.forward_mha = mqa, mha
+
+
+INDEX_GROUP_POISON = 0  # slot 0 of the null block: never a converted index (tables hold blocks >= 1)
+
+
+def guard_index_group(impl):
+    """Poison the index group's persistent physical top-k buffer; returns check(rows_converted) -> messages
+    naming rows past the conversion's own that a call wrote (an overrun that stays inside vLLM's
+    allocation, invisible to any memory checker)."""
+    group = getattr(impl, "index_group", None)
+    buffer = getattr(group, "physical_topk_indices", None)
+    if buffer is None:
+        return lambda rows: []
+    buffer.fill_(INDEX_GROUP_POISON)
+
+    def check(rows: int) -> list[str]:
+        written = (buffer[rows:] != INDEX_GROUP_POISON).any(dim=-1).nonzero()
+        if not len(written):
+            return []
+        return [f"index group physical_topk_indices: rows {rows + int(written[0])}..{rows + int(written[-1])} written by a "
+                f"conversion of {rows} rows ({buffer.shape[0]} allocated): the index remap wrote past its output"]
+
+    return check

@@ -1,0 +1,102 @@
+"""The `vllm.flashmla_sparse.layer` target on CPU: vLLM's MLAAttention.forward_impl on FLASHMLA_SPARSE, with
+the decode/dense-MHA split, judged after W_UV. Includes vLLM's upstream regression shapes for issue 48611."""
+
+import functools
+
+import pytest
+import torch
+
+from strategies.case import Case, Request, TopkSpec
+
+pytestmark = pytest.mark.vllm
+
+
+@functools.cache
+def target():
+    from fuzzer.targets.flashmla_layer import FlashMLASparseLayer
+
+    t = FlashMLASparseLayer("cpu")
+    if t.unavailable():
+        pytest.skip(t.unavailable())
+    t.prepare()
+    return t
+
+
+def layer_case(reqs, num_decodes, kv_cache_dtype, heads=16, block_size=64, topk=128) -> Case:
+    table, nxt = [], 1
+    width = max(-(-r.seq_len // block_size) for r in reqs)
+    for r in reqs:
+        n = -(-r.seq_len // block_size)
+        table.append(tuple(range(nxt, nxt + n)) + (0,) * (width - n))
+        nxt += n
+    # As vLLM's indexer: a sequence that fits in top-k selects every visible position.
+    return Case(requests=tuple(reqs), num_decodes=num_decodes, block_size=block_size, block_table=tuple(table),
+                topk_width=topk, topk=tuple(TopkSpec(topk if r.seq_len <= topk else 40) for r in reqs), heads=heads,
+                kv_cache_dtype=kv_cache_dtype, seed=5).validate()
+
+
+# vLLM's regression cases for issue 48611: a decode plus a short prefill; a short prefill with cached context.
+DECODE_PLUS_SHORT_PREFILL = ([Request(1, 70), Request(5, 0)], 1)
+SHORT_PREFILL_CACHED_CONTEXT = ([Request(1, 300), Request(3, 100)], 1)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "fp8_ds_mla"])
+@pytest.mark.parametrize("shape", [DECODE_PLUS_SHORT_PREFILL, SHORT_PREFILL_CACHED_CONTEXT], ids=["decode+prefill", "cached-context"])
+def test_upstream_regression_shapes_pass_and_take_both_routes(kv_cache_dtype, shape):
+    case = layer_case(*shape, kv_cache_dtype)
+    obs = target().run(case)
+    verdicts = target().oracle(case, obs)
+    assert all(v.ok for v in verdicts), verdicts
+    route = obs.notes["route"]
+    assert route["mqa_tokens"] == 1 and route["mha_tokens"] == case.num_tokens - 1
+    assert route["chunked_context"] == (shape is SHORT_PREFILL_CACHED_CONTEXT)
+    assert obs.outputs["out"].shape == (case.num_tokens, case.heads * 128)
+
+
+def test_gather_standin_reads_fp8_ds_mla_entries_as_flat_fp8():
+    """The misuse behind issue 48611 bug 2, as the CUDA op does it: the first 576 bytes of a 656-byte entry,
+    each an e4m3 code times the one scale; the entry's own tile scales are ignored."""
+    from fuzzer.standins.cache_ops import gather_and_maybe_dequant_cache
+    from fuzzer.standins.flashmla_ops import dequantize_fp8_ds_mla, quantize_fp8_ds_mla
+
+    kv_c, k_pe = torch.randn(4, 512) * 3, torch.randn(4, 64)
+    cache = quantize_fp8_ds_mla(kv_c, k_pe).view(2, 2, 656)
+    dst = torch.zeros(4, 576, dtype=torch.bfloat16)
+    i32 = lambda *x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    gather_and_maybe_dequant_cache(cache, dst, i32(0, 1).view(1, 2), i32(0, 4), i32(0, 0, 0, 0), 4, "fp8_ds_mla",
+                                   torch.ones(()), None)
+    flat = cache.view(4, 656)[:, :576].view(torch.float8_e4m3fn).float().to(torch.bfloat16)
+    assert torch.equal(dst.view(torch.int16), flat.view(torch.int16))
+    right = dequantize_fp8_ds_mla(cache.view(4, 656)).to(torch.bfloat16)
+    assert not torch.allclose(dst.float(), right.float(), atol=0.1)
+
+
+def test_seed_bug_mutants_are_found_on_the_regression_shapes():
+    """Bug 1 (full-batch req_id_per_token at the index group's call) and bug 2 (flat-fp8 context gather)."""
+    import vllm.model_executor.layers.attention.mla_attention as mla
+    import vllm.model_executor.layers.attention.sparse_mla_attention as sma
+    import vllm.v1.attention.backends.mla.flashmla_sparse as fs
+    import vllm.v1.attention.backends.mla.index_group as ig
+    import vllm.v1.attention.backends.mla.sparse_utils as su
+
+    from fuzzer.mutants import inject
+
+    t = target()
+    bf16, fp8 = layer_case(*DECODE_PLUS_SHORT_PREFILL, "bfloat16"), layer_case(*SHORT_PREFILL_CACHED_CONTEXT, "fp8_ds_mla")
+    clean = [all(v.ok for v in t.oracle(c, t.run(c))) for c in (bf16, fp8)]
+    patched = [(ig.SparseMLAIndexGroup, "convert_logical_to_physical_topk"), (mla.MLACommonBaseImpl, "_compute_prefill_context"),
+               *((fs.FlashMLASparseImpl, m) for m in ("_forward_bf16_kv", "_forward_fp8_kv_mixed_batch",
+                                                      "_forward_fp8_kv_separate_prefill_decode")),
+               *((m, "triton_convert_req_index_to_global_index") for m in (su, ig, sma, fs))]
+    saved = [(owner, name, vars(owner)[name]) for owner, name in patched]
+    inject("remap-full-batch-req-id")
+    inject("mha-context-flat-fp8-gather")
+    try:
+        a = t.oracle(bf16, t.run(bf16))
+        e = t.oracle(fp8, t.run(fp8))
+    finally:
+        for owner, name, original in saved:  # the rest of the session runs unpatched vLLM
+            setattr(owner, name, original)
+    assert clean == [True, True]
+    assert any(v.check == "memory" and "sparse_mla_index_remap_kernel" in v.detail for v in a), a
+    assert any(not v.ok and v.check in ("output", "nan") for v in e), e
