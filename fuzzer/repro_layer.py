@@ -105,23 +105,24 @@ def render_layer_repro(finding, target) -> tuple[str, dict]:
     from oracles.attention_judge import judge_fp8_ds_mla_entries, layer_reference_for, layer_tolerance
     from oracles.materialize import materialize_layer_inputs
 
-    case, cpu = finding.case, finding.host.device == "cpu"
-    inputs = materialize_layer_inputs(case, "cpu")
-    inp, slots, topk_buffer = step_tensors(case, "cpu", inputs.attention)
-    cache = target.cache(case, "cpu")
+    case, dev = finding.case, finding.host.device  # the values the finding ran with are drawn on its device
+    cpu = dev == "cpu"
+    inputs = materialize_layer_inputs(case, dev)
+    inp, slots, topk_buffer = step_tensors(case, dev, inputs.attention)
+    cache = target.cache(case, dev)
     write, _ = target.writer(case)
     write(inp.kv_c[slots], inp.k_pe[slots], cache, slots)
     new = [inp.slot_of[r][req.context_len:] for r, req in enumerate(case.requests)]
-    new_slots = torch.cat(new) if new else torch.zeros(0, dtype=torch.int64)
+    new_slots = (torch.cat(new) if new else torch.zeros(0, dtype=torch.int64)).to(dev)
     obs = finding.observation
     slot_values = None
     if case.kv_cache_dtype == "fp8_ds_mla":
         entries = cache[slots // case.block_size, slots % case.block_size]
         slot_values, _ = judge_fp8_ds_mla_entries(case, inputs.attention, slots, entries)
     mha_tokens = int(obs.notes.get("route", {}).get("mha_tokens", 0))
-    expected, _ = layer_reference_for(case, inputs, "cpu", slot_values, mha_tokens)
+    expected, _ = layer_reference_for(case, inputs, dev, slot_values, mha_tokens)
     atol, rtol = layer_tolerance(case, inputs)
-    cam = common_attn_metadata(case, inp.index, "cpu")
+    cam = common_attn_metadata(case, inp.index, dev)
     width = cache.shape[-1]
     tensors = dict(q=inputs.q, kv_b_weight=inputs.kv_b_weight,
                    kv_cache_rows=cache.as_strided((case.num_blocks * case.stride_rows, width), (width, 1)),

@@ -11,16 +11,14 @@ from oracles.verdict import Verdict, passed
 
 
 def reference_for(case, inputs=None, device: str = "cpu", slot_values=None, q=None):
-    """(out [T, H, 512], lse [T, H], valid_rows [T]) on CPU, from request-local positions and the case's own
-    block table: independent of vLLM's remap. Positions outside [0, seq_len) are not selected. Computed on
-    `device` (in float64): a GPU host judges its large cases on the GPU. `slot_values` (slots, rows) replaces
+    """(out [T, H, 512], lse [T, H], valid_rows [T]) on `device`, from request-local positions and the case's
+    own block table: independent of vLLM's remap. Positions outside [0, seq_len) are not selected. Computed
+    in float64 on `device`: a GPU host judges its large cases on the GPU. `slot_values` (slots, rows) replaces
     the K/V of those physical slots: a quantized cache is judged by what its bytes hold."""
-    inp = inputs or materialize_attention_inputs(case, "cpu")
-    kv = torch.cat([inp.kv_c, inp.k_pe], dim=-1).float()
+    inp = inputs or materialize_attention_inputs(case, device)
+    kv = torch.cat([inp.kv_c, inp.k_pe], dim=-1).float().to(device)
     if slot_values is not None:
-        kv = kv.clone()
-        kv[slot_values[0].long().cpu()] = slot_values[1].float().cpu()
-    kv = kv.to(device)
+        kv[slot_values[0].long().to(device)] = slot_values[1].float().to(device)
     topk = inp.index.topk_indices.long().to(device)
     rows, offsets, start = [], [], 0
     for r, req in enumerate(case.requests):
@@ -34,7 +32,7 @@ def reference_for(case, inputs=None, device: str = "cpu", slot_values=None, q=No
     indices = torch.where((topk >= 0) & (topk < seq_len), topk + offset, torch.full_like(topk, -1))
     q = inp.q.float() if q is None else q  # q: a layer's absorbed q (float64)
     out, lse = sparse_mla_reference(q.to(device), k_all, indices, SM_SCALE, 512)
-    return out.cpu(), lse.cpu(), (indices >= 0).any(dim=1).cpu()
+    return out, lse, (indices >= 0).any(dim=1)
 
 
 def judge_fp8_ds_mla_entries(case, inputs, slots, entries):
@@ -47,7 +45,7 @@ def judge_fp8_ds_mla_entries(case, inputs, slots, entries):
     from oracles.fp8_ds_mla import dequantize, split_entry
 
     values = dequantize(entries.cpu()).to(torch.bfloat16).float()
-    want = torch.cat([inputs.kv_c, inputs.k_pe], dim=-1).float()[slots.long().cpu()]
+    want = torch.cat([inputs.kv_c, inputs.k_pe], dim=-1)[slots.long().to(inputs.kv_c.device)].float().cpu()
     # e4m3 keeps 3 mantissa bits (2^-4 relative) down to its subnormal step, 2^-9 times the tile's scale;
     # the RoPE half is bf16 written as bf16.
     scale = split_entry(entries.cpu())[1].float().repeat_interleave(128, dim=-1)
@@ -121,10 +119,10 @@ def judge_attention(case, obs) -> list[Verdict]:
     verdicts, go_on = _call_verdicts(obs)
     if not go_on:
         return verdicts
-    inputs = materialize_attention_inputs(case, "cpu")
+    inputs = materialize_attention_inputs(case, obs.device)
     slot_values = _read_back(case, inputs, obs, verdicts)
     out_ref, lse_ref, valid_rows = reference_for(case, inputs, device=obs.device, slot_values=slot_values)
-    out = obs.outputs["out"].float()
+    out = obs.outputs["out"].to(obs.device).float()
     if out.shape != out_ref.shape:
         return verdicts + [Verdict("output", False, f"output shape {tuple(out.shape)}, expected {tuple(out_ref.shape)}",
                                    "J", where="shape")]
@@ -133,7 +131,7 @@ def judge_attention(case, obs) -> list[Verdict]:
     verdicts += found
     lse = obs.outputs.get("lse")
     if lse is not None:
-        lse_margin = error_margin(lse.float(), lse_ref, 1e-2, 1e-2)
+        lse_margin = error_margin(lse.to(obs.device).float(), lse_ref, 1e-2, 1e-2)
         if lse_margin > 1:
             verdicts.append(Verdict("lse", False, f"LSE off by {lse_margin:.2f}x the tolerance", "G", margin=lse_margin,
                                     where="lse"))
@@ -156,10 +154,10 @@ def layer_reference_for(case, layer_inputs, device: str = "cpu", slot_values=Non
                      if req.query_len and case.token_start(r) >= first]
         fresh = torch.cat(new_slots) if new_slots else torch.zeros(0, dtype=torch.int64)
         keep = ~torch.isin(slot_values[0].long().cpu(), fresh)
-        mha_out, _, _ = reference_for(case, inp, device, (slot_values[0].cpu()[keep], slot_values[1][keep]), q=q)
+        mha_out, _, _ = reference_for(case, inp, device, (slot_values[0].cpu()[keep], slot_values[1].cpu()[keep]), q=q)
         out[first:] = mha_out[first:]
     _, w_uv = layer_inputs.w_uk_uv()
-    return torch.einsum("thl,hvl->thv", out.double(), w_uv).float(), valid_rows
+    return torch.einsum("thl,hvl->thv", out.double(), w_uv.to(out.device)).float(), valid_rows
 
 
 def layer_tolerance(case, layer_inputs) -> tuple[float, float]:
@@ -177,11 +175,11 @@ def judge_layer(case, obs) -> list[Verdict]:
     verdicts, go_on = _call_verdicts(obs)
     if not go_on:
         return verdicts
-    layer_inputs = materialize_layer_inputs(case, "cpu")
+    layer_inputs = materialize_layer_inputs(case, obs.device)
     slot_values = _read_back(case, layer_inputs.attention, obs, verdicts)
     mha_tokens = int(obs.notes.get("route", {}).get("mha_tokens", 0))
     out_ref, valid_rows = layer_reference_for(case, layer_inputs, obs.device, slot_values, mha_tokens)
-    out = obs.outputs["out"].float()
+    out = obs.outputs["out"].to(obs.device).float()
     if out.numel() != out_ref.numel():
         return verdicts + [Verdict("output", False, f"output shape {tuple(out.shape)}, expected {tuple(out_ref.shape)}",
                                    "J", where="shape")]

@@ -7,6 +7,7 @@ prefill-workspace rows, and (for DCP) the rank-local view. No vLLM import: oracl
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -28,29 +29,29 @@ class IndexInputs:
     query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
 
 
-def _topk_row(spec: TopkSpec, visible: int, seq_len: int, table_tokens: int, width: int, g: torch.Generator) -> list[int]:
-    """One query row: `valid` distinct visible positions, plus out-of-range entries, the rest -1."""
+def _topk_row(spec: TopkSpec, visible: int, seq_len: int, table_tokens: int, width: int, g: torch.Generator) -> torch.Tensor:
+    """One query row (int64 [width]): `valid` distinct visible positions, plus out-of-range entries, the rest -1."""
     n_valid = min(spec.valid, visible, width)
-    valid = torch.randperm(visible, generator=g)[:n_valid].tolist() if n_valid else []
-    extra: list[int] = []
+    parts = [torch.randperm(visible, generator=g)[:n_valid]] if n_valid else []
     if spec.past_seq and table_tokens > seq_len:  # past the sequence, inside the block table
-        extra += [seq_len + int(x) for x in torch.randint(0, table_tokens - seq_len, (spec.past_seq,), generator=g)]
+        parts.append(seq_len + torch.randint(0, table_tokens - seq_len, (spec.past_seq,), generator=g))
     if spec.past_table:  # just past the block table; the last one far past it (a wrapped/garbage index)
-        extra += [table_tokens + int(x) for x in torch.randint(0, 4096, (spec.past_table,), generator=g)]
+        extra = table_tokens + torch.randint(0, 4096, (spec.past_table,), generator=g)
         if spec.past_table > 1:
             extra[-1] += 2**30
-    entries = (valid + extra)[:width]
+        parts.append(extra)
+    entries = torch.cat(parts)[:width] if parts else torch.zeros(0, dtype=torch.int64)
     n_invalid = width - len(entries)
+    pad = torch.full((n_invalid,), -1, dtype=torch.int64)
     if spec.invalid_at == "tail":
-        return entries + [-1] * n_invalid
+        return torch.cat([entries, pad])
     if spec.invalid_at == "head":
-        return [-1] * n_invalid + entries
+        return torch.cat([pad, entries])
     if spec.invalid_at == "leading_tiles":
         lead = min(n_invalid, TILE * (1 + n_invalid // (4 * TILE)))
-        return [-1] * lead + entries + [-1] * (n_invalid - lead)
-    row = entries + [-1] * n_invalid  # scattered
-    perm = torch.randperm(width, generator=g).tolist()
-    return [row[p] for p in perm]
+        return torch.cat([pad[:lead], entries, pad[lead:]])
+    row = torch.cat([entries, pad])  # scattered
+    return row[torch.randperm(width, generator=g)]
 
 
 def materialize_index_inputs(case: Case, device: str | torch.device = "cpu") -> IndexInputs:
@@ -83,7 +84,7 @@ def materialize_index_inputs(case: Case, device: str | torch.device = "cpu") -> 
     return IndexInputs(
         req_id_per_token=i32(req_ids, (-1,)),
         block_table=i32(case.block_table),
-        topk_indices=i32(rows, (-1, case.topk_width)),
+        topk_indices=(torch.stack(rows) if rows else torch.zeros(0, case.topk_width, dtype=torch.int64)).to(torch.int32).to(device),
         idx_mapping=None if case.idx_mapping is None else i32(case.idx_mapping),
         prefill_request_id=i32(prefill_ids, (-1,)),
         prefill_workspace_starts=i32(starts, (-1,)),
@@ -110,25 +111,33 @@ class AttentionInputs:
 
 
 def materialize_attention_inputs(case: Case, device: str | torch.device = "cpu") -> AttentionInputs:
-    """Values live per physical slot, so requests that share prefix blocks see the same K/V there."""
+    """Values live per physical slot, so requests that share prefix blocks see the same K/V there.
+
+    Values are drawn on `device` by its own generator (tens of millions of them for a 4K-context batch: a
+    CPU draw would cost more than the attention call), so a case holds the same values wherever it runs on
+    the same kind of device; reproducers carry their tensors. Memoized per (case, device): the target and
+    the oracle of one case share one materialization."""
+    return _attention_inputs(case, str(torch.device(device)))
+
+
+@functools.lru_cache(maxsize=2)
+def _attention_inputs(case: Case, device: str) -> AttentionInputs:
     index = materialize_index_inputs(case, device)
-    g = torch.Generator().manual_seed(case.seed + 1)
+    g = torch.Generator(device=device).manual_seed(case.seed + 1)
     scale = _VALUE_SCALE[case.values]
     num_slots = case.num_blocks * case.block_size
-    kv = torch.randn(num_slots, HEAD_SIZE, generator=g) * scale
+    kv = torch.randn(num_slots, HEAD_SIZE, generator=g, device=device) * scale
     if case.values == "zero_tiles":  # whole 128-wide NoPE tiles of zeros (fp8 scale edge cases)
         tiles = kv[:, :KV_LORA_RANK].view(num_slots, 4, 128)
-        tiles[torch.rand(num_slots, 4, generator=g) < 0.5] = 0
-    q = torch.randn(case.num_tokens, case.heads, HEAD_SIZE, generator=g) * 0.25
+        tiles[torch.rand(num_slots, 4, generator=g, device=device) < 0.5] = 0
+    q = torch.randn(case.num_tokens, case.heads, HEAD_SIZE, generator=g, device=device) * 0.25
     slot_of = []
     for r, req in enumerate(case.requests):
         pos = torch.arange(req.seq_len)
         row = torch.tensor(case.block_table[case.table_row(r)], dtype=torch.int64)
         slot_of.append(row[pos // case.block_size] * case.block_size + pos % case.block_size)
     kv = kv.to(torch.bfloat16)
-    return AttentionInputs(index, q.to(torch.bfloat16).to(device), kv[:, :KV_LORA_RANK].to(device),
-                           kv[:, KV_LORA_RANK:].to(device), slot_of, num_slots)
-
+    return AttentionInputs(index, q.to(torch.bfloat16), kv[:, :KV_LORA_RANK], kv[:, KV_LORA_RANK:], slot_of, num_slots)
 
 QK_NOPE, V_HEAD = 128, 128  # DeepSeek-V3: per-head q/k NoPE and V widths before absorption
 
@@ -150,14 +159,19 @@ class LayerInputs:
     def latent_q(self) -> torch.Tensor:
         """float64 [T, H, 576]: q_nope absorbed through W_UK (what forward_mqa attends with), and q_pe."""
         w_uk, _ = self.w_uk_uv()
-        q = self.q.double().cpu()
-        return torch.cat([torch.einsum("thn,hnl->thl", q[..., :QK_NOPE], w_uk.cpu()), q[..., QK_NOPE:]], dim=-1)
+        q = self.q.double()
+        return torch.cat([torch.einsum("thn,hnl->thl", q[..., :QK_NOPE], w_uk), q[..., QK_NOPE:]], dim=-1)
 
 
 def materialize_layer_inputs(case: Case, device: str | torch.device = "cpu") -> LayerInputs:
+    return _layer_inputs(case, str(torch.device(device)))
+
+
+@functools.lru_cache(maxsize=2)
+def _layer_inputs(case: Case, device: str) -> LayerInputs:
     attention = materialize_attention_inputs(case, device)
-    g = torch.Generator().manual_seed(case.seed + 2)
+    g = torch.Generator(device=device).manual_seed(case.seed + 2)
     # W entries ~ 1/sqrt(128): the absorbed q keeps q's scale (the latent q of the MQA targets).
-    w = torch.randn(case.heads * (QK_NOPE + V_HEAD), KV_LORA_RANK, generator=g) * QK_NOPE**-0.5
-    q = torch.randn(case.num_tokens, case.heads, QK_NOPE + ROPE_DIM, generator=g) * 0.25
-    return LayerInputs(attention, q.to(torch.bfloat16).to(device), w.to(torch.bfloat16).to(device))
+    w = torch.randn(case.heads * (QK_NOPE + V_HEAD), KV_LORA_RANK, generator=g, device=device) * QK_NOPE**-0.5
+    q = torch.randn(case.num_tokens, case.heads, QK_NOPE + ROPE_DIM, generator=g, device=device) * 0.25
+    return LayerInputs(attention, q.to(torch.bfloat16), w.to(torch.bfloat16))

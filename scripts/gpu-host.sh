@@ -21,6 +21,12 @@ if [ -n "$VER" ]; then
   fi
   export PYTHONPATH="$SRC:/tmp/gpu-bundle/site"
 fi
+# vLLM's sources seen through a path with /site-packages/ in it: Hypothesis then treats vLLM as third-party
+# and does not parse all of its modules for constants at the first draw (10 s per process on the host).
+SRC_DIR=${PYTHONPATH%%:*}
+LINK=/tmp/attnfuzz-vllm/${VER:-bundle}/site-packages
+mkdir -p "$(dirname "$LINK")" && ln -sfn "$SRC_DIR" "$LINK"
+export PYTHONPATH="$LINK${PYTHONPATH#"$SRC_DIR"}"
 export PYTHONPATH="$ROOT:$PYTHONPATH"
 if [ "${1:-}" = "attnfuzz" ]; then shift; exec python3 -m fuzzer.cli "$@"; fi
 exec "$@"

@@ -32,4 +32,7 @@ PROFILES = {
                    attn_max_tokens=12, attn_topk_widths=(128, 256), attn_heads=(16, 8, 32)),
     "gpu": Profile("gpu", max_decodes=12, max_prefills=4, max_tokens=512, max_context=4096,
                    topk_widths=(128, 256, 512, 1024, 2048, 2176), block_sizes=(64, 16, 32, 128)),
+    # The throughput benchmark's envelope (issue 3): up to 16 requests, 4K context, top-k 512.
+    "gpu-bench": Profile("gpu-bench", max_decodes=12, max_prefills=4, max_tokens=512, max_context=4096,
+                         topk_widths=(512,), block_sizes=(64,), attn_topk_widths=(512,)),
 }

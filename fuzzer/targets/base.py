@@ -62,6 +62,9 @@ class Target(ABC):
             except AttributeError as e:
                 if "SimpleNamespace" in str(e):  # vLLM read a config field attnfuzz's namespace lacks
                     raise HarnessConfigError(f"{self.name}: the config namespace lacks what this vLLM reads: {e}") from e
+                if "'_OpNamespace'" in str(e):  # a compiled op this host's vLLM build lacks, with no stand-in
+                    raise HarnessConfigError(f"{self.name}: this host's vLLM lacks a compiled op and attnfuzz has no "
+                                             f"stand-in for it: {e}") from e
                 obs.error_type, obs.error = type(e).__name__, str(e)[:500]
                 obs.notes["traceback"] = traceback.format_exc(limit=-8)
             except Exception as e:  # the code under test raised: an observation, not our failure

@@ -96,22 +96,36 @@ def cpu_shims() -> tuple[str, ...]:
             "flashmla_sparse: torch.zeros(pin_memory=True) unpinned (fp8 separate path)")
 
 
+# Capability queries some constructors make of vLLM's compiled `_C` (CUTLASS fp8 GEMMs: ModelConfig's
+# architecture inspection, the layer's fp8 quant ops). A build without `_C` (the GPU bundle) answers as a
+# build without those kernels would: False. Attention computes nothing with them.
+_C_QUERIES = ("cutlass_scaled_mm_supports_block_fp8", "cutlass_scaled_mm_supports_fp8")
+
+
+def define_missing_c_queries() -> tuple[str, ...]:
+    missing = []
+    for name in _C_QUERIES:
+        try:
+            getattr(torch.ops._C, name)
+        except (AttributeError, RuntimeError):
+            missing.append(name)
+    if missing:
+        if not _LIBS:
+            _LIBS.append(torch.library.Library("_C", "FRAGMENT"))
+        for name in missing:
+            _LIBS[0].define(f"{name}(int cuda_device_capability) -> bool")
+            _LIBS[0].impl(name, lambda cap: False, "CompositeExplicitAutograd")
+    return tuple(f"torch.ops._C.{name} -> False (not in this build)" for name in missing)
+
+
 @contextlib.contextmanager
 def _inspect_in_process():
     """ModelConfig inspects the architecture by importing DeepSeek's model module in a subprocess, whose
     quantization utils ask vLLM's compiled `_C` whether CUTLASS block-fp8 GEMMs exist. Where `_C` is missing
-    (the GPU bundle), inspect in this process and answer as a build without those kernels would (False):
-    attention computes nothing with it."""
+    (the GPU bundle), inspect in this process, where `define_missing_c_queries` answers."""
     from vllm.model_executor.models import registry
 
-    try:
-        torch.ops._C.cutlass_scaled_mm_supports_block_fp8
-    except (AttributeError, RuntimeError):
-        if not _LIBS:
-            lib = torch.library.Library("_C", "FRAGMENT")
-            lib.define("cutlass_scaled_mm_supports_block_fp8(int cuda_device_capability) -> bool")
-            lib.impl("cutlass_scaled_mm_supports_block_fp8", lambda cap: False, "CompositeExplicitAutograd")
-            _LIBS.append(lib)  # the definition lives as long as the library object
+    define_missing_c_queries()
     run_in_subprocess = registry._run_in_subprocess
     registry._run_in_subprocess = lambda fn: fn()
     try:

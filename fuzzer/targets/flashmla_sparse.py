@@ -17,7 +17,7 @@ import torch
 from fuzzer.targets.backend_harness import cache_writer, common_attn_metadata, paged_cache, step_tensors
 from fuzzer.targets.base import Target
 from fuzzer.targets.flashmla_runtime import (BACKEND_MODULE, FP8_ENTRY_BYTES, LAYER, configure, cpu_shims,
-                                            guard_index_group, has_cache_op, install_standins, vllm_runtime)
+                                            define_missing_c_queries, guard_index_group, has_cache_op, install_standins, vllm_runtime)
 from oracles.attention_judge import judge_attention
 from oracles.materialize import HEAD_SIZE, KV_LORA_RANK, ROPE_DIM, SM_SCALE
 from strategies.batches import AttentionFeatures, attention_cases
@@ -44,15 +44,15 @@ class FlashMLASparse(Target):
         return None
 
     def prepare(self) -> None:
-        self.shims: list[str] = []
         from fuzzer.env import STATE_DIR
 
+        self.shims: list[str] = list(define_missing_c_queries())
         if self.device == "cpu":  # before the backend is imported: it binds PIN_MEMORY by name
             from fuzzer.interp.corrections import CORRECTIONS, install_corrections
             from fuzzer.standins.cpu_shims import install_cpu_shims
 
             install_corrections()
-            self.shims = [*install_cpu_shims(), *cpu_shims(), *(f"interpreter correction: {c}" for c in CORRECTIONS)]
+            self.shims += [*install_cpu_shims(), *cpu_shims(), *(f"interpreter correction: {c}" for c in CORRECTIONS)]
         self.emulated = install_standins()
         self.cfg = vllm_runtime(self.device, str(STATE_DIR))
 

@@ -106,17 +106,17 @@ class TritonSparse(Target):
         from fuzzer.repro import render_backend_repro
         from oracles.attention_judge import attention_tolerance, reference_for
 
-        case = finding.case
-        inp, slots, cache, topk_buffer = self.step(case, "cpu")
+        case, dev = finding.case, finding.host.device  # the values the finding ran with are drawn on its device
+        inp, slots, cache, topk_buffer = self.step(case, dev)
         write, _ = cache_writer()
-        write(inp.kv_c[slots], inp.k_pe[slots], cache, slots, "auto", torch.ones(()))
-        cam = common_attn_metadata(case, inp.index, "cpu")
+        write(inp.kv_c[slots], inp.k_pe[slots], cache, slots, "auto", torch.ones((), device=dev))
+        cam = common_attn_metadata(case, inp.index, dev)
         atol, rtol = attention_tolerance(case, inp)
         tensors = dict(q=inp.q, kv_cache_rows=cache.as_strided((case.num_blocks * case.stride_rows, HEAD_SIZE), (HEAD_SIZE, 1)),
                        topk_indices_buffer=topk_buffer, query_start_loc=inp.index.query_start_loc,
                        seq_lens=inp.index.seq_lens, block_table=inp.index.block_table, slot_mapping=cam.slot_mapping,
                        num_computed_tokens=torch.tensor([r.context_len for r in case.requests], dtype=torch.int32),
-                       expected_out=reference_for(case, inp)[0])
+                       expected_out=reference_for(case, inp, dev)[0])
         constants = dict(HEADS=case.heads, SM_SCALE=SM_SCALE, BLOCK_SIZE=case.block_size,
                          BLOCK_STRIDE_ROWS=case.stride_rows, NUM_BLOCKS=case.num_blocks, NUM_REQS=len(case.requests),
                          NUM_TOKENS=case.num_tokens, MAX_QUERY_LEN=max(r.query_len for r in case.requests),
