@@ -48,6 +48,23 @@ class Finding:
     examples_to_find: int
     seconds_to_find: float
     has_repro: bool = True
+    reruns: tuple[int, int] | None = None  # (times the signature came back, re-runs): flaky when fewer
+
+    @classmethod
+    def from_saved(cls, d: dict, case_json: str) -> "Finding":
+        """A finding as `to_dict` wrote it (a resumed campaign's)."""
+        verdicts = [Verdict(**v) for v in d["verdicts"]]
+        error_type, _, error = (d.get("error") or "").partition(": ")
+        obs = Observation(d["target"], d["host"]["device"], error_type=error_type or None, error=error or None,
+                          real=tuple(d.get("real", ())), emulated=tuple(d.get("emulated", ())),
+                          notes={"resumed": True})
+        return cls(d["target"], d["signature"], Case.from_json(case_json), verdicts, obs, HostInfo(**{
+            k: tuple(v) if isinstance(v, list) else v for k, v in d["host"].items()}), d.get("inject"),
+            d["examples_to_find"], d["seconds_to_find"])
+
+    @property
+    def flaky(self) -> bool:
+        return self.reruns is not None and self.reruns[0] < self.reruns[1]
 
     @property
     def id(self) -> str:
@@ -76,6 +93,9 @@ class Finding:
             "examples_to_find": self.examples_to_find,
             "seconds_to_find": round(self.seconds_to_find, 2),
             "summary": self.case.summary(),
+            "reruns": None if self.reruns is None else {"reproduced": self.reruns[0], "of": self.reruns[1],
+                                                        "flaky": self.flaky},
+            "sanitizer": o.notes.get("sanitizer"),
         }
 
 
@@ -86,6 +106,8 @@ class CampaignResult:
     seconds: float = 0.0
     findings: list[Finding] = field(default_factory=list)
     checks: dict[str, int] = field(default_factory=dict)
+    workers_started: int = 0
+    repeats: dict[str, int] = field(default_factory=dict)  # later hits of an already-shrunk signature
 
     @property
     def rate(self) -> float:
@@ -95,7 +117,13 @@ class CampaignResult:
 class Campaign:
     def __init__(self, target: Target, profile: Profile, host: HostInfo, *, seed: int = 0,
                  max_examples: int | None = 100, time_budget: float | None = None, inject: str | None = None,
-                 progress: Progress | None = None) -> None:
+                 progress: Progress | None = None, executor=None, pending: Path | None = None,
+                 journal: Path | None = None, reruns: int = 3) -> None:
+        from fuzzer.worker import InProcessExecutor
+
+        # Where cases run: a worker process (crash isolation, sanitizers) or this process.
+        self.executor = executor or InProcessExecutor(target)
+        self.pending, self.journal, self.reruns = pending, journal, reruns
         self.target, self.profile, self.host = target, profile, host
         self.seed, self.max_examples, self.time_budget, self.inject = seed, max_examples, time_budget, inject
         self.progress = progress or Progress(target.name)
@@ -104,19 +132,28 @@ class Campaign:
         self._exc_types: dict[str, type[CaseFailed]] = {}
         self._start = 0.0
         self._batch_failed = False
+        self._settled: set[str] = set()
 
     def _out_of_time(self) -> bool:
         return self.time_budget is not None and time.monotonic() - self._start > self.time_budget
 
     # -- one case -----------------------------------------------------------------------------------------
     def check(self, case: Case) -> tuple[Observation, list[Verdict]]:
+        from fuzzer.worker import HarnessFailure
+
+        if self.journal is not None:  # written before the case runs: a SIGKILLed campaign loses nothing
+            self.journal.parent.mkdir(parents=True, exist_ok=True)
+            self.journal.write_text(case.to_json() + "\n")
         try:
-            obs = self.target.run(case)
-            verdicts = self.target.oracle(case, obs)
+            result = self.executor.check(case)
+            if self.journal is not None:
+                self.journal.unlink(missing_ok=True)
+            return result
+        except HarnessFailure as e:  # attnfuzz's code raised inside the worker
+            raise HarnessError(f"{self.target.name} on {case.summary()}: {e}") from e
         except Exception as e:  # raised by attnfuzz code, not by the code under test
             raise HarnessError(f"{self.target.name} on {case.summary()}: {type(e).__name__}: {e}\n"
                                f"{traceback.format_exc()}") from e
-        return obs, verdicts
 
     def _test(self, case: Case) -> None:
         if self._out_of_time() and not self._batch_failed:
@@ -133,22 +170,91 @@ class Campaign:
             return
         # One signature per bug: the primary symptom, so shrinking cannot slide between bugs.
         signature = primary(failed).signature
+        if signature in self._settled:  # found and shrunk in an earlier batch: counted, the search goes on
+            self.result.repeats[signature] = self.result.repeats.get(signature, 0) + 1
+            return
         prior = self._failures.get(signature)
-        self._failures[signature] = Finding(
+        finding = self._failures[signature] = Finding(
             self.target.name, signature, case, failed, obs, self.host, self.inject,
             prior.examples_to_find if prior else r.examples,
             prior.seconds_to_find if prior else time.monotonic() - self._start,
         )
+        self._save_pending(finding)
         self._batch_failed = True  # from here on this batch is shrinking: never skip its cases
         exc = self._exc_types.setdefault(signature, type(f"CaseFailed{len(self._exc_types)}", (CaseFailed,), {}))
         raise exc(signature)
 
     # -- the campaign --------------------------------------------------------------------------------------
+    # -- findings survive the campaign's own death -----------------------------------------------------
+    def _pending_dir(self, signature: str) -> Path:
+        return self.pending / hashlib.sha1(f"{self.target.name}|{signature}".encode()).hexdigest()[:12]
+
+    def _save_pending(self, finding: Finding) -> None:
+        """Each finding (and each smaller case for it) is on disk the moment it is made."""
+        if self.pending is None:
+            return
+        d = self._pending_dir(finding.signature)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "case.json").write_text(finding.case.to_json() + "\n")
+        (d / "finding.json").write_text(json.dumps(finding.to_dict(), indent=1, default=str) + "\n")
+
+    def _resume(self) -> None:
+        """Before searching: the findings a killed campaign had made are taken back as they were saved (and
+        re-run with the others at the end), and the case it was running when it died (the journal) is
+        checked again, so a SIGKILL loses none of them."""
+        if self.pending is not None and self.pending.exists():
+            for path in sorted(self.pending.glob("*/finding.json")):
+                try:
+                    finding = Finding.from_saved(json.loads(path.read_text()), (path.parent / "case.json").read_text())
+                except Exception:
+                    continue  # half-written when the campaign died
+                if finding.target == self.target.name and finding.signature not in self._failures:
+                    self._failures[finding.signature] = finding
+                    self._settled.add(finding.signature)
+        if self.journal is not None and self.journal.exists():
+            try:
+                case = Case.from_json(self.journal.read_text())
+            except Exception:
+                case = None  # a half-written journal entry
+            if case is not None:
+                try:
+                    self._test(case)
+                except CaseFailed:
+                    pass
+            self.journal.unlink(missing_ok=True)
+
+    def _rerun(self, finding: Finding) -> None:
+        """Run a finding's case again: one that does not fail the same way every time is flaky."""
+        same = 0
+        for _ in range(self.reruns):
+            _, verdicts = self.check(finding.case)
+            failed = [v for v in verdicts if not v.ok]
+            same += bool(failed) and primary(failed).signature == finding.signature
+        finding.reruns = (same, self.reruns)
+
+    def clear_pending(self) -> None:
+        """Called once the findings are saved for good."""
+        if self.pending is None:
+            return
+        for f in self.result.findings:
+            d = self._pending_dir(f.signature)
+            for p in d.glob("*"):
+                p.unlink()
+            if d.exists():
+                d.rmdir()
+
     def run(self) -> CampaignResult:
         self._start = time.monotonic()
+        try:
+            return self._run()
+        finally:
+            self.executor.close()
+
+    def _run(self) -> CampaignResult:
+        self._resume()
         strategy = self.target.cases(self.profile)
         db = DirectoryBasedExampleDatabase(str(STATE_DIR / "examples"))
-        batch, seed = 0, self.seed
+        seed = self.seed
         while True:
             if self.time_budget is not None:
                 left = self.time_budget - (time.monotonic() - self._start)
@@ -157,13 +263,23 @@ class Campaign:
                 n = 50  # batches, so that the budget is checked between them
             else:
                 n = self.max_examples - self.result.examples
-                if n <= 0 or batch > 0:
+                if n <= 0:
                     break
+            before = self.result.examples
             self._batch_failed = False
             self._hypothesis(strategy, db, seed, n)
-            batch, seed = batch + 1, seed + 1
+            # Hypothesis ends a batch at its first bug and shrinks it; the next batch goes on searching, and
+            # the bugs already shrunk no longer stop it (they are counted, not raised).
+            self._settled |= set(self._failures)
+            seed += 1
+            if self.result.examples == before:
+                break  # nothing left to generate
         self.result.seconds = time.monotonic() - self._start
         self.result.findings = list(self._failures.values())
+        for finding in self.result.findings:
+            if self.reruns:
+                self._rerun(finding)
+        self.result.workers_started = getattr(self.executor, "started", 0)
         self.progress.done(self.result)
         return self.result
 

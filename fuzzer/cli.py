@@ -38,6 +38,14 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--json", type=Path, metavar="PATH", help="write a JSON summary here")
     r.add_argument("--repros", type=Path, default=Path("repros"), help="where findings are saved")
     r.add_argument("--quiet", action="store_true")
+    r.add_argument("--isolation", choices=("worker", "none"), default="worker",
+                   help="worker (default): cases run in a worker process that a crash or hang cannot take the "
+                        "campaign down with; none: in this process")
+    r.add_argument("--sanitizer", choices=("memcheck", "initcheck", "racecheck", "synccheck"), default=None,
+                   help="run every case under compute-sanitizer with this tool (GPU; implies --isolation worker)")
+    r.add_argument("--case-timeout", type=_duration, default=300.0, metavar="D",
+                   help="watchdog: a case with no result after this long is a hang (default 300s)")
+    r.add_argument("--reruns", type=int, default=3, help="re-runs of each finding to tell flaky ones (default 3)")
     rp = sub.add_parser("replay", help="re-run a saved finding (repros/<id>/ or its case.json)")
     rp.add_argument("path", type=Path)
     sub.add_parser("list", help="targets, mutants and what this host can run")
@@ -82,7 +90,8 @@ def _make_target(name: str, device: str):
 
 def cmd_run(args, device: str) -> int:
     from fuzzer.campaign import Campaign, HarnessError
-    from fuzzer.env import host_info
+    from fuzzer.env import STATE_DIR, host_info
+    from fuzzer.worker import WorkerError
     from fuzzer.mutants import MutantError, inject
     from fuzzer.progress import Progress
     from fuzzer.repro import write_repro
@@ -106,14 +115,20 @@ def cmd_run(args, device: str) -> int:
         raise UsageError(f"unknown profile {profile_name!r}; known: {', '.join(PROFILES)}")
     max_examples = args.max_examples if args.max_examples is not None or args.time_budget else 100
     host = host_info(device)
+    executor = _executor(args, target, device, label)
     campaign = Campaign(target, PROFILES[profile_name], host, seed=args.seed, max_examples=max_examples,
-                        time_budget=args.time_budget, inject=label, progress=Progress(target.name, args.quiet))
+                        time_budget=args.time_budget, inject=label, progress=Progress(target.name, args.quiet),
+                        executor=executor, pending=args.repros / ".pending",
+                        journal=STATE_DIR / "journal" / f"{target.name}.json", reruns=args.reruns)
     try:
         result = campaign.run()
     except HarnessError as e:
         print(f"attnfuzz: harness error (a bug in attnfuzz, not in vLLM):\n{e}", file=sys.stderr)
         return EXIT_USAGE
+    except WorkerError as e:
+        raise UsageError(str(e)) from e
     saved = [write_repro(f, target, args.repros) for f in result.findings]
+    campaign.clear_pending()
     _print_summary(result, saved, host)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -121,10 +136,33 @@ def cmd_run(args, device: str) -> int:
             "target": result.target, "seed": args.seed, "inject": label, "profile": profile_name,
             "kv_cache_dtypes": list(target.kv_cache_dtypes),
             "examples": result.examples, "seconds": round(result.seconds, 2), "cases_per_second": round(result.rate, 2),
+            "isolation": args.isolation, "sanitizer": args.sanitizer, "workers_started": result.workers_started,
             "checks": result.checks, "host": host.to_dict(),
             "findings": [dict(f.to_dict(), path=str(p)) for f, p in zip(result.findings, saved)],
         }, indent=1) + "\n")
     return EXIT_FOUND if result.findings else EXIT_CLEAN
+
+
+def _executor(args, target, device: str, label):
+    """Where the campaign's cases run (see fuzzer/worker.py)."""
+    from fuzzer.env import STATE_DIR
+    from fuzzer.worker import InProcessExecutor, WorkerExecutor, WorkerSpec
+
+    if args.sanitizer:
+        if device != "cuda":
+            raise UsageError("--sanitizer needs a GPU (on CPU every interpreted load and store is bounds-checked)")
+        from fuzzer.sanitizer import SanitizerUnavailable, check_driver, find_compute_sanitizer
+
+        try:
+            find_compute_sanitizer()
+            check_driver()
+        except SanitizerUnavailable as e:
+            raise UsageError(str(e)) from e
+    elif args.isolation == "none":
+        return InProcessExecutor(target)
+    spec = WorkerSpec(target.name, device, inject=args.inject, kv_cache_dtypes=tuple(target.kv_cache_dtypes) or None,
+                      sanitizer=args.sanitizer, case_timeout=args.case_timeout)
+    return WorkerExecutor(spec, STATE_DIR / "workers" / target.name)
 
 
 def _print_summary(result, saved, host) -> None:
@@ -135,8 +173,10 @@ def _print_summary(result, saved, host) -> None:
                   f"({result.rate:.1f}/s) on {host.device}, vLLM {host.vllm}: {len(result.findings)} finding(s)")
     for f, path in zip(result.findings, saved):
         classes = ",".join(sorted({v.bug_class for v in f.verdicts if v.bug_class})) or "-"
+        again = "" if f.reruns is None else (f", FLAKY: came back {f.reruns[0]} of {f.reruns[1]} re-runs" if f.flaky
+                                             else f", reproduced {f.reruns[0]}/{f.reruns[1]}")
         console.print(f"[bold red]FOUND[/] {path}  class {classes}, after {f.examples_to_find} cases "
-                      f"({f.seconds_to_find:.1f} s)\n  case: {f.case.summary()}\n  {f.title}", highlight=False)
+                      f"({f.seconds_to_find:.1f} s){again}\n  case: {f.case.summary()}\n  {f.title}", highlight=False)
 
 
 def cmd_replay(args, device: str) -> int:

@@ -7,6 +7,7 @@ from fuzzer.targets.dcp_filter import DcpFilter
 from fuzzer.targets.flashmla_layer import FlashMLASparseLayer
 from fuzzer.targets.flashmla_sparse import FlashMLASparse
 from fuzzer.targets.index_remap import IndexRemap
+from fuzzer.targets.selftest import SelftestFault
 from fuzzer.targets.triton_sparse import TritonSparse
 
 TARGETS: dict[str, type[Target]] = {
@@ -15,6 +16,7 @@ TARGETS: dict[str, type[Target]] = {
     TritonSparse.name: TritonSparse,
     FlashMLASparse.name: FlashMLASparse,
     FlashMLASparseLayer.name: FlashMLASparseLayer,
+    SelftestFault.name: SelftestFault,  # harness self-test, not vLLM
 }
 
 

@@ -1,0 +1,178 @@
+"""compute-sanitizer: finding it, the command a sanitized worker runs under, and its reports as data.
+
+Reports are parsed from compute-sanitizer's log (one block per error: a header line, then indented detail
+lines) into `SanitizerReport`s: tool, error kind, kernel, source file and line, access size, distance from the
+nearest allocation, thread and block. PyTorch's caching allocator hides out-of-bounds accesses inside its
+pooled segments (../shared/docs/measured.md: 0 errors with it, 1,282 without), so every sanitized worker runs
+with PYTORCH_NO_CUDA_MEMORY_CACHING=1 and without expandable segments (false "Invalid write" reports).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from dataclasses import asdict, dataclass
+
+TOOLS = ("memcheck", "initcheck", "racecheck", "synccheck")
+# What a worker under compute-sanitizer must have in its environment, and must not.
+SANITIZED_ENV = {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}
+SANITIZED_ENV_REMOVE = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # expandable_segments lives there
+
+
+class SanitizerUnavailable(RuntimeError):
+    pass
+
+
+def find_compute_sanitizer() -> str:
+    """The compute-sanitizer binary: cuda-python's pathfinder first (wheels and toolkits), then PATH."""
+    path = None
+    try:
+        from cuda.pathfinder import find_nvidia_binary_utility
+
+        path = find_nvidia_binary_utility("compute-sanitizer")
+    except Exception:  # older cuda-python without the binary finder, or not installed
+        path = None
+    path = path or shutil.which("compute-sanitizer")
+    if not path:
+        for candidate in ("/usr/local/cuda/bin/compute-sanitizer", "/opt/cuda/bin/compute-sanitizer"):
+            if os.access(candidate, os.X_OK):
+                path = candidate
+                break
+    if not path:
+        raise SanitizerUnavailable("compute-sanitizer not found (cuda.pathfinder, PATH, /usr/local/cuda/bin)")
+    return path
+
+
+def check_driver() -> dict:
+    """Driver version and device count through cuda-python's driver bindings; raises if there is no device."""
+    try:
+        from cuda.bindings import driver
+    except ImportError as e:
+        raise SanitizerUnavailable(f"cuda-python (cuda.bindings) is not importable: {e}") from e
+    (err,) = driver.cuInit(0)
+    if int(err) != 0:
+        raise SanitizerUnavailable(f"cuInit failed: {err}")
+    err, version = driver.cuDriverGetVersion()
+    err2, count = driver.cuDeviceGetCount()
+    if int(err2) != 0 or count < 1:
+        raise SanitizerUnavailable(f"no CUDA device ({err2}, count {count})")
+    return {"driver_version": f"{version // 1000}.{version % 1000 // 10}", "devices": count}
+
+
+def sanitizer_command(tool: str, binary: str | None = None, log_file: str | None = None) -> list[str]:
+    """compute-sanitizer and its options; reports go to the process's own output unless `log_file`."""
+    if tool not in TOOLS:
+        raise ValueError(f"unknown compute-sanitizer tool {tool!r}; known: {', '.join(TOOLS)}")
+    cmd = [binary or find_compute_sanitizer(), "--tool", tool, "--print-limit", "200", "--show-backtrace", "none"]
+    if log_file:
+        cmd += ["--log-file", log_file]
+    if tool == "memcheck":
+        cmd += ["--leak-check", "no"]
+    if tool == "initcheck":
+        cmd += ["--track-unused-memory", "no"]
+    return cmd
+
+
+def sanitized_env(base: dict | None = None) -> dict:
+    env = dict(os.environ if base is None else base)
+    for k in SANITIZED_ENV_REMOVE:
+        env.pop(k, None)
+    env.update(SANITIZED_ENV)
+    return env
+
+
+@dataclass(frozen=True)
+class SanitizerReport:
+    tool: str
+    kind: str  # e.g. "Invalid __global__ read", "Uninitialized __global__ memory read", "Race reported"
+    kernel: str = ""
+    file: str = ""
+    line: int = 0
+    access_size: int = 0
+    thread: tuple[int, ...] = ()
+    block: tuple[int, ...] = ()
+    address: str = ""
+    distance: str = ""  # "2,049 bytes after the nearest allocation at 0x... of size 1,024 bytes"
+    text: str = ""  # the block as logged
+
+    @property
+    def signature(self) -> str:
+        """One per bug: the tool, the kind and where in the source (not which thread)."""
+        return f"{self.tool}:{self.kind}:{self.kernel}:{os.path.basename(self.file)}:{self.line}"
+
+    def describe(self) -> str:
+        where = f"{self.kernel} ({os.path.basename(self.file)}:{self.line})" if self.kernel else "?"
+        size = f" of {self.access_size} bytes" if self.access_size else ""
+        at = f", thread {self.thread} block {self.block}" if self.block else ""
+        return f"{self.tool}: {self.kind}{size} in {where}{at}" + (f"; {self.distance}" if self.distance else "")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+_HEADER = re.compile(r"^=========\s(?!\s)(?P<text>.+)$")
+_DETAIL = re.compile(r"^=========\s{2,}(?P<text>.*)$")
+_KIND_SIZE = re.compile(r"^(?P<kind>.+?) of size (?P<size>\d+) bytes?")
+_AT = re.compile(r"^at (?P<kernel>[^\s+]+)(?:\+0x[0-9a-f]+)? in (?P<file>\S+?):(?P<line>\d+)")
+_THREAD = re.compile(r"by thread \((?P<thread>[\d, ]+)\) in block \((?P<block>[\d, ]+)\)")
+_ADDRESS = re.compile(r"(?:Access to|Address) (?P<address>0x[0-9a-f]+)")
+_DISTANCE = re.compile(r"and is (?P<distance>.+)$")
+_NOT_ERRORS = ("COMPUTE-SANITIZER", "ERROR SUMMARY", "Target application returned", "Saved host backtrace",
+               "LEAK SUMMARY", "Program hit", "Host Frame")
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+
+
+def parse_log(text: str, tool: str = "memcheck") -> list[SanitizerReport]:
+    """Every error block in a compute-sanitizer log, in order."""
+    reports, block = [], None
+
+    def flush():
+        if block:
+            reports.append(_report(tool, block))
+
+    for line in text.splitlines():
+        h = _HEADER.match(line)
+        if h and not line.startswith("=========  "):
+            flush()
+            head = h.group("text").strip()
+            block = [head] if head and not head.startswith(_NOT_ERRORS) else None
+            continue
+        d = _DETAIL.match(line)
+        if d and block is not None:
+            block.append(d.group("text").strip())
+    flush()
+    return reports
+
+
+def _report(tool: str, lines: list[str]) -> SanitizerReport:
+    head = lines[0]
+    m = _KIND_SIZE.match(head)
+    kind, size = (m.group("kind"), int(m.group("size"))) if m else (head.rstrip(". "), 0)
+    fields: dict = {}
+    for line in lines[1:]:
+        if line.startswith(("Host Frame", "Saved host backtrace")):
+            continue
+        if (a := _AT.search(line)) and "kernel" not in fields:
+            fields.update(kernel=a.group("kernel"), file=a.group("file"), line=int(a.group("line")))
+        if t := _THREAD.search(line):
+            fields.update(thread=_ints(t.group("thread")), block=_ints(t.group("block")))
+        if (ad := _ADDRESS.search(line)) and "address" not in fields:
+            fields["address"] = ad.group("address")
+        if dist := _DISTANCE.search(line):
+            fields["distance"] = dist.group("distance")
+    text = "\n".join(x for x in lines if not x.startswith("Host Frame"))
+    return SanitizerReport(tool=tool, kind=kind, access_size=size, text=text, **fields)
+
+
+def dedupe(reports: list[SanitizerReport]) -> list[SanitizerReport]:
+    """The first report of each signature (the rest are the same bug on other threads)."""
+    seen, out = set(), []
+    for r in reports:
+        if r.signature not in seen:
+            seen.add(r.signature)
+            out.append(r)
+    return out

@@ -1,0 +1,301 @@
+"""Targets run in worker processes, so that what the code under test does to its process (an illegal memory
+access that kills the CUDA context, a segfault, an abort, a hang, running out of memory) never ends the
+campaign or takes a finding with it.
+
+A worker imports vLLM once, prepares one target (and the injected bug, if any) and then checks cases sent
+over a socket: it runs the target and the oracle and sends back the observation (tensors stay in the worker)
+and the verdicts. The campaign side (`WorkerExecutor`; the campaign journals each case before it runs) waits
+with a per-case watchdog, turns a dead or silent worker into a verdict on that case, and starts a fresh
+worker for the next one. Under compute-sanitizer the worker's output is its log: the worker prints a marker
+before and after each case and synchronizes the device around it, so every report belongs to one case.
+
+    python -m fuzzer.worker FD SPEC_JSON      (started by WorkerExecutor, never by hand)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from fuzzer.observation import Observation
+from oracles.verdict import Verdict
+from strategies.case import Case
+
+BEGIN, END = "ATTNFUZZ-CASE-BEGIN", "ATTNFUZZ-CASE-END"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    target: str
+    device: str
+    inject: str | None = None
+    kv_cache_dtypes: tuple[str, ...] | None = None
+    sanitizer: str | None = None  # a compute-sanitizer tool, or None for a native worker
+    case_timeout: float = 300.0  # seconds for one case before the worker counts as hung
+    startup_timeout: float = 900.0  # vLLM import, target set-up and (sanitized) tool start
+
+
+class WorkerError(RuntimeError):
+    """The worker could not be started (vLLM missing, target unavailable): a usage error, not a finding."""
+
+
+class HarnessFailure(RuntimeError):
+    """attnfuzz's own code raised inside the worker: a harness bug, never a finding."""
+
+
+# -- the worker process ---------------------------------------------------------------------------------------
+
+def _device_lost(obs: Observation) -> bool:
+    text = f"{obs.error_type} {obs.error}"
+    return obs.error_type == "AcceleratorError" or "CUDA error" in text or "illegal memory access" in text
+
+
+def die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when its parent dies (a SIGKILLed campaign leaves no hung worker)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+def serve(fd: int, spec: WorkerSpec) -> None:
+    from fuzzer.env import prepare_process
+
+    die_with_parent()
+    prepare_process(spec.device)
+    conn = Connection(fd)
+    try:
+        import vllm  # noqa: F401  (once per worker)
+
+        from fuzzer.mutants import inject
+        from fuzzer.targets import TARGETS
+
+        target = TARGETS[spec.target](spec.device)
+        why = target.unavailable()
+        if why:
+            conn.send(("unavailable", why))
+            return
+        target.prepare()
+        if spec.kv_cache_dtypes:
+            target.kv_cache_dtypes = tuple(spec.kv_cache_dtypes)
+        if spec.inject:
+            inject(spec.inject)
+    except Exception:
+        conn.send(("failed", traceback.format_exc()))
+        return
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        if msg[0] == "stop":
+            return
+        n, case = msg[1], Case.from_json(msg[2])
+        print(f"{BEGIN} {n}", flush=True)
+        try:
+            obs = target.run(case)
+            if _device_lost(obs):  # the context is gone: no oracle can run here, the error is the verdict
+                obs.notes["device_lost"] = True
+                verdicts = [Verdict("crash", False, f"{obs.error_type}: {obs.error}", where="device_lost")]
+            else:
+                verdicts = target.oracle(case, obs)
+        except Exception:
+            _sync(spec.device)
+            print(f"{END} {n}", flush=True)
+            conn.send(("harness", traceback.format_exc()))
+            continue
+        _sync(spec.device)
+        print(f"{END} {n}", flush=True)
+        obs.outputs = {}  # tensors stay here: findings keep verdicts and notes
+        conn.send(("result", obs, verdicts))
+        if obs.notes.get("device_lost"):
+            os._exit(3)  # a fresh worker takes the next case
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        try:
+            import torch
+
+            torch.cuda.synchronize()
+        except Exception:
+            pass
+
+
+# -- the campaign side --------------------------------------------------------------------------------------
+
+class WorkerExecutor:
+    """check(case) -> (Observation, verdicts) through a worker process that is replaced whenever it dies."""
+
+    def __init__(self, spec: WorkerSpec, log_dir: Path):
+        self.spec, self.log_dir = spec, Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.proc: subprocess.Popen | None = None
+        self.conn: Connection | None = None
+        self.started = 0  # workers started (replacements included)
+        self.n = 0
+        self.log_path: Path | None = None
+        self._offset = 0
+
+    # worker life
+    def _start(self) -> None:
+        parent, child = socket.socketpair()
+        self.started += 1
+        self.log_path = self.log_dir / f"worker-{self.started}.log"
+        cmd = [sys.executable, "-m", "fuzzer.worker", str(child.fileno()), json.dumps(asdict(self.spec))]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+        env["PYTHONUNBUFFERED"] = "1"
+        if self.spec.sanitizer:
+            from fuzzer.sanitizer import sanitized_env, sanitizer_command
+
+            cmd = sanitizer_command(self.spec.sanitizer) + cmd  # reports land in the worker's log, between markers
+            env = sanitized_env(env)
+        log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, pass_fds=(child.fileno(),), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True, cwd=os.getcwd(), preexec_fn=die_with_parent)
+        log.close()
+        child.close()
+        self.conn = Connection(parent.detach())
+        self._offset = 0
+        if not self.conn.poll(self.spec.startup_timeout):
+            self._kill()
+            raise WorkerError(f"worker for {self.spec.target} did not start within {self.spec.startup_timeout:.0f} s; "
+                              f"log: {self.log_path}")
+        try:
+            msg = self.conn.recv()
+        except EOFError:
+            msg = ("failed", f"the worker exited ({self._exit_status()}) during start-up:\n{self._log_tail()}")
+        if msg[0] != "ready":
+            self._kill()
+            raise WorkerError(f"worker for {self.spec.target}: {msg[0]}: {msg[1]}")
+
+    def _kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+        if self.conn is not None:
+            self.conn.close()
+        self.proc, self.conn = None, None
+
+    def close(self) -> None:
+        if self.conn is not None and self.proc is not None and self.proc.poll() is None:
+            try:
+                self.conn.send(("stop",))
+                self.proc.wait(timeout=30)
+            except Exception:
+                pass
+        self._kill()
+
+    def _exit_status(self) -> str:
+        if self.proc is None:
+            return "gone"
+        try:
+            rc = self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            return "still running"
+        if rc < 0:
+            return f"killed by {signal.Signals(-rc).name}"
+        return f"exit code {rc}"
+
+    def _log_tail(self, lines: int = 30) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def _new_log(self) -> str:
+        """The worker's output since the last case (sanitizer reports included)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except OSError:
+            return ""
+        self._offset += len(data)
+        return data.decode(errors="replace")
+
+    # one case
+    def check(self, case: Case) -> tuple[Observation, list[Verdict]]:
+        if self.proc is None or self.proc.poll() is not None:
+            self._kill()
+            self._start()
+            self._new_log()  # start-up output is not the case's
+        self.n += 1
+        start = time.perf_counter()
+        self.conn.send(("case", self.n, case.to_json(None)))
+        verdicts: list[Verdict]
+        if not self.conn.poll(self.spec.case_timeout):
+            self._kill()
+            obs = Observation(self.spec.target, self.spec.device, error_type="Hang",
+                              error=f"no result within {self.spec.case_timeout:.0f} s (watchdog): worker killed")
+            verdicts = [Verdict("hang", False, obs.error, where="hang")]
+        else:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, ConnectionError, OSError):
+                msg = ("died", self._exit_status())
+            if msg[0] == "result":
+                obs, verdicts = msg[1], list(msg[2])
+            elif msg[0] == "harness":
+                raise HarnessFailure(msg[1])
+            else:  # the process died mid-case: a segfault, an abort, the OOM killer, a fatal CUDA error
+                tail = self._log_tail(12)
+                obs = Observation(self.spec.target, self.spec.device, error_type="WorkerCrash",
+                                  error=f"the worker died running this case ({msg[1]})", notes={"log_tail": tail})
+                verdicts = [Verdict("crash", False, f"worker died ({msg[1]}); last output: "
+                                    f"{tail.splitlines()[-1] if tail else '-'}", where=msg[1].replace(" ", "-"))]
+                self._kill()
+        obs.seconds = obs.seconds or time.perf_counter() - start
+        log = self._new_log() if self.log_path else ""
+        if self.spec.sanitizer:
+            verdicts = self._sanitizer_verdicts(log, obs) + verdicts
+        return obs, verdicts
+
+    def _sanitizer_verdicts(self, log: str, obs: Observation) -> list[Verdict]:
+        from fuzzer.sanitizer import dedupe, parse_log
+
+        reports = dedupe(parse_log(log, self.spec.sanitizer))
+        obs.notes["sanitizer"] = self.spec.sanitizer
+        if reports:
+            obs.notes["sanitizer_log"] = log[-20000:]  # the raw log beside the finding
+            obs.notes["sanitizer_reports"] = [r.to_dict() for r in reports]
+        return [Verdict("memory", False, r.describe(), "C" if "Invalid" in r.kind else "H",
+                        where=f"{r.tool}:{r.kernel}:{r.line}") for r in reports]
+
+
+class InProcessExecutor:
+    """The target in this process (tests, debugging): no isolation."""
+
+    def __init__(self, target):
+        self.target = target
+        self.started = 0
+
+    def check(self, case: Case) -> tuple[Observation, list[Verdict]]:
+        obs = self.target.run(case)
+        return obs, self.target.oracle(case, obs)
+
+    def close(self) -> None:
+        pass
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]), WorkerSpec(**{k: tuple(v) if isinstance(v, list) else v
+                                          for k, v in json.loads(sys.argv[2]).items()}))

@@ -1,0 +1,71 @@
+"""Crash isolation on CPU: a worker that segfaults, aborts or hangs is replaced, the case it was running
+becomes a finding and the campaign runs on; a SIGKILLed campaign resumes without losing a finding."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.vllm  # the CLI imports vLLM once (the self-test target itself runs none of it)
+
+
+def campaign(tmp_path, fault: str, *extra: str, max_examples: int = 20, wait: bool = True):
+    state = tmp_path / "state"
+    env = dict(os.environ, ATTNFUZZ_STATE=str(state), ATTNFUZZ_FAULT=fault)
+    cmd = [sys.executable, "-m", "fuzzer.cli", "--device", "cpu", "run", "--target", "selftest.fault",
+           "--max-examples", str(max_examples), "--repros", str(tmp_path / "repros"), "--json",
+           str(tmp_path / "summary.json"), "--quiet", *extra]
+    if not wait:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("fault,signature", [("segfault", "crash:killed-by-SIGSEGV"),
+                                             ("abort", "crash:killed-by-SIGABRT")])
+def test_a_crash_on_the_third_case_does_not_stop_the_campaign(tmp_path, fault, signature):
+    r = campaign(tmp_path, f"{fault}:3", "--reruns", "2")
+    assert r.returncode == 1, r.stderr[-2000:]
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["examples"] >= 20 and s["workers_started"] >= 2
+    (finding,) = s["findings"]
+    assert finding["signature"] == signature
+    assert finding["reruns"] == {"reproduced": 0, "of": 2, "flaky": True}  # the fault followed the count
+    assert (tmp_path / "repros" / finding["id"] / "case.json").exists()
+
+
+def test_a_hang_is_killed_by_the_watchdog(tmp_path):
+    r = campaign(tmp_path, "hang:2", "--case-timeout", "3s", "--reruns", "0", max_examples=6)
+    assert r.returncode == 1, r.stderr[-2000:]
+    s = json.loads((tmp_path / "summary.json").read_text())
+    (finding,) = s["findings"]
+    assert finding["signature"] == "hang:hang" and s["examples"] >= 6
+
+
+def test_sigkill_of_the_campaign_loses_no_finding(tmp_path):
+    # A segfault on case 3 (a finding, saved at once), then a hang on case 6: kill the campaign there.
+    proc = campaign(tmp_path, "segfault:3,hang:6", "--case-timeout", "600s", max_examples=30, wait=False)
+    journal = tmp_path / "state" / "journal" / "selftest.fault.json"
+    counter = tmp_path / "state" / "selftest-fault-count"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (counter.exists() and counter.read_text() == "6" and journal.exists()):
+        time.sleep(0.5)
+    assert journal.exists(), "the campaign never reached the hanging case"
+    pending = list((tmp_path / "repros" / ".pending").glob("*/finding.json"))
+    assert len(pending) == 1  # the segfault finding is already on disk
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    time.sleep(1)  # the worker follows its parent (PR_SET_PDEATHSIG)
+    # Resume with no more faults: the saved finding comes back, the journaled case is checked again.
+    r = campaign(tmp_path, "segfault:0", "--reruns", "0", max_examples=10)
+    assert r.returncode == 1, r.stderr[-2000:]
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert [f["signature"] for f in s["findings"]] == ["crash:killed-by-SIGSEGV"]
+    assert not journal.exists()
+    assert not list((tmp_path / "repros" / ".pending").glob("*/finding.json"))
