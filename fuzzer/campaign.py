@@ -118,12 +118,12 @@ class Campaign:
     def __init__(self, target: Target, profile: Profile, host: HostInfo, *, seed: int = 0,
                  max_examples: int | None = 100, time_budget: float | None = None, inject: str | None = None,
                  progress: Progress | None = None, executor=None, pending: Path | None = None,
-                 journal: Path | None = None, reruns: int = 3) -> None:
+                 journal: Path | None = None, reruns: int = 3, shrink: bool = True) -> None:
         from fuzzer.worker import InProcessExecutor
 
         # Where cases run: a worker process (crash isolation, sanitizers) or this process.
         self.executor = executor or InProcessExecutor(target)
-        self.pending, self.journal, self.reruns = pending, journal, reruns
+        self.pending, self.journal, self.reruns, self.shrink = pending, journal, reruns, shrink
         self.target, self.profile, self.host = target, profile, host
         self.seed, self.max_examples, self.time_budget, self.inject = seed, max_examples, time_budget, inject
         self.progress = progress or Progress(target.name)
@@ -286,7 +286,8 @@ class Campaign:
     def _hypothesis(self, strategy, db, seed: int, n: int) -> None:
         @settings(max_examples=n, deadline=None, database=db, derandomize=False, print_blob=False,
                   suppress_health_check=list(HealthCheck), report_multiple_bugs=True,
-                  phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink),
+                  phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.target)
+                  + ((Phase.shrink,) if self.shrink else ()),
                   verbosity=Verbosity.quiet)
         @given(strategy)
         def fuzz(case):

@@ -41,10 +41,13 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--isolation", choices=("worker", "none"), default="worker",
                    help="worker (default): cases run in a worker process that a crash or hang cannot take the "
                         "campaign down with; none: in this process")
-    r.add_argument("--sanitizer", choices=("memcheck", "initcheck", "racecheck", "synccheck"), default=None,
-                   help="run every case under compute-sanitizer with this tool (GPU; implies --isolation worker)")
+    r.add_argument("--sanitizer", choices=("memcheck", "initcheck", "racecheck", "synccheck", "auto"), default=None,
+                   help="run every case under compute-sanitizer with this tool; auto: run natively and re-run "
+                        "under memcheck each failing case, each new path and a 5%% sample (GPU; worker isolation)")
     r.add_argument("--case-timeout", type=_duration, default=300.0, metavar="D",
                    help="watchdog: a case with no result after this long is a hang (default 300s)")
+    r.add_argument("--no-shrink", action="store_true",
+                   help="keep each finding's first case (when every failing case costs a worker restart)")
     r.add_argument("--reruns", type=int, default=3, help="re-runs of each finding to tell flaky ones (default 3)")
     rp = sub.add_parser("replay", help="re-run a saved finding (repros/<id>/ or its case.json)")
     rp.add_argument("path", type=Path)
@@ -119,7 +122,8 @@ def cmd_run(args, device: str) -> int:
     campaign = Campaign(target, PROFILES[profile_name], host, seed=args.seed, max_examples=max_examples,
                         time_budget=args.time_budget, inject=label, progress=Progress(target.name, args.quiet),
                         executor=executor, pending=args.repros / ".pending",
-                        journal=STATE_DIR / "journal" / f"{target.name}.json", reruns=args.reruns)
+                        journal=STATE_DIR / "journal" / f"{target.name}.json", reruns=args.reruns,
+                        shrink=not args.no_shrink)
     try:
         result = campaign.run()
     except HarnessError as e:
@@ -146,7 +150,7 @@ def cmd_run(args, device: str) -> int:
 def _executor(args, target, device: str, label):
     """Where the campaign's cases run (see fuzzer/worker.py)."""
     from fuzzer.env import STATE_DIR
-    from fuzzer.worker import InProcessExecutor, WorkerExecutor, WorkerSpec
+    from fuzzer.worker import AutoSanitizedExecutor, InProcessExecutor, WorkerExecutor, WorkerSpec
 
     if args.sanitizer:
         if device != "cuda":
@@ -161,8 +165,15 @@ def _executor(args, target, device: str, label):
     elif args.isolation == "none":
         return InProcessExecutor(target)
     spec = WorkerSpec(target.name, device, inject=args.inject, kv_cache_dtypes=tuple(target.kv_cache_dtypes) or None,
-                      sanitizer=args.sanitizer, case_timeout=args.case_timeout)
-    return WorkerExecutor(spec, STATE_DIR / "workers" / target.name)
+                      sanitizer=None if args.sanitizer == "auto" else args.sanitizer, case_timeout=args.case_timeout)
+    logs = STATE_DIR / "workers" / target.name
+    if args.sanitizer == "auto":
+        from dataclasses import replace
+
+        return AutoSanitizedExecutor(WorkerExecutor(spec, logs / "native"),
+                                     WorkerExecutor(replace(spec, sanitizer="memcheck", case_timeout=args.case_timeout * 10),
+                                                    logs / "memcheck"), seed=args.seed)
+    return WorkerExecutor(spec, logs)
 
 
 def _print_summary(result, saved, host) -> None:

@@ -115,14 +115,28 @@ class _NoBoundsCheck:  # native GPU: memory errors are compute-sanitizer's to se
 """
 
 
+def sanitizer_run_line(finding) -> str | None:
+    """The command that shows a memory finding made under compute-sanitizer (None for other findings)."""
+    tool = finding.observation.notes.get("sanitizer")
+    if not tool or not any(v.check == "memory" for v in finding.verdicts):
+        return None
+    # PyTorch's caching allocator hides out-of-bounds accesses inside its pool (measured: 0 errors with it).
+    return f"PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool {tool} python repro.py"
+
+
 def _header(finding, about: str) -> str:
     host = finding.host
+    run = sanitizer_run_line(finding)
     return (
         f'#!/usr/bin/env python3\n"""attnfuzz reproducer {finding.id}: {finding.title[:150]}\n\n'
         f"Found by attnfuzz target `{finding.target}` on vLLM {host.vllm}, {host.device} ({host.device_name})"
         + (f", with the injected bug `{finding.inject}` (inlined below)" if finding.inject else "") + ".\n"
         f"{about}\n"
-        'Run:  python repro.py     (torch + vLLM only; exits 1 while the bug is present, 0 once fixed)\n"""\n'
+        'Run:  python repro.py     (torch + vLLM only; exits 1 while the bug is present, 0 once fixed)\n'
+        + (f"This is a memory error that compute-sanitizer sees; run it so:\n  {run}\n"
+           "Run plainly, the script may look clean on the GPU: it prints that command.\n" if run else "")
+        + '"""\n'
+        + (f'print("attnfuzz: this bug shows under compute-sanitizer:  {run}")\n' if run else "")
     )
 
 

@@ -118,7 +118,7 @@ _AT = re.compile(r"^at (?P<kernel>[^\s+]+)(?:\+0x[0-9a-f]+)? in (?P<file>\S+?):(
 _THREAD = re.compile(r"by thread \((?P<thread>[\d, ]+)\) in block \((?P<block>[\d, ]+)\)")
 _ADDRESS = re.compile(r"(?:Access to|Address) (?P<address>0x[0-9a-f]+)")
 _DISTANCE = re.compile(r"and is (?P<distance>.+)$")
-_NOT_ERRORS = ("COMPUTE-SANITIZER", "ERROR SUMMARY", "Target application returned", "Saved host backtrace",
+_NOT_ERRORS = ("COMPUTE-SANITIZER", "ERROR SUMMARY", "RACECHECK SUMMARY", "Target application returned", "Saved host backtrace",
                "LEAK SUMMARY", "Program hit", "Host Frame")
 
 
@@ -153,6 +153,8 @@ def _report(tool: str, lines: list[str]) -> SanitizerReport:
     m = _KIND_SIZE.match(head)
     kind, size = (m.group("kind"), int(m.group("size"))) if m else (head.rstrip(". "), 0)
     fields: dict = {}
+    if (a := re.search(r" at (?P<kernel>[^\s+]+)(?:\+0x[0-9a-f]+)? in (?P<file>\S+?):(?P<line>\d+)", head)):
+        fields.update(kernel=a.group("kernel"), file=a.group("file"), line=int(a.group("line")))  # racecheck
     for line in lines[1:]:
         if line.startswith(("Host Frame", "Saved host backtrace")):
             continue

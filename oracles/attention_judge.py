@@ -71,6 +71,8 @@ def attention_tolerance(case, inputs) -> tuple[float, float]:
 def _call_verdicts(obs) -> tuple[list[Verdict], bool]:
     """Memory violations, a raised error (nothing else to judge then), a cache the call wrote."""
     verdicts = [Verdict("memory", False, v.describe(), "C", where=v.kernel) for v in obs.memory]
+    for what in obs.notes.get("guard", []):  # sentinel bytes around the harness's buffers
+        verdicts.append(Verdict("memory", False, what, "C", where="guard:" + what.split("`")[1]))
     for what in obs.notes.get("buffer_overrun", []):
         verdicts.append(Verdict("memory", False, what, "A", where="buffer_overrun"))
     if obs.error_type is not None:

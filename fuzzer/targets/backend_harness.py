@@ -52,11 +52,15 @@ def common_attn_metadata(case, index, device):
     return CommonAttentionMetadata(**{k: v for k, v in values.items() if k in names})
 
 
-def paged_cache(case, device, dtype=torch.bfloat16, width: int = HEAD_SIZE, poison=float("nan")) -> torch.Tensor:
+def paged_cache(case, device, dtype=torch.bfloat16, width: int = HEAD_SIZE, poison=float("nan"), guards=None) -> torch.Tensor:
     """[num_blocks, block_size, width], blocks `block_stride_rows` rows apart (other layers' pages in
-    between), every row poisoned so that a read of a slot no request owns shows up."""
+    between), every row poisoned so that a read of a slot no request owns shows up; inside guard regions."""
     rows = case.stride_rows
-    storage = torch.full((case.num_blocks * rows, width), poison, dtype=dtype, device=device)
+    if guards is not None:
+        storage = guards.empty("kv_cache", case.num_blocks * rows * width, dtype, device).view(-1, width)
+        storage.fill_(poison)
+    else:
+        storage = torch.full((case.num_blocks * rows, width), poison, dtype=dtype, device=device)
     return storage.as_strided((case.num_blocks, case.block_size, width), (rows * width, width, 1))
 
 
@@ -74,14 +78,19 @@ def cache_writer():
 TOPK_POISON = 2**30 - 1  # rows of the top-k buffer past this step's tokens: must never be read
 
 
-def step_tensors(case, device, inputs=None):
+def step_tensors(case, device, inputs=None, guards=None):
     """(attention inputs, the physical slots the step's requests hold, the indexer's top-k buffer) on
     `device`. The buffer has spare rows, poisoned, as the indexer's persistent buffer has."""
     from oracles.materialize import materialize_attention_inputs
 
     inp = inputs if inputs is not None else materialize_attention_inputs(case, device)
     slots = (torch.unique(torch.cat(inp.slot_of)) if inp.slot_of else torch.zeros(0, dtype=torch.int64)).to(device)
-    topk_buffer = torch.full((case.num_tokens + 8, case.topk_width), TOPK_POISON, dtype=torch.int32, device=device)
+    shape = (case.num_tokens + 8, case.topk_width)
+    if guards is not None:
+        topk_buffer = guards.empty("topk_indices_buffer", shape[0] * shape[1], torch.int32, device).view(shape)
+        topk_buffer.fill_(TOPK_POISON)
+    else:
+        topk_buffer = torch.full(shape, TOPK_POISON, dtype=torch.int32, device=device)
     topk_buffer[: case.num_tokens] = inp.index.topk_indices
     return inp, slots, topk_buffer
 

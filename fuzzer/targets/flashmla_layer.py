@@ -18,6 +18,7 @@ import importlib
 
 import torch
 
+from fuzzer.guards import Guards
 from fuzzer.targets.backend_harness import common_attn_metadata, step_tensors
 from fuzzer.targets.flashmla_runtime import (BACKEND_MODULE, LAYER, configure, guard_index_group,
                                             install_layer_standins, mla_layer, record_routes)
@@ -55,8 +56,9 @@ class FlashMLASparseLayer(FlashMLASparse):
 
         dev = self.device
         inputs = materialize_layer_inputs(case, dev)
-        inp, slots, topk_buffer = step_tensors(case, dev, inputs.attention)
-        cache = self.cache(case, dev)
+        guards = Guards()
+        inp, slots, topk_buffer = step_tensors(case, dev, inputs.attention, guards)
+        cache = self.cache(case, dev, guards)
         write, write_emulated = self.writer(case)
         cfg = configure(self.cfg, case, max_num_batched_tokens=topk_buffer.shape[0])
         spec = MLAAttentionSpec(block_size=case.block_size, num_kv_heads=1, head_size=HEAD_SIZE, dtype=torch.bfloat16,
@@ -78,7 +80,8 @@ class FlashMLASparseLayer(FlashMLASparse):
                              fp8_mixed_batch=bool(getattr(metadata, "fp8_use_mixed_batch", False)))
                 record_routes(layer.impl, route)
                 check_overrun = guard_index_group(layer.impl)
-                output = torch.full((case.num_tokens, case.heads * V_HEAD), float("nan"), dtype=torch.bfloat16, device=dev)
+                output = guards.empty("output", case.num_tokens * case.heads * V_HEAD, torch.bfloat16, dev).view(
+                    case.num_tokens, case.heads * V_HEAD).fill_(float("nan"))
                 layer.forward_impl(inputs.q, inp.kv_c[new_slots], inp.k_pe[new_slots].unsqueeze(1), cache, metadata,
                                    output)
                 overruns.extend(check_overrun(route["mqa_tokens"]))
@@ -92,6 +95,8 @@ class FlashMLASparseLayer(FlashMLASparse):
         obs.notes.update(shims=self.shims, route=dict(route))
         if overruns:
             obs.notes["buffer_overrun"] = overruns
+        if guard := guards.check():
+            obs.notes["guard"] = guard
         changed = (cache.view(torch.uint8) != before[0].view(torch.uint8)).any(dim=-1).nonzero() if before else []
         if len(changed):
             obs.notes["cache_changed"] = f"{len(changed)} rows, first block {int(changed[0][0])} offset {int(changed[0][1])}"

@@ -14,6 +14,7 @@ import importlib.util
 
 import torch
 
+from fuzzer.guards import Guards
 from fuzzer.targets.backend_harness import cache_writer, common_attn_metadata, paged_cache, step_tensors
 from fuzzer.targets.base import Target
 from fuzzer.targets.flashmla_runtime import (BACKEND_MODULE, FP8_ENTRY_BYTES, LAYER, configure, cpu_shims,
@@ -59,17 +60,17 @@ class FlashMLASparse(Target):
     def cases(self, profile):
         return attention_cases(profile, AttentionFeatures(kv_cache_dtypes=self.kv_cache_dtypes, block_sizes=(64, 128)))
 
-    def step(self, case, device):
+    def step(self, case, device, guards=None):
         """Inputs, poisoned cache, top-k buffer, new-token slots for `case` on `device`."""
-        inp, slots, topk_buffer = step_tensors(case, device)
-        return inp, slots, self.cache(case, device), topk_buffer
+        inp, slots, topk_buffer = step_tensors(case, device, guards=guards)
+        return inp, slots, self.cache(case, device, guards), topk_buffer
 
     @staticmethod
-    def cache(case, device):
+    def cache(case, device, guards=None):
         """The paged cache, every row poisoned: NaN for bf16; 0xFF for fp8_ds_mla (fp8 NaN codes, NaN scales and RoPE)."""
         if case.kv_cache_dtype == "fp8_ds_mla":
-            return paged_cache(case, device, dtype=torch.uint8, width=FP8_ENTRY_BYTES, poison=255)
-        return paged_cache(case, device)
+            return paged_cache(case, device, dtype=torch.uint8, width=FP8_ENTRY_BYTES, poison=255, guards=guards)
+        return paged_cache(case, device, guards=guards)
 
     def writer(self, case):
         """(write(kv_c, k_pe, cache, slots), emulated op name or None): vLLM's cache writer or the stand-in."""
@@ -90,7 +91,8 @@ class FlashMLASparse(Target):
 
         dev = self.device
         backend = importlib.import_module(BACKEND_MODULE).FlashMLASparseBackend
-        inp, slots, cache, topk_buffer = self.step(case, dev)
+        guards = Guards()
+        inp, slots, cache, topk_buffer = self.step(case, dev, guards)
         write, write_emulated = self.writer(case)
         cfg = configure(self.cfg, case, max_num_batched_tokens=topk_buffer.shape[0])
         spec = MLAAttentionSpec(block_size=case.block_size, num_kv_heads=1, head_size=HEAD_SIZE, dtype=torch.bfloat16,
@@ -124,6 +126,8 @@ class FlashMLASparse(Target):
         obs.notes["shims"] = self.shims
         if overruns:
             obs.notes["buffer_overrun"] = overruns
+        if guard := guards.check():
+            obs.notes["guard"] = guard
         changed = (cache.view(torch.uint8) != before[0].view(torch.uint8)).any(dim=-1).nonzero() if before else []
         if len(changed):
             obs.notes["cache_changed"] = f"{len(changed)} rows, first block {int(changed[0][0])} offset {int(changed[0][1])}"

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import torch
 
+from fuzzer.guards import Guards
 from fuzzer.targets.backend_harness import (
     cache_writer,
     common_attn_metadata,
@@ -63,14 +64,15 @@ class TritonSparse(Target):
         return attention_cases(profile, AttentionFeatures(kv_cache_dtypes=self.kv_cache_dtypes,
                                                           block_stride_rows=remap_api().has_block_stride_rows))
 
-    def step(self, case, device):
+    def step(self, case, device, guards=None):
         """Everything the call needs, on `device`: inputs, poisoned cache, top-k buffer, config."""
-        inp, slots, topk_buffer = step_tensors(case, device)
-        return inp, slots, paged_cache(case, device), topk_buffer
+        inp, slots, topk_buffer = step_tensors(case, device, guards=guards)
+        return inp, slots, paged_cache(case, device, guards=guards), topk_buffer
 
     def run(self, case):
         dev = self.device
-        inp, slots, cache, topk_buffer = self.step(case, dev)
+        guards = Guards()
+        inp, slots, cache, topk_buffer = self.step(case, dev, guards)
         backend = self.backend_module().XPUMLASparseBackend
         from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
@@ -97,6 +99,8 @@ class TritonSparse(Target):
         obs = self.observe(call)
         obs.emulated = tuple(x for x in (emulated,) if x)
         obs.notes["shims"] = self.shims
+        if guard := guards.check():
+            obs.notes["guard"] = guard
         changed = (cache.view(torch.int16) != before[0].view(torch.int16)).any(dim=-1).nonzero() if before else []
         if len(changed):
             obs.notes["cache_changed"] = f"{len(changed)} rows, first block {int(changed[0][0])} offset {int(changed[0][1])}"

@@ -1,0 +1,106 @@
+"""compute-sanitizer reports as data: the real memcheck log of the seed bug (../shared/fixtures), and logs in
+the formats of the other tools; the sanitized worker's environment; guard regions; `--sanitizer auto`."""
+
+from pathlib import Path
+
+import torch
+
+from fuzzer.guards import Guards
+from fuzzer.observation import Observation
+from fuzzer.sanitizer import SANITIZED_ENV, dedupe, parse_log, sanitized_env, sanitizer_command
+from oracles.verdict import Verdict, passed
+from strategies.case import Case, Request, TopkSpec
+
+FIXTURE = Path(__file__).resolve().parent.parent.parent / "shared" / "fixtures" / "memcheck-index-remap-oob.log"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+def test_memcheck_fixture_of_the_seed_bug():
+    reports = parse_log((FIXTURE if FIXTURE.exists() else FIXTURES / FIXTURE.name).read_text(), "memcheck")
+    assert len(reports) == 2  # the log printed 2 of its 1,282 errors
+    r = reports[0]
+    assert (r.kind, r.access_size, r.kernel, r.file, r.line) == (
+        "Invalid __global__ read", 4, "sparse_mla_index_remap_kernel", "sparse_utils.py", 152)
+    assert r.thread == (0, 0, 0) and r.block == (8, 0, 0)
+    assert r.distance.startswith("2,049 bytes after the nearest allocation") and r.address == "0x7f88fe801400"
+    assert "Host Frame" not in r.text
+    assert len(dedupe(reports)) == 1  # same kernel and line on another thread: one bug
+
+
+INITCHECK = """========= COMPUTE-SANITIZER
+========= Uninitialized __global__ memory read of size 4 bytes
+=========     at _bf16_mla_sparse_kernel+0x2a0 in xpu_mla_sparse.py:97
+=========     by thread (3,0,0) in block (0,5,0)
+=========     Address 0x7f1234560010
+=========
+========= ERROR SUMMARY: 1 error
+"""
+RACECHECK = """========= COMPUTE-SANITIZER
+========= Error: Race reported between Write access at reduce_kernel+0x90 in kernels.py:41
+=========     and Read access at reduce_kernel+0xc0 in kernels.py:44 [128 hazards]
+=========
+========= RACECHECK SUMMARY: 1 hazard displayed (1 error, 0 warnings)
+"""
+SYNCCHECK = """========= COMPUTE-SANITIZER
+========= Barrier error detected. Divergent thread(s) in warp
+=========     at tile_kernel+0x3d0 in tile.py:88
+=========     by thread (37,0,0) in block (2,0,0)
+=========
+========= ERROR SUMMARY: 1 error
+"""
+
+
+def test_other_tools_log_formats():
+    (i,) = parse_log(INITCHECK, "initcheck")
+    assert (i.kind, i.kernel, i.line, i.access_size, i.block) == (
+        "Uninitialized __global__ memory read", "_bf16_mla_sparse_kernel", 97, 4, (0, 5, 0))
+    (r,) = parse_log(RACECHECK, "racecheck")
+    assert r.kind.startswith("Error: Race reported between Write access") and r.tool == "racecheck"
+    (s,) = parse_log(SYNCCHECK, "synccheck")
+    assert (s.kind, s.kernel, s.line) == ("Barrier error detected. Divergent thread(s) in warp", "tile_kernel", 88)
+    assert parse_log("plain program output\n========= ERROR SUMMARY: 0 errors\n") == []
+
+
+def test_sanitized_workers_never_run_with_the_caching_allocator():
+    env = sanitized_env({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "PATH": "/bin"})
+    assert env["PYTORCH_NO_CUDA_MEMORY_CACHING"] == "1" and "PYTORCH_CUDA_ALLOC_CONF" not in env
+    assert SANITIZED_ENV == {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}
+    cmd = sanitizer_command("memcheck", binary="/x/compute-sanitizer")
+    assert cmd[:3] == ["/x/compute-sanitizer", "--tool", "memcheck"] and "--leak-check" in cmd
+
+
+def test_guard_regions_catch_a_write_just_past_a_buffer():
+    g = Guards()
+    buf = g.empty("kv_cache", 100, torch.bfloat16, "cpu")
+    buf.fill_(1.0)
+    assert g.check() == []
+    raw = buf.view(torch.uint8)
+    torch.as_strided(raw, (4,), (1,), raw.storage_offset() + 200 + 6).fill_(0)  # 6 bytes past the end
+    (msg,) = g.check()
+    assert "after `kv_cache`" in msg and "the first 6 bytes after its end" in msg
+
+
+class _Fake:
+    def __init__(self, verdicts):
+        self.verdicts, self.calls, self.started = verdicts, 0, 1
+
+    def check(self, case):
+        self.calls += 1
+        return Observation("t", "cuda", notes={"sanitizer": "memcheck"} if self.verdicts else {}), list(self.verdicts)
+
+    def close(self):
+        pass
+
+
+def test_auto_sanitizer_reruns_failures_new_paths_and_a_sample():
+    from fuzzer.worker import AutoSanitizedExecutor
+
+    case = Case(requests=(Request(1, 3),), num_decodes=1, block_size=64, block_table=((1,),), topk_width=128,
+                topk=(TopkSpec(4),))
+    oob = Verdict("memory", False, "memcheck: Invalid __global__ write", "C", where="memcheck:k:1")
+    native, memcheck = _Fake([passed("output", "ok")]), _Fake([oob])
+    auto = AutoSanitizedExecutor(native, memcheck, sample=0.0)
+    obs, verdicts = auto.check(case)  # a new path: re-run under memcheck, whose report joins the verdicts
+    assert memcheck.calls == 1 and verdicts == [oob] and obs.notes["memcheck_rerun"] == "new path"
+    auto.check(case)  # same path, nothing failed, no sample: native only
+    assert memcheck.calls == 1 and native.calls == 2
