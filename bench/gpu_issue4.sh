@@ -23,6 +23,7 @@ run native-flashmla 330 $A --target vllm.flashmla_sparse --seed 7 --max-examples
 ATTNFUZZ_GUARDS=0 run native-noguard-flashmla 330 $A --target vllm.flashmla_sparse --seed 7 --max-examples 200 &
 wait
 # Alone on the machine: the throughput benchmark (kernel cache warm).
-run bench-flashmla 100 $A --target vllm.flashmla_sparse --profile gpu-bench --seed 3 --max-examples 200
-run bench-layer 100 $A --target vllm.flashmla_sparse.layer --profile gpu-bench --seed 3 --max-examples 200
+run bench-flashmla 100 $A --target vllm.flashmla_sparse --profile gpu-bench --seed 3 --max-examples 200 --case-timeout 40s
+run bench-layer 100 $A --target vllm.flashmla_sparse.layer --profile gpu-bench --seed 3 --max-examples 200 --case-timeout 40s
+cp -r /tmp/attnfuzz-state/workers "$R/workers-state" 2>/dev/null
 cp -r /tmp/attnfuzz-A/workers "$R/workers-A" 2>/dev/null

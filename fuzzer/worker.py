@@ -159,6 +159,7 @@ class WorkerExecutor:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
         env["PYTHONUNBUFFERED"] = "1"
+        env["PYTHONFAULTHANDLER"] = "1"  # a fatal signal (and the watchdog's SIGABRT) prints every thread's stack
         if self.spec.sanitizer:
             from fuzzer.sanitizer import sanitized_env, sanitizer_command
 
@@ -193,6 +194,14 @@ class WorkerExecutor:
         if self.conn is not None:
             self.conn.close()
         self.proc, self.conn = None, None
+
+    def _abort(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGABRT)
+                self.proc.wait(timeout=10)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
 
     def close(self) -> None:
         if self.conn is not None and self.proc is not None and self.proc.poll() is None:
@@ -243,9 +252,11 @@ class WorkerExecutor:
         self.conn.send(("case", self.n, case.to_json(None)))
         verdicts: list[Verdict]
         if not self.conn.poll(self.spec.case_timeout):
-            self._kill()
+            self._abort()  # its stacks go to its log, for the report
             obs = Observation(self.spec.target, self.spec.device, error_type="Hang",
-                              error=f"no result within {self.spec.case_timeout:.0f} s (watchdog): worker killed")
+                              error=f"no result within {self.spec.case_timeout:.0f} s (watchdog): worker killed",
+                              notes={"log_tail": self._log_tail(60)})
+            self._kill()
             verdicts = [Verdict("hang", False, obs.error, where="hang")]
         else:
             try:
