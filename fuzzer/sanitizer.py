@@ -64,7 +64,9 @@ def sanitizer_command(tool: str, binary: str | None = None, log_file: str | None
     """compute-sanitizer and its options; reports go to the process's own output unless `log_file`."""
     if tool not in TOOLS:
         raise ValueError(f"unknown compute-sanitizer tool {tool!r}; known: {', '.join(TOOLS)}")
-    cmd = [binary or find_compute_sanitizer(), "--tool", tool, "--print-limit", "200", "--show-backtrace", "none"]
+    cmd = [binary or find_compute_sanitizer(), "--tool", tool, "--print-limit", "200", "--show-backtrace", "no"]
+    if tool == "memcheck":  # unused bytes after each allocation: a short overrun lands there, not in a neighbour
+        cmd += ["--padding", "256"]
     if log_file:
         cmd += ["--log-file", log_file]
     if tool == "memcheck":

@@ -11,7 +11,8 @@ import pytest
 from fuzzer.env import prepare_process
 
 os.environ.setdefault("ATTNFUZZ_STATE", str(Path(__file__).resolve().parent.parent / ".attnfuzz" / "tests"))
-prepare_process("cpu")
+# ATTNFUZZ_TEST_DEVICE=cuda on the GPU host (tests/gpu); everything else is CPU.
+prepare_process(os.environ.get("ATTNFUZZ_TEST_DEVICE", "cpu"))
 
 ROOT = Path(__file__).resolve().parent.parent
 

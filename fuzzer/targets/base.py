@@ -70,10 +70,14 @@ class Target(ABC):
             except Exception as e:  # the code under test raised: an observation, not our failure
                 obs.error_type, obs.error = type(e).__name__, str(e).strip().splitlines()[0][:500] if str(e).strip() else ""
                 obs.notes["traceback"] = traceback.format_exc(limit=-8)  # where vLLM raised, for the report
-            if self.device == "cuda":
+            if self.device == "cuda":  # asynchronous CUDA errors surface here; the context may be gone after one
                 import torch
 
-                torch.cuda.synchronize()
+                try:
+                    torch.cuda.synchronize()
+                except Exception as e:
+                    if obs.error_type is None:
+                        obs.error_type, obs.error = type(e).__name__, str(e).strip().splitlines()[0][:500]
         obs.memory = list(violations)
         obs.seconds = time.perf_counter() - start
         return obs

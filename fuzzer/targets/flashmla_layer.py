@@ -89,8 +89,8 @@ class FlashMLASparseLayer(FlashMLASparse):
 
         obs = self.observe(call)
         if before and case.kv_cache_dtype == "fp8_ds_mla":
-            obs.outputs["cache_slots"] = slots.cpu()
-            obs.outputs["cache_entries"] = before[0][slots // case.block_size, slots % case.block_size].cpu()
+            obs.outputs["cache_slots"] = slots  # on the device: the worker's oracle reads them back there
+            obs.outputs["cache_entries"] = before[0][slots // case.block_size, slots % case.block_size]
         obs.emulated = tuple(x for x in (*self.emulated, write_emulated) if x)
         obs.notes.update(shims=self.shims, route=dict(route))
         if overruns:

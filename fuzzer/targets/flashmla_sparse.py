@@ -120,8 +120,8 @@ class FlashMLASparse(Target):
 
         obs = self.observe(call)
         if before and case.kv_cache_dtype == "fp8_ds_mla":  # the bytes written, for the oracle to read back
-            obs.outputs["cache_slots"] = slots.cpu()
-            obs.outputs["cache_entries"] = before[0][slots // case.block_size, slots % case.block_size].cpu()
+            obs.outputs["cache_slots"] = slots  # on the device: the worker's oracle reads them back there
+            obs.outputs["cache_entries"] = before[0][slots // case.block_size, slots % case.block_size]
         obs.emulated = tuple(x for x in (*self.emulated, write_emulated) if x)
         obs.notes["shims"] = self.shims
         if overruns:
