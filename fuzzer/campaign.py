@@ -299,13 +299,21 @@ class Campaign:
             hypothesis_seed(seed)(fuzz)()
         except HarnessError:
             raise
-        except BaseException as e:  # CaseFailed, or Hypothesis's group of them: recorded in _failures
-            errors = getattr(e, "exceptions", [e])
+        except BaseException as e:  # CaseFailed, or Hypothesis's (nested) groups of them: recorded in _failures
+            errors = _flatten(e)
             for err in errors:
                 if isinstance(err, HarnessError):
                     raise err
                 if not isinstance(err, CaseFailed):
                     raise
+
+
+def _flatten(e: BaseException) -> list[BaseException]:
+    """The leaf exceptions of (nested) exception groups, e.g. Hypothesis's FlakyFailure around ours."""
+    inner = getattr(e, "exceptions", None)
+    if not inner:
+        return [e]
+    return [leaf for x in inner for leaf in _flatten(x)]
 
 
 def save_finding(finding: Finding, repro_source: str, root: Path, tensors: dict | None = None) -> Path:

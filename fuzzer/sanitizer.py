@@ -71,8 +71,6 @@ def sanitizer_command(tool: str, binary: str | None = None, log_file: str | None
         cmd += ["--log-file", log_file]
     if tool == "memcheck":
         cmd += ["--leak-check", "no"]
-    if tool == "initcheck":
-        cmd += ["--track-unused-memory", "no"]
     return cmd
 
 
@@ -121,7 +119,8 @@ _THREAD = re.compile(r"by thread \((?P<thread>[\d, ]+)\) in block \((?P<block>[\
 _ADDRESS = re.compile(r"(?:Access to|Address) (?P<address>0x[0-9a-f]+)")
 _DISTANCE = re.compile(r"and is (?P<distance>.+)$")
 _NOT_ERRORS = ("COMPUTE-SANITIZER", "ERROR SUMMARY", "RACECHECK SUMMARY", "Target application returned", "Saved host backtrace",
-               "LEAK SUMMARY", "Program hit", "Host Frame")
+               "LEAK SUMMARY", "Program hit", "Host Frame",
+               "Error: process didn't terminate")
 
 
 def _ints(text: str) -> tuple[int, ...]:

@@ -55,9 +55,21 @@ class HarnessFailure(RuntimeError):
 
 # -- the worker process ---------------------------------------------------------------------------------------
 
+def _cuda_error(text: str) -> bool:
+    return "AcceleratorError" in text or "CUDA error" in text or "illegal memory access" in text
+
+
 def _device_lost(obs: Observation) -> bool:
-    text = f"{obs.error_type} {obs.error}"
-    return obs.error_type == "AcceleratorError" or "CUDA error" in text or "illegal memory access" in text
+    return _cuda_error(f"{obs.error_type} {obs.error}")
+
+
+def _lost(spec: WorkerSpec, conn, error: str) -> None:
+    """The CUDA context died (an illegal access here, or memory an earlier case corrupted): report it as this
+    case's crash and exit, so that a fresh worker takes the next case."""
+    obs = Observation(spec.target, spec.device, error_type="AcceleratorError", error=error[:500],
+                      notes={"device_lost": True})
+    conn.send(("result", obs, [Verdict("crash", False, f"CUDA context lost: {error[:300]}", where="device_lost")]))
+    os._exit(3)
 
 
 def die_with_parent() -> None:
@@ -112,27 +124,33 @@ def serve(fd: int, spec: WorkerSpec) -> None:
                 verdicts = [Verdict("crash", False, f"{obs.error_type}: {obs.error}", where="device_lost")]
             else:
                 verdicts = target.oracle(case, obs)
-        except Exception:
+        except Exception as e:
             _sync(spec.device)
             print(f"{END} {n}", flush=True)
+            if spec.device == "cuda" and _cuda_error(f"{type(e).__name__} {e}"):
+                _lost(spec, conn, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
             conn.send(("harness", traceback.format_exc()))
             continue
-        _sync(spec.device)
+        late = _sync(spec.device)  # an asynchronous error from this case's kernels (the oracle's included)
         print(f"{END} {n}", flush=True)
+        if late and not obs.notes.get("device_lost"):
+            _lost(spec, conn, late)
         obs.outputs = {}  # tensors stay here: findings keep verdicts and notes
         conn.send(("result", obs, verdicts))
         if obs.notes.get("device_lost"):
             os._exit(3)  # a fresh worker takes the next case
 
 
-def _sync(device: str) -> None:
+def _sync(device: str) -> str | None:
+    """Wait for the device; the asynchronous error it reports, if any."""
     if device == "cuda":
         try:
             import torch
 
             torch.cuda.synchronize()
-        except Exception:
-            pass
+        except Exception as e:
+            return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    return None
 
 
 # -- the campaign side --------------------------------------------------------------------------------------
@@ -249,7 +267,13 @@ class WorkerExecutor:
             self._new_log()  # start-up output is not the case's
         self.n += 1
         start = time.perf_counter()
-        self.conn.send(("case", self.n, case.to_json(None)))
+        try:
+            self.conn.send(("case", self.n, case.to_json(None)))
+        except (BrokenPipeError, ConnectionError, OSError):  # it died after its last reply: start another
+            self._kill()
+            self._start()
+            self._new_log()
+            self.conn.send(("case", self.n, case.to_json(None)))
         verdicts: list[Verdict]
         if not self.conn.poll(self.spec.case_timeout):
             self._abort()  # its stacks go to its log, for the report
@@ -265,6 +289,9 @@ class WorkerExecutor:
                 msg = ("died", self._exit_status())
             if msg[0] == "result":
                 obs, verdicts = msg[1], list(msg[2])
+                if obs.notes.get("device_lost"):  # it exits now; wait, so the next case starts a fresh one
+                    self._exit_status()
+                    self._kill()
             elif msg[0] == "harness":
                 raise HarnessFailure(msg[1])
             else:  # the process died mid-case: a segfault, an abort, the OOM killer, a fatal CUDA error

@@ -37,11 +37,13 @@ def _memcheck(env: dict) -> list:
 
 def test_memcheck_sees_the_seed_bug_with_attnfuzz_settings():
     reports = _memcheck(sanitized_env())
-    assert reports, "memcheck saw nothing with the caching allocator off"
-    assert {r.kernel for r in reports} == {"sparse_mla_index_remap_kernel"}
-    assert all(r.file.endswith("sparse_utils.py") and r.line > 0 for r in reports)
+    print("\n".join(r.describe() for r in reports))
+    invalid = [r for r in reports if r.kind.startswith("Invalid __global__")]
+    assert invalid, "memcheck saw no invalid access with the caching allocator off"
+    assert {r.kernel for r in invalid} == {"sparse_mla_index_remap_kernel"}
+    assert all(r.file.endswith("sparse_utils.py") and r.line > 0 for r in invalid)
 
 
 def test_memcheck_is_blind_with_the_caching_allocator_on():
     env = {k: v for k, v in os.environ.items() if k != "PYTORCH_NO_CUDA_MEMORY_CACHING"}
-    assert _memcheck(env) == []
+    assert [r for r in _memcheck(env) if r.kind.startswith("Invalid")] == []
