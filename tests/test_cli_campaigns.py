@@ -70,11 +70,22 @@ def test_seed_bug_is_found_shrunk_and_reproduced(tmp_path):
 def test_mutant_is_found_by_a_default_campaign(target, mutant, bug_class, tmp_path):
     if target == "vllm.dcp_filter" and not _api().has_dcp_filter:
         pytest.skip("this vLLM release has no DCP filter")
-    r = attnfuzz("run", "--target", target, "--inject", mutant, "--max-examples", "300",
+    r = attnfuzz("run", "--target", target, "--inject", mutant, "--max-examples", "100",
                  "--json", str(tmp_path / "s.json"), "--repros", str(tmp_path / "repros"))
     assert r.returncode == 1, r.stdout + r.stderr
     classes = {c for f in _load(tmp_path / "s.json")["findings"] for c in f["bug_classes"]}
     assert bug_class in classes
+
+
+def test_topk_length_mutant_is_found_on_the_flashmla_layer(tmp_path):
+    """Class B at backend level: stale entries past the valid count, read because topk_length is dropped."""
+    r = attnfuzz("run", "--target", "vllm.flashmla_sparse.layer", "--inject", "flashmla-topk-length-dropped",
+                 "--kv-cache-dtype", "bfloat16", "--max-examples", "10", "--reruns", "0",
+                 "--json", str(tmp_path / "s.json"), "--repros", str(tmp_path / "repros"))
+    assert r.returncode == 1, r.stdout + r.stderr
+    (finding,) = _load(tmp_path / "s.json")["findings"]
+    assert finding["examples_to_find"] <= 10 and finding["inject"] == "flashmla-topk-length-dropped"
+    assert (tmp_path / "repros" / finding["id"] / "repro.py").exists()
 
 
 def test_usage_errors_exit_2(tmp_path):

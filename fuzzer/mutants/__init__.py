@@ -21,6 +21,7 @@ MUTANTS: dict[str, str] = {
     "flashmla-padded-heads-out": "fuzzer.mutants.flashmla_padded_heads_out",
     "remap-full-batch-req-id": "fuzzer.mutants.remap_full_batch_req_id",
     "mha-context-flat-fp8-gather": "fuzzer.mutants.mha_context_flat_fp8_gather",
+    "flashmla-topk-length-dropped": "fuzzer.mutants.flashmla_topk_length_dropped",
 }
 
 
