@@ -87,19 +87,8 @@ class FlashMLASparseLayer(FlashMLASparse):
                 overruns.extend(check_overrun(route["mqa_tokens"]))
             return {"out": output}
 
-        obs = self.observe(call)
-        if before and case.kv_cache_dtype == "fp8_ds_mla":
-            obs.outputs["cache_slots"] = slots  # on the device: the worker's oracle reads them back there
-            obs.outputs["cache_entries"] = before[0][slots // case.block_size, slots % case.block_size]
-        obs.emulated = tuple(x for x in (*self.emulated, write_emulated) if x)
-        obs.notes.update(shims=self.shims, route=dict(route))
-        if overruns:
-            obs.notes["buffer_overrun"] = overruns
-        if guard := guards.check():
-            obs.notes["guard"] = guard
-        changed = (cache.view(torch.uint8) != before[0].view(torch.uint8)).any(dim=-1).nonzero() if before else []
-        if len(changed):
-            obs.notes["cache_changed"] = f"{len(changed)} rows, first block {int(changed[0][0])} offset {int(changed[0][1])}"
+        obs = self.finish(self.observe(call), case, slots, cache, before, write_emulated, overruns, guards)
+        obs.notes["route"] = dict(route)
         return obs
 
     def render_repro(self, finding) -> tuple[str, dict]:

@@ -118,8 +118,12 @@ class FlashMLASparse(Target):
                 overruns.extend(check_overrun(case.num_tokens))
             return {"out": out, "lse": lse}
 
-        obs = self.observe(call)
-        if before and case.kv_cache_dtype == "fp8_ds_mla":  # the bytes written, for the oracle to read back
+        return self.finish(self.observe(call), case, slots, cache, before, write_emulated, overruns, guards)
+
+    def finish(self, obs, case, slots, cache, before, write_emulated, overruns, guards):
+        """What both FlashMLA targets add to an observation after the call: the fp8 entries written (for the
+        oracle to read back), stand-ins and shims, overruns, guard regions, and whether the cache changed."""
+        if before and case.kv_cache_dtype == "fp8_ds_mla":
             obs.outputs["cache_slots"] = slots  # on the device: the worker's oracle reads them back there
             obs.outputs["cache_entries"] = before[0][slots // case.block_size, slots % case.block_size]
         obs.emulated = tuple(x for x in (*self.emulated, write_emulated) if x)
