@@ -92,6 +92,6 @@ class FlashMLASparseLayer(FlashMLASparse):
         return obs
 
     def render_repro(self, finding) -> tuple[str, dict]:
-        from fuzzer.repro_layer import render_layer_repro
+        from fuzzer.repro_flashmla import render_flashmla_repro
 
-        return render_layer_repro(finding, self)
+        return render_flashmla_repro(finding, self, layer=True)

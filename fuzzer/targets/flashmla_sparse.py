@@ -138,6 +138,6 @@ class FlashMLASparse(Target):
         return obs
 
     def render_repro(self, finding) -> tuple[str, dict]:
-        # Not yet: a standalone script would have to carry the stand-ins and the VllmConfig set-up. Until
-        # then the finding is replayed with `attnfuzz replay` (report.md says so).
-        return "", {}
+        from fuzzer.repro_flashmla import render_flashmla_repro
+
+        return render_flashmla_repro(finding, self, layer=False)

@@ -1,8 +1,9 @@
-"""Standalone reproducers for the FlashMLA layer target (`vllm.flashmla_sparse.layer`).
+"""Standalone reproducers for the FlashMLA targets (`vllm.flashmla_sparse`, `vllm.flashmla_sparse.layer`).
 
-The script builds the same VllmConfig and MLAAttention the target builds and calls `forward_impl` on the
-saved inputs (tensors.safetensors: q, kv_b_proj's weight, the cache as written, the top-k buffer, the step's
-metadata and the oracle's expected output). What it needs of attnfuzz (the set-up code, the stand-ins for
+The script builds the same VllmConfig the target builds and, on the saved inputs (tensors.safetensors: q,
+the cache as written, the top-k buffer, the step's metadata, the oracle's expected output, and for the layer
+kv_b_proj's weight), calls what the target called: `FlashMLASparseImpl.forward_mqa`, or the MLAAttention
+layer's `forward_impl`. What it needs of attnfuzz (the set-up code, the stand-ins for
 compiled ops the host lacks, the interpreter's bounds checks) is inlined at the end as source text and
 loaded under attnfuzz's module names, so the script needs torch and vLLM only.
 """
@@ -49,14 +50,7 @@ def main():
     with {collect} as oob:
         try:
             with set_current_vllm_config(cfg), torch.inference_mode():
-                layer = runtime.mla_layer(cfg, case.heads, T["kv_b_weight"], T["topk_indices_buffer"], DEVICE)
-                metadata = Backend.get_builder_cls()(spec, [runtime.LAYER], cfg, torch.device(DEVICE)).build(0, cam)
-                runtime.record_routes(layer.impl, route)
-                check_overrun = runtime.guard_index_group(layer.impl)
-                out = torch.full((NUM_TOKENS, case.heads * 128), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-                # Decode tokens go to forward_mqa, short prefills to dense MHA: vLLM's own split.
-                layer.forward_impl(T["q"], T["kv_c_normed"], T["k_pe"], cache, metadata, out)
-                overruns = check_overrun(route.get("mqa_tokens", 0))
+{call}
         except Exception as e:
             error = e
     problems += [v.describe() for v in oob] + overruns
@@ -64,6 +58,9 @@ def main():
         problems.append(f"raised {{type(error).__name__}}: {{error}}")
     else:
         expected = T["expected_out"].float().cpu()
+        if out.numel() != expected.numel():
+            problems.append(f"output has shape {{tuple(out.shape)}}; expected {{tuple(expected.shape)}} (the heads of this rank)")
+            out = expected  # nothing more to compare
         out = out.float().cpu().view(expected.shape)
         bad = ~torch.isfinite(out)
         if bad.any():
@@ -83,6 +80,28 @@ def main():
     return 1 if problems else 0
 '''
 
+_LAYER_CALL = """\
+                layer = runtime.mla_layer(cfg, case.heads, T["kv_b_weight"], T["topk_indices_buffer"], DEVICE)
+                metadata = Backend.get_builder_cls()(spec, [runtime.LAYER], cfg, torch.device(DEVICE)).build(0, cam)
+                runtime.record_routes(layer.impl, route)
+                check_overrun = runtime.guard_index_group(layer.impl)
+                out = torch.full((NUM_TOKENS, case.heads * 128), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+                # Decode tokens go to forward_mqa, short prefills to dense MHA: vLLM's own split.
+                layer.forward_impl(T["q"], T["kv_c_normed"], T["k_pe"], cache, metadata, out)
+                overruns = check_overrun(route.get("mqa_tokens", 0))"""
+
+_MQA_CALL = """\
+                metadata = Backend.get_builder_cls()(spec, [runtime.LAYER], cfg, torch.device(DEVICE)).build(0, cam)
+                # topk_indices_buffer= with indexer=None: the index group orders on the compute stream.
+                impl = Backend.get_impl_cls()(
+                    case.heads, 576, runtime.SM_SCALE, 1, None, None, case.kv_cache_dtype, None, "decoder", None,
+                    topk_indices_buffer=T["topk_indices_buffer"], indexer=None, q_lora_rank=None, kv_lora_rank=512,
+                    qk_nope_head_dim=128, qk_rope_head_dim=64, qk_head_dim=192, v_head_dim=128, kv_b_proj=None)
+                check_overrun = runtime.guard_index_group(impl)
+                q = T["q"]  # (ql_nope | q_pe), as the layer hands it to forward_mqa
+                out, _lse = impl.forward_mqa((q[..., :512], q[..., 512:]), cache, metadata, None)
+                overruns = check_overrun(NUM_TOKENS)"""
+
 _LOADER = '''
 def _load_vendored():
     """attnfuzz's support modules, inlined below as source text, importable under their own names."""
@@ -99,16 +118,17 @@ def _load_vendored():
 '''
 
 
-def render_layer_repro(finding, target) -> tuple[str, dict]:
+def render_flashmla_repro(finding, target, layer: bool) -> tuple[str, dict]:
     from fuzzer.repro import _CPU_ENV, _NO_CHECKER, _header
     from fuzzer.targets.backend_harness import common_attn_metadata, step_tensors
-    from oracles.attention_judge import judge_fp8_ds_mla_entries, layer_reference_for, layer_tolerance
-    from oracles.materialize import materialize_layer_inputs
+    from oracles.attention_judge import (attention_tolerance, judge_fp8_ds_mla_entries, layer_reference_for,
+                                         layer_tolerance, reference_for)
+    from oracles.materialize import materialize_attention_inputs, materialize_layer_inputs
 
     case, dev = finding.case, finding.host.device  # the values the finding ran with are drawn on its device
     cpu = dev == "cpu"
-    inputs = materialize_layer_inputs(case, dev)
-    inp, slots, topk_buffer = step_tensors(case, dev, inputs.attention)
+    inputs = materialize_layer_inputs(case, dev) if layer else None
+    inp, slots, topk_buffer = step_tensors(case, dev, inputs.attention if layer else materialize_attention_inputs(case, dev))
     cache = target.cache(case, dev)
     write, _ = target.writer(case)
     write(inp.kv_c[slots], inp.k_pe[slots], cache, slots)
@@ -118,19 +138,25 @@ def render_layer_repro(finding, target) -> tuple[str, dict]:
     slot_values = None
     if case.kv_cache_dtype == "fp8_ds_mla":
         entries = cache[slots // case.block_size, slots % case.block_size]
-        slot_values, _ = judge_fp8_ds_mla_entries(case, inputs.attention, slots, entries)
-    mha_tokens = int(obs.notes.get("route", {}).get("mha_tokens", 0))
-    expected, _ = layer_reference_for(case, inputs, dev, slot_values, mha_tokens)
-    atol, rtol = layer_tolerance(case, inputs)
+        slot_values, _ = judge_fp8_ds_mla_entries(case, inp, slots, entries)
+    if layer:
+        mha_tokens = int(obs.notes.get("route", {}).get("mha_tokens", 0))
+        expected, _ = layer_reference_for(case, inputs, dev, slot_values, mha_tokens)
+        atol, rtol = layer_tolerance(case, inputs)
+    else:
+        expected = reference_for(case, inp, dev, slot_values)[0]
+        atol, rtol = attention_tolerance(case, inp)
     cam = common_attn_metadata(case, inp.index, dev)
     width = cache.shape[-1]
-    tensors = dict(q=inputs.q, kv_b_weight=inputs.kv_b_weight,
+    tensors = dict(q=inputs.q if layer else inp.q,
                    kv_cache_rows=cache.as_strided((case.num_blocks * case.stride_rows, width), (width, 1)),
                    topk_indices_buffer=topk_buffer, kv_c_normed=inp.kv_c[new_slots], k_pe=inp.k_pe[new_slots].unsqueeze(1),
                    query_start_loc=inp.index.query_start_loc, seq_lens=inp.index.seq_lens,
                    block_table=inp.index.block_table, slot_mapping=cam.slot_mapping,
                    num_computed_tokens=torch.tensor([r.context_len for r in case.requests], dtype=torch.int32),
                    expected_out=expected)
+    if layer:
+        tensors["kv_b_weight"] = inputs.kv_b_weight
     constants = dict(BLOCK_SIZE=case.block_size, BLOCK_STRIDE_ROWS=case.stride_rows, NUM_BLOCKS=case.num_blocks,
                      NUM_REQS=len(case.requests), NUM_TOKENS=case.num_tokens,
                      MAX_QUERY_LEN=max(r.query_len for r in case.requests),
@@ -145,7 +171,7 @@ def render_layer_repro(finding, target) -> tuple[str, dict]:
             setup.append("    SANITIZER.install()  # bounds checks on every interpreted Triton load/store")
     header = _header(finding, f"Shrunk case: {case.summary()}; {case.heads} heads, kv_cache_dtype {case.kv_cache_dtype}, "
                      f"values {case.values}.\nInputs in tensors.safetensors beside this file; the expected output is "
-                     "attnfuzz's fp32 oracle (after W_UV).")
+                     + ("attnfuzz's fp32 oracle (after W_UV)." if layer else "attnfuzz's fp32 oracle (latent, 512 wide)."))
     modules = (*(_VENDORED_CPU if cpu else ()), *_VENDORED)
     vendored = "\n".join(f'    "{m}": r\'\'\'{_source(m)}\'\'\',' for m in modules)
     parts = [header, "import dataclasses\nimport os\nimport sys\nimport tempfile\nfrom types import SimpleNamespace\n",
@@ -155,6 +181,7 @@ def render_layer_repro(finding, target) -> tuple[str, dict]:
                f"kv_cache_dtype={case.kv_cache_dtype!r}, block_size={case.block_size})\n# What attnfuzz saw:\n"
              + "\n".join(f"#   {v.check}: {v.detail}" for v in finding.verdicts) + "\n",
              _MAIN.format(setup="\n".join(setup), inject="    apply()  # the injected bug" if finding.inject else "",
+                          call=_LAYER_CALL if layer else _MQA_CALL,
                           collect="SANITIZER.collect()" if cpu and memory else "_NoBoundsCheck()")]
     if finding.inject:
         from fuzzer.mutants import source
