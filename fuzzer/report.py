@@ -16,6 +16,11 @@ def render_report(f) -> str:
         f"- Triton: {'interpreter (TRITON_INTERPRET=1) with attnfuzz bounds checks' if h.interpreted else 'compiled, native'}",
         f"- real: {', '.join(o.real) or '-'}",
         f"- emulated (attnfuzz stand-ins): {', '.join(o.emulated) or 'none'}",
+        f"- seen by: {'compute-sanitizer ' + o.notes['sanitizer'] if o.notes.get('sanitizer') else 'the oracle'}"
+        + (f" (memcheck re-run: {o.notes['memcheck_rerun']})" if o.notes.get("memcheck_rerun") else ""),
+        "- re-runs: " + ("not run" if f.reruns is None else
+                         f"FLAKY, came back {f.reruns[0]} of {f.reruns[1]} times" if f.flaky else
+                         f"came back {f.reruns[0]} of {f.reruns[1]} times"),
         "",
         "## What differed",
         "",
@@ -23,7 +28,15 @@ def render_report(f) -> str:
     lines += [f"- **{v.check}**: {v.detail}" for v in f.verdicts]
     if o.error_type:
         lines += ["", f"The call raised `{o.error_type}: {o.error}`:", "", "```", o.notes.get("traceback", "").rstrip(), "```"]
-    how = ("python repro.py   # exits 1 while the bug is present, 0 once fixed" if f.has_repro else
+    if o.notes.get("log_tail"):  # a crashed or hung worker's last output (its stacks, after the watchdog)
+        lines += ["", "The worker's last output:", "", "```", o.notes["log_tail"].rstrip(), "```"]
+    if o.notes.get("sanitizer_log"):
+        lines += ["", "compute-sanitizer's log for this case:", "", "```", o.notes["sanitizer_log"].rstrip()[-6000:], "```"]
+    from fuzzer.repro import sanitizer_run_line
+
+    run = sanitizer_run_line(f)
+    how = (f"{run}   # exits 1 while the bug is present, 0 once fixed" if f.has_repro and run else
+           "python repro.py   # exits 1 while the bug is present, 0 once fixed" if f.has_repro else
            f"attnfuzz replay repros/{f.id}   # this target renders no standalone repro.py yet")
     lines += ["", "## Reproduce", "", "```", how, "```",
               "", "## Case", "", "```json", f.case.to_json(), "```", ""]

@@ -126,7 +126,7 @@ class FlashMLASparse(Target):
         if before and case.kv_cache_dtype == "fp8_ds_mla":
             obs.outputs["cache_slots"] = slots  # on the device: the worker's oracle reads them back there
             obs.outputs["cache_entries"] = before[0][slots // case.block_size, slots % case.block_size]
-        obs.emulated = tuple(x for x in (*self.emulated, write_emulated) if x)
+        obs.emulated = tuple(dict.fromkeys(x for x in (*self.emulated, write_emulated) if x))  # each op once
         obs.notes["shims"] = self.shims
         if overruns:
             obs.notes["buffer_overrun"] = overruns
