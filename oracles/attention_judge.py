@@ -164,6 +164,27 @@ def layer_reference_for(case, layer_inputs, device: str = "cpu", slot_values=Non
     return torch.einsum("thl,hvl->thv", out.double(), w_uv.to(out.device)).float(), valid_rows
 
 
+def judge_gathered_context(case, inputs, slot_values, slots, rows) -> list[Verdict]:
+    """The context rows the dense-MHA path gathered (and dequantized) must equal what the cache bytes at those
+    slots hold: bf16 rows as written, fp8_ds_mla entries dequantized by their own tile scales and rounded to
+    bf16 (class E: a layout-unaware gather reads them as flat fp8)."""
+    device = inputs.kv_c.device
+    slots, rows = slots.to(device).long(), rows.to(device).float()
+    if slot_values is not None:  # fp8_ds_mla: the read-back dequantization of the written entries
+        table = torch.full((inputs.num_slots, rows.shape[-1]), float("nan"), device=device)
+        table[slot_values[0].to(device).long()] = slot_values[1].to(device).float()
+        want = table[slots]
+    else:
+        want = torch.cat([inputs.kv_c, inputs.k_pe], dim=-1)[slots].float()
+    bad = ~((rows - want).abs() <= 2**-8 * want.abs() + 1e-30)  # bf16 rounding of the same value at most
+    if not bad.any():
+        return []
+    i, col = (int(x) for x in bad.nonzero()[0])
+    return [Verdict("gather", False, f"context K/V gathered for dense MHA: slot {int(slots[i])} element {col} is "
+                                     f"{rows[i, col]:.4g}, the cache bytes there hold {want[i, col]:.4g} "
+                                     f"({int(bad.any(dim=-1).sum())} of {len(rows)} rows off)", "E", where="gather")]
+
+
 def layer_tolerance(case, layer_inputs) -> tuple[float, float]:
     """bf16's 1e-2, scaled by the size V can reach: max |kv_c| times the largest W_UV row norm."""
     atol, rtol = tolerance("bfloat16", "bfloat16")
@@ -181,6 +202,9 @@ def judge_layer(case, obs) -> list[Verdict]:
         return verdicts
     layer_inputs = materialize_layer_inputs(case, obs.device)
     slot_values = _read_back(case, layer_inputs.attention, obs, verdicts)
+    if "gathered_rows" in obs.outputs:
+        verdicts += judge_gathered_context(case, layer_inputs.attention, slot_values, obs.outputs["gathered_slots"],
+                                           obs.outputs["gathered_rows"])
     mha_tokens = int(obs.notes.get("route", {}).get("mha_tokens", 0))
     out_ref, valid_rows = layer_reference_for(case, layer_inputs, obs.device, slot_values, mha_tokens)
     out = obs.outputs["out"].to(obs.device).float()

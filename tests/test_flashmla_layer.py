@@ -100,3 +100,5 @@ def test_seed_bug_mutants_are_found_on_the_regression_shapes():
     assert clean == [True, True]
     assert any(v.check == "memory" and "sparse_mla_index_remap_kernel" in v.detail for v in a), a
     assert any(not v.ok and v.check in ("output", "nan") for v in e), e
+    # ... and the gathered context itself is judged against the bytes it came from (class E, directly).
+    assert any(v.check == "gather" and v.bug_class == "E" for v in e), e

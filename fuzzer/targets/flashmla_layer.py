@@ -19,6 +19,7 @@ import importlib
 import torch
 
 from fuzzer.guards import Guards
+from fuzzer.targets import flashmla_runtime
 from fuzzer.targets.backend_harness import common_attn_metadata, step_tensors
 from fuzzer.targets.flashmla_runtime import (BACKEND_MODULE, LAYER, configure, guard_index_group,
                                             install_layer_standins, mla_layer, record_routes)
@@ -41,6 +42,7 @@ class FlashMLASparseLayer(FlashMLASparse):
     def prepare(self) -> None:
         super().prepare()
         self.emulated = (*self.emulated, *install_layer_standins(self.device))
+        flashmla_runtime.record_gathers()
 
     def cases(self, profile):
         return attention_cases(profile, AttentionFeatures(kv_cache_dtypes=self.kv_cache_dtypes, block_sizes=(64, 128),
@@ -67,7 +69,7 @@ class FlashMLASparseLayer(FlashMLASparse):
         new = [inp.slot_of[r][req.context_len:] for r, req in enumerate(case.requests)]
         new_slots = (torch.cat(new) if new else torch.zeros(0, dtype=torch.int64)).to(dev)
         route: dict = {"mqa_tokens": 0, "mha_tokens": 0}
-        before, overruns = [], []
+        before, overruns, gathers = [], [], []
 
         def call():
             write(inp.kv_c[slots], inp.k_pe[slots], cache, slots)  # the cache as the layer leaves it
@@ -82,13 +84,20 @@ class FlashMLASparseLayer(FlashMLASparse):
                 check_overrun = guard_index_group(layer.impl)
                 output = guards.empty("output", case.num_tokens * case.heads * V_HEAD, torch.bfloat16, dev).view(
                     case.num_tokens, case.heads * V_HEAD).fill_(float("nan"))
-                layer.forward_impl(inputs.q, inp.kv_c[new_slots], inp.k_pe[new_slots].unsqueeze(1), cache, metadata,
-                                   output)
+                flashmla_runtime.GATHER_LOG = gathers
+                try:
+                    layer.forward_impl(inputs.q, inp.kv_c[new_slots], inp.k_pe[new_slots].unsqueeze(1), cache,
+                                       metadata, output)
+                finally:
+                    flashmla_runtime.GATHER_LOG = None
                 overruns.extend(check_overrun(route["mqa_tokens"]))
             return {"out": output}
 
         obs = self.finish(self.observe(call), case, slots, cache, before, write_emulated, overruns, guards)
         obs.notes["route"] = dict(route)
+        if gathers:  # the context rows the dense-MHA path gathered, with the cache slots they came from
+            obs.outputs["gathered_slots"] = torch.cat([s for s, _ in gathers])
+            obs.outputs["gathered_rows"] = torch.cat([r for _, r in gathers])
         return obs
 
     def render_repro(self, finding) -> tuple[str, dict]:

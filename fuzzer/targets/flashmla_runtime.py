@@ -269,3 +269,56 @@ def guard_index_group(impl):
                 f"conversion of {rows} rows ({buffer.shape[0]} allocated): the index remap wrote past its output"]
 
     return check
+
+
+# Context gathers of the dense-MHA path, recorded so the oracle can compare what they produced with the
+# dequantization of the very cache bytes they read (class E). Recording wraps whatever op is bound (vLLM's
+# compiled one or attnfuzz's stand-in) and reads the rows it wrote afterwards.
+GATHER_OPS = ("cp_gather_and_upconvert_fp8_kv_cache", "gather_and_maybe_dequant_cache")
+GATHER_LOG: list | None = None  # set to a list around one call to record; None: not recording
+
+
+def _gathered(name: str, kw: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slots [n] of the cache rows the op read, the rows it wrote [n, D]) from the op's own arguments, by the
+    op's contract: request b's position p lives at block_table[b][p // block_size], offset p % block_size."""
+    dst, table = kw["dst"], kw["block_table"].long()
+    block_size = kw["src_cache"].shape[1]
+    starts = kw.get("seq_starts")
+    requests, positions, rows = [], [], []
+    if name == "cp_gather_and_upconvert_fp8_kv_cache":
+        ws = kw["workspace_starts"][: kw["batch_size"]].long().tolist() + [dst.shape[0]]
+        for b in range(kw["batch_size"]):
+            n = ws[b + 1] - ws[b]
+            requests += [b] * n
+            positions += [(int(starts[b]) if starts is not None else 0) + i for i in range(n)]
+            rows += range(ws[b], ws[b + 1])
+    else:
+        cu, tts = kw["cu_seq_lens"].long().tolist(), kw["token_to_seq"].long().tolist()
+        for t in range(kw["num_tokens"]):
+            b = tts[t]
+            if t >= cu[b + 1]:
+                break
+            requests.append(b)
+            positions.append(t - cu[b] + (int(starts[b]) if starts is not None else 0))
+            rows.append(t)
+    b = torch.tensor(requests, dtype=torch.long, device=table.device)
+    p = torch.tensor(positions, dtype=torch.long, device=table.device)
+    slots = table[b, p // block_size] * block_size + p % block_size if len(requests) else p
+    return slots, dst[torch.tensor(rows, dtype=torch.long, device=dst.device)].float()
+
+
+@functools.cache
+def record_gathers() -> None:
+    """Wrap the dense-MHA path's context gathers where mla_attention looks them up (once per process)."""
+    mla = importlib.import_module(MLA_MODULE)
+    wrapped = {}
+    for name in GATHER_OPS:
+        op = getattr(mla.ops, name)
+
+        def wrapper(*args, _op=op, _name=name, **kwargs):
+            _op(*args, **kwargs)
+            if GATHER_LOG is not None and not args:  # vLLM calls them by keyword
+                GATHER_LOG.append(_gathered(_name, kwargs))
+
+        wrapped[name] = wrapper
+    mla.ops = SimpleNamespace(**{**vars(mla.ops), **wrapped})
