@@ -69,8 +69,11 @@ def requests(draw, p: Profile, topk_width: int) -> tuple[tuple[Request, ...], in
 
 
 @st.composite
-def block_tables(draw, blocks_needed: list[int], allow_idx_mapping: bool):
-    """Rows of physical block ids: contiguous, permuted, or sharing prefix blocks; 0 pads a row."""
+def block_tables(draw, blocks_needed: list[int], allow_idx_mapping: bool, shareable: list[int] | None = None):
+    """Rows of physical block ids: contiguous, permuted, or sharing prefix blocks; 0 pads a row.
+
+    `shareable`: per row, how many leading blocks may be shared (None: any). vLLM shares only full blocks of
+    cached tokens; a block a request writes its new tokens into is never another request's context."""
     width = max(max(blocks_needed, default=0), 1) + draw(st.integers(0, 2))
     total = sum(blocks_needed)
     layout = draw(st.sampled_from(("arange", "permuted", "shared_prefix")))
@@ -82,8 +85,10 @@ def block_tables(draw, blocks_needed: list[int], allow_idx_mapping: bool):
         rows.append(ids[k : k + n] + [0] * (width - n))
         k += n
     if layout == "shared_prefix" and len(rows) > 1:
-        for row, n in zip(rows[1:], blocks_needed[1:]):
+        for i, (row, n) in enumerate(zip(rows[1:], blocks_needed[1:]), start=1):
             shared = min(n, blocks_needed[0], draw(st.integers(1, 4)))
+            if shareable is not None:
+                shared = min(shared, shareable[0], shareable[i])
             row[:shared] = rows[0][:shared]
     idx_mapping = None
     if allow_idx_mapping and draw(st.booleans()):
@@ -191,7 +196,8 @@ def attention_cases(draw, p: Profile, f: AttentionFeatures) -> Case:
     topk_width = draw(st.sampled_from(p.topk_widths))
     reqs, num_decodes = draw(requests(p, topk_width))
     block_size = draw(st.sampled_from(f.block_sizes or p.block_sizes))
-    table, _ = draw(block_tables([_cdiv(r.seq_len, block_size) for r in reqs], False))
+    table, _ = draw(block_tables([_cdiv(r.seq_len, block_size) for r in reqs], False,
+                                 shareable=[r.context_len // block_size for r in reqs]))
     stride = block_size * draw(st.integers(2, 3)) if f.block_stride_rows and draw(st.booleans()) else 0
     kv_dtype = draw(st.sampled_from(f.kv_cache_dtypes))
     return Case(
