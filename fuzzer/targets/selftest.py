@@ -33,7 +33,7 @@ def _judge(case, obs) -> list[Verdict]:
 
 class SelftestFault(Target):
     name = "selftest.fault"
-    summary = "harness self-test: faults on the N-th case (ATTNFUZZ_FAULT, ATTNFUZZ_FAULT_AT); runs no vLLM"
+    summary = "harness self-test: faults on chosen cases (ATTNFUZZ_FAULT=segfault:3,hang:6); runs no vLLM"
     bug_classes = ""
     oracle = staticmethod(_judge)
 
