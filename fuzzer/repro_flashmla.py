@@ -95,7 +95,8 @@ _MQA_CALL = """\
                 # topk_indices_buffer= with indexer=None: the index group orders on the compute stream.
                 impl = Backend.get_impl_cls()(
                     case.heads, 576, runtime.SM_SCALE, 1, None, None, case.kv_cache_dtype, None, "decoder", None,
-                    topk_indices_buffer=T["topk_indices_buffer"], indexer=None, q_lora_rank=None, kv_lora_rank=512,
+                    **runtime.impl_topk_kwargs(Backend.get_impl_cls(), T["topk_indices_buffer"]),
+                    q_lora_rank=None, kv_lora_rank=512,
                     qk_nope_head_dim=128, qk_rope_head_dim=64, qk_head_dim=192, v_head_dim=128, kv_b_proj=None)
                 check_overrun = runtime.guard_index_group(impl)
                 q = T["q"]  # (ql_nope | q_pe), as the layer hands it to forward_mqa

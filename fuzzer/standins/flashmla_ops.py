@@ -196,3 +196,25 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, sca
     keep = (slots >= 0) & (slots < capacity)
     kv_cache[slots[keep] // block_size, slots[keep] % block_size] = quantize_fp8_ds_mla(
         kv_c[keep], k_pe[keep], scale_convention)
+
+
+def cp_gather_and_upconvert_fp8_kv_cache_seq_lens(src_cache, dst, block_table, seq_lens, workspace_starts,
+                                                  batch_size) -> None:
+    """The op as 0.23 declares it: request b's positions [0, seq_lens[b]) go, dequantized, to
+    dst[workspace_starts[b] + i] (later releases take seq_starts and derive each length from the next start)."""
+    op = "cp_gather_and_upconvert_fp8_kv_cache"
+    num_blocks, block_size = src_cache.shape[:2]
+    for b in range(batch_size):
+        pos = torch.arange(int(seq_lens[b]), device=dst.device)
+        start = int(workspace_starts[b])
+        if start + len(pos) > dst.shape[0]:
+            _violation(op, "dst", "store", start + len(pos) - 1, dst.shape[0], dst.shape[-1] * dst.element_size())
+            pos = pos[: max(0, dst.shape[0] - start)]
+        col = pos // block_size
+        bad_col = col >= block_table.shape[1]
+        _report(op, "block_table", bad_col, b * block_table.shape[1] + col, block_table.numel(), 4)
+        blocks = block_table[b].long()[col.clamp(max=block_table.shape[1] - 1)]
+        bad = ~bad_col & ((blocks < 0) | (blocks >= num_blocks))
+        _report(op, "src_cache", bad, blocks * block_size + pos % block_size, num_blocks * block_size, ENTRY_BYTES)
+        ok = ~(bad_col | bad)
+        dst[start + pos[ok]] = dequantize_fp8_ds_mla(src_cache[blocks[ok], (pos % block_size)[ok]]).to(dst.dtype)

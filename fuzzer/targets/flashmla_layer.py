@@ -39,6 +39,22 @@ class FlashMLASparseLayer(FlashMLASparse):
                   "CPU_SDPA_MLA prefill backend", "SparseMLAIndexGroup", "the index-remap Triton kernel",
                   "merge_attn_states")
 
+    def unavailable(self) -> str | None:
+        why = super().unavailable()
+        if why:
+            return why
+        import inspect
+
+        from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+        params = inspect.signature(MLAAttention.__init__).parameters
+        if not {"prefill_backend_cls", "use_sparse", "topk_indices_buffer"} <= set(params):
+            from fuzzer.targets.vllm_api import vllm_version
+
+            return (f"builds 0.33's MLAAttention (prefill_backend_cls=, use_sparse=, topk_indices_buffer=); "
+                    f"vLLM {vllm_version()}'s layer takes other arguments: not supported yet")
+        return None
+
     def prepare(self) -> None:
         super().prepare()
         self.emulated = (*self.emulated, *install_layer_standins(self.device))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import inspect
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -55,23 +56,37 @@ def install_standins() -> tuple[str, ...]:
         bound += ["flash_mla_sparse_fwd", "flash_mla_with_kvcache", "get_mla_metadata"]
     missing = [n for n in ("concat_mla_q", "cp_gather_and_upconvert_fp8_kv_cache") if not has_cache_op(n)]
     if missing:  # `ops` is vLLM's _custom_ops, bound by name: rebind it to a copy with the stand-ins
-        mod.ops = SimpleNamespace(**{**vars(mod.ops), **{n: getattr(flashmla_ops, n) for n in missing}})
+        standins = {n: getattr(flashmla_ops, n) for n in missing}
+        if "cp_gather_and_upconvert_fp8_kv_cache" in standins and "seq_lens" in inspect.signature(
+                mod.ops.cp_gather_and_upconvert_fp8_kv_cache).parameters:  # 0.23's form of the op
+            standins["cp_gather_and_upconvert_fp8_kv_cache"] = flashmla_ops.cp_gather_and_upconvert_fp8_kv_cache_seq_lens
+        mod.ops = SimpleNamespace(**{**vars(mod.ops), **standins})
         bound += missing
     return tuple(bound)
+
+
+def _try_import(name: str):
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
 
 
 @functools.cache
 def cpu_shims() -> tuple[str, ...]:
     """CPU-only stand-ins for accelerator plumbing: they change no computation (streams are no-ops there)."""
-    import vllm.model_executor.layers.attention.mla_attention as mla_attention
-    import vllm.model_executor.layers.attention.sparse_mla_attention as sparse_mla_attention
-    import vllm.v1.attention.backends.mla.index_group as index_group
     import vllm.v1.attention.backends.utils as backend_utils
     import vllm.v1.worker.workspace as workspace
 
     mod = importlib.import_module(BACKEND_MODULE)
-    for m in (mla_attention, sparse_mla_attention, backend_utils):  # PIN_MEMORY bound by name at their import
-        m.PIN_MEMORY = False
+    # Modules that bound PIN_MEMORY by name at import (0.33; older releases lack some of them).
+    optional = [_try_import(m) for m in ("vllm.model_executor.layers.attention.mla_attention",
+                                         "vllm.model_executor.layers.attention.sparse_mla_attention",
+                                         "vllm.v1.attention.backends.mla.index_group")]
+    index_group = optional[2]
+    for m in (*[m for m in optional[:2] if m is not None], backend_utils, mod):
+        if hasattr(m, "PIN_MEMORY"):
+            m.PIN_MEMORY = False
 
     class _NoStream:  # CPU work is synchronous: waits, records and stream scopes order nothing
         def __init__(self, *a, **k): ...
@@ -83,9 +98,11 @@ def cpu_shims() -> tuple[str, ...]:
         def __exit__(self, *a): return False
 
     mod.num_compute_units = lambda device_id=0: 132  # CPU platform raises NotImplementedError; SM90's count
-    index_group._create_side_stream = lambda device: _NoStream()
-    index_group._create_event = lambda: _NoStream()
-    index_group.current_stream = mod.current_stream = lambda: _NoStream()
+    if index_group is not None:
+        index_group._create_side_stream = lambda device: _NoStream()
+        index_group._create_event = lambda: _NoStream()
+        index_group.current_stream = lambda: _NoStream()
+    mod.current_stream = lambda: _NoStream()
     workspace.torch = SimpleNamespace(**{**vars(torch), "accelerator": SimpleNamespace(empty_cache=lambda: None)})
     _zeros = torch.zeros
     mod.torch = SimpleNamespace(**{**vars(torch), "zeros": lambda *a, pin_memory=False, **k: _zeros(*a, **k)})
@@ -322,3 +339,13 @@ def record_gathers() -> None:
 
         wrapped[name] = wrapper
     mla.ops = SimpleNamespace(**{**vars(mla.ops), **wrapped})
+
+
+def impl_topk_kwargs(impl_cls, topk_indices_buffer: torch.Tensor) -> dict:
+    """How this release's FlashMLASparseImpl takes the indexer's top-k buffer. With an index group (0.33):
+    `topk_indices_buffer=` and no indexer, so the group orders its conversion on the compute stream (an indexer
+    would make it wait for an event only a real indexer records). Without one (0.23, 0.26): through `indexer=`,
+    which 0.23 requires."""
+    if _try_import("vllm.v1.attention.backends.mla.index_group") is not None:
+        return {"topk_indices_buffer": topk_indices_buffer, "indexer": None}
+    return {"indexer": SimpleNamespace(topk_indices_buffer=topk_indices_buffer)}

@@ -18,7 +18,7 @@ from fuzzer.guards import Guards
 from fuzzer.targets.backend_harness import cache_writer, common_attn_metadata, paged_cache, step_tensors
 from fuzzer.targets.base import Target
 from fuzzer.targets.flashmla_runtime import (BACKEND_MODULE, FP8_ENTRY_BYTES, LAYER, configure, cpu_shims,
-                                            define_missing_c_queries, guard_index_group, has_cache_op, install_standins, vllm_runtime)
+                                            define_missing_c_queries, guard_index_group, has_cache_op, impl_topk_kwargs, install_standins, vllm_runtime)
 from oracles.attention_judge import judge_attention
 from oracles.materialize import HEAD_SIZE, KV_LORA_RANK, ROPE_DIM, SM_SCALE
 from strategies.batches import AttentionFeatures, attention_cases
@@ -38,10 +38,6 @@ class FlashMLASparse(Target):
             importlib.import_module(BACKEND_MODULE)
         except Exception as e:
             return f"cannot import {BACKEND_MODULE}: {type(e).__name__}: {e}"
-        if importlib.util.find_spec("vllm.v1.attention.backends.mla.index_group") is None:
-            from fuzzer.targets.vllm_api import vllm_version
-
-            return f"drives vLLM's sparse-MLA index group (as in 0.33); vLLM {vllm_version()} has none: not supported yet"
         return None
 
     def prepare(self) -> None:
@@ -58,7 +54,11 @@ class FlashMLASparse(Target):
         self.cfg = vllm_runtime(self.device, str(STATE_DIR))
 
     def cases(self, profile):
-        return attention_cases(profile, AttentionFeatures(kv_cache_dtypes=self.kv_cache_dtypes, block_sizes=(64, 128)))
+        from fuzzer.targets.vllm_api import remap_api
+
+        # Releases before flat_kv_row_view (0.26 and older) view the cache as contiguous rows.
+        return attention_cases(profile, AttentionFeatures(kv_cache_dtypes=self.kv_cache_dtypes, block_sizes=(64, 128),
+                                                          block_stride_rows=remap_api().has_block_stride_rows))
 
     def step(self, case, device, guards=None):
         """Inputs, poisoned cache, top-k buffer, new-token slots for `case` on `device`."""
@@ -109,7 +109,7 @@ class FlashMLASparse(Target):
                 # topk_indices_buffer= with indexer=None: the index group orders on the compute stream.
                 impl = backend.get_impl_cls()(
                     case.heads, HEAD_SIZE, SM_SCALE, 1, None, None, case.kv_cache_dtype, None, "decoder", None,
-                    topk_indices_buffer=topk_buffer, indexer=None, q_lora_rank=None, kv_lora_rank=KV_LORA_RANK,
+                    **impl_topk_kwargs(backend.get_impl_cls(), topk_buffer), q_lora_rank=None, kv_lora_rank=KV_LORA_RANK,
                     qk_nope_head_dim=128, qk_rope_head_dim=ROPE_DIM, qk_head_dim=128 + ROPE_DIM, v_head_dim=128,
                     kv_b_proj=None)
                 q = (inp.q[..., :KV_LORA_RANK], inp.q[..., KV_LORA_RANK:])  # (ql_nope, q_pe), as the layer passes it
