@@ -64,6 +64,10 @@ def test_padded_heads_mutant_is_found_on_flashmla(tmp_path):
 
     if FlashMLASparse("cpu").unavailable():
         pytest.skip(FlashMLASparse("cpu").unavailable())
+    from fuzzer.targets.flashmla_runtime import _try_import
+
+    if _try_import("vllm.v1.attention.backends.mla.index_group") is None:
+        pytest.skip("the mutant edits 0.33's head slicing; older releases slice differently")
     r = attnfuzz("run", "--target", "vllm.flashmla_sparse", "--inject", "flashmla-padded-heads-out",
                  "--max-examples", "20", "--reruns", "1", "--json", str(tmp_path / "s.json"), "--repros", str(tmp_path / "repros"))
     assert r.returncode == 1, r.stdout + r.stderr

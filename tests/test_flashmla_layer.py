@@ -73,6 +73,7 @@ def test_gather_standin_reads_fp8_ds_mla_entries_as_flat_fp8():
 
 def test_seed_bug_mutants_are_found_on_the_regression_shapes():
     """Bug 1 (full-batch req_id_per_token at the index group's call) and bug 2 (flat-fp8 context gather)."""
+    t = target()  # skips where the layer target is unavailable
     import vllm.model_executor.layers.attention.mla_attention as mla
     import vllm.model_executor.layers.attention.sparse_mla_attention as sma
     import vllm.v1.attention.backends.mla.flashmla_sparse as fs

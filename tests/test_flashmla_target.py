@@ -26,8 +26,23 @@ def target():
     return t
 
 
+def _passes_topk_length_in_place() -> bool:
+    """0.26.0 passes in-place valid counts as FlashMLA's topk_length: rows with a -1 before a valid entry lose it
+    (docs/bug-reports/vllm-0.26.0-flashmla-sparse-topk-length-in-place.md)."""
+    import inspect
+
+    from vllm.v1.attention.backends.mla import flashmla_sparse, sparse_utils
+
+    return ("topk_length=topk_length" in inspect.getsource(flashmla_sparse)
+            and "COMPACT_TO_FRONT=return_valid_counts" not in inspect.getsource(sparse_utils))
+
+
 def check(case: Case):
     t = target()
+    # The bf16 kernel takes topk_length on the bf16 path and for the fp8 separate path's prefill rows (>= 32 heads).
+    if _passes_topk_length_in_place() and (case.kv_cache_dtype == "bfloat16" or case.heads >= 32) and any(
+            s.invalid_at != "tail" or s.past_table for s in case.topk):
+        pytest.skip("this release drops valid entries after a -1 (its own class-B bug, see docs/bug-reports)")
     obs = t.run(case)
     verdicts = t.oracle(case, obs)
     assert all(v.ok for v in verdicts), (case.summary(), case.kv_cache_dtype, case.heads, verdicts)
@@ -42,9 +57,12 @@ def mixed_batch(kv_cache_dtype: str, heads: int, block_size: int) -> Case:
         n = -(-r.seq_len // block_size)
         table.append(tuple(range(nxt, nxt + n)) + (0,) * (3 - n))
         nxt += n
+    from fuzzer.targets.vllm_api import remap_api
+
+    strided = remap_api().has_block_stride_rows  # releases before flat_kv_row_view need contiguous caches
     return Case(requests=reqs, num_decodes=2, block_size=block_size, block_table=tuple(table), topk_width=128,
                 topk=(TopkSpec(40), TopkSpec(128, "scattered"), TopkSpec(20, "head", past_table=2)), heads=heads,
-                kv_cache_dtype=kv_cache_dtype, block_stride_rows=2 * block_size, seed=3).validate()
+                kv_cache_dtype=kv_cache_dtype, block_stride_rows=2 * block_size if strided else 0, seed=3).validate()
 
 
 @pytest.mark.parametrize("kv_cache_dtype,heads,block_size", [
