@@ -144,27 +144,34 @@ def concat_mla_q(ql_nope: torch.Tensor, q_pe: torch.Tensor, q_out: torch.Tensor)
     q_out[:t, :h, nope:] = q_pe
 
 
+def _gather_request(op, src_cache, dst, block_table, b: int, start: int, pos: torch.Tensor) -> None:
+    """Request b's positions `pos`, dequantized, to dst[start + i]; every index it follows bounds-checked."""
+    num_blocks, block_size = src_cache.shape[:2]
+    if start + len(pos) > dst.shape[0]:
+        _violation(op, "dst", "store", start + len(pos) - 1, dst.shape[0], dst.shape[-1] * dst.element_size())
+        pos = pos[: max(0, dst.shape[0] - start)]
+    col = pos // block_size
+    bad_col = col >= block_table.shape[1]
+    _report(op, "block_table", bad_col, b * block_table.shape[1] + col, block_table.numel(), 4)
+    blocks = block_table[b].long()[col.clamp(max=block_table.shape[1] - 1)]
+    bad = ~bad_col & ((blocks < 0) | (blocks >= num_blocks))
+    _report(op, "src_cache", bad, blocks * block_size + pos % block_size, num_blocks * block_size, ENTRY_BYTES)
+    ok = ~(bad_col | bad)
+    first = pos[0] if len(pos) else 0
+    dst[start + pos[ok] - first] = dequantize_fp8_ds_mla(src_cache[blocks[ok], (pos % block_size)[ok]]).to(dst.dtype)
+
+
 def cp_gather_and_upconvert_fp8_kv_cache(src_cache, dst, block_table, workspace_starts, batch_size, seq_starts=None,
                                          host_cache=None, host_row_ids=None, device_row_ids=None) -> None:
     """`ops.cp_gather_and_upconvert_fp8_kv_cache`: request b's positions [0, n_b) (from seq_starts[b]) go, dequantized,
     to dst[workspace_starts[b] + i]; n_b is the gap to the next start (the last one: to dst's end)."""
     assert host_cache is None and host_row_ids is None and device_row_ids is None, "HiSparse host rows not covered"
-    op = "cp_gather_and_upconvert_fp8_kv_cache"
-    num_blocks, block_size = src_cache.shape[:2]
     starts = workspace_starts[:batch_size].long().tolist() + [dst.shape[0]]
     for b in range(batch_size):
         pos = torch.arange(starts[b + 1] - starts[b], device=dst.device)
         if seq_starts is not None:
             pos = pos + int(seq_starts[b])
-        col = pos // block_size
-        bad_col = col >= block_table.shape[1]
-        _report(op, "block_table", bad_col, b * block_table.shape[1] + col, block_table.numel(), 4)
-        blocks = block_table[b].long()[col.clamp(max=block_table.shape[1] - 1)]
-        bad = ~bad_col & ((blocks < 0) | (blocks >= num_blocks))
-        _report(op, "src_cache", bad, blocks * block_size + pos % block_size, num_blocks * block_size, ENTRY_BYTES)
-        ok = ~(bad_col | bad)
-        rows = dequantize_fp8_ds_mla(src_cache[blocks[ok], (pos % block_size)[ok]])
-        dst[starts[b] + pos[ok] - pos[0:1]] = rows.to(dst.dtype)
+        _gather_request("cp_gather_and_upconvert_fp8_kv_cache", src_cache, dst, block_table, b, starts[b], pos)
 
 
 def _ceil_pow2(s: torch.Tensor) -> torch.Tensor:
@@ -202,19 +209,7 @@ def cp_gather_and_upconvert_fp8_kv_cache_seq_lens(src_cache, dst, block_table, s
                                                   batch_size) -> None:
     """The op as 0.23 declares it: request b's positions [0, seq_lens[b]) go, dequantized, to
     dst[workspace_starts[b] + i] (later releases take seq_starts and derive each length from the next start)."""
-    op = "cp_gather_and_upconvert_fp8_kv_cache"
-    num_blocks, block_size = src_cache.shape[:2]
     for b in range(batch_size):
         pos = torch.arange(int(seq_lens[b]), device=dst.device)
-        start = int(workspace_starts[b])
-        if start + len(pos) > dst.shape[0]:
-            _violation(op, "dst", "store", start + len(pos) - 1, dst.shape[0], dst.shape[-1] * dst.element_size())
-            pos = pos[: max(0, dst.shape[0] - start)]
-        col = pos // block_size
-        bad_col = col >= block_table.shape[1]
-        _report(op, "block_table", bad_col, b * block_table.shape[1] + col, block_table.numel(), 4)
-        blocks = block_table[b].long()[col.clamp(max=block_table.shape[1] - 1)]
-        bad = ~bad_col & ((blocks < 0) | (blocks >= num_blocks))
-        _report(op, "src_cache", bad, blocks * block_size + pos % block_size, num_blocks * block_size, ENTRY_BYTES)
-        ok = ~(bad_col | bad)
-        dst[start + pos[ok]] = dequantize_fp8_ds_mla(src_cache[blocks[ok], (pos % block_size)[ok]]).to(dst.dtype)
+        _gather_request("cp_gather_and_upconvert_fp8_kv_cache", src_cache, dst, block_table, b,
+                        int(workspace_starts[b]), pos)

@@ -36,12 +36,16 @@ def _has_flashmla_kernels() -> bool:
     return importlib.import_module("vllm.v1.attention.ops.flashmla")._is_flashmla_available()[0]
 
 
-def has_cache_op(name: str) -> bool:
+def _has_op(namespace: str, name: str) -> bool:
     try:
-        getattr(torch.ops._C_cache_ops, name)
+        getattr(getattr(torch.ops, namespace), name)
         return True
     except (AttributeError, RuntimeError):
         return False
+
+
+def has_cache_op(name: str) -> bool:
+    return _has_op("_C_cache_ops", name)
 
 
 @functools.cache
@@ -193,14 +197,6 @@ def configure(cfg, case, max_num_batched_tokens: int):
     return cfg
 
 
-
-
-def _has_op(namespace: str, name: str) -> bool:
-    try:
-        getattr(getattr(torch.ops, namespace), name)
-        return True
-    except (AttributeError, RuntimeError):
-        return False
 
 
 @functools.cache
