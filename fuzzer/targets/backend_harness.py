@@ -52,12 +52,13 @@ def common_attn_metadata(case, index, device):
     return CommonAttentionMetadata(**{k: v for k, v in values.items() if k in names})
 
 
-def paged_cache(case, device, dtype=torch.bfloat16, width: int = HEAD_SIZE, poison=float("nan"), guards=None) -> torch.Tensor:
+def paged_cache(case, device, dtype=torch.bfloat16, width: int = HEAD_SIZE, poison=float("nan"), guards=None,
+                name: str = "kv_cache") -> torch.Tensor:
     """[num_blocks, block_size, width], blocks `block_stride_rows` rows apart (other layers' pages in
     between), every row poisoned so that a read of a slot no request owns shows up; inside guard regions."""
     rows = case.stride_rows
     if guards is not None:
-        storage = guards.empty("kv_cache", case.num_blocks * rows * width, dtype, device).view(-1, width)
+        storage = guards.empty(name, case.num_blocks * rows * width, dtype, device).view(-1, width)
         storage.fill_(poison)
     else:
         storage = torch.full((case.num_blocks * rows, width), poison, dtype=dtype, device=device)

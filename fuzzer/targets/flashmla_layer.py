@@ -18,6 +18,7 @@ import importlib
 
 import torch
 
+from fuzzer.coverage import observe_paths
 from fuzzer.guards import Guards
 from fuzzer.targets import flashmla_runtime
 from fuzzer.targets.backend_harness import common_attn_metadata, step_tensors
@@ -109,7 +110,7 @@ class FlashMLASparseLayer(FlashMLASparse):
                 overruns.extend(check_overrun(route["mqa_tokens"]))
             return {"out": output}
 
-        obs = self.finish(self.observe(call), case, slots, cache, before, write_emulated, overruns, guards)
+        obs = self.finish(observe_paths(self.observe, call), case, slots, cache, before, write_emulated, overruns, guards)
         obs.notes["route"] = dict(route)
         if gathers:  # the context rows the dense-MHA path gathered, with the cache slots they came from
             obs.outputs["gathered_slots"] = torch.cat([s for s, _ in gathers])

@@ -14,6 +14,7 @@ import importlib.util
 
 import torch
 
+from fuzzer.coverage import observe_paths
 from fuzzer.guards import Guards
 from fuzzer.targets.backend_harness import cache_writer, common_attn_metadata, paged_cache, step_tensors
 from fuzzer.targets.base import Target
@@ -66,11 +67,11 @@ class FlashMLASparse(Target):
         return inp, slots, self.cache(case, device, guards), topk_buffer
 
     @staticmethod
-    def cache(case, device, guards=None):
+    def cache(case, device, guards=None, name: str = "kv_cache"):
         """The paged cache, every row poisoned: NaN for bf16; 0xFF for fp8_ds_mla (fp8 NaN codes, NaN scales and RoPE)."""
         if case.kv_cache_dtype == "fp8_ds_mla":
-            return paged_cache(case, device, dtype=torch.uint8, width=FP8_ENTRY_BYTES, poison=255, guards=guards)
-        return paged_cache(case, device, guards=guards)
+            return paged_cache(case, device, dtype=torch.uint8, width=FP8_ENTRY_BYTES, poison=255, guards=guards, name=name)
+        return paged_cache(case, device, guards=guards, name=name)
 
     def writer(self, case):
         """(write(kv_c, k_pe, cache, slots), emulated op name or None): vLLM's cache writer or the stand-in."""
@@ -118,7 +119,7 @@ class FlashMLASparse(Target):
                 overruns.extend(check_overrun(case.num_tokens))
             return {"out": out, "lse": lse}
 
-        return self.finish(self.observe(call), case, slots, cache, before, write_emulated, overruns, guards)
+        return self.finish(observe_paths(self.observe, call), case, slots, cache, before, write_emulated, overruns, guards)
 
     def finish(self, obs, case, slots, cache, before, write_emulated, overruns, guards):
         """What both FlashMLA targets add to an observation after the call: the fp8 entries written (for the

@@ -7,6 +7,7 @@ pass only the MQA subset of topk_indices, including the pre-fix one that left re
 
 from __future__ import annotations
 
+from fuzzer.coverage import observe_paths
 from fuzzer.targets import vllm_api
 from fuzzer.targets.base import Target
 from oracles.index import judge_remap, remap_args_for
@@ -66,7 +67,7 @@ class IndexRemap(Target):
             out, counts = res if isinstance(res, tuple) else (res, None)
             return {"out": out, "valid_counts": counts}
 
-        return self.observe(call, {"compacted": self.compacted(case)})
+        return observe_paths(self.observe, call, {"compacted": self.compacted(case)})
 
     def render_repro(self, finding) -> tuple[str, dict]:
         from fuzzer.repro import render_index_repro

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import torch
 
+from fuzzer.coverage import observe_paths
 from fuzzer.guards import Guards
 from fuzzer.targets.backend_harness import (
     cache_writer,
@@ -96,7 +97,7 @@ class TritonSparse(Target):
             out, lse = impl.forward_mqa(q, cache, metadata, None)
             return {"out": out, "lse": lse}
 
-        obs = self.observe(call)
+        obs = observe_paths(self.observe, call)
         obs.emulated = tuple(x for x in (emulated,) if x)
         obs.notes["shims"] = self.shims
         if guard := guards.check():

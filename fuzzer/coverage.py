@@ -1,0 +1,239 @@
+"""Path coverage: which of vLLM's code paths a case went through, as vLLM itself chose them.
+
+Nothing here re-derives vLLM's routing. Each probe wraps one of vLLM's own functions *where vLLM looks it
+up* (modules bind functions by name at import, so the function is wrapped in every module that calls it)
+and, when the function runs during a recorded case, adds a short stable path name to that case's set
+("fp8.mixed_batch", "mha.chunked_context", ...). Some names read the call's own arguments or result
+(the prefill-workspace flag of the index remap, the split `split_decodes_and_prefills` returned, zero-length
+rows in the `query_start_loc_cpu` the builder was given).
+
+    obs = coverage.observe_paths(self.observe, call)   # in a target's run(): obs.notes["paths"]
+
+`install()` is idempotent and cheap (a few dozen attribute look-ups): it runs at the start of every
+recorded case, so a function that a mutant replaced after the last case is wrapped again. It wraps only
+modules the process has imported (the target imports its backend before the call). Wrappers keep
+`__wrapped__`, so a mutant that rebuilds a function from `inspect.getsource` sees vLLM's source. A probe
+whose module, class or function the installed release lacks is skipped (0.23 and 0.26 lack several).
+Outside `recording()` a wrapper costs one global read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+_MARK = "_attnfuzz_coverage_probe"
+_current: set[str] | None = None  # the running case's paths; None: not recording
+
+FLASHMLA = "vllm.v1.attention.backends.mla.flashmla_sparse"
+XPU = "vllm.v1.attention.backends.mla.xpu_mla_sparse"
+SPARSE_UTILS = "vllm.v1.attention.backends.mla.sparse_utils"
+INDEX_GROUP = "vllm.v1.attention.backends.mla.index_group"
+SPARSE_MLA = "vllm.model_executor.layers.attention.sparse_mla_attention"
+MLA = "vllm.model_executor.layers.attention.mla_attention"
+REMAP, DCP_FILTER, SPLIT = ("triton_convert_req_index_to_global_index", "triton_filter_and_convert_dcp_index",
+                            "split_decodes_and_prefills")
+
+Classify = Callable[[tuple, dict], Iterable[str]]
+
+
+@dataclass(frozen=True)
+class Probe:
+    module: str
+    name: str  # "function" or "Class.method", as the module holds it
+    path: str | None = None  # recorded when the function is entered
+    before: Classify | None = None  # more paths from the call's arguments (self included for methods)
+    after: Callable[[tuple, dict, object], Iterable[str]] | None = None  # ... from its arguments and result
+
+
+# -- what the call's own arguments say ------------------------------------------------------------------------
+
+def _arg(args: tuple, kwargs: dict, name: str, position: int, default=None):
+    return kwargs[name] if name in kwargs else args[position] if len(args) > position else default
+
+
+def _remap_modes(args: tuple, kwargs: dict) -> Iterator[str]:
+    """The modes of triton_convert_req_index_to_global_index a call site asked for (keyword-only in vLLM)."""
+    yield "remap"
+    if kwargs.get("HAS_PREFILL_WORKSPACE"):
+        yield "remap.workspace"
+    if kwargs.get("return_valid_counts"):
+        yield "remap.valid_counts"
+    if kwargs.get("idx_mapping") is not None:
+        yield "remap.idx_mapping"
+    if kwargs.get("out") is not None:
+        yield "remap.in_place"  # the index group's persistent physical top-k buffer
+    stride = kwargs.get("BLOCK_STRIDE_ROWS")
+    if stride is not None and stride != kwargs.get("BLOCK_SIZE", 64):
+        yield "remap.block_stride"  # other layers' pages between this layer's blocks
+
+
+def _dcp_filter_modes(args: tuple, kwargs: dict) -> Iterator[str]:
+    yield "dcp.filter"
+    yield "dcp.filter.compacted" if kwargs.get("compact_valid_to_front", True) else "dcp.filter.in_place"
+
+
+def _padding_rows(common_attn_metadata) -> Iterator[str]:
+    """Zero-length requests, as the builder is handed them (a padded decode batch)."""
+    qsl = getattr(common_attn_metadata, "query_start_loc_cpu", None)
+    if qsl is not None and len(qsl) > 1 and bool((qsl[1:] == qsl[:-1]).any()):
+        yield "batch.padding_rows"
+
+
+def _build_args(args: tuple, kwargs: dict) -> Iterator[str]:  # builder.build(self, common_prefix_len, cam)
+    yield from _padding_rows(_arg(args, kwargs, "common_attn_metadata", 2))
+
+
+def _split_result(args: tuple, kwargs: dict, result) -> Iterator[str]:
+    """The split vLLM's builder took: (num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens)."""
+    num_decodes, num_prefills, num_decode_tokens, _ = result
+    yield ("batch.mixed" if num_decodes and num_prefills else "batch.decode_only" if num_decodes
+           else "batch.prefill_only" if num_prefills else "batch.empty")
+    cam = _arg(args, kwargs, "common_attn_metadata", 0)
+    qsl = getattr(cam, "query_start_loc_cpu", None)
+    if num_decodes and qsl is not None and bool(((qsl[1:num_decodes + 1] - qsl[:num_decodes]) > 1).any()):
+        yield "batch.multi_token_decodes"  # speculative decodes / short extends counted as decodes
+    yield from _padding_rows(cam)
+
+
+def _fp8_kernel_heads(args: tuple, kwargs: dict) -> Iterator[str]:
+    # _fp8_flash_mla_kernel(self, q [B, S, H, D], ...): vLLM pads H up to its fp8_decode_padded_heads
+    self, q = args[0], _arg(args, kwargs, "q", 1)
+    padded = getattr(self, "fp8_decode_padded_heads", None)
+    if q is not None and padded is not None and q.size(2) < padded:
+        yield "kernel.fp8_decode.padded_heads"
+
+
+def _bf16_kernel_heads(args: tuple, kwargs: dict) -> Iterator[str]:
+    # _bf16_flash_mla_kernel(self, q [T, H, D], kv, topk, topk_length, actual_num_heads, out): vLLM pads the
+    # heads it is given up to a multiple of prefill_padding unless q already holds them (forward_mqa's buffer)
+    self, q = args[0], _arg(args, kwargs, "q", 1)
+    step = getattr(self, "prefill_padding", None)
+    if q is not None and step:
+        actual = _arg(args, kwargs, "actual_num_heads", 5) or q.shape[1]
+        if q.shape[1] < -(-actual // step) * step:
+            yield "kernel.bf16_sparse.padded_heads"
+
+
+PROBES: tuple[Probe, ...] = (
+    # the batch as vLLM's builders split it
+    Probe(SPARSE_MLA, SPLIT, after=_split_result),
+    Probe(MLA, SPLIT, after=_split_result),
+    Probe(FLASHMLA, "FlashMLASparseMetadataBuilder.build", before=_build_args),
+    Probe(XPU, "XPUMLASparseMetadataBuilder.build", before=_build_args),
+    # the layer's routes (MLAAttention.forward_impl's split) and the dense-MHA prefill
+    Probe(FLASHMLA, "FlashMLASparseImpl.forward_mqa", "mqa"),
+    Probe(XPU, "XPUMLASparseImpl.forward_mqa", "mqa"),
+    Probe(MLA, "MLACommonBaseImpl.forward_mha", "mha.dense"),
+    Probe(MLA, "MLACommonBaseImpl._compute_prefill_context", "mha.chunked_context"),
+    Probe(MLA, "MLACommonBaseImpl._context_parallel_compute_prefill_context", "mha.chunked_context.dcp"),
+    Probe(SPARSE_MLA, "SparseMLACommonImpl._run_masked_mha", "mha.masked"),
+    Probe(SPARSE_MLA, "SparseMLACommonImpl._compute_context_mha", "mha.masked.chunked_context"),
+    # FlashMLA's cache-dtype paths and kernels
+    Probe(FLASHMLA, "FlashMLASparseImpl._forward_bf16_kv", "bf16"),
+    Probe(FLASHMLA, "FlashMLASparseImpl._forward_fp8_kv_mixed_batch", "fp8.mixed_batch"),
+    Probe(FLASHMLA, "FlashMLASparseImpl._forward_fp8_kv_separate_prefill_decode", "fp8.separate_prefill_decode"),
+    Probe(FLASHMLA, "FlashMLASparseImpl._bf16_flash_mla_kernel", "kernel.bf16_sparse", before=_bf16_kernel_heads),
+    Probe(FLASHMLA, "FlashMLASparseImpl._fp8_flash_mla_kernel", "kernel.fp8_decode", before=_fp8_kernel_heads),
+    # the top-k index conversion, wherever it is looked up
+    Probe(INDEX_GROUP, "SparseMLAIndexGroup.convert_logical_to_physical_topk", "index_group.convert"),
+    *(Probe(m, REMAP, before=_remap_modes) for m in (SPARSE_UTILS, FLASHMLA, INDEX_GROUP, SPARSE_MLA, XPU)),
+    *(Probe(m, DCP_FILTER, before=_dcp_filter_modes) for m in (SPARSE_UTILS, FLASHMLA)),
+)
+
+# Every name a probe can record, for reports (paths never seen are worth showing too).
+KNOWN_PATHS: tuple[str, ...] = (
+    "batch.decode_only", "batch.mixed", "batch.prefill_only", "batch.empty", "batch.multi_token_decodes",
+    "batch.padding_rows", "mqa", "mha.dense", "mha.chunked_context", "mha.chunked_context.dcp", "mha.masked",
+    "mha.masked.chunked_context", "bf16", "fp8.mixed_batch", "fp8.separate_prefill_decode", "kernel.bf16_sparse",
+    "kernel.bf16_sparse.padded_heads", "kernel.fp8_decode", "kernel.fp8_decode.padded_heads", "index_group.convert",
+    "remap", "remap.workspace", "remap.valid_counts", "remap.idx_mapping", "remap.in_place", "remap.block_stride",
+    "dcp.filter", "dcp.filter.compacted", "dcp.filter.in_place",
+)
+
+
+# -- installing -----------------------------------------------------------------------------------------------
+
+def _wrap(fn: Callable, probe: Probe) -> Callable:
+    @functools.wraps(fn)  # keeps __wrapped__: mutants that read inspect.getsource still see vLLM's source
+    def probe_wrapper(*args, **kwargs):
+        paths = _current
+        if paths is None:
+            return fn(*args, **kwargs)
+        if probe.path:
+            paths.add(probe.path)  # before the call: a path that raises was still taken
+        if probe.before is not None:
+            paths.update(probe.before(args, kwargs))
+        result = fn(*args, **kwargs)
+        if probe.after is not None:
+            paths.update(probe.after(args, kwargs, result))
+        return result
+
+    setattr(probe_wrapper, _MARK, probe)
+    return probe_wrapper
+
+
+def _owner(probe: Probe):
+    """(the object holding the function, its attribute name), or None where this release lacks it or the
+    process has not imported its module (importing it here could come before a target's CPU shims; the
+    next case's install() wraps it once the target has imported it)."""
+    owner = sys.modules.get(probe.module)
+    if owner is None:
+        return None
+    *classes, attr = probe.name.split(".")
+    for c in classes:
+        owner = getattr(owner, c, None)
+        if owner is None:
+            return None
+    return owner, attr
+
+
+def install(probes: Iterable[Probe] = PROBES) -> tuple[str, ...]:
+    """Wrap every probe's function that is not wrapped yet; returns the probes in place."""
+    offered = []
+    for probe in probes:
+        where = _owner(probe)
+        if where is None:
+            continue
+        owner, attr = where
+        fn = inspect.getattr_static(owner, attr, None)
+        if not inspect.isfunction(fn):  # absent here, or a staticmethod/property: nothing to wrap
+            continue
+        offered.append(f"{probe.module.rsplit('.', 1)[-1]}.{probe.name}")
+        if not getattr(fn, _MARK, None):
+            setattr(owner, attr, _wrap(fn, probe))
+    return tuple(offered)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[set[str]]:
+    """The set of paths vLLM takes inside this block (for one case)."""
+    global _current
+    install()
+    paths: set[str] = set()
+    outer, _current = _current, paths
+    try:
+        yield paths
+    finally:
+        _current = outer
+
+
+def observe_paths(observe: Callable[..., object], *args, **kwargs):
+    """`observe(*args, **kwargs)` (a target's `Target.observe`, which runs the call into vLLM) while recording;
+    the paths go into the Observation's notes["paths"]. The one call a target's run() makes into this module."""
+    with recording() as paths:
+        obs = observe(*args, **kwargs)
+    obs.notes["paths"] = sorted(paths)
+    return obs
+
+
+# -- what a campaign makes of them ----------------------------------------------------------------------------
+
+def rarity(paths: Iterable[str], counts: dict[str, int]) -> float:
+    """Hypothesis's target score for a case: sum of 1/count over its paths (counts include this case), so a
+    case that reaches a path seldom seen scores high and the search climbs toward it."""
+    return sum(1.0 / max(counts.get(p, 0), 1) for p in paths)
