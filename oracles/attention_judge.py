@@ -10,11 +10,12 @@ from oracles.materialize import SM_SCALE, materialize_attention_inputs, material
 from oracles.verdict import Verdict, passed
 
 
-def reference_for(case, inputs=None, device: str = "cpu", slot_values=None, q=None):
+def reference_for(case, inputs=None, device: str = "cpu", slot_values=None, q=None, keep=None):
     """(out [T, H, 512], lse [T, H], valid_rows [T]) on `device`, from request-local positions and the case's
     own block table: independent of vLLM's remap. Positions outside [0, seq_len) are not selected. Computed
     in float64 on `device`: a GPU host judges its large cases on the GPU. `slot_values` (slots, rows) replaces
-    the K/V of those physical slots: a quantized cache is judged by what its bytes hold."""
+    the K/V of those physical slots: a quantized cache is judged by what its bytes hold. `keep` (bool [T, K])
+    selects a subset of the top-k entries (one DCP rank's share)."""
     inp = inputs or materialize_attention_inputs(case, device)
     kv = torch.cat([inp.kv_c, inp.k_pe], dim=-1).float().to(device)
     if slot_values is not None:
@@ -29,7 +30,8 @@ def reference_for(case, inputs=None, device: str = "cpu", slot_values=None, q=No
     req_of = inp.index.req_id_per_token.long().to(device)
     offset = torch.tensor(offsets, dtype=torch.long, device=device)[req_of][:, None]
     seq_len = inp.index.seq_lens.long().to(device)[req_of][:, None]
-    indices = torch.where((topk >= 0) & (topk < seq_len), topk + offset, torch.full_like(topk, -1))
+    selected = (topk >= 0) & (topk < seq_len) & (True if keep is None else keep.to(device))
+    indices = torch.where(selected, topk + offset, torch.full_like(topk, -1))
     q = inp.q.float() if q is None else q  # q: a layer's absorbed q (float64)
     out, lse = sparse_mla_reference(q.to(device), k_all, indices, SM_SCALE, 512)
     return out, lse, (indices >= 0).any(dim=1)

@@ -24,7 +24,7 @@ def passed(check: str, detail: str = "", margin: float | None = None) -> Verdict
 
 
 # Which failed check names a finding: an out-of-bounds access outranks what follows from it.
-PRIORITY = ("memory", "crash", "hang", "contract", "error", "cache", "cache_write", "gather", "nan", "empty_row", "count", "set", "layout", "values", "output", "lse")
+PRIORITY = ("memory", "crash", "hang", "contract", "error", "cache", "cache_write", "gather", "dcp_filter", "dcp_empty_shard", "dcp_rank_lse", "nan", "empty_row", "count", "set", "layout", "values", "output", "lse")
 
 
 def primary(failed: list[Verdict]) -> Verdict:

@@ -40,10 +40,11 @@ def _cdiv(a: int, b: int) -> int:
 
 
 @st.composite
-def requests(draw, p: Profile, topk_width: int) -> tuple[tuple[Request, ...], int]:
+def requests(draw, p: Profile, topk_width: int, max_decode_query_len: int = MAX_DECODE_QUERY_LEN
+             ) -> tuple[tuple[Request, ...], int]:
     """Requests in vLLM's batch order (decodes, padding rows, extends/prefills) and the decode count."""
     n_dec = draw(st.integers(0, p.max_decodes))
-    q_dec = draw(st.integers(1, MAX_DECODE_QUERY_LEN))
+    q_dec = draw(st.integers(1, max_decode_query_len))
     budget = p.max_tokens
     reqs = []
     for _ in range(n_dec):
@@ -175,6 +176,28 @@ class AttentionFeatures:
     # Rows of a request whose whole sequence fits in top-k select every visible position, as vLLM's indexer
     # does. Layer-level targets need it: the dense-MHA route attends to all of them, by design.
     indexer_fills_short_seqs: bool = False
+    # DCP splits (decode context parallelism): `heads` is then per rank before the query all-gather, and a
+    # split is drawn only where the gathered heads (heads x size) stay within this bound (FlashMLA's fp8
+    # kernel pads local and gathered heads to one envelope, 64 or 128, and refuses DCP otherwise).
+    dcp: bool = False
+    dcp_max_gathered_heads: int = 64
+
+
+TOTAL_HEADS = 128  # DeepSeek-V3.2's attention heads: heads per rank are 128 / TP
+
+
+@st.composite
+def attention_dcp_splits(draw, p: Profile, block_size: int, heads: int, max_gathered_heads: int) -> Dcp:
+    """A whole DCP group (every rank runs; `rank` stays 0): sizes 2 first (shrinking goes there), 1 as the
+    no-DCP baseline, interleave 1 or any power of two dividing the block size. DCP reuses TP ranks, so its
+    size divides TP = TOTAL_HEADS / heads (vLLM's ParallelConfig checks tp % dcp == 0)."""
+    sizes = [n for n in (2, 1, 3, 4, 8) if n in (1, *p.dcp_sizes) and heads * n <= max_gathered_heads
+             and (TOTAL_HEADS // heads) % n == 0]
+    size = draw(st.sampled_from(sizes))
+    if size == 1:
+        return Dcp()
+    interleaves = [1] + [i for i in (2, 4, 8, 16, 32, 64) if block_size % i == 0]
+    return Dcp(size, 0, draw(st.sampled_from(interleaves)))
 
 
 def attention_topk_specs(width: int) -> st.SearchStrategy[TopkSpec]:
@@ -191,13 +214,17 @@ def _indexer_full_spec(width: int) -> st.SearchStrategy[TopkSpec]:
 def attention_cases(draw, p: Profile, f: AttentionFeatures) -> Case:
     from strategies.case import FP8_SCALES, VALUE_KINDS
 
-    heads = f.heads or p.attn_heads
     p = p.for_attention()
+    heads = draw(st.sampled_from(f.heads or p.attn_heads))
     topk_width = draw(st.sampled_from(p.topk_widths))
-    reqs, num_decodes = draw(requests(p, topk_width))
     block_size = draw(st.sampled_from(f.block_sizes or p.block_sizes))
-    table, _ = draw(block_tables([_cdiv(r.seq_len, block_size) for r in reqs], False,
-                                 shareable=[r.context_len // block_size for r in reqs]))
+    dcp = draw(attention_dcp_splits(p, block_size, heads, f.dcp_max_gathered_heads)) if f.dcp else Dcp()
+    # vLLM allows multi-token (MTP) decodes under DCP only with interleave 1 (supports_dcp_with_varlen).
+    reqs, num_decodes = draw(requests(p, topk_width, 1 if dcp.interleave > 1 else MAX_DECODE_QUERY_LEN))
+    # Under DCP a block id names one block on every rank: a "virtual" block of block_size x size tokens.
+    virtual = block_size * dcp.size
+    table, _ = draw(block_tables([_cdiv(r.seq_len, virtual) for r in reqs], False,
+                                 shareable=[r.context_len // virtual for r in reqs]))
     stride = block_size * draw(st.integers(2, 3)) if f.block_stride_rows and draw(st.booleans()) else 0
     kv_dtype = draw(st.sampled_from(f.kv_cache_dtypes))
     return Case(
@@ -209,7 +236,8 @@ def attention_cases(draw, p: Profile, f: AttentionFeatures) -> Case:
         topk=tuple(draw(_indexer_full_spec(topk_width) if f.indexer_fills_short_seqs and r.seq_len <= topk_width
                         else attention_topk_specs(topk_width)) for r in reqs),
         block_stride_rows=stride,
-        heads=draw(st.sampled_from(heads)),
+        dcp=dcp,
+        heads=heads,
         kv_cache_dtype=kv_dtype,
         fp8_scale=draw(st.sampled_from(FP8_SCALES)) if kv_dtype == "fp8_ds_mla" else "pow2",
         values=draw(st.sampled_from(VALUE_KINDS)),

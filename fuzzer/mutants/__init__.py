@@ -22,6 +22,8 @@ MUTANTS: dict[str, str] = {
     "remap-full-batch-req-id": "fuzzer.mutants.remap_full_batch_req_id",
     "mha-context-flat-fp8-gather": "fuzzer.mutants.mha_context_flat_fp8_gather",
     "flashmla-topk-length-dropped": "fuzzer.mutants.flashmla_topk_length_dropped",
+    "dcp-empty-shard-lse-zero": "fuzzer.mutants.dcp_empty_shard_lse_zero",
+    "dcp-lse-base2-as-natural": "fuzzer.mutants.dcp_lse_base2_as_natural",
 }
 
 

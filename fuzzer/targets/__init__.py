@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fuzzer.targets.base import Target
 from fuzzer.targets.dcp_filter import DcpFilter
+from fuzzer.targets.flashmla_dcp import FlashMLASparseDcp
 from fuzzer.targets.flashmla_layer import FlashMLASparseLayer
 from fuzzer.targets.flashmla_sparse import FlashMLASparse
 from fuzzer.targets.index_remap import IndexRemap
@@ -16,6 +17,7 @@ TARGETS: dict[str, type[Target]] = {
     TritonSparse.name: TritonSparse,
     FlashMLASparse.name: FlashMLASparse,
     FlashMLASparseLayer.name: FlashMLASparseLayer,
+    FlashMLASparseDcp.name: FlashMLASparseDcp,
     SelftestFault.name: SelftestFault,  # harness self-test, not vLLM
 }
 

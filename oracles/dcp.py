@@ -1,0 +1,112 @@
+"""Decode context parallelism: how a case's KV cache is split over ranks, and the verdicts on a DCP call.
+
+With N ranks and interleave I, token position t of a request is held by rank (t // I) % N, at rank-local
+position (t // (N*I)) * I + t % I, addressed through the request's block table: one block id names a block
+on every rank, so it covers a "virtual" block of block_size * N positions. The whole, undivided context is
+therefore the same case with block_size * N (same block table, heads gathered over ranks, no DCP): one
+undivided slot b * (B*N) + o is rank (o // I) % N's slot b * B + local(o). The oracle judges the merged
+output against that undivided case, and each rank on its own share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from oracles.attention import error_margin
+from oracles.attention_judge import attention_tolerance, judge_attention, judge_fp8_ds_mla_entries, reference_for
+from oracles.index import RemapArgs, compare_remap, expected_remap
+from oracles.materialize import materialize_attention_inputs
+from oracles.verdict import Verdict
+from strategies.case import Case, Dcp
+
+
+def undivided(case: Case) -> Case:
+    """The case as one rank holding the whole context: virtual blocks, every rank's heads."""
+    return dataclasses.replace(case, block_size=case.block_size * case.dcp.size, block_stride_rows=0,
+                               heads=case.heads * case.dcp.size, dcp=Dcp())
+
+
+def owner_and_local(case: Case, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rank, rank-local position) of request positions (or of offsets within a virtual block)."""
+    n, inter = case.dcp.size, case.dcp.interleave
+    return (position // inter) % n, (position // (n * inter)) * inter + position % inter
+
+
+def rank_slots(case: Case, undivided_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rank, the slot on that rank's cache) of each undivided slot."""
+    virtual = case.block_size * case.dcp.size
+    rank, local = owner_and_local(case, undivided_slots % virtual)
+    return rank, (undivided_slots // virtual) * case.block_size + local
+
+
+def rank_slot_mapping(case: Case, undivided_slots: torch.Tensor, rank: int) -> torch.Tensor:
+    """vLLM's slot_mapping on `rank` for tokens at `undivided_slots`: -1 where another rank holds the token."""
+    owner, slot = rank_slots(case, undivided_slots)
+    return torch.where(owner == rank, slot, torch.full_like(slot, -1))
+
+
+def judge_dcp(case: Case, obs) -> list[Verdict]:
+    """A DCP step run on every rank: the merged output (heads of rank r at [r*H, (r+1)*H)) against attention
+    over the undivided context; each rank's filtered top-k exactly; each rank's partial LSE against
+    attention over its share, and -inf (the merge's identity) where it owns none of a row's tokens."""
+    whole = undivided(case)
+    verdicts = judge_attention(whole, obs)
+    failed_output = [v for v in verdicts if not v.ok and v.check in ("output", "nan", "empty_row")]
+    if any(not v.ok and v.check in ("memory", "error") for v in verdicts) or case.dcp.size == 1:
+        return verdicts
+    inputs = materialize_attention_inputs(whole, obs.device)
+    slot_values = None
+    if "cache_entries" in obs.outputs:  # a quantized cache is judged by what its bytes hold
+        slot_values, _ = judge_fp8_ds_mla_entries(whole, inputs, obs.outputs["cache_slots"], obs.outputs["cache_entries"])
+    verdicts += _rank_verdicts(case, whole, inputs, slot_values, obs)
+    if failed_output:  # name the ranks whose heads came out wrong
+        ranks = _ranks_off(case, whole, inputs, slot_values, obs)
+        verdicts = [dataclasses.replace(v, detail=f"{v.detail}; heads of rank(s) {ranks} differ", bug_class=v.bug_class or "G")
+                    if v in failed_output else v for v in verdicts]
+    return verdicts
+
+
+def _rank_verdicts(case: Case, whole: Case, inputs, slot_values, obs) -> list[Verdict]:
+    verdicts = []
+    index = inputs.index
+    owner, _ = owner_and_local(case, index.topk_indices.long().clamp(min=0))
+    # The filter is judged on its own contract, for the block stride its call site passed (None: block_size).
+    stride = obs.notes.get("dcp_filter_call", {}).get("block_stride_rows") or case.block_size
+    for r in range(case.dcp.size):
+        filtered = obs.outputs.get(f"rank{r}.topk")
+        if filtered is not None:
+            expected = expected_remap(RemapArgs(
+                req_id=index.req_id_per_token, block_table=index.block_table, token_indices=index.topk_indices,
+                block_size=case.block_size, block_stride_rows=stride, dcp_size=case.dcp.size, dcp_rank=r,
+                dcp_interleave=case.dcp.interleave))
+            for m in compare_remap(filtered, None, expected, compacted=False, limit=2):
+                verdicts.append(Verdict("dcp_filter", False, f"rank {r}: top-k filtered to local slots, row {m.row}: "
+                                                             f"{m.detail}", "G", where="dcp_filter"))
+        lse = obs.outputs.get(f"rank{r}.lse")
+        if lse is None:
+            continue
+        lse = lse.to(obs.device).float()
+        _, lse_ref, _ = reference_for(whole, inputs, obs.device, slot_values, keep=(owner == r).to(obs.device))
+        empty = torch.isneginf(lse_ref).all(dim=1)  # rows where the rank holds none of the selected tokens
+        if empty.any() and not torch.isneginf(lse[empty]).all():
+            t = int(empty.nonzero()[(~torch.isneginf(lse[empty])).any(dim=1)][0])
+            verdicts.append(Verdict("dcp_empty_shard", False, f"rank {r} holds none of token {t}'s selected tokens but "
+                                                              f"returns LSE {lse[t].max():.4g}, not -inf (the merge's "
+                                                              f"identity)", "G", where="dcp_empty_shard"))
+        margin = error_margin(lse, lse_ref, 1e-2, 1e-2)
+        if margin > 1 and not (empty.any() and not torch.isneginf(lse[empty]).all()):
+            verdicts.append(Verdict("dcp_rank_lse", False, f"rank {r}: partial LSE over its share off by {margin:.2f}x "
+                                                           f"the tolerance", "G", margin=margin, where="dcp_rank_lse"))
+    return verdicts
+
+
+def _ranks_off(case: Case, whole: Case, inputs, slot_values, obs) -> list[int]:
+    """The ranks whose slice of the merged heads exceeds the tolerance."""
+    out_ref, _, _ = reference_for(whole, inputs, obs.device, slot_values)
+    out = obs.outputs["out"].to(obs.device).float()
+    atol, rtol = attention_tolerance(whole, inputs)
+    h = case.heads
+    return [r for r in range(case.dcp.size)
+            if error_margin(out[:, r * h:(r + 1) * h].nan_to_num(1e30), out_ref[:, r * h:(r + 1) * h], atol, rtol) > 1]
