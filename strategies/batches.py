@@ -181,17 +181,19 @@ class AttentionFeatures:
     # kernel pads local and gathered heads to one envelope, 64 or 128, and refuses DCP otherwise).
     dcp: bool = False
     dcp_max_gathered_heads: int = 64
+    dcp_sizes: tuple[int, ...] | None = None  # None: the profile's (a real process group has one size)
 
 
 TOTAL_HEADS = 128  # DeepSeek-V3.2's attention heads: heads per rank are 128 / TP
 
 
 @st.composite
-def attention_dcp_splits(draw, p: Profile, block_size: int, heads: int, max_gathered_heads: int) -> Dcp:
+def attention_dcp_splits(draw, p: Profile, block_size: int, heads: int, max_gathered_heads: int,
+                         only_sizes: tuple[int, ...] | None = None) -> Dcp:
     """A whole DCP group (every rank runs; `rank` stays 0): sizes 2 first (shrinking goes there), 1 as the
     no-DCP baseline, interleave 1 or any power of two dividing the block size. DCP reuses TP ranks, so its
     size divides TP = TOTAL_HEADS / heads (vLLM's ParallelConfig checks tp % dcp == 0)."""
-    sizes = [n for n in (2, 1, 3, 4, 8) if n in (1, *p.dcp_sizes) and heads * n <= max_gathered_heads
+    sizes = [n for n in (2, 1, 3, 4, 8) if n in (only_sizes or (1, *p.dcp_sizes)) and heads * n <= max_gathered_heads
              and (TOTAL_HEADS // heads) % n == 0]
     size = draw(st.sampled_from(sizes))
     if size == 1:
@@ -218,7 +220,7 @@ def attention_cases(draw, p: Profile, f: AttentionFeatures) -> Case:
     heads = draw(st.sampled_from(f.heads or p.attn_heads))
     topk_width = draw(st.sampled_from(p.topk_widths))
     block_size = draw(st.sampled_from(f.block_sizes or p.block_sizes))
-    dcp = draw(attention_dcp_splits(p, block_size, heads, f.dcp_max_gathered_heads)) if f.dcp else Dcp()
+    dcp = draw(attention_dcp_splits(p, block_size, heads, f.dcp_max_gathered_heads, f.dcp_sizes)) if f.dcp else Dcp()
     # vLLM allows multi-token (MTP) decodes under DCP only with interleave 1 (supports_dcp_with_varlen).
     reqs, num_decodes = draw(requests(p, topk_width, 1 if dcp.interleave > 1 else MAX_DECODE_QUERY_LEN))
     # Under DCP a block id names one block on every rank: a "virtual" block of block_size x size tokens.

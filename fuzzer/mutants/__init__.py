@@ -27,6 +27,9 @@ MUTANTS: dict[str, str] = {
 }
 
 
+APPLIED: list[str] = []  # what `inject` applied in this process (a multi-process target replays it in its ranks)
+
+
 class MutantError(RuntimeError):
     """The mutant cannot be applied to the installed vLLM (the code it patches is not there)."""
 
@@ -39,6 +42,7 @@ def inject(name_or_file: str) -> str:
     """Apply a built-in mutant or run a user's Python file; returns a label for reports."""
     if name_or_file in MUTANTS:
         load(name_or_file).apply()
+        APPLIED.append(name_or_file)
         return name_or_file
     path = Path(name_or_file)
     if not path.is_file():
@@ -46,6 +50,7 @@ def inject(name_or_file: str) -> str:
     ns = runpy.run_path(str(path))
     if callable(ns.get("apply")):
         ns["apply"]()
+    APPLIED.append(str(path.resolve()))
     return str(path)
 
 

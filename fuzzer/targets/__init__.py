@@ -5,6 +5,7 @@ from __future__ import annotations
 from fuzzer.targets.base import Target
 from fuzzer.targets.dcp_filter import DcpFilter
 from fuzzer.targets.flashmla_dcp import FlashMLASparseDcp
+from fuzzer.targets.flashmla_dcp_ranks import FlashMLASparseDcpRanks
 from fuzzer.targets.flashmla_layer import FlashMLASparseLayer
 from fuzzer.targets.flashmla_sparse import FlashMLASparse
 from fuzzer.targets.index_remap import IndexRemap
@@ -18,6 +19,7 @@ TARGETS: dict[str, type[Target]] = {
     FlashMLASparse.name: FlashMLASparse,
     FlashMLASparseLayer.name: FlashMLASparseLayer,
     FlashMLASparseDcp.name: FlashMLASparseDcp,
+    FlashMLASparseDcpRanks.name: FlashMLASparseDcpRanks,
     SelftestFault.name: SelftestFault,  # harness self-test, not vLLM
 }
 

@@ -36,7 +36,7 @@ from strategies.batches import AttentionFeatures, attention_cases
 # Per-rank records of vLLM's DCP filter (the rank's local top-k, and the BLOCK_STRIDE_ROWS it was called
 # with: the fp8 kernel addresses 64-row pages, so vLLM passes none for 64-token blocks), filled per case.
 _FILTERED: dict[int, tuple[torch.Tensor, int | None]] = {}
-_FILTER_LOCK = threading.Lock()
+_FILTER_LOCK = threading.Lock()  # emulated ranks are threads
 
 
 def record_dcp_filter() -> None:
@@ -89,101 +89,144 @@ class FlashMLASparseDcp(FlashMLASparse):
                                                           block_sizes=(64, 128), dcp=True, block_stride_rows=True))
 
     def run(self, case):
-        from vllm.config import set_current_vllm_config
-        from vllm.v1.attention.ops.dcp import MLADCPManager
-        from vllm.v1.kv_cache_interface import MLAAttentionSpec
-
-        dev, n, heads = self.device, case.dcp.size, case.heads
-        backend = importlib.import_module(BACKEND_MODULE).FlashMLASparseBackend
-        whole = undivided(case)
-        inputs = materialize_attention_inputs(whole, dev)
-        guards = Guards()
-        _, slots, topk_buffer = step_tensors(whole, dev, inputs=inputs, guards=guards)
-        caches = [self.cache(case, dev, guards, name=f"kv_cache (rank {r})") for r in range(n)]
-        write, write_emulated = self.writer(case)
-        cfg = configure(self.cfg, case, max_num_batched_tokens=topk_buffer.shape[0])
-        cfg.parallel_config.decode_context_parallel_size = n
-        cfg.parallel_config.cp_kv_cache_interleave_size = case.dcp.interleave
-        spec = MLAAttentionSpec(block_size=case.block_size, num_kv_heads=1, head_size=HEAD_SIZE, dtype=torch.bfloat16,
-                                cache_dtype_str=case.kv_cache_dtype)
-        metadata_in = common_attn_metadata(whole, inputs.index, dev)  # slot_mapping: undivided slots
-        ranks = LockstepRanks(n)
-        before: list[torch.Tensor | None] = [None] * n
-        partial: dict[str, torch.Tensor] = {}
-        overruns: list[str] = []
-
-        def rank_step(r: int) -> torch.Tensor:
-            """One rank's step, as MLAAttention.forward_impl drives it for MQA tokens under DCP."""
-            with set_current_vllm_config(cfg), torch.inference_mode():
-                write(inputs.kv_c[slots], inputs.k_pe[slots], caches[r], rank_slot_mapping(case, slots, r))
-                before[r] = caches[r].clone()
-                impl = backend.get_impl_cls()(
-                    heads, HEAD_SIZE, SM_SCALE, 1, None, None, case.kv_cache_dtype, None, "decoder", None,
-                    **impl_topk_kwargs(backend.get_impl_cls(), topk_buffer.clone()), q_lora_rank=None,
-                    kv_lora_rank=KV_LORA_RANK, qk_nope_head_dim=128, qk_rope_head_dim=ROPE_DIM,
-                    qk_head_dim=128 + ROPE_DIM, v_head_dim=128, kv_b_proj=None)
-                manager = None
-                if n > 1:  # as MLAAttention builds it when DCP is on
-                    manager = MLADCPManager(vllm_config=cfg, device=torch.device(dev), num_heads=heads,
-                                            query_head_dim=HEAD_SIZE, output_head_dim=KV_LORA_RANK,
-                                            query_dtype=torch.bfloat16, output_dtype=torch.bfloat16,
-                                            padded_num_heads=getattr(impl, "q_pad_num_heads", None),
-                                            is_lse_base_on_e=impl.lse_base_on_e, use_pcp=False)
-                # The builder finds the layer's DCP manager in the forward context.
-                cfg.compilation_config.static_forward_context[LAYER] = SimpleNamespace(prefill_backend=None,
-                                                                                       dcp_manager=manager)
-                builder = backend.get_builder_cls()(spec, [LAYER], cfg, torch.device(dev))
-                metadata = builder.build(0, dataclasses.replace(
-                    metadata_in, slot_mapping=rank_slot_mapping(case, metadata_in.slot_mapping, r)))
-                q = inputs.q[:, r * heads:(r + 1) * heads].contiguous()
-                if manager is not None:
-                    q = manager.query_gather(q)
-                check_overrun = guard_index_group(impl)
-                out, lse = impl.forward_mqa(q, caches[r], metadata, None)
-                overruns.extend(f"rank {r}: {m}" for m in check_overrun(case.num_tokens))
-                if manager is None:
-                    return out
-                partial[f"rank{r}.lse"] = lse.detach().clone()
-                merged = manager.combine(out, lse, seq_lens=metadata.seq_lens, query_start_loc=metadata.query_start_loc)
-                return merged
+        step = DcpStep(self, case)
+        ranks = LockstepRanks(case.dcp.size)
 
         def call():
-            _FILTERED.clear()
             with installed_dcp_group(EmulatedDcpGroup(ranks)):
-                merged = ranks.run(rank_step)
-            strides = {stride for _, stride in _FILTERED.values()}
-            if strides:
-                filter_call["block_stride_rows"] = strides.pop()
-            return {"out": torch.cat(merged, dim=1), **partial,
-                    **{f"rank{r}.topk": t for r, (t, _) in _FILTERED.items()}}
+                return step.outputs(ranks.run(step.run_rank))
 
-        filter_call: dict = {}
-        obs = observe_paths(self.observe, call, notes={"dcp": f"{n} ranks emulated in one process, interleave {case.dcp.interleave}",
-                                        "dcp_filter_call": filter_call})
-        return self.finish_ranks(obs, case, slots, caches, before, write_emulated, overruns, guards)
-
-    def finish_ranks(self, obs, case, slots, caches, before, write_emulated, overruns, guards):
-        """The fp8 entries each rank's writer produced, laid out as the undivided case's slots (for the
-        oracle's read-back), and everything `finish` reports, over every rank's cache."""
-        if all(b is not None for b in before):
-            owner, rslot = rank_slots(case, slots)
-            entries = torch.empty(len(slots), before[0].shape[-1], dtype=before[0].dtype, device=before[0].device)
-            for r, b in enumerate(before):
-                mine = owner == r
-                entries[mine] = b[rslot[mine] // case.block_size, rslot[mine] % case.block_size]
-            obs.outputs["cache_slots"], obs.outputs["cache_entries"] = slots, entries
-            changed = [f"rank {r}: {int(c)} rows" for r, (cache, b) in enumerate(zip(caches, before))
-                       if (c := (cache.view(torch.uint8) != b.view(torch.uint8)).any(dim=-1).sum())]
-            if changed:
-                obs.notes["cache_changed"] = ", ".join(changed)
-        obs.emulated = tuple(dict.fromkeys(x for x in (*self.emulated, write_emulated,
-                                                         "DCP collectives (attnfuzz's in-process group)") if x))
-        obs.notes["shims"] = self.shims
-        if overruns:
-            obs.notes["buffer_overrun"] = overruns
-        if guard := guards.check():
-            obs.notes["guard"] = guard
-        return obs
+        obs = observe_paths(self.observe, call, notes={
+            "dcp": f"{case.dcp.size} ranks emulated in one process, interleave {case.dcp.interleave}"})
+        return step.finish(obs, "DCP collectives (attnfuzz's in-process group)")
 
     def render_repro(self, finding) -> tuple[str, dict]:
         return "", {}  # `attnfuzz replay` reproduces it; a standalone DCP reproducer is not written yet
+
+
+@dataclasses.dataclass
+class RankResult:
+    """What one rank's step leaves, as plain CPU tensors (a real rank sends it to rank 0)."""
+
+    merged: torch.Tensor | None = None  # this rank's heads after vLLM's combine [T, H, 512]
+    lse: torch.Tensor | None = None  # the rank's partial LSE over the gathered heads [T, H * N]
+    topk: torch.Tensor | None = None  # the DCP filter's output: the rank's local slots [T, K]
+    block_stride_rows: int | None = None  # as the filter was called
+    entries: torch.Tensor | None = None  # the fp8 entries written for the undivided slots this rank owns
+    cache_changed: int = 0  # cache rows the attention call wrote
+    problems: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # buffer_overrun, guard
+    error: str | None = None  # what the code under test raised on this rank (real ranks)
+
+
+class DcpStep:
+    """One case under DCP: what every rank shares (the undivided inputs, config, metadata) and one rank's
+    step, as MLAAttention.forward_impl drives the MQA tokens: query all-gather, builder, forward_mqa (the
+    fp8 mixed-batch path filters the global top-k to the rank's slots and returns its LSE), LSE combine.
+    vLLM's DCP group (real, or emulated) is whatever `parallel_state._DCP` holds when `run_rank` runs."""
+
+    def __init__(self, target: FlashMLASparseDcp, case) -> None:
+        from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+        self.target, self.case, dev = target, case, target.device
+        self.whole = undivided(case)
+        self.inputs = materialize_attention_inputs(self.whole, dev)
+        _, self.slots, self.topk_buffer = step_tensors(self.whole, dev, inputs=self.inputs)
+        self.write, self.write_emulated = target.writer(case)
+        self.cfg = configure(target.cfg, case, max_num_batched_tokens=self.topk_buffer.shape[0])
+        self.cfg.parallel_config.decode_context_parallel_size = case.dcp.size
+        self.cfg.parallel_config.cp_kv_cache_interleave_size = case.dcp.interleave
+        self.spec = MLAAttentionSpec(block_size=case.block_size, num_kv_heads=1, head_size=HEAD_SIZE,
+                                     dtype=torch.bfloat16, cache_dtype_str=case.kv_cache_dtype)
+        self.metadata_in = common_attn_metadata(self.whole, self.inputs.index, dev)  # slot_mapping: undivided
+        self.results: list[RankResult] = []
+
+    def run_rank(self, r: int) -> RankResult:
+        from vllm.config import set_current_vllm_config
+        from vllm.v1.attention.ops.dcp import MLADCPManager
+
+        case, inputs, cfg, dev, heads = self.case, self.inputs, self.cfg, self.target.device, self.case.heads
+        backend = importlib.import_module(BACKEND_MODULE).FlashMLASparseBackend
+        res, guards = RankResult(), Guards()
+        cache = self.target.cache(case, dev, guards, name=f"kv_cache (rank {r})")
+        shape = self.topk_buffer.shape  # each rank has its own indexer buffer
+        topk_buffer = guards.empty(f"topk_indices_buffer (rank {r})", shape.numel(), torch.int32, dev).view(shape)
+        topk_buffer.copy_(self.topk_buffer)
+        with set_current_vllm_config(cfg), torch.inference_mode():
+            # The rank's cache holds its own tokens: vLLM's slot mapping is -1 for the others'.
+            self.write(inputs.kv_c[self.slots], inputs.k_pe[self.slots], cache, rank_slot_mapping(case, self.slots, r))
+            before = cache.clone()
+            owner, rslot = rank_slots(case, self.slots)
+            res.entries = before[rslot[owner == r] // case.block_size, rslot[owner == r] % case.block_size].cpu()
+            impl = backend.get_impl_cls()(
+                heads, HEAD_SIZE, SM_SCALE, 1, None, None, case.kv_cache_dtype, None, "decoder", None,
+                **impl_topk_kwargs(backend.get_impl_cls(), topk_buffer), q_lora_rank=None,
+                kv_lora_rank=KV_LORA_RANK, qk_nope_head_dim=128, qk_rope_head_dim=ROPE_DIM,
+                qk_head_dim=128 + ROPE_DIM, v_head_dim=128, kv_b_proj=None)
+            manager = None
+            if case.dcp.size > 1:  # as MLAAttention builds it when DCP is on
+                manager = MLADCPManager(vllm_config=cfg, device=torch.device(dev), num_heads=heads,
+                                        query_head_dim=HEAD_SIZE, output_head_dim=KV_LORA_RANK,
+                                        query_dtype=torch.bfloat16, output_dtype=torch.bfloat16,
+                                        padded_num_heads=getattr(impl, "q_pad_num_heads", None),
+                                        is_lse_base_on_e=impl.lse_base_on_e, use_pcp=False)
+            # The builder finds the layer's DCP manager in the forward context.
+            cfg.compilation_config.static_forward_context[LAYER] = SimpleNamespace(prefill_backend=None,
+                                                                                   dcp_manager=manager)
+            builder = backend.get_builder_cls()(self.spec, [LAYER], cfg, torch.device(dev))
+            metadata = builder.build(0, dataclasses.replace(
+                self.metadata_in, slot_mapping=rank_slot_mapping(case, self.metadata_in.slot_mapping, r)))
+            q = inputs.q[:, r * heads:(r + 1) * heads].contiguous()  # this rank's heads (TP split)
+            if manager is not None:
+                q = manager.query_gather(q)
+            check_overrun = guard_index_group(impl)
+            out, lse = impl.forward_mqa(q, cache, metadata, None)
+            if manager is not None:
+                res.lse = lse.detach().float().cpu()
+                out = manager.combine(out, lse, seq_lens=metadata.seq_lens, query_start_loc=metadata.query_start_loc)
+            res.merged = out.detach().cpu()
+            if r in _FILTERED:
+                topk, res.block_stride_rows = _FILTERED.pop(r)
+                res.topk = topk.cpu()
+            if overruns := [f"rank {r}: {m}" for m in check_overrun(case.num_tokens)]:
+                res.problems["buffer_overrun"] = overruns
+        if self.target.device == "cuda":
+            torch.cuda.synchronize()
+        res.cache_changed = int((cache.view(torch.uint8) != before.view(torch.uint8)).any(dim=-1).sum())
+        if guard := guards.check():
+            res.problems["guard"] = [f"rank {r}: {g}" for g in guard]
+        return res
+
+    def outputs(self, results: list[RankResult]) -> dict:
+        """The observation's outputs from every rank's result: the merged heads in rank order, each rank's
+        LSE and filtered top-k (and the rest is kept for `finish`)."""
+        self.results = results
+        out = {"out": torch.cat([res.merged for res in results], dim=1)}
+        for r, res in enumerate(results):
+            if res.lse is not None:
+                out[f"rank{r}.lse"] = res.lse
+            if res.topk is not None:
+                out[f"rank{r}.topk"] = res.topk
+        return out
+
+    def finish(self, obs, collectives: str):
+        """Everything every rank saw, for the oracle: the fp8 entries as the undivided case's slots (its
+        read-back), the filter's call, cache writes, overruns, guards; stand-ins and shims."""
+        case, results = self.case, self.results
+        if results and all(res.entries is not None for res in results):
+            owner, _ = rank_slots(case, self.slots)
+            entries = torch.empty(len(self.slots), results[0].entries.shape[-1], dtype=results[0].entries.dtype)
+            for r, res in enumerate(results):
+                entries[(owner == r).cpu()] = res.entries
+            obs.outputs["cache_slots"], obs.outputs["cache_entries"] = self.slots.cpu(), entries
+        strides = {res.block_stride_rows for res in results if res.topk is not None}
+        if strides:
+            obs.notes["dcp_filter_call"] = {"block_stride_rows": strides.pop()}
+        if changed := [f"rank {r}: {res.cache_changed} rows" for r, res in enumerate(results) if res.cache_changed]:
+            obs.notes["cache_changed"] = ", ".join(changed)
+        for key in ("buffer_overrun", "guard"):
+            if found := [m for res in results for m in res.problems.get(key, [])]:
+                obs.notes[key] = found
+        t = self.target
+        obs.emulated = tuple(dict.fromkeys(x for x in (*t.emulated, self.write_emulated, collectives) if x))
+        obs.notes["shims"] = t.shims
+        return obs

@@ -159,10 +159,12 @@ _LIBS: list = []
 
 
 @functools.cache
-def vllm_runtime(device: str, state_dir: str):
-    """Process-wide: one real VllmConfig (per-case fields are set by `configure`), a world-size-1 gloo
-    process group (the impl asks for the TP group), and the workspace manager. `state_dir` holds the model's
-    config.json and the process group's init file."""
+def vllm_runtime(device: str, state_dir: str, world_size: int = 1, rank: int = 0, init_method: str | None = None):
+    """Process-wide: one real VllmConfig (per-case fields are set by `configure`), vLLM's process groups
+    (the impl asks for the TP group; by default a world of one, on gloo), and the workspace manager.
+    `state_dir` holds the model's config.json and the process group's init file. With `world_size` > 1 this
+    process is `rank` of a real group (NCCL on GPUs, gloo on CPUs) whose TP and DCP groups span every rank,
+    as DCP reuses the TP ranks."""
     from vllm.config import DeviceConfig, ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state
     from vllm.v1.worker.workspace import init_workspace_manager, is_workspace_manager_initialized
@@ -176,10 +178,13 @@ def vllm_runtime(device: str, state_dir: str):
     cfg = VllmConfig(model_config=model, device_config=DeviceConfig(device=device))
     with set_current_vllm_config(cfg):
         if parallel_state._TP is None:
-            init_file = (Path(state_dir) / "flashmla-dist-init").resolve()
-            init_file.unlink(missing_ok=True)
-            parallel_state.init_distributed_environment(1, 0, f"file://{init_file}", 0, "gloo")
-            parallel_state.initialize_model_parallel(1, 1)
+            if init_method is None:
+                init_file = (Path(state_dir) / "flashmla-dist-init").resolve()
+                init_file.unlink(missing_ok=True)
+                init_method = f"file://{init_file}"
+            backend = "nccl" if world_size > 1 and device == "cuda" else "gloo"
+            parallel_state.init_distributed_environment(world_size, rank, init_method, rank, backend)
+            parallel_state.initialize_model_parallel(world_size, 1, 1, world_size)
     if not is_workspace_manager_initialized():
         init_workspace_manager(torch.device(device))
     return cfg

@@ -52,7 +52,11 @@ class FlashMLASparse(Target):
             install_corrections()
             self.shims += [*install_cpu_shims(), *cpu_shims(), *(f"interpreter correction: {c}" for c in CORRECTIONS)]
         self.emulated = install_standins()
-        self.cfg = vllm_runtime(self.device, str(STATE_DIR))
+        self.cfg = self.runtime(str(STATE_DIR))
+
+    def runtime(self, state_dir: str):
+        """vLLM's config and process groups for this process (one rank of its own)."""
+        return vllm_runtime(self.device, state_dir)
 
     def cases(self, profile):
         from fuzzer.targets.vllm_api import remap_api

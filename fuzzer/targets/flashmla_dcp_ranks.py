@@ -1,0 +1,181 @@
+"""`vllm.flashmla_sparse.dcp.ranks`: FlashMLA sparse under DCP with real ranks, one process per rank.
+
+The process that runs the case is rank 0; `prepare` starts ranks 1..N-1 (this module's `main`), one per GPU,
+and every rank joins vLLM's process groups through `torch.distributed` (NCCL on GPUs, gloo on a CPU host),
+with TP = DCP = N. For each case rank 0 broadcasts the case (and the mutants it applied) over vLLM's world
+group; every rank materializes the same case, keeps its own share of the cache and runs the same step as the
+emulated target (`DcpStep.run_rank`), so the query all-gather and the LSE combine are vLLM's own collectives
+over the real DCP group; rank 0 gathers every rank's result and judges them together (`oracles.dcp`), naming
+the ranks that differ.
+
+N is the host's GPU count (at most 8), or ATTNFUZZ_DCP_RANKS; 2 on a CPU. A rank that raises where the
+others go on to a collective leaves them waiting: the case's watchdog turns that into a hang finding, and
+the worker (with its ranks, which die with it) is replaced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+from fuzzer.coverage import observe_paths
+from fuzzer.targets.flashmla_dcp import DcpStep, FlashMLASparseDcp, RankResult
+from fuzzer.targets.flashmla_runtime import vllm_runtime
+from strategies.batches import AttentionFeatures, attention_cases
+from strategies.case import Case
+
+# vLLM's direct (symmetric-memory) DCP paths would use NVLink multicast, which must stay off on shared hosts.
+SAFE_ENV = {"VLLM_USE_DIRECT_DCP_Q_GATHER": "0", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+            "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def world_size(device: str) -> int:
+    if "ATTNFUZZ_DCP_RANKS" in os.environ:
+        return int(os.environ["ATTNFUZZ_DCP_RANKS"])
+    if device != "cuda":
+        return 2
+    n = min(torch.cuda.device_count(), 8)
+    return 1 << (n.bit_length() - 1) if n else 0  # DCP sizes divide TP = 128 / heads: a power of two
+
+
+class FlashMLASparseDcpRanks(FlashMLASparseDcp):
+    name = "vllm.flashmla_sparse.dcp.ranks"
+    summary = ("FlashMLA sparse under DCP with real ranks: one process per GPU through torch.distributed (NCCL), "
+               "vLLM's DCP group, query all-gather and LSE combine")
+    real_parts = FlashMLASparseDcp.real_parts + ("vLLM's DCP process group (NCCL on GPUs, gloo on CPUs)",)
+
+    def __init__(self, device: str, rank: int = 0) -> None:
+        super().__init__(device)
+        self.rank, self.world = rank, world_size(device)
+        self.followers: list[subprocess.Popen] = []
+        self._applied: list[str] = []
+
+    def unavailable(self) -> str | None:
+        if self.world < 2:
+            return f"needs at least 2 GPUs for 2 ranks; this host has {torch.cuda.device_count()}"
+        return super().unavailable()
+
+    def prepare(self) -> None:
+        os.environ.update(SAFE_ENV)
+        super().prepare()  # the process group waits for the first case (`runtime` defers it)
+
+    def runtime(self, state_dir: str):
+        self.state_dir = state_dir
+        return None  # a process that only lists or inspects the target starts no ranks
+
+    def join_group(self, init_method: str | None = None) -> None:
+        """Join (rank 0: start, then join) the N-rank process group; once per process."""
+        if self.cfg is not None:
+            return
+        if self.device == "cuda":
+            torch.cuda.set_device(self.rank)
+        if self.rank == 0:
+            ranks_dir = (Path(self.state_dir) / "dcp-ranks" / str(os.getpid())).resolve()
+            ranks_dir.mkdir(parents=True, exist_ok=True)
+            (ranks_dir / "init").unlink(missing_ok=True)
+            init_method = f"file://{ranks_dir / 'init'}"
+            for r in range(1, self.world):  # they die with this process (PDEATHSIG); logs beside the init file
+                log = open(ranks_dir / f"rank{r}.log", "w")
+                self.followers.append(subprocess.Popen(
+                    [sys.executable, "-m", __name__, "--rank", str(r), "--world", str(self.world), "--init",
+                     init_method, "--device", self.device], stdout=log, stderr=subprocess.STDOUT))
+        self.cfg = vllm_runtime(self.device, self.state_dir, self.world, self.rank, init_method)
+
+    def cases(self, profile):
+        return attention_cases(profile, AttentionFeatures(
+            kv_cache_dtypes=self.kv_cache_dtypes, heads=(8, 16), block_sizes=(64, 128), dcp=True,
+            dcp_sizes=(self.world,), block_stride_rows=True))
+
+    def run(self, case):
+        from vllm.distributed.parallel_state import get_world_group
+
+        from fuzzer.mutants import APPLIED
+
+        self.join_group()
+        if case.dcp.size != self.world:
+            raise ValueError(f"case.dcp.size is {case.dcp.size}; this group has {self.world} ranks")
+        get_world_group().broadcast_object({"case": case.to_json(None), "inject": list(APPLIED)}, src=0)
+        step = DcpStep(self, case)
+
+        def call():
+            mine = run_rank(step, 0)
+            results = gather(mine)
+            failed = {r: res.error for r, res in enumerate(results) if res.error}
+            if failed:
+                raise RankError("; ".join(f"rank {r}: {e}" for r, e in failed.items()))
+            return step.outputs(results)
+
+        obs = observe_paths(self.observe, call, notes={"dcp": f"{self.world} ranks, one process each"})
+        return step.finish(obs, "")
+
+    def follow(self) -> None:
+        """Ranks 1..N-1: run each case rank 0 broadcasts; None ends."""
+        from vllm.distributed.parallel_state import get_world_group
+
+        from fuzzer.mutants import inject
+
+        while True:
+            msg = get_world_group().broadcast_object(None, src=0)
+            if msg is None:
+                return
+            for name in msg["inject"][len(self._applied):]:  # the mutants rank 0 runs, here too
+                inject(name)
+                self._applied.append(name)
+            gather(run_rank(DcpStep(self, Case.from_json(msg["case"])), self.rank))
+
+
+class RankError(RuntimeError):
+    """One or more ranks raised (each rank's error is named)."""
+
+
+def run_rank(step: DcpStep, rank: int) -> RankResult:
+    try:
+        return step.run_rank(rank)
+    except Exception as e:  # the code under test raised on this rank: reported by rank 0
+        res = RankResult()
+        res.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+        res.problems["traceback"] = [traceback.format_exc(limit=-6)]
+        return res
+
+
+def gather(mine: RankResult) -> list[RankResult] | None:
+    """Every rank's result at rank 0 (over vLLM's world CPU group)."""
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_world_group
+
+    group = get_world_group()
+    out = [None] * group.world_size if group.rank_in_group == 0 else None
+    dist.gather_object(mine, out, dst=group.ranks[0], group=group.cpu_group)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="one follower rank of vllm.flashmla_sparse.dcp.ranks")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--init", required=True)
+    p.add_argument("--device", required=True)
+    args = p.parse_args(argv)
+    from fuzzer.env import prepare_process
+    from fuzzer.worker import die_with_parent
+
+    die_with_parent()
+    os.environ["ATTNFUZZ_DCP_RANKS"] = str(args.world)
+    prepare_process(args.device)
+    import vllm  # noqa: F401  (imported once, before the target, as in a worker)
+
+    target = FlashMLASparseDcpRanks(args.device, rank=args.rank)
+    target.prepare()
+    target.join_group(args.init)
+    target.follow()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

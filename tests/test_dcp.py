@@ -1,0 +1,146 @@
+"""Decode context parallelism: the in-process rank emulation, the cache split, and the DCP targets on CPU
+(every rank emulated in one process; real ranks as processes over gloo), with and without the DCP mutants."""
+
+import json
+import threading
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fuzzer.targets.dcp_group import EmulatedDcpGroup, LockstepRanks
+from oracles.dcp import owner_and_local, rank_slots, undivided
+from strategies.case import Case, Dcp, Request, TopkSpec, rank_owned_positions
+
+from .conftest import attnfuzz
+
+
+# -- the emulated group ------------------------------------------------------------------------------------
+def test_collectives_follow_group_coordinator_semantics():
+    ranks = LockstepRanks(3)
+    group = EmulatedDcpGroup(ranks)
+
+    def step(r):
+        x = torch.full((2, 1, 4), float(r))
+        gathered = group.all_gather(x, dim=1)  # concat-style, in rank order
+        scattered = group.reduce_scatter(torch.arange(6.0).view(1, 6) * (r + 1), dim=1)  # sum, then rank's chunk
+        return gathered, scattered, group.rank_in_group
+
+    for r, (gathered, scattered, rank) in enumerate(ranks.run(step)):
+        assert rank == r
+        assert gathered.shape == (2, 3, 4) and gathered[0, :, 0].tolist() == [0.0, 1.0, 2.0]
+        assert scattered.tolist() == [[6.0 * 2 * r, 6.0 * (2 * r + 1)]]  # (1+2+3) x [2r, 2r+1]
+
+
+def test_a_failing_rank_stops_the_others_instead_of_hanging():
+    ranks = LockstepRanks(2)
+    group = EmulatedDcpGroup(ranks)
+
+    def step(r):
+        if r == 1:
+            raise ValueError("rank 1 broke")
+        return group.all_gather(torch.zeros(1), dim=0)
+
+    done = []
+    t = threading.Thread(target=lambda: done.append(pytest.raises(ValueError, ranks.run, step)))
+    t.start()
+    t.join(30)
+    assert done and "rank 1 broke" in str(done[0].value)
+    assert "rank(s) [1]" in str(done[0].value.__notes__)
+
+
+# -- the split ---------------------------------------------------------------------------------------------
+@settings(max_examples=60, deadline=None)
+@given(size=st.sampled_from([1, 2, 4, 8]), interleave=st.sampled_from([1, 2, 16, 64]), blocks=st.integers(1, 3))
+def test_every_undivided_slot_is_one_rank_slot(size, interleave, blocks):
+    block_size = 64
+    case = Case((Request(1, 0),), 1, block_size, ((1,),), 128, (TopkSpec(0),), dcp=Dcp(size, 0, interleave))
+    slots = torch.arange(blocks * block_size * size)
+    owner, local = rank_slots(case, slots)
+    assert len(set(zip(owner.tolist(), local.tolist()))) == len(slots)  # a bijection
+    assert all(int((owner == r).sum()) == blocks * block_size for r in range(size))  # blocks full on every rank
+    # ... and a request's positions are dealt as vLLM's DCP deals them
+    for seq_len in (1, 63, 200):
+        pos = torch.arange(seq_len)
+        held, _ = owner_and_local(case, pos)
+        assert [int((held == r).sum()) for r in range(size)] == [
+            rank_owned_positions(seq_len, size, r, interleave) for r in range(size)]
+
+
+def test_undivided_case_has_virtual_blocks_and_gathered_heads():
+    case = Case((Request(1, 5),), 1, 64, ((3,),), 128, (TopkSpec(4),), heads=8, dcp=Dcp(4, 0, 2),
+                kv_cache_dtype="fp8_ds_mla")
+    whole = undivided(case)
+    assert (whole.block_size, whole.heads, whole.dcp) == (256, 32, Dcp())
+    assert whole.block_table == case.block_table and whole.topk == case.topk
+
+
+# -- the targets on vLLM's real code -----------------------------------------------------------------------
+def mixed(size: int, interleave: int) -> Case:
+    """A decode whose only position sits on rank 0 (an empty shard everywhere else), a decode with context on
+    every rank, and a short prefill."""
+    return Case(requests=(Request(1, 0), Request(1, 40), Request(3, 20)), num_decodes=2, block_size=64,
+                block_table=((1,), (2,), (3,)), topk_width=128,
+                topk=(TopkSpec(1), TopkSpec(128, "scattered"), TopkSpec(12, "head")), heads=8,
+                dcp=Dcp(size, 0, interleave), kv_cache_dtype="fp8_ds_mla").validate()
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("size,interleave", [(2, 1), (4, 16)])
+def test_emulated_ranks_match_the_undivided_context(size, interleave):
+    from fuzzer.targets.flashmla_dcp import FlashMLASparseDcp
+
+    target = FlashMLASparseDcp("cpu")
+    target.prepare()
+    case = mixed(size, interleave)
+    obs = target.run(case)
+    verdicts = target.oracle(case, obs)
+    assert all(v.ok for v in verdicts), verdicts
+    assert obs.outputs["out"].shape == (case.num_tokens, 8 * size, 512)
+    assert {f"rank{r}.topk" for r in range(size)} <= set(obs.outputs)  # every rank's filter was judged
+    assert torch.isneginf(obs.outputs["rank1.lse"][0]).all()  # rank 1 holds nothing of token 0's pick
+
+
+PROBE = """
+import json, sys
+from fuzzer.env import prepare_process
+prepare_process("cpu")
+import vllm
+from fuzzer.mutants import inject
+from fuzzer.targets.flashmla_dcp import FlashMLASparseDcp
+from strategies.case import Case
+t = FlashMLASparseDcp("cpu"); t.prepare(); inject(sys.argv[1])
+case = Case.from_json(sys.argv[2])
+print(json.dumps(sorted({(v.check, v.bug_class) for v in t.oracle(case, t.run(case)) if not v.ok})))
+"""
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("mutant,interleave,check", [
+    ("dcp-empty-shard-lse-zero", 1, "dcp_empty_shard"),
+    ("dcp-lse-base2-as-natural", 1, "dcp_rank_lse"),
+    ("dcp-owner-ignores-interleave", 2, "dcp_filter"),
+])
+def test_each_dcp_mutant_is_seen(mutant, interleave, check):
+    import subprocess
+    import sys
+
+    from .conftest import ROOT
+
+    case = mixed(2, interleave)
+    run = subprocess.run([sys.executable, "-c", PROBE, mutant, case.to_json(None)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    failed = json.loads(run.stdout.strip().splitlines()[-1])
+    assert [check, "G"] in failed, failed
+
+
+@pytest.mark.vllm
+def test_real_ranks_over_gloo_find_a_mutant(tmp_path):
+    run = attnfuzz("--device", "cpu", "run", "--target", "vllm.flashmla_sparse.dcp.ranks", "--inject",
+                   "dcp-empty-shard-lse-zero", "--max-examples", "6", "--no-shrink", "--reruns", "0", "--quiet",
+                   "--repros", str(tmp_path / "repros"), "--json", str(tmp_path / "run.json"))
+    summary = json.loads((tmp_path / "run.json").read_text())
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert any("G" in f["bug_classes"] for f in summary["findings"]), summary["findings"]
