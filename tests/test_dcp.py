@@ -2,7 +2,10 @@
 (every rank emulated in one process; real ranks as processes over gloo), with and without the DCP mutants."""
 
 import json
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -123,9 +126,6 @@ print(json.dumps(sorted({(v.check, v.bug_class) for v in t.oracle(case, t.run(ca
     ("dcp-owner-ignores-interleave", 2, "dcp_filter"),
 ])
 def test_each_dcp_mutant_is_seen(mutant, interleave, check):
-    import subprocess
-    import sys
-
     from .conftest import ROOT
 
     case = mixed(2, interleave)
@@ -143,4 +143,9 @@ def test_real_ranks_over_gloo_find_a_mutant(tmp_path):
                    "--repros", str(tmp_path / "repros"), "--json", str(tmp_path / "run.json"))
     summary = json.loads((tmp_path / "run.json").read_text())
     assert run.returncode == 1, run.stderr[-3000:]
-    assert any("G" in f["bug_classes"] for f in summary["findings"]), summary["findings"]
+    (finding,) = [f for f in summary["findings"] if "G" in f["bug_classes"]]
+    # Its reproducer (ranks emulated in one process, torch + vLLM only) shows it too.
+    repro = subprocess.run([sys.executable, "repro.py"], cwd=finding["path"], capture_output=True, text=True,
+                           timeout=600)
+    assert repro.returncode == 1, repro.stdout + repro.stderr[-3000:]
+    assert "not -inf (the merge's identity)" in repro.stdout and "real ranks" in (Path(finding["path"]) / "repro.py").read_text()

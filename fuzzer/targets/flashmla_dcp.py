@@ -101,7 +101,9 @@ class FlashMLASparseDcp(FlashMLASparse):
         return step.finish(obs, "DCP collectives (attnfuzz's in-process group)")
 
     def render_repro(self, finding) -> tuple[str, dict]:
-        return "", {}  # `attnfuzz replay` reproduces it; a standalone DCP reproducer is not written yet
+        from fuzzer.repro_dcp import render_dcp_repro
+
+        return render_dcp_repro(finding, self)
 
 
 @dataclasses.dataclass
