@@ -86,6 +86,8 @@ class FlashMLASparseDcpRanks(FlashMLASparseDcp):
                     [sys.executable, "-m", __name__, "--rank", str(r), "--world", str(self.world), "--init",
                      init_method, "--device", self.device], stdout=log, stderr=subprocess.STDOUT))
         self.cfg = vllm_runtime(self.device, self.state_dir, self.world, self.rank, init_method)
+        self.collectives = check_collectives()
+
 
     def cases(self, profile):
         return attention_cases(profile, AttentionFeatures(
@@ -104,6 +106,8 @@ class FlashMLASparseDcpRanks(FlashMLASparseDcp):
         step = DcpStep(self, case)
 
         def call():
+            if self.collectives:  # every case would merge garbage: say why, once per case, instead
+                raise CollectivesBroken(self.collectives)
             mine = run_rank(step, 0)
             results = gather(mine)
             failed = {r: res.error for r, res in enumerate(results) if res.error}
@@ -132,6 +136,35 @@ class FlashMLASparseDcpRanks(FlashMLASparseDcp):
 
 class RankError(RuntimeError):
     """One or more ranks raised (each rank's error is named)."""
+
+
+class CollectivesBroken(RuntimeError):
+    """vLLM's DCP group's collectives returned wrong values on known inputs, before any case ran."""
+
+
+def check_collectives() -> str | None:
+    """The two collectives DCP's merge uses, through vLLM's DCP group, on known values: None when both are
+    right, else what came back (and whether vLLM's PyNccl communicator is disabled: its reduce_scatter then
+    leaves the output unwritten, where all_gather and all_reduce fall back to torch.distributed)."""
+    from vllm.distributed.parallel_state import get_dcp_group
+
+    group = get_dcp_group()
+    n, r = group.world_size, group.rank_in_group
+    x = torch.full((2, n), float(r + 1), device=group.device)
+    gathered = group.all_gather(x, dim=0).float().cpu()
+    scattered = group.reduce_scatter(x, dim=1).float().cpu()
+    want_sum = float(n * (n + 1) / 2)
+    wrong = []
+    if not torch.equal(gathered[::2, 0], torch.arange(1.0, n + 1)):
+        wrong.append(f"all_gather gave {gathered[:, 0].tolist()}")
+    if not torch.all(scattered == want_sum):
+        wrong.append(f"reduce_scatter gave {scattered.flatten().tolist()}, not {want_sum} everywhere")
+    if not wrong:
+        return None
+    pynccl = getattr(group.device_communicator, "pynccl_comm", None)
+    state = "absent" if pynccl is None else ("disabled" if pynccl.disabled else "enabled")
+    return (f"rank {r}: vLLM's DCP group ({type(group.device_communicator).__name__}, PyNccl {state}): "
+            + "; ".join(wrong))
 
 
 def run_rank(step: DcpStep, rank: int) -> RankResult:
