@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from fuzzer.repro_flashmla import _LOADER, _VENDORED, _VENDORED_CPU, _source
+from fuzzer.repro_flashmla import _CAM, _LOADER, _VENDORED, _VENDORED_CPU, _source
 
 _MAIN = '''
 def main():
@@ -35,14 +35,7 @@ def main():
     cfg.parallel_config.cp_kv_cache_interleave_size = INTERLEAVE
     spec = MLAAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=576, dtype=torch.bfloat16,
                             cache_dtype_str="fp8_ds_mla")
-    fields = {{f.name for f in dataclasses.fields(CommonAttentionMetadata)}}
-    cam = CommonAttentionMetadata(**{{k: v for k, v in dict(
-        query_start_loc=T["query_start_loc"], query_start_loc_cpu=T["query_start_loc"].cpu(),
-        seq_lens=T["seq_lens"], seq_lens_cpu=T["seq_lens"].cpu(), seq_lens_cpu_upper_bound=T["seq_lens"].cpu(),
-        num_computed_tokens_cpu=T["num_computed_tokens"].cpu(), num_reqs=NUM_REQS, num_actual_tokens=NUM_TOKENS,
-        max_query_len=MAX_QUERY_LEN, max_seq_len=MAX_SEQ_LEN, block_table_tensor=T["block_table"],
-        slot_mapping=T["slot_mapping"]).items() if k in fields}})
-    lses = {{}}
+{cam}    lses = {{}}
 
     def rank_step(r):
         """Rank r's step, as MLAAttention.forward_impl drives the MQA tokens under DCP."""
@@ -167,7 +160,7 @@ def render_dcp_repro(finding, target) -> tuple[str, dict]:
              + f"\ncase = SimpleNamespace(topk_width={case.topk_width}, heads={case.heads}, "
                f"kv_cache_dtype='fp8_ds_mla', block_size={case.block_size})\n# What attnfuzz saw:\n"
              + "\n".join(f"#   {v.check}: {v.detail}" for v in finding.verdicts) + "\n",
-             _MAIN.format(setup="\n".join(setup), inject="    apply()  # the injected bug" if finding.inject else "")]
+             _MAIN.format(cam=_CAM, setup="\n".join(setup), inject="    apply()  # the injected bug" if finding.inject else "")]
     if finding.inject:
         from fuzzer.mutants import source
 

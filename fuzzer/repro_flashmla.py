@@ -39,14 +39,7 @@ def main():
     before = cache.clone()
     spec = MLAAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=576, dtype=torch.bfloat16,
                             cache_dtype_str=case.kv_cache_dtype)
-    fields = {{f.name for f in dataclasses.fields(CommonAttentionMetadata)}}
-    cam = CommonAttentionMetadata(**{{k: v for k, v in dict(
-        query_start_loc=T["query_start_loc"], query_start_loc_cpu=T["query_start_loc"].cpu(),
-        seq_lens=T["seq_lens"], seq_lens_cpu=T["seq_lens"].cpu(), seq_lens_cpu_upper_bound=T["seq_lens"].cpu(),
-        num_computed_tokens_cpu=T["num_computed_tokens"].cpu(), num_reqs=NUM_REQS, num_actual_tokens=NUM_TOKENS,
-        max_query_len=MAX_QUERY_LEN, max_seq_len=MAX_SEQ_LEN, block_table_tensor=T["block_table"],
-        slot_mapping=T["slot_mapping"]).items() if k in fields}})
-    problems, error, route, overruns = [], None, {{}}, []
+{cam}    problems, error, route, overruns = [], None, {{}}, []
     with {collect} as oob:
         try:
             with set_current_vllm_config(cfg), torch.inference_mode():
@@ -79,6 +72,17 @@ def main():
     print("vLLM", __import__("vllm").__version__, "-", "bug present" if problems else "no bug: fixed")
     return 1 if problems else 0
 '''
+
+# vLLM's CommonAttentionMetadata from the saved step (only the fields this release declares).
+_CAM = """\
+    fields = {f.name for f in dataclasses.fields(CommonAttentionMetadata)}
+    cam = CommonAttentionMetadata(**{k: v for k, v in dict(
+        query_start_loc=T["query_start_loc"], query_start_loc_cpu=T["query_start_loc"].cpu(),
+        seq_lens=T["seq_lens"], seq_lens_cpu=T["seq_lens"].cpu(), seq_lens_cpu_upper_bound=T["seq_lens"].cpu(),
+        num_computed_tokens_cpu=T["num_computed_tokens"].cpu(), num_reqs=NUM_REQS, num_actual_tokens=NUM_TOKENS,
+        max_query_len=MAX_QUERY_LEN, max_seq_len=MAX_SEQ_LEN, block_table_tensor=T["block_table"],
+        slot_mapping=T["slot_mapping"]).items() if k in fields})
+"""
 
 _LAYER_CALL = """\
                 layer = runtime.mla_layer(cfg, case.heads, T["kv_b_weight"], T["topk_indices_buffer"], DEVICE)
@@ -181,7 +185,7 @@ def render_flashmla_repro(finding, target, layer: bool) -> tuple[str, dict]:
              + f"\ncase = SimpleNamespace(topk_width={case.topk_width}, heads={case.heads}, "
                f"kv_cache_dtype={case.kv_cache_dtype!r}, block_size={case.block_size})\n# What attnfuzz saw:\n"
              + "\n".join(f"#   {v.check}: {v.detail}" for v in finding.verdicts) + "\n",
-             _MAIN.format(setup="\n".join(setup), inject="    apply()  # the injected bug" if finding.inject else "",
+             _MAIN.format(cam=_CAM, setup="\n".join(setup), inject="    apply()  # the injected bug" if finding.inject else "",
                           call=_LAYER_CALL if layer else _MQA_CALL,
                           collect="SANITIZER.collect()" if cpu and memory else "_NoBoundsCheck()")]
     if finding.inject:
