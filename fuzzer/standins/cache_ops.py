@@ -67,30 +67,40 @@ def gather_and_maybe_dequant_cache(src_cache: torch.Tensor, dst: torch.Tensor, b
     starts = seq_starts.long().cpu() if seq_starts is not None else None
     table = block_table.long().cpu()
     flat_table = table.reshape(-1) if table.is_contiguous() else table.contiguous().reshape(-1)
-    for t in range(num_tokens):
-        if t >= tts.numel():
-            return _violation(op, "token_to_seq", t, tts.numel(), 4, access="load")
-        b = int(tts[t])
-        if not 0 <= b < cu.numel() - 1:
-            return _violation(op, "cu_seq_lens", b + 1, cu.numel(), 4, access="load")
-        if t >= int(cu[b + 1]):
-            return  # `if (token_id >= batch_end) return;`
-        pos = t - int(cu[b]) + (int(starts[b]) if starts is not None else 0)
-        at = b * block_table.stride(0) + pos // block_size
-        if not 0 <= at < flat_table.numel() or pos < 0:
-            _violation(op, "block_table", at, flat_table.numel(), 4, access="load")
-            continue
-        block = int(flat_table[at])
-        if not 0 <= block < num_blocks:
-            _violation(op, "src_cache", block * block_size + pos % block_size, num_blocks * block_size,
+    # Tokens up to the first that stops the kernel: past token_to_seq, a request id outside cu_seq_lens, or past
+    # its request's end (`if (token_id >= batch_end) return;`): nothing is written from there on.
+    t = torch.arange(min(num_tokens, tts.numel()))
+    b = tts[: len(t)]
+    stop = (b < 0) | (b >= cu.numel() - 1)
+    stop |= t >= cu[(b + 1).clamp(0, cu.numel() - 1)]
+    end = int(stop.nonzero()[0]) if stop.any() else len(t)
+    t, b = t[:end], b[:end]
+    pos = t - cu[b] + (starts[b] if starts is not None else 0)
+    at = b * block_table.stride(0) + torch.div(pos, block_size, rounding_mode="floor")
+    bad_at = (at < 0) | (at >= flat_table.numel()) | (pos < 0)
+    block = torch.where(bad_at, 0, flat_table[at.clamp(0, max(flat_table.numel() - 1, 0))])
+    bad_block = ~bad_at & ((block < 0) | (block >= num_blocks))
+    bad_dst = ~bad_at & ~bad_block & (t >= dst.shape[0])
+    for i in (bad_at | bad_block | bad_dst).nonzero().flatten().tolist():  # each a fault of the real op, in order
+        if bad_at[i]:
+            _violation(op, "block_table", int(at[i]), flat_table.numel(), 4, access="load")
+        elif bad_block[i]:
+            _violation(op, "src_cache", int(block[i]) * block_size + int(pos[i]) % block_size, num_blocks * block_size,
                        entry_elems * src_cache.element_size(), access="load")
-            continue
-        if t >= dst.shape[0]:
-            _violation(op, "dst", t, dst.shape[0], head_dim * dst.element_size())
-            continue
-        raw = src_cache[block, pos % block_size].reshape(-1)[:head_dim]
+        else:
+            _violation(op, "dst", int(t[i]), dst.shape[0], head_dim * dst.element_size())
+    ok = ~(bad_at | bad_block | bad_dst)
+    if ok.any():  # each entry's first head_dim elements, whatever the entry holds
+        raw = src_cache[block[ok].to(src_cache.device), (pos[ok] % block_size).to(src_cache.device)]
+        raw = raw.reshape(int(ok.sum()), -1)[:, :head_dim]
         if quantized:
             value = raw.view(torch.uint8).view(torch.float8_e4m3fn).float() * scale.float().reshape(-1)[0]
         else:
             value = raw
-        dst[t] = value.to(dst.dtype)
+        dst[t[ok].to(dst.device)] = value.to(dst.dtype)
+    if end < min(num_tokens, tts.numel()):
+        b_stop = int(tts[end])
+        if not 0 <= b_stop < cu.numel() - 1:
+            _violation(op, "cu_seq_lens", b_stop + 1, cu.numel(), 4, access="load")
+    elif num_tokens > tts.numel():
+        _violation(op, "token_to_seq", tts.numel(), tts.numel(), 4, access="load")
