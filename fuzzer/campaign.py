@@ -15,10 +15,14 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hypothesis import HealthCheck, Phase, Verbosity, given, settings
+from hypothesis import HealthCheck, Phase, Verbosity, event, given, settings
 from hypothesis import seed as hypothesis_seed
+from hypothesis import target as hypothesis_target
+from hypothesis.control import currently_in_test_context
 from hypothesis.database import DirectoryBasedExampleDatabase
 
+from fuzzer.campaign_report import CaseLog
+from fuzzer.coverage import rarity
 from fuzzer.env import STATE_DIR, HostInfo
 from fuzzer.observation import Observation
 from fuzzer.progress import Progress
@@ -108,6 +112,7 @@ class CampaignResult:
     checks: dict[str, int] = field(default_factory=dict)
     workers_started: int = 0
     repeats: dict[str, int] = field(default_factory=dict)  # later hits of an already-shrunk signature
+    cases: CaseLog = field(default_factory=CaseLog)  # coverage, error margins, per-case records (run --out)
 
     @property
     def rate(self) -> float:
@@ -118,7 +123,8 @@ class Campaign:
     def __init__(self, target: Target, profile: Profile, host: HostInfo, *, seed: int = 0,
                  max_examples: int | None = 100, time_budget: float | None = None, inject: str | None = None,
                  progress: Progress | None = None, executor=None, pending: Path | None = None,
-                 journal: Path | None = None, reruns: int = 3, shrink: bool = True) -> None:
+                 journal: Path | None = None, reruns: int = 3, shrink: bool = True,
+                 database=None) -> None:
         from fuzzer.worker import InProcessExecutor
 
         # Where cases run: a worker process (crash isolation, sanitizers) or this process.
@@ -127,6 +133,8 @@ class Campaign:
         self.target, self.profile, self.host = target, profile, host
         self.seed, self.max_examples, self.time_budget, self.inject = seed, max_examples, time_budget, inject
         self.progress = progress or Progress(target.name)
+        # Hypothesis's example database (--db: shared by a fleet's workers and hosts); None: .attnfuzz/examples
+        self.database = database
         self.result = CampaignResult(target.name)
         self._failures: dict[str, Finding] = {}
         self._exc_types: dict[str, type[CaseFailed]] = {}
@@ -166,6 +174,7 @@ class Campaign:
             r.checks[key] = r.checks.get(key, 0) + 1
         failed = [v for v in verdicts if not v.ok]
         self.progress.update(r.examples, len(self._failures), obs.seconds)
+        self._steer(case, obs, verdicts)
         if not failed:
             return
         # One signature per bug: the primary symptom, so shrinking cannot slide between bugs.
@@ -183,6 +192,22 @@ class Campaign:
         self._batch_failed = True  # from here on this batch is shrinking: never skip its cases
         exc = self._exc_types.setdefault(signature, type(f"CaseFailed{len(self._exc_types)}", (CaseFailed,), {}))
         raise exc(signature)
+
+    def _steer(self, case: Case, obs: Observation, verdicts: list[Verdict]) -> None:
+        """Count the case (campaign directory, report) and feed Hypothesis: an event per vLLM path the case took,
+        and two targets, so the search goes where path coverage is thin and climbs toward failing."""
+        log = self.result.cases
+        record = log.add(case, obs, verdicts)
+        if not currently_in_test_context():  # a journaled case re-checked on resume runs outside Hypothesis
+            return
+        paths = record["paths"]
+        for p in paths:
+            event(p)
+        # Rare paths and rare combinations of them (the fp8 separate path with padding rows, ...) both count.
+        hypothesis_target(rarity(paths, log.coverage) + 1.0 / log.path_sets[" + ".join(paths) or "-"], label="path rarity")
+        margins = [m for m in record["margins"].values() if isinstance(m, float)]
+        if margins:  # error / tolerance: > 1 fails
+            hypothesis_target(max(margins), label="error margin")
 
     # -- the campaign --------------------------------------------------------------------------------------
     # -- findings survive the campaign's own death -----------------------------------------------------
@@ -251,34 +276,56 @@ class Campaign:
             self.executor.close()
 
     def _run(self) -> CampaignResult:
-        self._resume()
-        strategy = self.target.cases(self.profile)
-        db = DirectoryBasedExampleDatabase(str(STATE_DIR / "examples"))
-        seed = self.seed
-        while True:
-            if self.time_budget is not None:
-                left = self.time_budget - (time.monotonic() - self._start)
-                if left <= 0:
-                    break
-                n = 50  # batches, so that the budget is checked between them
-            else:
-                n = self.max_examples - self.result.examples
-                if n <= 0:
-                    break
-            before = self.result.examples
-            self._batch_failed = False
-            self._hypothesis(strategy, db, seed, n)
-            # Hypothesis ends a batch at its first bug and shrinks it; the next batch goes on searching, and
-            # the bugs already shrunk no longer stop it (they are counted, not raised).
-            self._settled |= set(self._failures)
-            seed += 1
-            if self.result.examples == before:
-                break  # nothing left to generate
-        self.result.seconds = time.monotonic() - self._start
-        self.result.findings = list(self._failures.values())
-        for finding in self.result.findings:
-            if self.reruns:
-                self._rerun(finding)
+        import signal
+        import threading
+
+        from fuzzer.fleet import KeepStoredFailures
+
+        def wind_down(signum, frame):  # SIGTERM (a fleet's parent, a scheduler): stop searching, save the findings
+            self.time_budget = 0.0
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one kills
+
+        main = threading.current_thread() is threading.main_thread()
+        on_term = signal.signal(signal.SIGTERM, wind_down) if main else None
+        try:
+            self._resume()
+            strategy = self.target.cases(self.profile)
+            db = self.database
+            if db is None:
+                db = DirectoryBasedExampleDatabase(str(STATE_DIR / "examples"))
+            batch = 0
+            while True:
+                if self.time_budget is not None:
+                    left = self.time_budget - (time.monotonic() - self._start)
+                    if left <= 0:
+                        break
+                    n = 50  # batches, so that the budget is checked between them
+                else:
+                    n = self.max_examples - self.result.examples
+                    if n <= 0:
+                        break
+                before = self.result.examples
+                self._batch_failed = False
+                # Batch k > 0 draws from a seed hashed from (seed, k), not seed + k: campaigns of adjacent seeds
+                # (a fleet's workers) would otherwise replay each other's batches.
+                digest = hashlib.sha256(f"{self.seed}/{batch}".encode()).hexdigest()
+                seed = self.seed if batch == 0 else int(digest[:15], 16)
+                # Settled bugs no longer raise: Hypothesis would delete their stored examples as fixed.
+                self._hypothesis(strategy, KeepStoredFailures(db) if self._settled else db, seed, n)
+                # Hypothesis ends a batch at its first bug and shrinks it; the next batch goes on searching, and
+                # the bugs already shrunk no longer stop it (they are counted, not raised).
+                self._settled |= set(self._failures)
+                batch += 1
+                if self.result.examples == before:
+                    break  # nothing left to generate
+            self.result.seconds = time.monotonic() - self._start
+            self.result.findings = list(self._failures.values())
+            for finding in self.result.findings:
+                if self.reruns:
+                    self._rerun(finding)
+        finally:
+            if on_term is not None:
+                signal.signal(signal.SIGTERM, on_term)
         self.result.workers_started = getattr(self.executor, "started", 0)
         self.progress.done(self.result)
         return self.result
@@ -290,13 +337,16 @@ class Campaign:
                   + ((Phase.shrink,) if self.shrink else ()),
                   verbosity=Verbosity.quiet)
         @given(strategy)
+        @hypothesis_seed(seed)  # under @given: seed() on the finished test also sets its database to None
         def fuzz(case):
             self._test(case)
 
-        # One example-database key per target and profile: reruns replay that target's failures first.
-        fuzz._hypothesis_internal_add_digest = f"{self.target.name}|{self.profile.name}".encode()
+        # One example-database key per target, profile and injected bug, never the seed: a rerun, another worker
+        # or another host replays those stored failures first. (Hypothesis reads this key from the finished test.)
+        key = f"attnfuzz|{self.target.name}|{self.profile.name}|{self.inject or '-'}"
+        fuzz._hypothesis_internal_database_key = key.encode()
         try:
-            hypothesis_seed(seed)(fuzz)()
+            fuzz()
         except HarnessError:
             raise
         except BaseException as e:  # CaseFailed, or Hypothesis's (nested) groups of them: recorded in _failures
