@@ -1,4 +1,4 @@
-"""attnfuzz command line: run | replay | list.
+"""attnfuzz command line: run | replay | list | gate | selftest.
 
 Exit codes: 0 nothing found (or a replayed bug is fixed), 1 findings (or the bug is still there),
 2 usage or environment errors (unknown target, vLLM missing, a malformed case).
@@ -11,6 +11,8 @@ import json
 import re
 import sys
 from pathlib import Path
+
+from fuzzer import campaign_report, fleet, gate, selftest
 
 EXIT_CLEAN, EXIT_FOUND, EXIT_USAGE = 0, 1, 2
 
@@ -36,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--kv-cache-dtype", default=None, help="draw only this kv_cache_dtype (backend targets)")
     r.add_argument("--profile", default=None, help="case sizes: cpu or gpu (default: the device's)")
     r.add_argument("--json", type=Path, metavar="PATH", help="write a JSON summary here")
+    r.add_argument("--out", type=Path, metavar="DIR", help="campaign directory: campaign.json (coverage, margins, "
+                   "every case), its findings, report.md and report.html")
     r.add_argument("--repros", type=Path, default=Path("repros"), help="where findings are saved")
     r.add_argument("--quiet", action="store_true")
     r.add_argument("--isolation", choices=("worker", "none"), default="worker",
@@ -49,9 +53,17 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--no-shrink", action="store_true",
                    help="keep each finding's first case (when every failing case costs a worker restart)")
     r.add_argument("--reruns", type=int, default=3, help="re-runs of each finding to tell flaky ones (default 3)")
+    r.add_argument("--workers", type=fleet.parse_workers, default=None, metavar="N|auto",
+                   help="run N campaigns (auto: one per GPU; 1 on a CPU) with seeds S, S+1, ... on one example "
+                        "database, and merge their findings, deduplicated across workers, runs and hosts")
+    r.add_argument("--db", metavar="PATH|redis://host:port/n", default=None,
+                   help="Hypothesis's example database (default .attnfuzz/examples): a directory on a shared "
+                        "filesystem or a Redis server shares failures between workers and hosts")
     rp = sub.add_parser("replay", help="re-run a saved finding (repros/<id>/ or its case.json)")
     rp.add_argument("path", type=Path)
     sub.add_parser("list", help="targets, mutants and what this host can run")
+    for command in (gate, selftest, campaign_report):
+        command.add_parser(sub)
     return p
 
 
@@ -61,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
 
     device = prepare_process(args.device)
     try:
-        return {"run": cmd_run, "replay": cmd_replay, "list": cmd_list}[args.command](args, device)
+        return {"run": cmd_run, "replay": cmd_replay, "list": cmd_list,
+                "gate": gate.main, "selftest": selftest.main, "report": campaign_report.main}[args.command](args, device)
     except UsageError as e:
         print(f"attnfuzz: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -100,6 +113,8 @@ def cmd_run(args, device: str) -> int:
     from fuzzer.repro import write_repro
     from strategies.profiles import PROFILES
 
+    if args.workers is not None:  # a fleet: this process runs none of the cases
+        return fleet.run_fleet(args, device)
     _import_vllm()
     target = _make_target(args.target, device)  # detects the release's API before any mutant patches it
     if args.kv_cache_dtype:
@@ -123,7 +138,7 @@ def cmd_run(args, device: str) -> int:
                         time_budget=args.time_budget, inject=label, progress=Progress(target.name, args.quiet),
                         executor=executor, pending=args.repros / ".pending",
                         journal=STATE_DIR / "journal" / f"{target.name}.json", reruns=args.reruns,
-                        shrink=not args.no_shrink)
+                        shrink=not args.no_shrink, database=fleet.example_database(args.db))
     try:
         result = campaign.run()
     except HarnessError as e:
@@ -144,6 +159,8 @@ def cmd_run(args, device: str) -> int:
             "checks": result.checks, "host": host.to_dict(),
             "findings": [dict(f.to_dict(), path=str(p)) for f, p in zip(result.findings, saved)],
         }, indent=1) + "\n")
+    if args.out:  # the campaign directory (campaign.json, findings) and its report.md / report.html
+        campaign_report.write_from_run(args, result, saved, host, label, profile_name, target, max_examples)
     return EXIT_FOUND if result.findings else EXIT_CLEAN
 
 

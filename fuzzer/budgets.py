@@ -1,0 +1,58 @@
+"""Fixed budgets of `attnfuzz gate` and `attnfuzz selftest`: the one place they are declared.
+
+Examples per campaign, per device and target. The CPU figures are sized so that the gate ends within 15
+minutes on the 2-core CI machine (vLLM imported twice per campaign: the campaign and its worker) and the
+GPU figures so that it ends within 10 minutes on one H200 (docs/benchmarks.md, "Session 3", has the
+measurements; the GPU time is an estimate from one interrupted run). `--budget-scale` multiplies them all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Budget:
+    gate: int  # examples per gate campaign (one per target and kv-cache dtype)
+    selftest: int  # examples per selftest campaign (each mutant on each of its targets; one clean run per target)
+
+
+BUDGETS: dict[str, dict[str, Budget]] = {
+    "cpu": {  # Triton interpreted and bounds-checked: 0.2-11 cases/s
+        "vllm.index_remap": Budget(gate=100, selftest=80),
+        "vllm.dcp_filter": Budget(gate=60, selftest=40),
+        "vllm.triton_sparse": Budget(gate=30, selftest=12),
+        "vllm.flashmla_sparse": Budget(gate=100, selftest=40),
+        "vllm.flashmla_sparse.layer": Budget(gate=50, selftest=30),
+        "vllm.flashmla_sparse.dcp": Budget(gate=20, selftest=16),  # every DCP rank emulated: ~5 s a case
+    },
+    "cuda": {  # native kernels, 2-13 cases/s (mostly host-side work per case)
+        "vllm.index_remap": Budget(gate=300, selftest=150),
+        "vllm.dcp_filter": Budget(gate=300, selftest=150),
+        "vllm.triton_sparse": Budget(gate=150, selftest=40),
+        "vllm.flashmla_sparse": Budget(gate=200, selftest=60),
+        "vllm.flashmla_sparse.layer": Budget(gate=150, selftest=60),
+        "vllm.flashmla_sparse.dcp": Budget(gate=100, selftest=40),
+    },
+}
+DEFAULT = {"cpu": Budget(gate=30, selftest=30), "cuda": Budget(gate=100, selftest=60)}  # a target added later
+
+# Wall-clock limit of one campaign process (a hung campaign is an error, not a pass) and of one repro.py.
+CAMPAIGN_TIMEOUT_S = {"cpu": 600.0, "cuda": 300.0}
+REPRO_TIMEOUT_S = {"cpu": 300.0, "cuda": 180.0}
+
+GATE_SEED = 0
+SELFTEST_SEED = 1
+NOT_FUZZED = ("selftest.fault",)  # the harness's own fault target: it fails on purpose
+
+
+def examples(device: str, target: str, kind: str, scale: float = 1.0) -> int:
+    """The budget of one campaign: kind is "gate" or "selftest"."""
+    if device not in BUDGETS:
+        raise ValueError(f"device {device!r}: budgets exist for {', '.join(BUDGETS)}")
+    if kind not in ("gate", "selftest"):
+        raise ValueError(f"kind {kind!r}: gate or selftest")
+    if scale <= 0:
+        raise ValueError(f"budget scale {scale}: must be > 0")
+    budget = BUDGETS[device].get(target, DEFAULT[device])
+    return max(1, round(getattr(budget, kind) * scale))

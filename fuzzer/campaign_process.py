@@ -1,0 +1,145 @@
+"""One `attnfuzz run` campaign in its own process, for the gate and the selftest.
+
+A mutant patches vLLM process-wide, so every campaign gets a fresh process; each also gets a fresh state
+directory (`ATTNFUZZ_STATE`), so no example database replays another campaign's failures and a fixed seed
+draws the same cases every time. What the campaign found is read back from its `--json` summary.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class CampaignSpec:
+    target: str
+    max_examples: int
+    seed: int
+    kv_cache_dtype: str | None = None  # None: the target's cases draw every dtype it takes
+    inject: str | None = None  # a built-in mutant
+    reruns: int | None = None  # None: `attnfuzz run`'s default
+    extra: tuple[str, ...] = ()  # more `attnfuzz run` options (e.g. --sanitizer memcheck)
+    env: tuple[tuple[str, str], ...] = ()  # more environment (e.g. ATTNFUZZ_GUARDS=0)
+    label: str = ""  # tells apart campaigns that differ only in extra/env
+
+    @property
+    def name(self) -> str:
+        return self.target + (f"[{self.kv_cache_dtype}]" if self.kv_cache_dtype else "") + \
+            (f"+{self.inject}" if self.inject else "") + (f" ({self.label})" if self.label else "")
+
+    @property
+    def slug(self) -> str:
+        return re.sub(r"[^A-Za-z0-9_.-]+", "-", self.name).strip("-")
+
+    def argv(self, device: str, workdir: Path) -> list[str]:
+        argv = [sys.executable, "-m", "fuzzer.cli", "--device", device, "run", "--target", self.target,
+                "--seed", str(self.seed), "--max-examples", str(self.max_examples),
+                "--json", str(workdir / "summary.json"), "--repros", str(workdir / "repros"), "--quiet"]
+        if self.kv_cache_dtype:
+            argv += ["--kv-cache-dtype", self.kv_cache_dtype]
+        if self.inject:
+            argv += ["--inject", self.inject]
+        if self.reruns is not None:
+            argv += ["--reruns", str(self.reruns)]
+        return argv + list(self.extra)
+
+
+@dataclass
+class CampaignOutcome:
+    spec: CampaignSpec
+    returncode: int | None  # None: killed at the time limit
+    wall_seconds: float  # the whole process, vLLM imports included
+    summary: dict | None  # the campaign's --json; None when it wrote none
+    log: Path
+
+    @property
+    def findings(self) -> list[dict]:
+        return list((self.summary or {}).get("findings", []))
+
+    @property
+    def error(self) -> str | None:
+        """Why the campaign itself did not complete (None when it did, with or without findings)."""
+        if self.returncode is None:
+            return f"timed out after {self.wall_seconds:.0f} s"
+        if self.returncode not in (0, 1):
+            return f"exited {self.returncode}: {self.log_tail(8)}"
+        if self.summary is None:
+            return f"exited {self.returncode} without a JSON summary: {self.log_tail(8)}"
+        if (self.returncode == 1) != bool(self.findings):
+            return f"exit code {self.returncode} disagrees with {len(self.findings)} finding(s) in its summary"
+        return None
+
+    def first_with_class(self, bug_class: str) -> dict | None:
+        """The earliest finding whose bug classes include `bug_class`."""
+        hits = [f for f in self.findings if bug_class in f.get("bug_classes", [])]
+        return min(hits, key=lambda f: f.get("examples_to_find", 0)) if hits else None
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            text = self.log.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def run_campaign(spec: CampaignSpec, device: str, workdir: Path, timeout_s: float) -> CampaignOutcome:
+    """Run `spec` in a fresh process with a fresh state directory under `workdir` (emptied first)."""
+    import json
+
+    workdir = workdir.resolve()  # the campaign runs from the repository root
+    if workdir.exists():
+        shutil.rmtree(workdir)  # a stale summary.json must never be read as this run's
+    workdir.mkdir(parents=True)
+    env = dict(os.environ, **dict(spec.env), ATTNFUZZ_STATE=str(workdir / "state"), PYTHONUNBUFFERED="1")
+    log = workdir / "log.txt"
+    start = time.monotonic()
+    with log.open("w") as out:
+        # Own process group: a campaign past its limit is ended with its worker processes.
+        proc = subprocess.Popen(spec.argv(device, workdir), cwd=ROOT, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc: int | None = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _end_group(proc)
+            rc = None
+    seconds = time.monotonic() - start
+    summary_path = workdir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
+    return CampaignOutcome(spec, rc, seconds, summary, log)
+
+
+def _end_group(proc: subprocess.Popen) -> None:
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=wait)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_campaigns(specs: list[CampaignSpec], device: str, root: Path, timeout_s: float, jobs: int = 1,
+                  on_done: Callable[[CampaignOutcome], None] | None = None) -> list[CampaignOutcome]:
+    """Run each spec (up to `jobs` at a time) in `root/<slug>/`; outcomes in the order of `specs`."""
+    def one(spec: CampaignSpec) -> CampaignOutcome:
+        outcome = run_campaign(spec, device, root / spec.slug, timeout_s)
+        if on_done:
+            on_done(outcome)
+        return outcome
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        return list(pool.map(one, specs))

@@ -1,0 +1,350 @@
+"""`attnfuzz gate`: the CI gate. Replays every reproducer in `repros/`, then runs a fixed-seed, fixed-budget
+campaign on every target this host runs (one per kv-cache dtype); writes JUnit XML and a JSON summary.
+
+Reproducer status (each `repros/<id>/finding.json`):
+  "status": "open" | "fixed"    is the bug still in the newest release checked?
+  "releases": {"0.26.0": "present", "0.33.0": "absent"}    what repro.py did on each release (optional)
+The installed release's record decides what the replay should show; a release with no record follows the
+status (open: present, fixed: absent). The release a finding was made on counts as "present" unless recorded
+otherwise (a fresh finding of `attnfuzz run` is open and needs no editing).
+
+  bug expected | repro.py exits | outcome     | gate
+  present      | 1              | known       | passes
+  present      | 0              | now-passes  | passes, reported: update finding.json
+  absent       | 0              | fixed       | passes
+  absent       | 1              | regressed   | FAILS
+  either       | other, timeout | broken      | FAILS (an error: the reproducer itself broke)
+
+A finding of the gate's campaigns fails the gate, unless a reproducer expected to be present on this release
+has the same target and signature (a known open bug: reported, not failed; a signature is coarse, e.g.
+"output:output", so a known bug can hide a new one of the same symptom until it is fixed).
+Exit codes: 0 passed, 1 failed, 2 usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from fuzzer import budgets
+from fuzzer.campaign_process import CampaignOutcome, CampaignSpec, run_campaigns
+from fuzzer.junit import JUnitCase, JUnitSuite, write_junit
+
+STATUSES = ("open", "fixed")
+# A finding is kept as first seen: shrinking one can take a thousand cases, and the gate's time must stay bounded
+# (`attnfuzz run` with the campaign's target, dtype and seed shrinks it).
+NO_SHRINK = ("--no-shrink",)
+PASSING = {"known", "now-passes", "fixed"}
+
+
+class GateError(ValueError):
+    """A malformed reproducer record or argument: exit 2, naming the file and field."""
+
+
+# -- reproducers ---------------------------------------------------------------------------------------
+def release(version: str) -> str:
+    """'0.33.0' of '0.33.0', '0.33.0+cpu' or 'v0.33.0rc1'."""
+    m = re.search(r"\d+(?:\.\d+)*", version)
+    return m.group(0) if m else version
+
+
+@dataclass(frozen=True)
+class ReproRecord:
+    id: str
+    path: Path
+    target: str
+    status: str  # open | fixed
+    releases: dict[str, str]  # release -> "present" | "absent", as replayed
+    title: str = ""
+    sanitizer: str | None = None  # made under compute-sanitizer: run plainly, the replay may look clean
+    signature: str = ""  # the campaign's name for the symptom (check:where)
+
+    @classmethod
+    def load(cls, d: Path) -> "ReproRecord":
+        meta_file = d / "finding.json"
+        try:
+            meta = json.loads(meta_file.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise GateError(f"{meta_file}: {e}") from e
+        for key in ("target", "status"):
+            if not isinstance(meta.get(key), str):
+                raise GateError(f"{meta_file}: field {key!r} is missing or not a string")
+        if meta["status"] not in STATUSES:
+            raise GateError(f"{meta_file}: field 'status' is {meta['status']!r}; expected one of {', '.join(STATUSES)}")
+        recorded = meta.get("releases", {})
+        if not isinstance(recorded, dict) or any(v not in ("present", "absent") for v in recorded.values()):
+            raise GateError(f"{meta_file}: field 'releases' must map releases to \"present\" or \"absent\"")
+        releases = {release(k): v for k, v in recorded.items()}
+        found_on = (meta.get("host") or {}).get("vllm")
+        if found_on and not meta.get("inject"):  # vLLM's own bug, seen on the release it was found on
+            releases.setdefault(release(found_on), "present")
+        verdicts = [v for v in meta.get("verdicts", []) if not v.get("ok", True)]
+        title = _title(verdicts) if verdicts else meta.get("summary", "")
+        return cls(meta.get("id", d.name), d, meta["target"], meta["status"], releases, title, meta.get("sanitizer"),
+                   meta.get("signature", ""))
+
+    def expects_bug(self, vllm_version: str) -> bool:
+        recorded = self.releases.get(release(vllm_version))
+        return recorded == "present" if recorded else self.status == "open"
+
+
+def _title(verdicts: list[dict]) -> str:
+    from oracles.verdict import Verdict, primary
+
+    return primary([Verdict(**v) for v in verdicts]).detail
+
+
+def replay_outcome(expects_bug: bool, returncode: int | None) -> str:
+    """What one replay means (the table in this module's docstring); returncode None: timed out."""
+    if returncode not in (0, 1):
+        return "broken"
+    present = returncode == 1
+    if expects_bug:
+        return "known" if present else "now-passes"
+    return "regressed" if present else "fixed"
+
+
+@dataclass
+class ReproResult:
+    id: str
+    path: str
+    target: str
+    status: str
+    expected: str  # present | absent | - (skipped)
+    outcome: str  # known | now-passes | fixed | regressed | broken | skipped
+    returncode: int | None = None
+    seconds: float = 0.0
+    detail: str = ""
+    log: str = ""
+
+
+def find_repros(root: Path) -> list[ReproRecord]:
+    if not root.is_dir():
+        raise GateError(f"--repros {root}: no such directory")
+    return [ReproRecord.load(d) for d in sorted(root.iterdir()) if (d / "finding.json").is_file()]
+
+
+def replay(record: ReproRecord, device: str, vllm_version: str, unavailable: dict[str, str | None],
+           logs: Path, timeout_s: float) -> ReproResult:
+    """Run the reproducer (repro.py, or `attnfuzz replay` where there is none) in a fresh process."""
+    base = dict(id=record.id, path=str(record.path), target=record.target, status=record.status)
+    why = unavailable.get(record.target, f"unknown target {record.target}")
+    if why:
+        return ReproResult(**base, expected="-", outcome="skipped", detail=f"target not runnable here: {why}")
+    expects = record.expects_bug(vllm_version)
+    if (record.path / "repro.py").is_file():
+        argv = [sys.executable, "repro.py"]
+    else:
+        argv = [sys.executable, "-m", "fuzzer.cli", "--device", device, "replay", str(record.path.resolve())]
+    logs.mkdir(parents=True, exist_ok=True)
+    log = logs / f"{record.id}.log"
+    start = time.monotonic()
+    with log.open("w") as out:
+        try:
+            rc: int | None = subprocess.run(argv, cwd=record.path, stdout=out, stderr=subprocess.STDOUT,
+                                            timeout=timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            rc = None
+    seconds = time.monotonic() - start
+    outcome = replay_outcome(expects, rc)
+    detail = {
+        "known": f"known bug, still present on vLLM {vllm_version}: {record.title}",
+        "now-passes": f"expected present on vLLM {vllm_version}, now passes: good news; record it in finding.json "
+                      f"(\"releases\": {{\"{release(vllm_version)}\": \"absent\"}}, \"status\": \"fixed\")",
+        "fixed": f"fixed on vLLM {vllm_version}, stays fixed",
+        "regressed": f"REGRESSION: a fixed bug is back on vLLM {vllm_version}: {record.title}",
+        "broken": f"the reproducer itself broke ({'timed out' if rc is None else f'exit {rc}'}), neither 0 nor 1",
+    }[outcome]
+    if record.sanitizer and outcome == "now-passes":
+        detail += f" (made under compute-sanitizer --tool {record.sanitizer}: run plainly it may not show)"
+    tail = "\n".join(log.read_text(errors="replace").strip().splitlines()[-15:])
+    return ReproResult(**base, expected="present" if expects else "absent", outcome=outcome, returncode=rc,
+                       seconds=seconds, detail=detail, log=tail)
+
+
+# -- campaigns -----------------------------------------------------------------------------------------
+@dataclass
+class CampaignResult:
+    name: str
+    target: str
+    kv_cache_dtype: str | None
+    max_examples: int
+    outcome: str  # passed | failed | error | skipped
+    examples: int = 0
+    seconds: float = 0.0  # the campaign's own figure (cases, shrinking, re-runs)
+    wall_seconds: float = 0.0  # its process, vLLM imports included
+    reason: str = ""
+    findings: list[dict] = field(default_factory=list)
+    known: list[str] = field(default_factory=list)  # findings that are known open bugs: "<signature> (<repro id>)"
+    log: str = ""
+
+
+def gate_specs(device: str, unavailable: dict[str, str | None], kv_cache_dtypes: dict[str, tuple[str, ...]],
+               seed: int, scale: float, only: list[str] | None = None) -> tuple[list[CampaignSpec], list[CampaignResult]]:
+    """The campaigns to run, and those skipped (target not runnable here) as results already."""
+    specs, skipped = [], []
+    for target, why in unavailable.items():
+        if target in budgets.NOT_FUZZED or (only and target not in only):
+            continue
+        n = budgets.examples(device, target, "gate", scale)
+        for dtype in kv_cache_dtypes.get(target) or (None,):
+            spec = CampaignSpec(target, n, seed, kv_cache_dtype=dtype, extra=NO_SHRINK)
+            if why:
+                skipped.append(CampaignResult(spec.name, target, dtype, n, "skipped", reason=why))
+            else:
+                specs.append(spec)
+    return specs, skipped
+
+
+def judge_campaign(o: CampaignOutcome, known: dict[tuple[str, str], str] | None = None) -> CampaignResult:
+    """`known`: (target, signature) -> id of a reproducer whose bug is expected present on this release."""
+    known = known or {}
+    s = o.summary or {}
+    r = CampaignResult(o.spec.name, o.spec.target, o.spec.kv_cache_dtype, o.spec.max_examples, "passed",
+                       examples=s.get("examples", 0), seconds=s.get("seconds", 0.0), wall_seconds=round(o.wall_seconds, 1))
+    if o.error:
+        r.outcome, r.reason, r.log = "error", o.error, o.log_tail(30)
+        return r
+    for f in o.findings:
+        key = (o.spec.target, f.get("signature", ""))
+        if key in known:
+            r.known.append(f"{key[1]} ({known[key]})")
+            continue
+        r.findings.append({"id": f.get("id"), "path": f.get("path"), "signature": f.get("signature"),
+                           "bug_classes": f.get("bug_classes", []), "examples_to_find": f.get("examples_to_find"),
+                           "title": _title([v for v in f.get("verdicts", []) if not v.get("ok", True)])
+                           or f.get("summary", "")})
+    if r.findings:
+        r.outcome = "failed"
+        r.reason = "; ".join(f"{f['title']} (class {','.join(f['bug_classes']) or '-'}; repro {f['path']})"
+                             for f in r.findings)
+    elif r.known:
+        r.reason = "known open bug(s) found again: " + ", ".join(r.known)
+    return r
+
+
+# -- reports ---------------------------------------------------------------------------------------------
+def junit_suites(repros: list[ReproResult], campaigns: list[CampaignResult], properties: dict) -> list[JUnitSuite]:
+    rcases = []
+    for r in repros:
+        outcome = {"regressed": "failed", "broken": "error", "skipped": "skipped"}.get(r.outcome, "passed")
+        rcases.append(JUnitCase(f"{r.id} ({r.target})", outcome, r.seconds, message=r.detail,
+                                details=f"{r.detail}\nrepro: {r.path}/repro.py\n\n{r.log}",
+                                stdout=f"{r.outcome}: {r.detail}\n{r.log}" if outcome == "passed" else ""))
+    ccases = []
+    for c in campaigns:
+        figures = f"{c.examples} cases in {c.seconds:.1f} s ({c.wall_seconds:.0f} s with start-up), budget {c.max_examples}"
+        message = c.reason.splitlines()[0] if c.reason else figures
+        ccases.append(JUnitCase(c.name, c.outcome, c.wall_seconds, message=message[:500],
+                                details=f"{c.reason}\n{figures}\n\n{c.log}".strip(),
+                                stdout=f"{figures}\n{c.reason}".strip() if c.outcome == "passed" else ""))
+    return [JUnitSuite("repros", rcases, properties), JUnitSuite("campaigns", ccases, properties)]
+
+
+def add_parser(subparsers) -> None:
+    g = subparsers.add_parser("gate", help="CI gate: replay repros/, fixed-seed campaigns on every target; JUnit + JSON")
+    g.add_argument("--repros", type=Path, default=Path("repros"), help="the reproducers to replay (default repros/)")
+    g.add_argument("--junit", type=Path, metavar="PATH", help="write JUnit XML here")
+    g.add_argument("--json", type=Path, metavar="PATH", help="write a JSON summary here")
+    g.add_argument("--out", type=Path, default=None,
+                   help="campaign summaries, logs and the findings' reproducers (default .attnfuzz/gate)")
+    g.add_argument("--budget-scale", type=float, default=1.0, help="multiply every campaign's budget (fuzzer/budgets.py)")
+    g.add_argument("--seed", type=int, default=budgets.GATE_SEED)
+    g.add_argument("--jobs", type=int, default=None, help="campaigns at a time (default: 1 on CPU, 2 on a GPU)")
+    g.add_argument("--targets", default=None, help="comma-separated: fuzz only these targets")
+    g.add_argument("--no-repros", action="store_true", help="skip the replay step")
+    g.add_argument("--no-campaigns", action="store_true", help="skip the campaign step")
+
+
+def host_targets(device: str) -> tuple[dict[str, str | None], dict[str, tuple[str, ...]]]:
+    """Each registered target -> why it cannot run here (None: it can), and its kv-cache dtypes."""
+    from fuzzer.targets import TARGETS
+
+    unavailable, dtypes = {}, {}
+    for name, cls in TARGETS.items():
+        target = cls(device)
+        unavailable[name] = target.unavailable()
+        dtypes[name] = tuple(target.kv_cache_dtypes)
+    return unavailable, dtypes
+
+
+def import_vllm() -> str:
+    import vllm
+
+    return vllm.__version__
+
+
+def main(args: argparse.Namespace, device: str) -> int:
+    from fuzzer.env import STATE_DIR, host_info
+
+    start = time.monotonic()
+    out = args.out or STATE_DIR / "gate"
+    try:
+        if args.budget_scale <= 0:
+            raise GateError(f"--budget-scale {args.budget_scale}: must be > 0")
+        records = [] if args.no_repros else find_repros(args.repros)
+        try:
+            vllm_version = import_vllm()
+        except Exception as e:
+            raise GateError(f"vLLM is not importable here ({type(e).__name__}: {e}); see README's set-up") from e
+        unavailable, dtypes = host_targets(device)
+        only = [t.strip() for t in args.targets.split(",")] if args.targets else None
+        for t in only or ():
+            if t not in unavailable:
+                raise GateError(f"--targets: unknown target {t!r}; known: {', '.join(unavailable)}")
+    except GateError as e:
+        print(f"attnfuzz gate: {e}", file=sys.stderr)
+        return 2
+    host = host_info(device)
+    print(f"attnfuzz gate on {device} ({host.device_name}), vLLM {vllm_version}: {len(records)} reproducer(s)", flush=True)
+
+    repro_results = []
+    for rec in records:
+        r = replay(rec, device, vllm_version, unavailable, out / "repro-logs", budgets.REPRO_TIMEOUT_S[device])
+        repro_results.append(r)
+        print(f"  repro {r.id}: {r.outcome} ({r.seconds:.1f} s) {r.detail}", flush=True)
+
+    campaign_results: list[CampaignResult] = []
+    if not args.no_campaigns:
+        specs, skipped = gate_specs(device, unavailable, dtypes, args.seed, args.budget_scale, only)
+        for s in skipped:
+            print(f"  campaign {s.name}: skipped ({s.reason})", flush=True)
+
+        known = {(rec.target, rec.signature): rec.id for rec in records if rec.expects_bug(vllm_version)}
+
+        def report(o: CampaignOutcome) -> None:
+            r = judge_campaign(o, known)
+            print(f"  campaign {r.name}: {r.outcome}, {r.examples} cases in {r.seconds:.1f} s "
+                  f"({r.wall_seconds:.0f} s with start-up){': ' + r.reason if r.reason else ''}", flush=True)
+
+        jobs = args.jobs or (2 if device == "cuda" else 1)
+        outcomes = run_campaigns(specs, device, out / "campaigns", budgets.CAMPAIGN_TIMEOUT_S[device], jobs, report)
+        campaign_results = [judge_campaign(o, known) for o in outcomes] + skipped
+
+    failed = [r for r in repro_results if r.outcome not in PASSING | {"skipped"}] + \
+             [c for c in campaign_results if c.outcome in ("failed", "error")]
+    seconds = time.monotonic() - start
+    properties = {"device": device, "device_name": host.device_name, "vllm": vllm_version, "torch": host.torch,
+                  "triton": host.triton, "seed": str(args.seed), "budget_scale": str(args.budget_scale)}
+    if args.junit:
+        write_junit(junit_suites(repro_results, campaign_results, properties), args.junit, "attnfuzz-gate")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            "passed": not failed, "seconds": round(seconds, 1), **properties, "seed": args.seed,
+            "budget_scale": args.budget_scale, "out": str(out),
+            "repros": [asdict(r) for r in repro_results], "campaigns": [asdict(c) for c in campaign_results],
+        }, indent=1) + "\n")
+    news = [r for r in repro_results if r.outcome == "now-passes"]
+    print(f"gate {'PASSED' if not failed else 'FAILED'} in {seconds:.0f} s: "
+          f"{sum(r.outcome in PASSING for r in repro_results)}/{len(repro_results)} reproducers as expected"
+          f"{f' ({len(news)} now pass: update their finding.json)' if news else ''}, "
+          f"{sum(c.outcome == 'passed' for c in campaign_results)}/{len(campaign_results)} campaigns clean"
+          f" ({sum(c.outcome == 'skipped' for c in campaign_results)} skipped)", flush=True)
+    return 1 if failed else 0

@@ -1,0 +1,227 @@
+"""`attnfuzz selftest`: does attnfuzz still find the bugs it was built to find, and nothing else?
+
+Every built-in mutant (fuzzer/mutants/) runs on every one of its TARGETS that this host runs, one fixed-seed,
+fixed-budget campaign each (fuzzer/budgets.py; --reruns 1, --no-shrink); it is found when one of the campaign's findings carries the
+mutant's BUG_CLASS. Then one clean campaign per target (every kv-cache dtype drawn) must find nothing.
+A mutant campaign whose findings carry other classes only is "found-as-other": the bug was detected (the clean
+run of that target, same seed and budget, finds nothing), but the oracle named its symptom differently from
+the mutant's declared cause (a class-B stale index read seen as NaN, class I); it passes unless
+--strict-classes. A target this host or release cannot run is skipped with its reason. Exit 1 when a mutant
+is missed on any of its targets, a clean run reports a finding, or a campaign breaks; 0 otherwise; 2 on usage
+errors.
+(Not the `selftest.fault` target: that one tests crash isolation and fails on purpose.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from fuzzer import budgets
+from fuzzer.campaign_process import CampaignOutcome, CampaignSpec, run_campaigns
+from fuzzer.junit import JUnitCase, JUnitSuite, write_junit
+
+# Time to find is the measure here: findings are kept as first seen (shrinking is tested elsewhere).
+NO_SHRINK = ("--no-shrink",)
+VERDICTS = {"found": "passed", "found-as-other": "passed", "clean": "passed", "skipped": "skipped",
+            "missed": "failed", "false-finding": "failed", "error": "error"}
+
+
+@dataclass
+class SelftestRow:
+    mutant: str | None  # None: a clean run
+    bug_class: str  # the mutant's BUG_CLASS ("" for a clean run)
+    target: str
+    verdict: str  # found | found-as-other | missed | clean | false-finding | error | skipped
+    examples_to_find: int | None = None
+    seconds_to_find: float | None = None
+    examples: int = 0  # the whole campaign's cases (the budget is spent even after a find)
+    seconds: float = 0.0
+    wall_seconds: float = 0.0  # the campaign's process, vLLM imports included
+    found_classes: list[str] = field(default_factory=list)
+    reason: str = ""
+
+    @property
+    def name(self) -> str:
+        return f"{self.mutant} on {self.target}" if self.mutant else f"clean {self.target}"
+
+    @property
+    def ok(self) -> bool:
+        return VERDICTS[self.verdict] in ("passed", "skipped")
+
+
+def judge_mutant(mutant: str, bug_class: str, o: CampaignOutcome) -> SelftestRow:
+    s = o.summary or {}
+    row = SelftestRow(mutant, bug_class, o.spec.target, "missed", examples=s.get("examples", 0),
+                      seconds=s.get("seconds", 0.0), wall_seconds=round(o.wall_seconds, 1),
+                      found_classes=sorted({c for f in o.findings for c in f.get("bug_classes", [])}))
+    if o.error:
+        row.verdict, row.reason = "error", o.error
+        return row
+    hit = o.first_with_class(bug_class)
+    if hit:
+        row.verdict = "found"
+    elif o.findings:
+        hit = min(o.findings, key=lambda f: f.get("examples_to_find", 0))
+        row.verdict = "found-as-other"
+        row.reason = (f"detected, but as class {', '.join(row.found_classes)}, not {bug_class}" if row.found_classes
+                      else f"detected, by {len(o.findings)} finding(s) without a class, not {bug_class}")
+    else:
+        row.reason = f"no finding in {row.examples} cases"
+    if hit:
+        row.examples_to_find, row.seconds_to_find = hit.get("examples_to_find"), hit.get("seconds_to_find")
+    return row
+
+
+def judge_clean(o: CampaignOutcome) -> SelftestRow:
+    s = o.summary or {}
+    row = SelftestRow(None, "", o.spec.target, "clean", examples=s.get("examples", 0), seconds=s.get("seconds", 0.0),
+                      wall_seconds=round(o.wall_seconds, 1),
+                      found_classes=sorted({c for f in o.findings for c in f.get("bug_classes", [])}))
+    if o.error:
+        row.verdict, row.reason = "error", o.error
+    elif o.findings:
+        row.verdict = "false-finding"
+        row.reason = "; ".join(f"{f.get('signature')} ({f.get('path')})" for f in o.findings)
+    return row
+
+
+def plan(device: str, unavailable: dict[str, str | None], seed: int, scale: float, mutants: list[str] | None = None,
+         clean: bool = True, targets: list[str] | None = None) -> tuple[list[tuple[str | None, str, CampaignSpec]],
+                                                                    list[SelftestRow]]:
+    """(mutant, bug class, spec) per campaign to run (mutant None: clean run), and the rows already skipped;
+    `mutants` and `targets` narrow it."""
+    from fuzzer.mutants import MUTANTS, load
+
+    runs, skipped = [], []
+    for name in mutants or MUTANTS:
+        mod = load(name)
+        for target in mod.TARGETS:
+            if targets and target not in targets:
+                continue
+            why = unavailable.get(target, f"unknown target {target}")
+            if why:
+                skipped.append(SelftestRow(name, mod.BUG_CLASS, target, "skipped", reason=why))
+            else:
+                spec = CampaignSpec(target, budgets.examples(device, target, "selftest", scale), seed, inject=name,
+                                    reruns=1, extra=NO_SHRINK)
+                runs.append((name, mod.BUG_CLASS, spec))
+    if clean:
+        for target, why in unavailable.items():
+            if target in budgets.NOT_FUZZED or (targets and target not in targets):
+                continue
+            if why:
+                skipped.append(SelftestRow(None, "", target, "skipped", reason=why))
+            else:
+                runs.append((None, "", CampaignSpec(target, budgets.examples(device, target, "selftest", scale), seed,
+                                                    reruns=1, extra=NO_SHRINK)))
+    return runs, skipped
+
+
+def failures(rows: list[SelftestRow], strict_classes: bool = False) -> list[SelftestRow]:
+    return [r for r in rows if not r.ok or (strict_classes and r.verdict == "found-as-other")]
+
+
+def markdown_table(rows: list[SelftestRow]) -> str:
+    lines = ["| mutant (class) | target | result | found after (cases / s) | classes found | campaign cases / s | "
+             "process s | note |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        found = f"{r.examples_to_find} / {r.seconds_to_find:.1f}" if r.examples_to_find is not None else "-"
+        who = f"`{r.mutant}` ({r.bug_class})" if r.mutant else "clean run"
+        lines.append(f"| {who} | `{r.target}` | {r.verdict} | {found} | {', '.join(r.found_classes) or '-'} | "
+                     f"{r.examples} / {r.seconds:.1f} | "
+                     f"{r.wall_seconds:.0f} | {r.reason.replace('|', '/')[:200]} |")
+    return "\n".join(lines)
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("selftest", help="every built-in mutant must be found, clean runs must find nothing")
+    p.add_argument("--mutant", action="append", default=None, metavar="NAME", help="only this mutant (repeatable)")
+    p.add_argument("--targets", default=None, help="comma-separated: only campaigns on these targets")
+    p.add_argument("--no-clean", action="store_true", help="skip the clean runs")
+    p.add_argument("--strict-classes", action="store_true",
+                   help="a mutant detected only under another bug class than its own counts as missed")
+    p.add_argument("--budget-scale", type=float, default=1.0, help="multiply every campaign's budget (fuzzer/budgets.py)")
+    p.add_argument("--seed", type=int, default=budgets.SELFTEST_SEED)
+    p.add_argument("--jobs", type=int, default=None, help="campaigns at a time (default: 1 on CPU, 2 on a GPU)")
+    p.add_argument("--out", type=Path, default=None, help="campaign summaries and logs (default .attnfuzz/selftest)")
+    p.add_argument("--json", type=Path, metavar="PATH", help="write the rows as JSON here")
+    p.add_argument("--junit", type=Path, metavar="PATH", help="write JUnit XML here")
+    p.add_argument("--markdown", type=Path, metavar="PATH", help="write the table as Markdown here")
+
+
+def main(args: argparse.Namespace, device: str) -> int:
+    from fuzzer.env import STATE_DIR, host_info
+    from fuzzer.gate import host_targets, import_vllm
+    from fuzzer.mutants import MUTANTS
+
+    start = time.monotonic()
+    for m in args.mutant or ():
+        if m not in MUTANTS:
+            print(f"attnfuzz selftest: --mutant {m!r} is not a built-in mutant; known: {', '.join(MUTANTS)}", file=sys.stderr)
+            return 2
+    if args.budget_scale <= 0:
+        print(f"attnfuzz selftest: --budget-scale {args.budget_scale}: must be > 0", file=sys.stderr)
+        return 2
+    try:
+        vllm_version = import_vllm()
+    except Exception as e:
+        print(f"attnfuzz selftest: vLLM is not importable here ({type(e).__name__}: {e})", file=sys.stderr)
+        return 2
+    unavailable, _ = host_targets(device)
+    targets = [t.strip() for t in args.targets.split(",")] if args.targets else None
+    for t in targets or ():
+        if t not in unavailable:
+            print(f"attnfuzz selftest: --targets: unknown target {t!r}; known: {', '.join(unavailable)}", file=sys.stderr)
+            return 2
+    runs, skipped = plan(device, unavailable, args.seed, args.budget_scale, args.mutant, not args.no_clean, targets)
+    host = host_info(device)
+    print(f"attnfuzz selftest on {device} ({host.device_name}), vLLM {vllm_version}: {len(runs)} campaigns, "
+          f"{len(skipped)} skipped", flush=True)
+    by_spec = {spec: (mutant, cls) for mutant, cls, spec in runs}
+
+    def judge(o: CampaignOutcome) -> SelftestRow:
+        mutant, cls = by_spec[o.spec]
+        return judge_mutant(mutant, cls, o) if mutant else judge_clean(o)
+
+    def report(o: CampaignOutcome) -> None:
+        r = judge(o)
+        found = f" after {r.examples_to_find} cases ({r.seconds_to_find:.1f} s)" if r.examples_to_find is not None else ""
+        print(f"  {r.name}: {r.verdict}{found}; {r.examples} cases in {r.seconds:.1f} s "
+              f"({r.wall_seconds:.0f} s with start-up){': ' + r.reason if r.reason else ''}", flush=True)
+
+    out = args.out or STATE_DIR / "selftest"
+    jobs = args.jobs or (2 if device == "cuda" else 1)
+    outcomes = run_campaigns([spec for _, _, spec in runs], device, out, budgets.CAMPAIGN_TIMEOUT_S[device], jobs, report)
+    rows = [judge(o) for o in outcomes] + skipped
+    for r in skipped:
+        print(f"  {r.name}: skipped ({r.reason})")
+    bad = failures(rows, args.strict_classes)
+    seconds = time.monotonic() - start
+    table = markdown_table(rows)
+    print(table)
+    properties = {"device": device, "device_name": host.device_name, "vllm": vllm_version, "seed": str(args.seed),
+                  "budget_scale": str(args.budget_scale)}
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(table + "\n")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"passed": not bad, "seconds": round(seconds, 1), **properties,
+                                         "rows": [asdict(r) for r in rows]}, indent=1) + "\n")
+    if args.junit:
+        cases = [JUnitCase(r.name, "failed" if r in bad and r.ok else VERDICTS[r.verdict], r.wall_seconds,
+                           message=r.reason or r.verdict, details=r.reason,
+                           stdout=f"{r.verdict}: {r.reason}".strip(": ") if r.ok else "") for r in rows]
+        write_junit([JUnitSuite("selftest", cases, properties)], args.junit, "attnfuzz-selftest")
+    mutants = [r for r in rows if r.mutant and r.verdict != "skipped"]
+    cleans = [r for r in rows if not r.mutant and r.verdict != "skipped"]
+    print(f"selftest {'PASSED' if not bad else 'FAILED'} in {seconds:.0f} s: "
+          f"{sum(r.verdict == 'found' for r in mutants)}/{len(mutants)} mutant campaigns found their bug under its class, "
+          f"{sum(r.verdict == 'found-as-other' for r in mutants)} under another, "
+          f"{sum(r.verdict == 'clean' for r in cleans)}/{len(cleans)} clean runs clean", flush=True)
+    return 1 if bad else 0

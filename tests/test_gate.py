@@ -1,0 +1,185 @@
+"""`attnfuzz gate`: the JUnit writer, the reproducer status rules, replays of small scripts standing in for
+repro.py (attnfuzz's orchestration, not vLLM), campaign verdicts from recorded summaries, and one real gate
+run over a reproducer that regressed."""
+
+import json
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from fuzzer import budgets
+from fuzzer.campaign_process import CampaignOutcome, CampaignSpec
+from fuzzer.gate import (GateError, ReproRecord, gate_specs, judge_campaign, junit_suites, release, replay,
+                         replay_outcome)
+from fuzzer.junit import JUnitCase, JUnitSuite, write_junit
+from tests.conftest import attnfuzz
+
+
+# -- JUnit ----------------------------------------------------------------------------------------------
+def test_junit_counts_outcomes_and_strips_what_xml_cannot_hold(tmp_path):
+    suites = [JUnitSuite("repros", [JUnitCase("a", "passed", 1.5, stdout="known: still there"),
+                                    JUnitCase("b", "failed", 2.0, message="REGRESSION", details="\x1b[31mred\x1b[0m\x00")]),
+              JUnitSuite("campaigns", [JUnitCase("c", "skipped", message="not here"), JUnitCase("d", "error", 3.0, "broke")],
+                         {"vllm": "0.33.0"})]
+    root = ET.parse(write_junit(suites, tmp_path / "j.xml", "gate")).getroot()
+    assert root.tag == "testsuites" and (root.get("tests"), root.get("failures"), root.get("errors"),
+                                         root.get("skipped")) == ("4", "1", "1", "1")
+    repros, campaigns = root.findall("testsuite")
+    assert repros.get("name") == "repros" and repros.get("time") == "3.500"
+    b = repros.find("testcase[@name='b']/failure")
+    assert b.get("message") == "REGRESSION" and b.text == "red?"
+    assert repros.find("testcase[@name='a']/system-out").text == "known: still there"
+    assert campaigns.find("testcase[@name='c']/skipped").get("message") == "not here"
+    assert campaigns.find("testcase[@name='d']/error") is not None
+    assert campaigns.find("properties/property[@name='vllm']").get("value") == "0.33.0"
+
+
+def test_junit_rejects_an_unknown_outcome():
+    with pytest.raises(ValueError, match="outcome 'ok'"):
+        JUnitCase("x", "ok")
+
+
+# -- status rules -----------------------------------------------------------------------------------------
+def _repro(tmp_path, name="r1", rc=None, **meta) -> Path:
+    d = tmp_path / name
+    d.mkdir()
+    record = {"id": name, "target": "vllm.index_remap", "status": "open", "inject": None,
+              "host": {"vllm": "0.26.0"}, "verdicts": [{"check": "nan", "ok": False, "detail": "NaN out", "bug_class": "I"}]}
+    (d / "finding.json").write_text(json.dumps({**record, **meta}))
+    if rc is not None:
+        (d / "repro.py").write_text(f"import sys, time\nprint('BUG: x' if {rc} == 1 else 'fine')\n"
+                                    f"time.sleep(30) if {rc} == 99 else sys.exit({rc})\n")
+    return d
+
+
+def test_release_is_the_numeric_part():
+    assert release("0.33.0+cpu") == release("v0.33.0") == "0.33.0"
+
+
+@pytest.mark.parametrize("status, releases, installed, expects", [
+    ("open", {}, "0.33.0", True),  # open: present wherever nothing else is recorded
+    ("fixed", {}, "0.33.0", False),
+    ("fixed", {}, "0.26.0", True),  # the release it was found on counts as present
+    ("fixed", {"0.26.0": "absent"}, "0.26.0", False),  # ... unless recorded otherwise
+    ("fixed", {"0.23.0": "present"}, "0.23.0+cpu", True),
+    ("open", {"0.33.0": "absent"}, "0.33.0", False),
+])
+def test_which_releases_expect_the_bug(tmp_path, status, releases, installed, expects):
+    rec = ReproRecord.load(_repro(tmp_path, status=status, releases=releases))
+    assert rec.expects_bug(installed) is expects
+
+
+def test_an_injected_bug_is_not_vllms_on_the_release_it_was_found_on(tmp_path):
+    rec = ReproRecord.load(_repro(tmp_path, status="fixed", inject="remap-no-length-check"))
+    assert not rec.expects_bug("0.26.0")
+
+
+@pytest.mark.parametrize("expects, rc, outcome", [
+    (True, 1, "known"), (True, 0, "now-passes"), (False, 0, "fixed"), (False, 1, "regressed"),
+    (False, 2, "broken"), (True, None, "broken"), (False, -11, "broken"),
+])
+def test_replay_outcomes(expects, rc, outcome):
+    assert replay_outcome(expects, rc) == outcome
+
+
+@pytest.mark.parametrize("meta, field", [({"status": "gone"}, "'status'"), ({"target": 3}, "'target'"),
+                                         ({"releases": {"0.33.0": "maybe"}}, "'releases'")])
+def test_a_malformed_record_names_the_file_and_field(tmp_path, meta, field):
+    d = _repro(tmp_path, **meta)
+    with pytest.raises(GateError, match=f"{d}/finding.json: field {field}"):
+        ReproRecord.load(d)
+
+
+@pytest.mark.parametrize("status, rc, outcome", [("fixed", 1, "regressed"), ("fixed", 0, "fixed"), ("open", 1, "known"),
+                                                 ("open", 0, "now-passes"), ("open", 3, "broken"), ("open", 99, "broken")])
+def test_replay_runs_repro_py_in_its_own_process(tmp_path, status, rc, outcome):
+    rec = ReproRecord.load(_repro(tmp_path, status=status, rc=rc, releases={"0.26.0": "absent"}))
+    r = replay(rec, "cpu", "0.33.0", {"vllm.index_remap": None}, tmp_path / "logs", timeout_s=3)
+    assert r.outcome == outcome and r.expected == ("present" if status == "open" else "absent")
+    assert r.returncode == (None if rc == 99 else rc)
+    if outcome == "regressed":
+        assert "NaN out" in r.detail and "BUG: x" in r.log
+
+
+def test_replay_skips_a_target_this_host_cannot_run(tmp_path):
+    rec = ReproRecord.load(_repro(tmp_path, rc=1))
+    r = replay(rec, "cpu", "0.33.0", {"vllm.index_remap": "no such kernel in 0.23.0"}, tmp_path / "logs", 5)
+    assert r.outcome == "skipped" and "no such kernel" in r.detail
+
+
+# -- campaigns --------------------------------------------------------------------------------------------
+def test_gate_specs_one_campaign_per_dtype_and_skips():
+    unavailable = {"vllm.index_remap": None, "vllm.flashmla_sparse": None, "vllm.dcp_filter": "not in 0.23.0",
+                   "selftest.fault": None}
+    dtypes = {"vllm.flashmla_sparse": ("bfloat16", "fp8_ds_mla")}
+    specs, skipped = gate_specs("cpu", unavailable, dtypes, seed=5, scale=0.5)
+    assert [s.name for s in specs] == ["vllm.index_remap", "vllm.flashmla_sparse[bfloat16]",
+                                       "vllm.flashmla_sparse[fp8_ds_mla]"]
+    assert specs[0].max_examples == budgets.examples("cpu", "vllm.index_remap", "gate", 0.5) and specs[0].seed == 5
+    assert [(s.name, s.outcome, s.reason) for s in skipped] == [("vllm.dcp_filter", "skipped", "not in 0.23.0")]
+    assert "--kv-cache-dtype" in specs[1].argv("cpu", Path("/w")) and "--inject" not in specs[1].argv("cpu", Path("/w"))
+
+
+def _outcome(tmp_path, rc, findings=(), summary=True):
+    log = tmp_path / "log.txt"
+    log.write_text("starting\nTraceback: boom\n")
+    s = {"examples": 40, "seconds": 12.5, "findings": list(findings)} if summary else None
+    return CampaignOutcome(CampaignSpec("vllm.index_remap", 40, 0), rc, 30.0, s, log)
+
+
+FINDING = {"id": "index-remap-1234", "path": "/out/repros/index-remap-1234", "signature": "memory:k",
+           "bug_classes": ["A"], "examples_to_find": 7, "seconds_to_find": 2.0,
+           "verdicts": [{"check": "values", "ok": False, "detail": "wrong slot"},
+                        {"check": "memory", "ok": False, "detail": "out-of-bounds store", "bug_class": "A"}]}
+
+
+def test_campaign_verdicts_from_recorded_summaries(tmp_path):
+    assert judge_campaign(_outcome(tmp_path, 0)).outcome == "passed"
+    failed = judge_campaign(_outcome(tmp_path, 1, [FINDING]))
+    assert failed.outcome == "failed" and "out-of-bounds store" in failed.reason  # the primary verdict's title
+    assert "/out/repros/index-remap-1234" in failed.reason
+    for rc, summary in ((2, True), (None, False), (1, True), (0, False)):  # usage error, timeout, rc vs summary
+        broken = judge_campaign(_outcome(tmp_path, rc, summary=summary))
+        assert broken.outcome == "error", (rc, summary)
+    assert "boom" in judge_campaign(_outcome(tmp_path, 2)).reason
+
+
+def test_a_known_open_bug_found_again_passes_and_is_reported(tmp_path):
+    known = {("vllm.index_remap", "memory:k"): "index-remap-7e944ef6"}
+    r = judge_campaign(_outcome(tmp_path, 1, [FINDING]), known)
+    assert r.outcome == "passed" and r.known == ["memory:k (index-remap-7e944ef6)"] and "known open" in r.reason
+    other = dict(FINDING, signature="values:row")  # another symptom on the same target still fails
+    assert judge_campaign(_outcome(tmp_path, 1, [FINDING, other]), known).outcome == "failed"
+
+
+def test_junit_of_a_failed_campaign_carries_title_and_repro_path(tmp_path):
+    (repros, campaigns) = junit_suites([], [judge_campaign(_outcome(tmp_path, 1, [FINDING]))], {"vllm": "x"})
+    (case,) = campaigns.cases
+    assert case.outcome == "failed" and "out-of-bounds store" in case.message
+    assert "/out/repros/index-remap-1234" in case.details
+
+
+# -- end to end: the CLI ------------------------------------------------------------------------------------
+@pytest.mark.vllm
+def test_gate_fails_on_a_regressed_reproducer_and_writes_junit(tmp_path):
+    (tmp_path / "repros").mkdir()
+    _repro(tmp_path / "repros", "old-bug", rc=1, status="fixed", releases={"0.26.0": "absent"})
+    _repro(tmp_path / "repros", "open-bug", rc=1, status="open")
+    r = attnfuzz("gate", "--no-campaigns", "--repros", str(tmp_path / "repros"), "--junit", str(tmp_path / "g.xml"),
+                 "--json", str(tmp_path / "g.json"), "--out", str(tmp_path / "out"))
+    assert r.returncode == 1, r.stdout + r.stderr
+    root = ET.parse(tmp_path / "g.xml").getroot()
+    assert (root.get("tests"), root.get("failures")) == ("2", "1")
+    assert "REGRESSION" in root.find(".//testcase[@name='old-bug (vllm.index_remap)']/failure").get("message")
+    summary = json.loads((tmp_path / "g.json").read_text())
+    assert not summary["passed"] and [x["outcome"] for x in summary["repros"]] == ["regressed", "known"]
+    bad = attnfuzz("gate", "--no-campaigns", "--repros", str(tmp_path / "nowhere"))
+    assert bad.returncode == 2 and "nowhere: no such directory" in bad.stderr
+
+
+def test_budgets_scale_and_refuse_nonsense():
+    assert budgets.examples("cpu", "vllm.index_remap", "gate", 0.001) == 1
+    assert budgets.examples("cuda", "a.target.added.later", "selftest") == budgets.DEFAULT["cuda"].selftest
+    with pytest.raises(ValueError, match="device 'tpu'"):
+        budgets.examples("tpu", "vllm.index_remap", "gate")

@@ -1,0 +1,107 @@
+"""`attnfuzz selftest`: which campaigns it plans, how it judges them (from recorded campaign summaries, not a
+mocked vLLM: this is attnfuzz's orchestration), and one short real run of a fast mutant through the CLI."""
+
+import json
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from fuzzer import budgets
+from fuzzer.campaign_process import CampaignOutcome, CampaignSpec
+from fuzzer.mutants import MUTANTS, load
+from fuzzer.selftest import failures, judge_clean, judge_mutant, markdown_table, plan
+from tests.conftest import attnfuzz
+
+
+def _outcome(tmp_path, rc, findings=(), target="vllm.index_remap", inject="remap-count-past-table"):
+    log = tmp_path / "log.txt"
+    log.write_text("worker started\nRuntimeError: the code this mutant patches is not there\n")
+    summary = None if rc in (None, 2) else {"examples": 80, "seconds": 20.0, "findings": list(findings)}
+    return CampaignOutcome(CampaignSpec(target, 80, 1, inject=inject), rc, 35.0, summary, log)
+
+
+def _finding(classes, n, s=1.0):
+    return {"id": "x", "path": "/p", "signature": "count:row", "bug_classes": classes, "examples_to_find": n,
+            "seconds_to_find": s}
+
+
+def test_a_mutant_is_found_by_a_finding_of_its_class(tmp_path):
+    row = judge_mutant("remap-count-past-table", "B", _outcome(tmp_path, 1, [_finding(["C"], 3), _finding(["B"], 22, 5.3)]))
+    assert (row.verdict, row.examples_to_find, row.seconds_to_find, row.found_classes) == ("found", 22, 5.3, ["B", "C"])
+    assert row.ok
+
+
+def test_a_finding_of_another_class_is_detected_but_flagged(tmp_path):
+    row = judge_mutant("remap-count-past-table", "B", _outcome(tmp_path, 1, [_finding(["I"], 9), _finding(["C"], 3)]))
+    assert (row.verdict, row.examples_to_find, row.found_classes) == ("found-as-other", 3, ["C", "I"])
+    assert row.ok and "as class C, I, not B" in row.reason
+    assert failures([row]) == [] and failures([row], strict_classes=True) == [row]
+
+
+def test_nothing_found_is_a_miss(tmp_path):
+    row = judge_mutant("remap-count-past-table", "B", _outcome(tmp_path, 0))
+    assert row.verdict == "missed" and not row.ok and "no finding in 80 cases" in row.reason
+    assert failures([row]) == [row]
+
+
+def test_a_broken_campaign_is_an_error_not_a_miss(tmp_path):
+    row = judge_mutant("remap-count-past-table", "B", _outcome(tmp_path, 2))
+    assert row.verdict == "error" and "not there" in row.reason and not row.ok
+    assert judge_mutant("m", "B", _outcome(tmp_path, None)).reason.startswith("timed out")
+
+
+def test_clean_runs(tmp_path):
+    assert judge_clean(_outcome(tmp_path, 0, inject=None)).verdict == "clean"
+    row = judge_clean(_outcome(tmp_path, 1, [_finding(["I"], 4)], inject=None))
+    assert row.verdict == "false-finding" and not row.ok and "/p" in row.reason
+    assert judge_clean(_outcome(tmp_path, 2, inject=None)).verdict == "error"
+
+
+def test_plan_runs_each_mutant_on_every_target_it_names_that_runs_here():
+    unavailable = {"vllm.index_remap": None, "vllm.dcp_filter": "no DCP filter in 0.23.0", "selftest.fault": None}
+    runs, skipped = plan("cpu", unavailable, seed=1, scale=1.0, mutants=["remap-count-past-table"])
+    assert [(m, c, s.target, s.inject) for m, c, s in runs] == [
+        ("remap-count-past-table", "B", "vllm.index_remap", "remap-count-past-table"),
+        (None, "", "vllm.index_remap", None)]  # the clean run; never one on selftest.fault
+    assert runs[0][2].max_examples == budgets.BUDGETS["cpu"]["vllm.index_remap"].selftest
+    assert [(r.mutant, r.target, r.verdict) for r in skipped] == [
+        ("remap-count-past-table", "vllm.dcp_filter", "skipped"), (None, "vllm.dcp_filter", "skipped")]
+    assert all(r.ok for r in skipped)
+
+
+def test_plan_covers_every_builtin_mutant():
+    runs, skipped = plan("cuda", {}, seed=1, scale=1.0, clean=False)  # no target known: all skipped
+    assert not runs and {r.mutant for r in skipped} == set(MUTANTS)
+    assert len(skipped) == sum(len(load(m).TARGETS) for m in MUTANTS)
+    runs, skipped = plan("cpu", {"vllm.index_remap": None, "vllm.dcp_filter": None}, 1, 1.0,
+                         ["remap-count-past-table"], targets=["vllm.dcp_filter"])
+    assert [(m, s.target) for m, _, s in runs] == [("remap-count-past-table", "vllm.dcp_filter"),
+                                                   (None, "vllm.dcp_filter")] and not skipped
+
+
+def test_markdown_table_has_a_row_per_campaign(tmp_path):
+    rows = [judge_mutant("remap-count-past-table", "B", _outcome(tmp_path, 1, [_finding(["B"], 22, 5.3)])),
+            judge_clean(_outcome(tmp_path, 0, inject=None))]
+    table = markdown_table(rows).splitlines()
+    assert len(table) == 4 and "| found | 22 / 5.3 | B |" in table[2] and "clean run" in table[3]
+
+
+@pytest.mark.vllm
+def test_selftest_finds_a_fast_mutant_end_to_end(tmp_path):
+    """One real campaign: the DCP-ownership mutant on vLLM's DCP filter, a small budget (~10 cases)."""
+    from fuzzer.targets import TARGETS
+
+    if TARGETS["vllm.dcp_filter"]("cpu").unavailable():
+        pytest.skip("this vLLM release has no DCP filter")
+    scale = 10 / budgets.BUDGETS["cpu"]["vllm.dcp_filter"].selftest
+    r = attnfuzz("--device", "cpu", "selftest", "--mutant", "dcp-owner-ignores-interleave", "--no-clean",
+                 "--targets", "vllm.dcp_filter",
+                 "--budget-scale", str(scale), "--out", str(tmp_path / "out"), "--json", str(tmp_path / "s.json"),
+                 "--junit", str(tmp_path / "s.xml"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    (row,) = [x for x in json.loads((tmp_path / "s.json").read_text())["rows"] if x["verdict"] != "skipped"]
+    assert row["verdict"] == "found" and row["examples_to_find"] <= 10 and row["target"] == "vllm.dcp_filter"
+    assert ET.parse(tmp_path / "s.xml").getroot().get("failures") == "0"
+    assert "selftest PASSED" in r.stdout
+    bad = attnfuzz("selftest", "--mutant", "no-such-mutant")
+    assert bad.returncode == 2 and "not a built-in mutant" in bad.stderr
