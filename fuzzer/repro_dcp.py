@@ -20,7 +20,7 @@ def main():
     runtime = sys.modules["fuzzer.targets.flashmla_runtime"]
     dcp = sys.modules["fuzzer.targets.dcp_group"]
 {setup}
-    emulated = runtime.install_standins()
+    emulated = runtime.install_standins(DEVICE)
 {inject}
     from vllm.config import set_current_vllm_config
     from vllm.v1.attention.backend import CommonAttentionMetadata

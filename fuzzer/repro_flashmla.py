@@ -23,7 +23,7 @@ def main():
     _load_vendored()
     runtime = sys.modules["fuzzer.targets.flashmla_runtime"]
 {setup}
-    emulated = runtime.install_standins() + runtime.install_layer_standins(DEVICE)
+    emulated = tuple(dict.fromkeys(runtime.install_standins(DEVICE) + runtime.install_layer_standins(DEVICE)))
 {inject}
     from vllm.config import set_current_vllm_config
     from vllm.v1.attention.backend import CommonAttentionMetadata

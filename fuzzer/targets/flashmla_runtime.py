@@ -49,16 +49,18 @@ def has_cache_op(name: str) -> bool:
 
 
 @functools.cache
-def install_standins() -> tuple[str, ...]:
-    """Bind torch stand-ins where flashmla_sparse looks the compiled ops up; only for ops this host lacks."""
+def install_standins(device: str = "cuda") -> tuple[str, ...]:
+    """Bind torch stand-ins where flashmla_sparse looks the compiled ops up: for ops this host lacks, and for
+    every compiled op when the tensors live on the CPU (a CPU run on a GPU host: the CUDA kernels cannot
+    take them)."""
     from fuzzer.standins import flashmla_ops
 
     mod, bound = importlib.import_module(BACKEND_MODULE), []
-    if not _has_flashmla_kernels():
+    if device == "cpu" or not _has_flashmla_kernels():
         for name in ("flash_mla_sparse_fwd", "flash_mla_with_kvcache", "get_mla_metadata", "FlashMLASchedMeta"):
             setattr(mod, name, getattr(flashmla_ops, name))
         bound += ["flash_mla_sparse_fwd", "flash_mla_with_kvcache", "get_mla_metadata"]
-    missing = [n for n in ("concat_mla_q", "cp_gather_and_upconvert_fp8_kv_cache") if not has_cache_op(n)]
+    missing = [n for n in ("concat_mla_q", "cp_gather_and_upconvert_fp8_kv_cache") if device == "cpu" or not has_cache_op(n)]
     if missing:  # `ops` is vLLM's _custom_ops, bound by name: rebind it to a copy with the stand-ins
         standins = {n: getattr(flashmla_ops, n) for n in missing}
         if "cp_gather_and_upconvert_fp8_kv_cache" in standins and "seq_lens" in inspect.signature(
@@ -212,7 +214,7 @@ def install_layer_standins(device: str) -> tuple[str, ...]:
     mla, bound = importlib.import_module(MLA_MODULE), []
     standins = {"gather_and_maybe_dequant_cache": cache_ops.gather_and_maybe_dequant_cache,
                 "cp_gather_and_upconvert_fp8_kv_cache": flashmla_ops.cp_gather_and_upconvert_fp8_kv_cache}
-    missing = {name: op for name, op in standins.items() if not has_cache_op(name)}
+    missing = {name: op for name, op in standins.items() if device == "cpu" or not has_cache_op(name)}
     if missing:  # mla_attention binds vLLM's _custom_ops as `ops`: rebind it to a copy carrying the stand-ins
         mla.ops = SimpleNamespace(**{**vars(mla.ops), **missing})
         bound += list(missing)

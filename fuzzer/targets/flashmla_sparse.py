@@ -51,7 +51,7 @@ class FlashMLASparse(Target):
 
             install_corrections()
             self.shims += [*install_cpu_shims(), *cpu_shims(), *(f"interpreter correction: {c}" for c in CORRECTIONS)]
-        self.emulated = install_standins()
+        self.emulated = install_standins(self.device)
         self.cfg = self.runtime(str(STATE_DIR))
 
     def runtime(self, state_dir: str):
