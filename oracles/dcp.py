@@ -53,10 +53,32 @@ def rank_slot_mapping(case: Case, undivided_slots: torch.Tensor, rank: int) -> t
     return torch.where(owner == rank, slot, torch.full_like(slot, -1))
 
 
+def outside_envelope(case: Case) -> str | None:
+    """Why vLLM must refuse this DCP configuration for FlashMLA sparse (None: it must run it): DCP only on the
+    fp8 mixed-batch path (fewer than 32 heads per rank), and local and gathered heads padded to one fp8 kernel
+    envelope (64 or 128 heads)."""
+    if case.dcp.size == 1:
+        return None
+    if case.heads >= 32:
+        return f"{case.heads} heads per rank take the fp8 separate path, which has no DCP"
+
+    def pad(h: int) -> int:
+        return 64 if h <= 64 else 128
+
+    gathered = case.heads * case.dcp.size
+    if pad(case.heads) != pad(gathered):
+        return f"{case.heads} local heads pad to {pad(case.heads)}, {gathered} gathered heads to {pad(gathered)}"
+    return None
+
+
 def judge_dcp(case: Case, obs) -> list[Verdict]:
     """A DCP step run on every rank: the merged output (heads of rank r at [r*H, (r+1)*H)) against attention
-    over the undivided context; each rank's filtered top-k exactly; each rank's partial LSE against
-    attention over its share, and -inf (the merge's identity) where it owns none of a row's tokens."""
+    over the undivided context; each rank's filtered top-k exactly; each rank's LSE against attention over its
+    share, and -inf (the merge's identity) where it owns none of a row's tokens. Outside FlashMLA's DCP
+    envelope vLLM must refuse with NotImplementedError; it may also run the case, and is then judged."""
+    why = outside_envelope(case)
+    if why and "NotImplementedError" in f"{obs.error_type} {obs.error}":
+        return [Verdict("contract", True, f"refused ({why}): {obs.error_type}: {obs.error}")]
     whole = undivided(case)
     verdicts = judge_attention(whole, obs)
     failed_output = [v for v in verdicts if not v.ok and v.check in ("output", "nan", "empty_row")]

@@ -182,6 +182,9 @@ class AttentionFeatures:
     dcp: bool = False
     dcp_max_gathered_heads: int = 64
     dcp_sizes: tuple[int, ...] | None = None  # None: the profile's (a real process group has one size)
+    # Also draw DCP splits outside that bound (and heads the mixed-batch path does not take), where vLLM must
+    # refuse the configuration instead of computing with mismatched head padding.
+    dcp_outside_envelope: bool = False
 
 
 TOTAL_HEADS = 128  # DeepSeek-V3.2's attention heads: heads per rank are 128 / TP
@@ -217,10 +220,16 @@ def attention_cases(draw, p: Profile, f: AttentionFeatures) -> Case:
     from strategies.case import FP8_SCALES, VALUE_KINDS
 
     p = p.for_attention()
-    heads = draw(st.sampled_from(f.heads or p.attn_heads))
+    outside = f.dcp and f.dcp_outside_envelope and draw(st.integers(0, 9)) == 0  # one case in ten
+    heads_choices = tuple(f.heads or p.attn_heads) + ((32,) if outside else ())
+    if f.dcp and f.dcp_sizes:  # a fixed group size: only head counts whose TP it divides
+        heads_choices = tuple(h for h in heads_choices if any(
+            (TOTAL_HEADS // h) % n == 0 and (outside or h * n <= f.dcp_max_gathered_heads) for n in f.dcp_sizes))
+    heads = draw(st.sampled_from(heads_choices))
     topk_width = draw(st.sampled_from(p.topk_widths))
     block_size = draw(st.sampled_from(f.block_sizes or p.block_sizes))
-    dcp = draw(attention_dcp_splits(p, block_size, heads, f.dcp_max_gathered_heads, f.dcp_sizes)) if f.dcp else Dcp()
+    bound = 1024 if outside else f.dcp_max_gathered_heads
+    dcp = draw(attention_dcp_splits(p, block_size, heads, bound, f.dcp_sizes)) if f.dcp else Dcp()
     # vLLM allows multi-token (MTP) decodes under DCP only with interleave 1 (supports_dcp_with_varlen).
     reqs, num_decodes = draw(requests(p, topk_width, 1 if dcp.interleave > 1 else MAX_DECODE_QUERY_LEN))
     # Under DCP a block id names one block on every rank: a "virtual" block of block_size x size tokens.

@@ -149,3 +149,20 @@ def test_real_ranks_over_gloo_find_a_mutant(tmp_path):
                            timeout=600)
     assert repro.returncode == 1, repro.stdout + repro.stderr[-3000:]
     assert "not -inf (the merge's identity)" in repro.stdout and "real ranks" in (Path(finding["path"]) / "repro.py").read_text()
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("heads,size", [(16, 8), (32, 2)])
+def test_configurations_outside_flashmlas_envelope_are_refused(heads, size):
+    from fuzzer.targets.flashmla_dcp import FlashMLASparseDcp
+    from oracles.dcp import outside_envelope
+
+    target = FlashMLASparseDcp("cpu")
+    target.prepare()
+    case = Case((Request(1, 10),), 1, 64, ((1,),), 128, (TopkSpec(5),), heads=heads, dcp=Dcp(size, 0, 1),
+                kv_cache_dtype="fp8_ds_mla").validate()
+    assert outside_envelope(case)
+    obs = target.run(case)
+    assert obs.error_type == "NotImplementedError"
+    (verdict,) = target.oracle(case, obs)
+    assert verdict.ok and verdict.check == "contract"

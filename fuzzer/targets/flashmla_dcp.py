@@ -86,7 +86,8 @@ class FlashMLASparseDcp(FlashMLASparse):
     def cases(self, profile):
         # The mixed-batch path (< 32 heads per rank) with gathered heads inside one fp8 envelope (<= 64).
         return attention_cases(profile, AttentionFeatures(kv_cache_dtypes=self.kv_cache_dtypes, heads=(8, 16),
-                                                          block_sizes=(64, 128), dcp=True, block_stride_rows=True))
+                                                          block_sizes=(64, 128), dcp=True, block_stride_rows=True,
+                                                          dcp_outside_envelope=True))
 
     def run(self, case):
         step = DcpStep(self, case)

@@ -92,7 +92,7 @@ class FlashMLASparseDcpRanks(FlashMLASparseDcp):
     def cases(self, profile):
         return attention_cases(profile, AttentionFeatures(
             kv_cache_dtypes=self.kv_cache_dtypes, heads=(8, 16), block_sizes=(64, 128), dcp=True,
-            dcp_sizes=(self.world,), block_stride_rows=True))
+            dcp_sizes=(self.world,), block_stride_rows=True, dcp_outside_envelope=True))
 
     def run(self, case):
         from vllm.distributed.parallel_state import get_world_group
