@@ -31,8 +31,6 @@ def main():
     T = load_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tensors.safetensors"), device=DEVICE)
     cfg = runtime.configure(runtime.vllm_runtime(DEVICE, tempfile.mkdtemp()), case,
                             max_num_batched_tokens=T["topk_indices_buffer"].shape[0])
-    cfg.parallel_config.decode_context_parallel_size = DCP_SIZE
-    cfg.parallel_config.cp_kv_cache_interleave_size = INTERLEAVE
     spec = MLAAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=576, dtype=torch.bfloat16,
                             cache_dtype_str="fp8_ds_mla")
 {cam}    lses = {{}}
@@ -158,7 +156,8 @@ def render_dcp_repro(finding, target) -> tuple[str, dict]:
              _CPU_ENV if cpu else "", "import torch\nfrom safetensors.torch import load_file\n",
              f'DEVICE = "{"cpu" if cpu else "cuda"}"\n' + "\n".join(f"{k} = {v!r}" for k, v in constants.items())
              + f"\ncase = SimpleNamespace(topk_width={case.topk_width}, heads={case.heads}, "
-               f"kv_cache_dtype='fp8_ds_mla', block_size={case.block_size})\n# What attnfuzz saw:\n"
+               f"kv_cache_dtype='fp8_ds_mla', block_size={case.block_size},\n"
+               f"                       dcp=SimpleNamespace(size=DCP_SIZE, interleave=INTERLEAVE))\n# What attnfuzz saw:\n"
              + "\n".join(f"#   {v.check}: {v.detail}" for v in finding.verdicts) + "\n",
              _MAIN.format(cam=_CAM, setup="\n".join(setup), inject="    apply()  # the injected bug" if finding.inject else "")]
     if finding.inject:

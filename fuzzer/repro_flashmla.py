@@ -183,7 +183,8 @@ def render_flashmla_repro(finding, target, layer: bool) -> tuple[str, dict]:
              _CPU_ENV if cpu else "", "import torch\nfrom safetensors.torch import load_file\n",
              f'DEVICE = "{"cpu" if cpu else "cuda"}"\n' + "\n".join(f"{k} = {v!r}" for k, v in constants.items())
              + f"\ncase = SimpleNamespace(topk_width={case.topk_width}, heads={case.heads}, "
-               f"kv_cache_dtype={case.kv_cache_dtype!r}, block_size={case.block_size})\n# What attnfuzz saw:\n"
+               f"kv_cache_dtype={case.kv_cache_dtype!r}, block_size={case.block_size},\n"
+               f"                       dcp=SimpleNamespace(size=1, interleave=1))\n# What attnfuzz saw:\n"
              + "\n".join(f"#   {v.check}: {v.detail}" for v in finding.verdicts) + "\n",
              _MAIN.format(cam=_CAM, setup="\n".join(setup), inject="    apply()  # the injected bug" if finding.inject else "",
                           call=_LAYER_CALL if layer else _MQA_CALL,

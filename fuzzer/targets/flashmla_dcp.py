@@ -136,8 +136,6 @@ class DcpStep:
         _, self.slots, self.topk_buffer = step_tensors(self.whole, dev, inputs=self.inputs)
         self.write, self.write_emulated = target.writer(case)
         self.cfg = configure(target.cfg, case, max_num_batched_tokens=self.topk_buffer.shape[0])
-        self.cfg.parallel_config.decode_context_parallel_size = case.dcp.size
-        self.cfg.parallel_config.cp_kv_cache_interleave_size = case.dcp.interleave
         self.spec = MLAAttentionSpec(block_size=case.block_size, num_kv_heads=1, head_size=HEAD_SIZE,
                                      dtype=torch.bfloat16, cache_dtype_str=case.kv_cache_dtype)
         self.metadata_in = common_attn_metadata(self.whole, self.inputs.index, dev)  # slot_mapping: undivided

@@ -199,6 +199,9 @@ def configure(cfg, case, max_num_batched_tokens: int):
     cfg.cache_config.cache_dtype = case.kv_cache_dtype
     cfg.cache_config.block_size = case.block_size
     cfg.scheduler_config.max_num_batched_tokens = max_num_batched_tokens
+    # DCP: every case sets it (the config is shared by every case of the process, DCP or not).
+    cfg.parallel_config.decode_context_parallel_size = case.dcp.size
+    cfg.parallel_config.cp_kv_cache_interleave_size = case.dcp.interleave
     # A placeholder layer with no prefill backend: every token takes forward_mqa.
     cfg.compilation_config.static_forward_context[LAYER] = SimpleNamespace(prefill_backend=None)
     return cfg
