@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from fuzzer.repro_flashmla import _CAM, _LOADER, _VENDORED, _VENDORED_CPU, _source
+from fuzzer.repro_flashmla import _CAM, _CPU_SETUP, assemble
 
 _MAIN = '''
 def main():
@@ -102,7 +102,7 @@ def main():
 
 
 def render_dcp_repro(finding, target) -> tuple[str, dict]:
-    from fuzzer.repro import _CPU_ENV, _header
+    from fuzzer.repro import _header
     from fuzzer.targets.backend_harness import common_attn_metadata, step_tensors
     from oracles.attention_judge import attention_tolerance, judge_fp8_ds_mla_entries, reference_for
     from oracles.dcp import RANK_LSE_TOLERANCE, owner_and_local, rank_slot_mapping, undivided
@@ -140,32 +140,12 @@ def render_dcp_repro(finding, target) -> tuple[str, dict]:
                      MAX_QUERY_LEN=max(r.query_len for r in case.requests),
                      MAX_SEQ_LEN=max(r.seq_len for r in case.requests), ATOL=atol, RTOL=rtol,
                      LSE_TOL=RANK_LSE_TOLERANCE[0])
-    setup = []
-    if cpu:
-        setup += ["    sys.modules['fuzzer.interp.corrections'].install_corrections()  # Triton interpreter: bf16 dot, casts",
-                  "    sys.modules['fuzzer.standins.cpu_shims'].install_cpu_shims()  # no accelerator: no pinned memory",
-                  "    runtime.cpu_shims()  # no streams on a CPU"]
     real = "" if finding.target.endswith(".dcp") else (
         "\nThe finding came from real ranks (one process per GPU); this script emulates them in one process.")
     header = _header(finding, f"Shrunk case: {case.summary()}; {case.heads} heads per rank, fp8_ds_mla, values "
                      f"{case.values}.\nInputs in tensors.safetensors beside this file; the expected output is attnfuzz's "
                      f"fp32 oracle over the undivided context (latent, 512 wide).{real}")
-    modules = (*(_VENDORED_CPU if cpu else ()), *_VENDORED, "fuzzer.targets.dcp_group")
-    vendored = "\n".join(f'    "{m}": r\'\'\'{_source(m)}\'\'\',' for m in modules)
-    parts = [header, "import dataclasses\nimport os\nimport sys\nimport tempfile\nfrom types import SimpleNamespace\n",
-             _CPU_ENV if cpu else "", "import torch\nfrom safetensors.torch import load_file\n",
-             f'DEVICE = "{"cpu" if cpu else "cuda"}"\n' + "\n".join(f"{k} = {v!r}" for k, v in constants.items())
-             + f"\ncase = SimpleNamespace(topk_width={case.topk_width}, heads={case.heads}, "
-               f"kv_cache_dtype='fp8_ds_mla', block_size={case.block_size},\n"
-               f"                       dcp=SimpleNamespace(size=DCP_SIZE, interleave=INTERLEAVE))\n# What attnfuzz saw:\n"
-             + "\n".join(f"#   {v.check}: {v.detail}" for v in finding.verdicts) + "\n",
-             _MAIN.format(cam=_CAM, setup="\n".join(setup), inject="    apply()  # the injected bug" if finding.inject else "")]
-    if finding.inject:
-        from fuzzer.mutants import source
-
-        parts.append(f"\n# ---- the injected bug ({finding.inject}) ----\n{source(finding.inject)}")
-    parts.append(_LOADER)
-    parts.append("\n# ---- support: attnfuzz's set-up code, stand-ins and DCP group, verbatim ----\nVENDORED = {\n"
-                 + vendored + "\n}\n")
-    parts.append('\nif __name__ == "__main__":\n    sys.exit(main())\n')
-    return "\n".join(p for p in parts if p), tensors
+    main = _MAIN.format(cam=_CAM, setup="\n".join(_CPU_SETUP if cpu else ()),
+                        inject="    apply()  # the injected bug" if finding.inject else "")
+    return assemble(finding, header, cpu, constants, "dcp=SimpleNamespace(size=DCP_SIZE, interleave=INTERLEAVE)", main,
+                    ("fuzzer.targets.dcp_group",)), tensors

@@ -124,7 +124,7 @@ def _load_vendored():
 
 
 def render_flashmla_repro(finding, target, layer: bool) -> tuple[str, dict]:
-    from fuzzer.repro import _CPU_ENV, _NO_CHECKER, _header
+    from fuzzer.repro import _NO_CHECKER, _header
     from fuzzer.targets.backend_harness import common_attn_metadata, step_tensors
     from oracles.attention_judge import (attention_tolerance, judge_fp8_ds_mla_entries, layer_reference_for,
                                          layer_tolerance, reference_for)
@@ -167,42 +167,53 @@ def render_flashmla_repro(finding, target, layer: bool) -> tuple[str, dict]:
                      MAX_QUERY_LEN=max(r.query_len for r in case.requests),
                      MAX_SEQ_LEN=max(r.seq_len for r in case.requests), ATOL=atol, RTOL=rtol)
     memory = bool(obs.memory)
-    setup = []
-    if cpu:
-        setup += ["    sys.modules['fuzzer.interp.corrections'].install_corrections()  # Triton interpreter: bf16 dot, casts",
-                  "    sys.modules['fuzzer.standins.cpu_shims'].install_cpu_shims()  # no accelerator: no pinned memory",
-                  "    runtime.cpu_shims()  # no streams on a CPU"]
-        if memory:
-            setup.append("    SANITIZER.install()  # bounds checks on every interpreted Triton load/store")
+    setup = list(_CPU_SETUP) if cpu else []
+    if cpu and memory:
+        setup.append("    SANITIZER.install()  # bounds checks on every interpreted Triton load/store")
     header = _header(finding, f"Shrunk case: {case.summary()}; {case.heads} heads, kv_cache_dtype {case.kv_cache_dtype}, "
                      f"values {case.values}.\nInputs in tensors.safetensors beside this file; the expected output is "
                      + ("attnfuzz's fp32 oracle (after W_UV)." if layer else "attnfuzz's fp32 oracle (latent, 512 wide)."))
-    modules = (*(_VENDORED_CPU if cpu else ()), *_VENDORED)
+    main = _MAIN.format(cam=_CAM, setup="\n".join(setup), inject="    apply()  # the injected bug" if finding.inject else "",
+                        call=_LAYER_CALL if layer else _MQA_CALL,
+                        collect="SANITIZER.collect()" if cpu and memory else "_NoBoundsCheck()")
+    lazy_sanitizer = ("\n\ndef _sanitizer():\n    return sys.modules['fuzzer.interp.sanitizer'].SANITIZER\n\n\n"
+                      "class _Lazy:\n    def __getattr__(self, name):\n        return getattr(_sanitizer(), name)\n\n\n"
+                      "SANITIZER = _Lazy()\n")
+    return assemble(finding, header, cpu, constants, "dcp=SimpleNamespace(size=1, interleave=1)", main, (),
+                    before_loader=() if cpu and memory else (_NO_CHECKER,),
+                    after=(lazy_sanitizer,) if cpu and memory else ()), tensors
+
+
+# Set-up a CPU reproducer makes before it calls vLLM.
+_CPU_SETUP = ("    sys.modules['fuzzer.interp.corrections'].install_corrections()  # Triton interpreter: bf16 dot, casts",
+              "    sys.modules['fuzzer.standins.cpu_shims'].install_cpu_shims()  # no accelerator: no pinned memory",
+              "    runtime.cpu_shims()  # no streams on a CPU")
+
+
+def assemble(finding, header: str, cpu: bool, constants: dict, case_dcp: str, main: str, extra_modules: tuple,
+             before_loader: tuple = (), after: tuple = ()) -> str:
+    """A whole reproducer: its docstring, imports, the step's constants, the case fields vLLM's config reads,
+    what attnfuzz saw, `main`, the injected bug's source, and attnfuzz's support modules inlined verbatim."""
+    from fuzzer.repro import _CPU_ENV
+
+    case = finding.case
+    modules = (*(_VENDORED_CPU if cpu else ()), *_VENDORED, *extra_modules)
     vendored = "\n".join(f'    "{m}": r\'\'\'{_source(m)}\'\'\',' for m in modules)
     parts = [header, "import dataclasses\nimport os\nimport sys\nimport tempfile\nfrom types import SimpleNamespace\n",
              _CPU_ENV if cpu else "", "import torch\nfrom safetensors.torch import load_file\n",
              f'DEVICE = "{"cpu" if cpu else "cuda"}"\n' + "\n".join(f"{k} = {v!r}" for k, v in constants.items())
              + f"\ncase = SimpleNamespace(topk_width={case.topk_width}, heads={case.heads}, "
                f"kv_cache_dtype={case.kv_cache_dtype!r}, block_size={case.block_size},\n"
-               f"                       dcp=SimpleNamespace(size=1, interleave=1))\n# What attnfuzz saw:\n"
-             + "\n".join(f"#   {v.check}: {v.detail}" for v in finding.verdicts) + "\n",
-             _MAIN.format(cam=_CAM, setup="\n".join(setup), inject="    apply()  # the injected bug" if finding.inject else "",
-                          call=_LAYER_CALL if layer else _MQA_CALL,
-                          collect="SANITIZER.collect()" if cpu and memory else "_NoBoundsCheck()")]
+               f"                       {case_dcp})\n# What attnfuzz saw:\n"
+             + "\n".join(f"#   {v.check}: {v.detail}" for v in finding.verdicts) + "\n", main]
     if finding.inject:
         from fuzzer.mutants import source
 
         parts.append(f"\n# ---- the injected bug ({finding.inject}) ----\n{source(finding.inject)}")
-    if not (cpu and memory):
-        parts.append(_NO_CHECKER)
-    parts.append(_LOADER)
-    parts.append("\n# ---- support: attnfuzz's set-up code and stand-ins, verbatim ----\nVENDORED = {\n" + vendored + "\n}\n")
-    if cpu and memory:
-        parts.append("\n\ndef _sanitizer():\n    return sys.modules['fuzzer.interp.sanitizer'].SANITIZER\n\n\n"
-                     "class _Lazy:\n    def __getattr__(self, name):\n        return getattr(_sanitizer(), name)\n\n\n"
-                     "SANITIZER = _Lazy()\n")
-    parts.append('\nif __name__ == "__main__":\n    sys.exit(main())\n')
-    return "\n".join(p for p in parts if p), tensors
+    parts += [*before_loader, _LOADER,
+              "\n# ---- support: attnfuzz's set-up code and stand-ins, verbatim ----\nVENDORED = {\n" + vendored + "\n}\n",
+              *after, '\nif __name__ == "__main__":\n    sys.exit(main())\n']
+    return "\n".join(p for p in parts if p)
 
 
 def _source(module_name: str) -> str:
