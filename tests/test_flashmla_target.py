@@ -98,3 +98,23 @@ def test_sparse_prefill_standin_masks_by_contract_and_reports_faults():
         flash_mla_with_kvcache(q[None], cache, None, None, 512, get_mla_metadata()[0], softmax_scale=0.1,
                                is_fp8_kvcache=True, indices=torch.tensor([[[0, 7], [1, -1]]], dtype=torch.int32))
     assert [(v.op, v.argument) for v in found] == [("load", "k_cache")]
+
+
+def test_a_mutant_finding_gets_a_standalone_reproducer(tmp_path):
+    """The saved repro.py (torch + vLLM only, attnfuzz's support inlined) shows the bug and exits 1."""
+    import json
+    import subprocess
+    import sys
+
+    from .conftest import attnfuzz
+
+    run = attnfuzz("--device", "cpu", "run", "--target", "vllm.flashmla_sparse", "--inject", "flashmla-padded-heads-out",
+                   "--max-examples", "5", "--reruns", "0", "--quiet", "--repros", str(tmp_path / "repros"),
+                   "--json", str(tmp_path / "run.json"))
+    assert run.returncode == 1, run.stderr[-3000:]
+    finding = json.loads((tmp_path / "run.json").read_text())["findings"][0]
+    repro = subprocess.run([sys.executable, "repro.py"], cwd=finding["path"], capture_output=True, text=True, timeout=600)
+    assert repro.returncode == 1 and "BUG:" in repro.stdout and "bug present" in repro.stdout, repro.stdout + repro.stderr[-2000:]
+    # attnfuzz's support code is inlined as source text (loaded under its module names), never imported
+    script = (tmp_path / "repros" / finding["id"] / "repro.py").read_text().split("\nVENDORED = {")[0]
+    assert not [ln for ln in script.splitlines() if ln.startswith(("import fuzzer", "from fuzzer", "from oracles"))]
