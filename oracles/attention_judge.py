@@ -122,16 +122,23 @@ def _output_verdicts(out, out_ref, valid_rows, atol, rtol) -> tuple[list[Verdict
 
 def judge_attention(case, obs) -> list[Verdict]:
     """An impl-level call (forward_mqa): latent output [T, H, 512] and LSE."""
+    return attention_judgement(case, obs)[0]
+
+
+def attention_judgement(case, obs):
+    """judge_attention's verdicts, and what it judged them with (inputs, the fp8 read-back, the reference
+    output), for an oracle that judges more of the same call (None where the call gave nothing to judge)."""
     verdicts, go_on = _call_verdicts(obs)
     if not go_on:
-        return verdicts
+        return verdicts, None
     inputs = materialize_attention_inputs(case, obs.device)
     slot_values = _read_back(case, inputs, obs, verdicts)
     out_ref, lse_ref, valid_rows = reference_for(case, inputs, device=obs.device, slot_values=slot_values)
+    judged = (inputs, slot_values, out_ref)
     out = obs.outputs["out"].to(obs.device).float()
     if out.shape != out_ref.shape:
         return verdicts + [Verdict("output", False, f"output shape {tuple(out.shape)}, expected {tuple(out_ref.shape)}",
-                                   "J", where="shape")]
+                                   "J", where="shape")], judged
     atol, rtol = attention_tolerance(case, inputs)
     found, margin = _output_verdicts(out, out_ref, valid_rows, atol, rtol)
     verdicts += found
@@ -143,7 +150,7 @@ def judge_attention(case, obs) -> list[Verdict]:
                                     where="lse"))
     if not verdicts:
         verdicts.append(passed("output", f"{case.num_tokens} tokens within tolerance", margin=margin))
-    return verdicts
+    return verdicts, judged
 
 
 def layer_reference_for(case, layer_inputs, device: str = "cpu", slot_values=None, mha_tokens: int = 0):

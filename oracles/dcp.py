@@ -15,9 +15,8 @@ import dataclasses
 import torch
 
 from oracles.attention import error_margin
-from oracles.attention_judge import attention_tolerance, judge_attention, judge_fp8_ds_mla_entries, reference_for
+from oracles.attention_judge import attention_judgement, attention_tolerance, reference_for
 from oracles.index import RemapArgs, compare_remap, expected_remap
-from oracles.materialize import materialize_attention_inputs
 from oracles.verdict import Verdict
 from strategies.case import Case, Dcp
 
@@ -80,17 +79,14 @@ def judge_dcp(case: Case, obs) -> list[Verdict]:
     if why and "NotImplementedError" in f"{obs.error_type} {obs.error}":
         return [Verdict("contract", True, f"refused ({why}): {obs.error_type}: {obs.error}")]
     whole = undivided(case)
-    verdicts = judge_attention(whole, obs)
+    verdicts, judged = attention_judgement(whole, obs)
     failed_output = [v for v in verdicts if not v.ok and v.check in ("output", "nan", "empty_row")]
-    if any(not v.ok and v.check in ("memory", "error") for v in verdicts) or case.dcp.size == 1:
+    if judged is None or any(not v.ok and v.check in ("memory", "error") for v in verdicts) or case.dcp.size == 1:
         return verdicts
-    inputs = materialize_attention_inputs(whole, obs.device)
-    slot_values = None
-    if "cache_entries" in obs.outputs:  # a quantized cache is judged by what its bytes hold
-        slot_values, _ = judge_fp8_ds_mla_entries(whole, inputs, obs.outputs["cache_slots"], obs.outputs["cache_entries"])
+    inputs, slot_values, out_ref = judged  # the fp8 read-back and the reference, computed once
     verdicts += _rank_verdicts(case, whole, inputs, slot_values, obs)
     if failed_output:  # name the ranks whose heads came out wrong
-        ranks = _ranks_off(case, whole, inputs, slot_values, obs)
+        ranks = _ranks_off(case, whole, inputs, out_ref, obs)
         verdicts = [dataclasses.replace(v, detail=f"{v.detail}; heads of rank(s) {ranks} differ", bug_class=v.bug_class or "G")
                     if v in failed_output else v for v in verdicts]
     return verdicts
@@ -130,9 +126,8 @@ def _rank_verdicts(case: Case, whole: Case, inputs, slot_values, obs) -> list[Ve
     return verdicts
 
 
-def _ranks_off(case: Case, whole: Case, inputs, slot_values, obs) -> list[int]:
+def _ranks_off(case: Case, whole: Case, inputs, out_ref, obs) -> list[int]:
     """The ranks whose slice of the merged heads exceeds the tolerance."""
-    out_ref, _, _ = reference_for(whole, inputs, obs.device, slot_values)
     out = obs.outputs["out"].to(obs.device).float()
     atol, rtol = attention_tolerance(whole, inputs)
     h = case.heads
