@@ -112,7 +112,7 @@ def _rank_verdicts(case: Case, whole: Case, inputs, slot_values, obs) -> list[Ve
         if lse is None:
             continue
         lse = lse.to(obs.device).float()
-        _, lse_ref, _ = reference_for(whole, inputs, obs.device, slot_values, keep=(owner == r).to(obs.device))
+        out_ref, lse_ref, _ = reference_for(whole, inputs, obs.device, slot_values, keep=(owner == r).to(obs.device))
         empty = torch.isneginf(lse_ref).all(dim=1)  # rows where the rank holds none of the selected tokens
         if empty.any() and not torch.isneginf(lse[empty]).all():
             t = int(empty.nonzero()[(~torch.isneginf(lse[empty])).any(dim=1)][0])
@@ -123,6 +123,14 @@ def _rank_verdicts(case: Case, whole: Case, inputs, slot_values, obs) -> list[Ve
         if margin > 1 and not (empty.any() and not torch.isneginf(lse[empty]).all()):
             verdicts.append(Verdict("dcp_rank_lse", False, f"rank {r}: partial LSE over its share off by {margin:.2f}x "
                                                            f"the tolerance", "G", margin=margin, where="dcp_rank_lse"))
+        partial = obs.outputs.get(f"rank{r}.partial")
+        if partial is not None and (~empty).any():  # rows the rank holds nothing of are the merge's to drop
+            partial = partial.to(obs.device).float()[:, :out_ref.shape[1]]  # FlashMLA may pad the heads
+            margin = error_margin(partial[~empty].nan_to_num(1e30), out_ref[~empty], *attention_tolerance(whole, inputs))
+            if margin > 1:
+                verdicts.append(Verdict("dcp_rank_out", False, f"rank {r}: partial output over its share (before the "
+                                                               f"combine) off by {margin:.2f}x the tolerance", "G",
+                                        margin=margin, where="dcp_rank_out"))
     return verdicts
 
 

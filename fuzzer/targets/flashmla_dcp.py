@@ -113,6 +113,7 @@ class RankResult:
 
     merged: torch.Tensor | None = None  # this rank's heads after vLLM's combine [T, H, 512]
     lse: torch.Tensor | None = None  # the rank's partial LSE over the gathered heads [T, H * N]
+    partial: torch.Tensor | None = None  # the rank's partial output over the gathered heads, before the combine
     topk: torch.Tensor | None = None  # the DCP filter's output: the rank's local slots [T, K]
     block_stride_rows: int | None = None  # as the filter was called
     entries: torch.Tensor | None = None  # the fp8 entries written for the undivided slots this rank owns
@@ -182,7 +183,9 @@ class DcpStep:
             check_overrun = guard_index_group(impl)
             out, lse = impl.forward_mqa(q, cache, metadata, None)
             if manager is not None:
-                res.lse = lse.detach().float().cpu()
+                # Copies taken before the combine, which corrects both in place (on a CPU, .cpu() is no copy).
+                res.lse = lse.detach().float().to("cpu", copy=True)
+                res.partial = out.detach().to("cpu", copy=True)  # a wrong merge of right partials: the combine's
                 out = manager.combine(out, lse, seq_lens=metadata.seq_lens, query_start_loc=metadata.query_start_loc)
             res.merged = out.detach().cpu()
             if r in _FILTERED:
@@ -205,6 +208,8 @@ class DcpStep:
         for r, res in enumerate(results):
             if res.lse is not None:
                 out[f"rank{r}.lse"] = res.lse
+            if res.partial is not None:
+                out[f"rank{r}.partial"] = res.partial
             if res.topk is not None:
                 out[f"rank{r}.topk"] = res.topk
         return out

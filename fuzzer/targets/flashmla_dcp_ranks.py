@@ -55,6 +55,7 @@ class FlashMLASparseDcpRanks(FlashMLASparseDcp):
         self.rank, self.world = rank, world_size(device)
         self.followers: list[subprocess.Popen] = []
         self._applied: list[str] = []
+        self.nccl_note: str | None = None
 
     def unavailable(self) -> str | None:
         if self.world < 2:
@@ -63,6 +64,8 @@ class FlashMLASparseDcpRanks(FlashMLASparseDcp):
 
     def prepare(self) -> None:
         os.environ.update(SAFE_ENV)
+        if self.device == "cuda":
+            self.nccl_note = locate_nccl_library()
         super().prepare()  # the process group waits for the first case (`runtime` defers it)
 
     def runtime(self, state_dir: str):
@@ -87,7 +90,15 @@ class FlashMLASparseDcpRanks(FlashMLASparseDcp):
                      init_method, "--device", self.device], stdout=log, stderr=subprocess.STDOUT))
         self.cfg = vllm_runtime(self.device, self.state_dir, self.world, self.rank, init_method)
         self.collectives = check_collectives()
+        import torch.distributed as dist
+        from vllm.distributed.parallel_state import get_world_group
 
+        # Every rank's check, at rank 0: a follower's broken collective must not pass for a clean group.
+        group = get_world_group()
+        checks = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(self.collectives, checks, dst=group.ranks[0], group=group.cpu_group)
+        if self.rank == 0:
+            self.collectives = "; ".join(c for c in checks if c) or None
 
     def cases(self, profile):
         return attention_cases(profile, AttentionFeatures(
@@ -102,12 +113,12 @@ class FlashMLASparseDcpRanks(FlashMLASparseDcp):
         self.join_group()
         if case.dcp.size != self.world:
             raise ValueError(f"case.dcp.size is {case.dcp.size}; this group has {self.world} ranks")
-        get_world_group().broadcast_object({"case": case.to_json(None), "inject": list(APPLIED)}, src=0)
         step = DcpStep(self, case)
 
         def call():
             if self.collectives:  # every case would merge garbage: say why, once per case, instead
-                raise CollectivesBroken(self.collectives)
+                raise CollectivesBroken(self.collectives)  # (before the broadcast: no rank waits on a case)
+            get_world_group().broadcast_object({"case": case.to_json(None), "inject": list(APPLIED)}, src=0)
             mine = run_rank(step, 0)
             results = gather(mine)
             failed = {r: res.error for r, res in enumerate(results) if res.error}
@@ -115,7 +126,8 @@ class FlashMLASparseDcpRanks(FlashMLASparseDcp):
                 raise RankError("; ".join(f"rank {r}: {e}" for r, e in failed.items()))
             return step.outputs(results)
 
-        obs = observe_paths(self.observe, call, notes={"dcp": f"{self.world} ranks, one process each"})
+        obs = observe_paths(self.observe, call, notes={"dcp": f"{self.world} ranks, one process each"}
+                           | ({"nccl": self.nccl_note} if self.nccl_note else {}))
         return step.finish(obs, "")
 
     def follow(self) -> None:
@@ -132,6 +144,30 @@ class FlashMLASparseDcpRanks(FlashMLASparseDcp):
                 inject(name)
                 self._applied.append(name)
             gather(run_rank(DcpStep(self, Case.from_json(msg["case"])), self.rank))
+
+
+def locate_nccl_library() -> str | None:
+    """vLLM's PyNccl loads "libnccl.so.2" by name (or VLLM_NCCL_SO_PATH). Where the loader cannot find it by
+    name, PyNccl is silently disabled, and vLLM's reduce_scatter (which has no torch.distributed fallback)
+    returns an unwritten tensor: point PyNccl at the NCCL that PyTorch ships (the nvidia-nccl wheel), as a
+    vLLM install finds it. Returns what was done, for the campaign's notes."""
+    import ctypes
+    import importlib.util
+
+    if os.environ.get("VLLM_NCCL_SO_PATH"):
+        return None
+    try:
+        ctypes.CDLL("libnccl.so.2")
+        return None
+    except OSError:
+        pass
+    spec = importlib.util.find_spec("nvidia.nccl")
+    for loc in (spec.submodule_search_locations or []) if spec else []:
+        lib = Path(loc) / "lib" / "libnccl.so.2"
+        if lib.exists():
+            os.environ["VLLM_NCCL_SO_PATH"] = str(lib)
+            return f"libnccl.so.2 not found by name; VLLM_NCCL_SO_PATH={lib}"
+    return "libnccl.so.2 not found: vLLM's PyNccl will be disabled"
 
 
 class RankError(RuntimeError):
