@@ -25,7 +25,8 @@ fi
 # and does not parse all of its modules for constants at the first draw (10 s per process on the host).
 SRC_DIR=${PYTHONPATH%%:*}
 LINK=/tmp/attnfuzz-vllm/${VER:-bundle}/site-packages
-mkdir -p "$(dirname "$LINK")" && ln -sfn "$SRC_DIR" "$LINK"
+mkdir -p "$(dirname "$LINK")"
+[ "$(readlink "$LINK" 2>/dev/null)" = "$SRC_DIR" ] || ln -sfn "$SRC_DIR" "$LINK"  # jobs start at once
 export PYTHONPATH="$LINK${PYTHONPATH#"$SRC_DIR"}"
 export PYTHONPATH="$ROOT:$PYTHONPATH"
 if [ "${1:-}" = "attnfuzz" ]; then shift; exec python3 -m fuzzer.cli "$@"; fi
