@@ -5,18 +5,22 @@ not), then three checks on known values, each against a reference every rank com
   2. reduce_scatter(dim=1) of a bf16 [T, 2H, 512] tensor, as the combine calls it;
   3. vLLM's whole combine, `cp_lse_ag_out_rs` (LSE all-gather, `correct_attn_out`, reduce-scatter), on partial
      outputs and LSEs with rows where one rank holds nothing (LSE -inf), against an fp32 merge.
-Exit 1 if any check fails on any rank.  Run: python bench/dcp_collectives_check.py"""
+With --enable-pynccl, first what the real-rank target does to let vLLM's PyNccl load the host's NCCL
+(fuzzer/targets/flashmla_dcp_ranks.py: enable_pynccl).
+Exit 1 if any check fails on any rank.  Run: python bench/dcp_collectives_check.py [--enable-pynccl]"""
 import os
 import subprocess
 import sys
 import tempfile
 
-if len(sys.argv) == 1:  # the launcher: two ranks
+ENABLE = "--enable-pynccl" in sys.argv
+args = [a for a in sys.argv[1:] if a != "--enable-pynccl"]
+if not args:  # the launcher: two ranks
     init = tempfile.mktemp(prefix="dcp-check-")
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), init]) for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, __file__, str(r), init] + sys.argv[1:]) for r in range(2)]
     sys.exit(max(p.wait() for p in procs))
 
-rank, init = int(sys.argv[1]), sys.argv[2]
+rank, init = int(args[0]), args[1]
 from fuzzer.env import prepare_process  # noqa: E402
 
 device = prepare_process(None)
@@ -47,6 +51,10 @@ def reference():
 
 if device == "cuda":
     torch.cuda.set_device(rank)
+    if ENABLE:
+        from fuzzer.targets.flashmla_dcp_ranks import enable_pynccl
+
+        print(f"rank {rank}: enable_pynccl: {enable_pynccl()}", flush=True)
 else:
     from fuzzer.standins.cpu_shims import install_cpu_shims
 

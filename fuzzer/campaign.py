@@ -124,12 +124,13 @@ class Campaign:
                  max_examples: int | None = 100, time_budget: float | None = None, inject: str | None = None,
                  progress: Progress | None = None, executor=None, pending: Path | None = None,
                  journal: Path | None = None, reruns: int = 3, shrink: bool = True,
-                 database=None) -> None:
+                 database=None, max_findings: int | None = None) -> None:
         from fuzzer.worker import InProcessExecutor
 
         # Where cases run: a worker process (crash isolation, sanitizers) or this process.
         self.executor = executor or InProcessExecutor(target)
         self.pending, self.journal, self.reruns, self.shrink = pending, journal, reruns, shrink
+        self.max_findings = max_findings  # stop searching once this many distinct findings are made
         self.target, self.profile, self.host = target, profile, host
         self.seed, self.max_examples, self.time_budget, self.inject = seed, max_examples, time_budget, inject
         self.progress = progress or Progress(target.name)
@@ -316,6 +317,8 @@ class Campaign:
                 # the bugs already shrunk no longer stop it (they are counted, not raised).
                 self._settled |= set(self._failures)
                 batch += 1
+                if self.max_findings is not None and len(self._failures) >= self.max_findings:
+                    break
                 if self.result.examples == before:
                     break  # nothing left to generate
             self.result.seconds = time.monotonic() - self._start

@@ -53,6 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--no-shrink", action="store_true",
                    help="keep each finding's first case (when every failing case costs a worker restart)")
     r.add_argument("--reruns", type=int, default=3, help="re-runs of each finding to tell flaky ones (default 3)")
+    r.add_argument("--max-findings", type=int, default=None, metavar="N",
+                   help="stop searching once N distinct findings are made (a pre-merge check, a self-test)")
     r.add_argument("--workers", type=fleet.parse_workers, default=None, metavar="N|auto",
                    help="run N campaigns (auto: one per GPU; 1 on a CPU) with seeds S, S+1, ... on one example "
                         "database, and merge their findings, deduplicated across workers, runs and hosts")
@@ -132,13 +134,16 @@ def cmd_run(args, device: str) -> int:
     if profile_name not in PROFILES:
         raise UsageError(f"unknown profile {profile_name!r}; known: {', '.join(PROFILES)}")
     max_examples = args.max_examples if args.max_examples is not None or args.time_budget else 100
+    if args.max_findings is not None and args.max_findings < 1:
+        raise UsageError(f"--max-findings {args.max_findings}: must be 1 or more")
     host = host_info(device)
     executor = _executor(args, target, device, label)
     campaign = Campaign(target, PROFILES[profile_name], host, seed=args.seed, max_examples=max_examples,
                         time_budget=args.time_budget, inject=label, progress=Progress(target.name, args.quiet),
                         executor=executor, pending=args.repros / ".pending",
                         journal=STATE_DIR / "journal" / f"{target.name}.json", reruns=args.reruns,
-                        shrink=not args.no_shrink, database=fleet.example_database(args.db))
+                        shrink=not args.no_shrink, database=fleet.example_database(args.db),
+                        max_findings=args.max_findings)
     try:
         result = campaign.run()
     except HarnessError as e:

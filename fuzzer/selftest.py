@@ -27,6 +27,7 @@ from fuzzer.junit import JUnitCase, JUnitSuite, write_junit
 
 # Time to find is the measure here: findings are kept as first seen (shrinking is tested elsewhere).
 NO_SHRINK = ("--no-shrink",)
+STOP_AT_FIRST = ("--max-findings", "1")  # a mutant campaign has done its job once it finds something
 VERDICTS = {"found": "passed", "found-as-other": "passed", "clean": "passed", "skipped": "skipped",
             "missed": "failed", "false-finding": "failed", "error": "error"}
 
@@ -39,7 +40,7 @@ class SelftestRow:
     verdict: str  # found | found-as-other | missed | clean | false-finding | error | skipped
     examples_to_find: int | None = None
     seconds_to_find: float | None = None
-    examples: int = 0  # the whole campaign's cases (the budget is spent even after a find)
+    examples: int = 0  # the campaign's cases (a mutant's campaign stops at its first finding)
     seconds: float = 0.0
     wall_seconds: float = 0.0  # the campaign's process, vLLM imports included
     found_classes: list[str] = field(default_factory=list)
@@ -108,7 +109,7 @@ def plan(device: str, unavailable: dict[str, str | None], seed: int, scale: floa
                 skipped.append(SelftestRow(name, mod.BUG_CLASS, target, "skipped", reason=why))
             else:
                 spec = CampaignSpec(target, budgets.examples(device, target, "selftest", scale), seed, inject=name,
-                                    reruns=1, extra=NO_SHRINK)
+                                    reruns=1, extra=NO_SHRINK + STOP_AT_FIRST)
                 runs.append((name, mod.BUG_CLASS, spec))
     if clean:
         for target, why in unavailable.items():

@@ -80,6 +80,15 @@ def test_mutant_is_found_by_a_default_campaign(target, mutant, bug_class, tmp_pa
     assert bug_class in classes
 
 
+def test_max_findings_stops_the_search_at_the_first_finding(tmp_path):
+    r = attnfuzz("run", "--target", "vllm.index_remap", "--inject", "remap-count-past-table", "--max-examples", "400",
+                 "--max-findings", "1", "--no-shrink", "--reruns", "0", "--json", str(tmp_path / "s.json"),
+                 "--repros", str(tmp_path / "repros"))
+    assert r.returncode == 1, r.stdout + r.stderr
+    summary = _load(tmp_path / "s.json")
+    assert len(summary["findings"]) == 1 and summary["examples"] < 400
+
+
 def test_topk_length_mutant_is_found_on_the_flashmla_layer(tmp_path):
     """Class B at backend level: stale entries past the valid count, read because topk_length is dropped."""
     from fuzzer.targets.flashmla_runtime import _try_import
@@ -100,6 +109,8 @@ def test_usage_errors_exit_2(tmp_path):
     assert r.returncode == 2 and "unknown target" in r.stderr
     r = attnfuzz("run", "--target", "vllm.index_remap", "--inject", "no-such-mutant")
     assert r.returncode == 2 and "neither a built-in mutant" in r.stderr
+    r = attnfuzz("run", "--target", "vllm.index_remap", "--max-findings", "0")
+    assert r.returncode == 2 and "--max-findings 0" in r.stderr
     bad = tmp_path / "bad"
     bad.mkdir()
     from tests.test_case import small_case

@@ -166,3 +166,28 @@ def test_configurations_outside_flashmlas_envelope_are_refused(heads, size):
     assert obs.error_type == "NotImplementedError"
     (verdict,) = target.oracle(case, obs)
     assert verdict.ok and verdict.check == "contract"
+
+
+@pytest.mark.vllm
+def test_enable_pynccl_skips_only_the_optional_sleep_mode_symbols(monkeypatch):
+    """PyTorch 2.11's NCCL (2.28.9) lacks ncclCommSuspend/Resume, which vLLM 0.33 loads on CUDA; without them
+    PyNccl is disabled and vLLM's reduce_scatter returns an unwritten tensor (seen on 2 x H200)."""
+    import ctypes
+    from types import SimpleNamespace
+
+    from vllm.distributed.device_communicators import pynccl_wrapper
+
+    from fuzzer.targets.flashmla_dcp_ranks import OPTIONAL_NCCL_SYMBOLS, enable_pynccl
+
+    functions = pynccl_wrapper.NCCLLibrary.exported_functions
+    monkeypatch.setattr(pynccl_wrapper.NCCLLibrary, "exported_functions", list(functions))
+    monkeypatch.setenv("VLLM_NCCL_SO_PATH", "libnccl-test.so")
+    has = {f.name: object() for f in functions if f.name not in ("ncclCommSuspend", "ncclCommResume")}
+    monkeypatch.setattr(ctypes, "CDLL", lambda so: SimpleNamespace(**has))
+    note = enable_pynccl()
+    names = {f.name for f in pynccl_wrapper.NCCLLibrary.exported_functions}
+    if {"ncclCommSuspend", "ncclCommResume"} <= {f.name for f in functions}:  # 0.33; older releases lack them
+        assert "skipped as vLLM does on ROCm" in note and not names & set(OPTIONAL_NCCL_SYMBOLS)
+    assert names == {f.name for f in functions} - set(OPTIONAL_NCCL_SYMBOLS)
+    del has["ncclReduceScatter"]  # a symbol PyNccl needs: it stays disabled, and says so
+    assert "PyNccl stays disabled: ncclReduceScatter" in enable_pynccl()

@@ -55,7 +55,6 @@ class FlashMLASparseDcpRanks(FlashMLASparseDcp):
         self.rank, self.world = rank, world_size(device)
         self.followers: list[subprocess.Popen] = []
         self._applied: list[str] = []
-        self.nccl_note: str | None = None
 
     def unavailable(self) -> str | None:
         if self.world < 2:
@@ -64,9 +63,9 @@ class FlashMLASparseDcpRanks(FlashMLASparseDcp):
 
     def prepare(self) -> None:
         os.environ.update(SAFE_ENV)
-        if self.device == "cuda":
-            self.nccl_note = locate_nccl_library()
         super().prepare()  # the process group waits for the first case (`runtime` defers it)
+        if self.device == "cuda" and (note := enable_pynccl()):
+            self.shims.append(note)  # reported with every result
 
     def runtime(self, state_dir: str):
         self.state_dir = state_dir
@@ -126,8 +125,7 @@ class FlashMLASparseDcpRanks(FlashMLASparseDcp):
                 raise RankError("; ".join(f"rank {r}: {e}" for r, e in failed.items()))
             return step.outputs(results)
 
-        obs = observe_paths(self.observe, call, notes={"dcp": f"{self.world} ranks, one process each"}
-                           | ({"nccl": self.nccl_note} if self.nccl_note else {}))
+        obs = observe_paths(self.observe, call, notes={"dcp": f"{self.world} ranks, one process each"})
         return step.finish(obs, "")
 
     def follow(self) -> None:
@@ -146,28 +144,46 @@ class FlashMLASparseDcpRanks(FlashMLASparseDcp):
             gather(run_rank(DcpStep(self, Case.from_json(msg["case"])), self.rank))
 
 
-def locate_nccl_library() -> str | None:
-    """vLLM's PyNccl loads "libnccl.so.2" by name (or VLLM_NCCL_SO_PATH). Where the loader cannot find it by
-    name, PyNccl is silently disabled, and vLLM's reduce_scatter (which has no torch.distributed fallback)
-    returns an unwritten tensor: point PyNccl at the NCCL that PyTorch ships (the nvidia-nccl wheel), as a
-    vLLM install finds it. Returns what was done, for the campaign's notes."""
+# Symbols vLLM's NCCL binding loads but calls only behind `has_symbol()` (sleep mode); it already skips them on
+# ROCm. NCCL before 2.29.7 (PyTorch 2.11's wheel ships 2.28.9) lacks them.
+OPTIONAL_NCCL_SYMBOLS = ("ncclCommSuspend", "ncclCommResume")
+
+
+def enable_pynccl() -> str | None:
+    """Let vLLM's PyNccl load the host's NCCL, so the DCP combine runs as it does in a vLLM install.
+
+    PyNccl loads "libnccl.so.2" by name (or VLLM_NCCL_SO_PATH) and every symbol it lists; on any failure it is
+    silently disabled, and vLLM's `reduce_scatter` (unlike its all_gather and all_reduce) then has no fallback
+    and returns an unwritten tensor: every DCP merge would be garbage. So: point it at the NCCL PyTorch ships
+    when the loader cannot find that by name, and skip the optional sleep-mode symbols that NCCL lacks.
+    Returns what was changed (a shim: reported with every result), or None."""
     import ctypes
     import importlib.util
 
-    if os.environ.get("VLLM_NCCL_SO_PATH"):
-        return None
+    from vllm.distributed.device_communicators import pynccl_wrapper
+
+    notes = []
+    so = os.environ.get("VLLM_NCCL_SO_PATH") or "libnccl.so.2"
     try:
-        ctypes.CDLL("libnccl.so.2")
-        return None
+        lib = ctypes.CDLL(so)
     except OSError:
-        pass
-    spec = importlib.util.find_spec("nvidia.nccl")
-    for loc in (spec.submodule_search_locations or []) if spec else []:
-        lib = Path(loc) / "lib" / "libnccl.so.2"
-        if lib.exists():
-            os.environ["VLLM_NCCL_SO_PATH"] = str(lib)
-            return f"libnccl.so.2 not found by name; VLLM_NCCL_SO_PATH={lib}"
-    return "libnccl.so.2 not found: vLLM's PyNccl will be disabled"
+        spec = importlib.util.find_spec("nvidia.nccl")
+        found = [Path(loc) / "lib" / "libnccl.so.2" for loc in (spec.submodule_search_locations or [])] if spec else []
+        found = [p for p in found if p.exists()]
+        if not found:
+            return f"{so} not found: vLLM's PyNccl is disabled here"
+        so = os.environ["VLLM_NCCL_SO_PATH"] = str(found[0])
+        lib = ctypes.CDLL(so)
+        notes.append(f"VLLM_NCCL_SO_PATH={so}")
+    functions = pynccl_wrapper.NCCLLibrary.exported_functions
+    absent = [f.name for f in functions if not hasattr(lib, f.name)]
+    skip = [name for name in absent if name in OPTIONAL_NCCL_SYMBOLS]
+    if skip:
+        pynccl_wrapper.NCCLLibrary.exported_functions = [f for f in functions if f.name not in skip]
+        notes.append(f"PyNccl: {', '.join(skip)} absent from the host's NCCL, skipped as vLLM does on ROCm")
+    if set(absent) - set(skip):
+        notes.append(f"PyNccl stays disabled: {', '.join(sorted(set(absent) - set(skip)))} absent from {so}")
+    return "; ".join(notes) or None
 
 
 class RankError(RuntimeError):
