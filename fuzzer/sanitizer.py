@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 from dataclasses import asdict, dataclass
 
@@ -60,15 +61,22 @@ def check_driver() -> dict:
     return {"driver_version": f"{version // 1000}.{version % 1000 // 10}", "devices": count}
 
 
+PRINT_LIMIT = 1_000_000
+
+
 def sanitizer_command(tool: str, binary: str | None = None, log_file: str | None = None) -> list[str]:
     """compute-sanitizer and its options; reports go to the process's own output unless `log_file`."""
     if tool not in TOOLS:
         raise ValueError(f"unknown compute-sanitizer tool {tool!r}; known: {', '.join(TOOLS)}")
-    cmd = [binary or find_compute_sanitizer(), "--tool", tool, "--print-limit", "200", "--show-backtrace", "no"]
+    # The print limit counts over the whole (persistent) worker: at the default, every case after the first
+    # noisy one would be reported clean. Per-case volume is bounded by the device's error buffer anyway.
+    cmd = [binary or find_compute_sanitizer(), "--tool", tool, "--print-limit", str(PRINT_LIMIT), "--show-backtrace", "no"]
     if tool == "memcheck":  # unused bytes after each allocation: a short overrun lands there, not in a neighbour
         cmd += ["--padding", "256"]
     if log_file:
         cmd += ["--log-file", log_file]
+    # More options for a diagnosis (e.g. "--show-backtrace host"); later options win.
+    cmd += shlex.split(os.environ.get("ATTNFUZZ_SANITIZER_OPTIONS", ""))
     if tool == "memcheck":
         cmd += ["--leak-check", "no"]
     return cmd
@@ -102,7 +110,7 @@ class SanitizerReport:
         return f"{self.tool}:{self.kind}:{self.kernel}:{os.path.basename(self.file)}:{self.line}"
 
     def describe(self) -> str:
-        where = f"{self.kernel} ({os.path.basename(self.file)}:{self.line})" if self.kernel else "?"
+        where = (f"{self.kernel} ({os.path.basename(self.file)}:{self.line})" if self.file else self.kernel) or "?"
         size = f" of {self.access_size} bytes" if self.access_size else ""
         at = f", thread {self.thread} block {self.block}" if self.block else ""
         return f"{self.tool}: {self.kind}{size} in {where}{at}" + (f"; {self.distance}" if self.distance else "")
@@ -113,7 +121,11 @@ class SanitizerReport:
 
 _HEADER = re.compile(r"^=========\s(?!\s)(?P<text>.+)$")
 _DETAIL = re.compile(r"^=========\s{2,}(?P<text>.*)$")
-_KIND_SIZE = re.compile(r"^(?P<kind>.+?) of size (?P<size>\d+) bytes?")
+_KIND_SIZE = re.compile(r"^(?P<kind>.+?) of size (?P<size>[\d,]+) bytes?")
+_HOST_ACCESS = re.compile(r" at host access to 0x[0-9a-f]+$")  # host API errors name the address in the kind
+_API = re.compile(r"on access by (?P<api>.+)$")  # "Uninitialized access to 0x... on access by cudaMemcpy source"
+# The device's error buffer overflowed: this case had more errors than were recorded (none of them printed).
+RECORDS_DROPPED = "Warning: Error buffer overflow has been detected"
 _AT = re.compile(r"^at (?P<kernel>[^\s+]+)(?:\+0x[0-9a-f]+)? in (?P<file>\S+?):(?P<line>\d+)")
 _THREAD = re.compile(r"by thread \((?P<thread>[\d, ]+)\) in block \((?P<block>[\d, ]+)\)")
 _ADDRESS = re.compile(r"(?:Access to|Address) (?P<address>0x[0-9a-f]+)")
@@ -152,8 +164,11 @@ def parse_log(text: str, tool: str = "memcheck") -> list[SanitizerReport]:
 def _report(tool: str, lines: list[str]) -> SanitizerReport:
     head = lines[0]
     m = _KIND_SIZE.match(head)
-    kind, size = (m.group("kind"), int(m.group("size"))) if m else (head.rstrip(". "), 0)
+    kind, size = (m.group("kind"), int(m.group("size").replace(",", ""))) if m else (head.rstrip(". "), 0)
+    kind = _HOST_ACCESS.sub("", kind)
     fields: dict = {}
+    if head.startswith(RECORDS_DROPPED):
+        kind, fields["kernel"] = "error records dropped (the device's error buffer overflowed)", "?"
     if (a := re.search(r" at (?P<kernel>[^\s+]+)(?:\+0x[0-9a-f]+)? in (?P<file>\S+?):(?P<line>\d+)", head)):
         fields.update(kernel=a.group("kernel"), file=a.group("file"), line=int(a.group("line")))  # racecheck
     for line in lines[1:]:
@@ -167,6 +182,8 @@ def _report(tool: str, lines: list[str]) -> SanitizerReport:
             fields["address"] = ad.group("address")
         if dist := _DISTANCE.search(line):
             fields["distance"] = dist.group("distance")
+        if (api := _API.search(line)) and "kernel" not in fields:  # a host API call, not a kernel, made the access
+            fields["kernel"] = api.group("api")
     text = "\n".join(x for x in lines if not x.startswith("Host Frame"))
     return SanitizerReport(tool=tool, kind=kind, access_size=size, text=text, **fields)
 

@@ -61,6 +61,22 @@ def test_other_tools_log_formats():
     assert parse_log("plain program output\n========= ERROR SUMMARY: 0 errors\n") == []
 
 
+def test_real_initcheck_log_host_api_errors_and_dropped_records():
+    """A real initcheck worker log (H200): a host API (cudaMemcpy) reading uninitialized device memory, one
+    report per 32 bytes; and a later case whose errors overflowed the device's error buffer unprinted."""
+    text = (FIXTURES / "initcheck-h200-flashmla.log").read_text()
+    case1 = text[text.index("CASE-BEGIN 1"):text.index("CASE-END 1")]
+    reports = parse_log(case1, "initcheck")
+    assert len(reports) == 2 and len(dedupe(reports)) == 1  # the same bug at two addresses
+    r = reports[0]
+    assert (r.kind, r.access_size, r.kernel) == ("Host API memory access error", 16384, "cudaMemcpy source")
+    assert r.describe() == "initcheck: Host API memory access error of 16384 bytes in cudaMemcpy source"
+    case5 = text[text.index("CASE-BEGIN 5"):text.index("CASE-END 5")]
+    (dropped,) = parse_log(case5, "initcheck")
+    assert dropped.kind.startswith("error records dropped") and dropped.signature != r.signature
+    assert "--print-limit" in sanitizer_command("initcheck", "cs") and "200" not in sanitizer_command("initcheck", "cs")
+
+
 def test_sanitized_workers_never_run_with_the_caching_allocator():
     env = sanitized_env({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "PATH": "/bin"})
     assert env["PYTORCH_NO_CUDA_MEMORY_CACHING"] == "1" and "PYTORCH_CUDA_ALLOC_CONF" not in env
