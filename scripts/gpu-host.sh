@@ -18,6 +18,8 @@ if [ -n "$VER" ]; then
     mkdir -p "$SRC" && tar xzf "$ROOT/.gpu-bundle/old/vllm-$VER.tgz" -C "$SRC"
     : > "$SRC/vllm/_C_stable_libtorch.py"
     mkdir -p "$SRC/vllm/vllm_flash_attn" && cp "$ROOT/.gpu-bundle/fa_standin.py" "$SRC/vllm/vllm_flash_attn/__init__.py"
+    # That release's own FlashMLA extensions, where the bundle carries them (old/so-VER, from its wheel).
+    if [ -d "$ROOT/.gpu-bundle/old/so-$VER" ]; then cp "$ROOT/.gpu-bundle/old/so-$VER"/*.so "$SRC/vllm/"; fi
   fi
   export PYTHONPATH="$SRC:/tmp/gpu-bundle/site"
 fi

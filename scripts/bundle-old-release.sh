@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Add an older vLLM release to the GPU bundle (after ../shared/gpu-host/build-bundle.sh .gpu-bundle):
+#   .gpu-bundle/old/vllm-VER.tgz   its Python sources (the bundle's wheels serve every release)
+#   .gpu-bundle/old/so-VER/        its own FlashMLA extensions (_flashmla_C, _flashmla_extension_C), ~2 MB
+# scripts/gpu-host.sh --vllm VER unpacks both on the host. 0.23-0.26 wheels are built for torch 2.11.
+#
+#   scripts/bundle-old-release.sh 0.26.0
+set -euo pipefail
+VER=${1:?vLLM version}
+DEST=$(cd "$(dirname "$0")/.." && pwd)/.gpu-bundle/old
+TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
+mkdir -p "$DEST/so-$VER"
+python3 -m pip download -q --no-deps "vllm==$VER" -d "$TMP/w"
+WHL=$(ls "$TMP"/w/vllm-*.whl)
+unzip -q "$WHL" -d "$TMP/x" -x 'vllm/vllm_flash_attn/*' '*.so' '*.hpp' '*.h' '*.cuh' '*.cu' '*.cpp' '*.js' '*.css'
+(cd "$TMP/x" && tar czf - vllm) > "$DEST/vllm-$VER.tgz"
+unzip -q -o -j "$WHL" 'vllm/_flashmla_C.abi3.so' 'vllm/_flashmla_extension_C.abi3.so' -d "$DEST/so-$VER"
+du -sh "$DEST/vllm-$VER.tgz" "$DEST/so-$VER"
