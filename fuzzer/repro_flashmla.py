@@ -16,7 +16,7 @@ import torch
 
 _VENDORED_CPU = ("fuzzer.interp.corrections", "fuzzer.standins.cpu_shims")
 _VENDORED = ("fuzzer.interp.sanitizer", "fuzzer.standins.cache_ops", "fuzzer.standins.flashmla_ops",
-             "fuzzer.targets.flashmla_runtime")
+             "fuzzer.standins.flash_attn_ops", "fuzzer.targets.flashmla_runtime")
 
 _MAIN = '''
 def main():
