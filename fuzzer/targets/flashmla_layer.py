@@ -71,7 +71,8 @@ class FlashMLASparseLayer(FlashMLASparse):
 
         return attention_cases(profile, AttentionFeatures(kv_cache_dtypes=self.kv_cache_dtypes, block_sizes=(64, 128),
                                                           block_stride_rows=remap_api().has_block_stride_rows,
-                                                          indexer_fills_short_seqs=True))
+                                                          indexer_fills_short_seqs=True,
+                                                          vllm_batch_order=layer_api().relies_on_batch_order))
 
     @staticmethod
     def backend():

@@ -10,6 +10,7 @@ import functools
 import importlib
 import inspect
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -276,7 +277,12 @@ def layer_api() -> SimpleNamespace:
     params = inspect.signature(MLAAttention.__init__).parameters
     dense_mha = "topk_tokens" in inspect.getsource(MLAAttention.forward_impl)  # the short-prefill test
     chosen = "prefill_backend_cls" in params and _try_import(CPU_SDPA_PREFILL_MODULE) is not None
+    mla_source = inspect.getsource(importlib.import_module(MLA_MODULE))
     return SimpleNamespace(
+        # 0.23/0.26 merge the context into only the first qsl[num_prefills_with_context] prefill tokens: they rely
+        # on vLLM's batch order (prefills with context first), which their model runner guarantees.
+        relies_on_batch_order=bool(re.search(r"prefill_tokens_with_context\s*=\s*prefill_query_start_loc_cpu\[",
+                                             mla_source)),
         prefill_backend="CPU_SDPA_MLA" if chosen else "FLASH_ATTN",  # FLASH_ATTN: the layer's own pick on a CPU
         pass_prefill_backend=chosen,
         topk_buffer_arg="topk_indices_buffer" in params,
