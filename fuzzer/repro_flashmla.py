@@ -16,7 +16,7 @@ import torch
 
 _VENDORED_CPU = ("fuzzer.interp.corrections", "fuzzer.standins.cpu_shims")
 _VENDORED = ("fuzzer.interp.sanitizer", "fuzzer.standins.cache_ops", "fuzzer.standins.flashmla_ops",
-             "fuzzer.targets.flashmla_runtime")
+             "fuzzer.standins.flash_attn_ops", "fuzzer.targets.flashmla_runtime")
 
 _MAIN = '''
 def main():
@@ -166,9 +166,12 @@ def render_flashmla_repro(finding, target, layer: bool) -> tuple[str, dict]:
                      NUM_REQS=len(case.requests), NUM_TOKENS=case.num_tokens,
                      MAX_QUERY_LEN=max(r.query_len for r in case.requests),
                      MAX_SEQ_LEN=max(r.seq_len for r in case.requests), ATOL=atol, RTOL=rtol)
-    memory = bool(obs.memory)
+    # On a CPU every reproducer runs the interpreter under attnfuzz's checker, memory finding or not: besides the
+    # bounds checks it broadcasts the 0-d masks the bare interpreter rejects ("mask has unsupported dtype", Trap 4,
+    # hit by the remap kernel on FlashMLA's fp8 separate path).
+    memory = cpu
     setup = list(_CPU_SETUP) if cpu else []
-    if cpu and memory:
+    if cpu:
         setup.append("    SANITIZER.install()  # bounds checks on every interpreted Triton load/store")
     header = _header(finding, f"Shrunk case: {case.summary()}; {case.heads} heads, kv_cache_dtype {case.kv_cache_dtype}, "
                      f"values {case.values}.\nInputs in tensors.safetensors beside this file; the expected output is "

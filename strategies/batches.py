@@ -40,9 +40,13 @@ def _cdiv(a: int, b: int) -> int:
 
 
 @st.composite
-def requests(draw, p: Profile, topk_width: int, max_decode_query_len: int = MAX_DECODE_QUERY_LEN
-             ) -> tuple[tuple[Request, ...], int]:
-    """Requests in vLLM's batch order (decodes, padding rows, extends/prefills) and the decode count."""
+def requests(draw, p: Profile, topk_width: int, max_decode_query_len: int = MAX_DECODE_QUERY_LEN,
+             vllm_order: bool = False) -> tuple[tuple[Request, ...], int]:
+    """Requests in vLLM's batch order (decodes, padding rows, extends/prefills) and the decode count.
+
+    `vllm_order`: exactly as vLLM's model runner leaves a batch: `reorder_batch_to_split_decodes_and_prefills`
+    puts prefills with cached context (extends, prefix-cache hits) before fresh ones, and zero-length padding
+    rows come only with uniform decode batches (full CUDA graphs), never before prefills."""
     n_dec = draw(st.integers(0, p.max_decodes))
     q_dec = draw(st.integers(1, max_decode_query_len))
     budget = p.max_tokens
@@ -64,6 +68,10 @@ def requests(draw, p: Profile, topk_width: int, max_decode_query_len: int = MAX_
         ctx = draw(st.integers(0, min(ctx_cap, p.max_context)))  # > 0: chunked context / prefix-cache hit
         reqs.append(Request(q, ctx))
         budget -= q
+    if vllm_order and len(reqs) > num_decodes:
+        pads = sum(1 for r in reqs[:num_decodes] if r.query_len == 0)
+        prefills = sorted(reqs[num_decodes:], key=lambda r: r.context_len == 0)  # stable: extends first
+        reqs, num_decodes = [r for r in reqs[:num_decodes] if r.query_len] + prefills, num_decodes - pads
     if not any(r.query_len for r in reqs):
         reqs.append(Request(1, draw(st.integers(0, p.max_context))))
     return tuple(reqs), num_decodes
@@ -176,6 +184,9 @@ class AttentionFeatures:
     # Rows of a request whose whole sequence fits in top-k select every visible position, as vLLM's indexer
     # does. Layer-level targets need it: the dense-MHA route attends to all of them, by design.
     indexer_fills_short_seqs: bool = False
+    # Batches only in the order vLLM's model runner makes (see `requests`): for releases whose chunked-context
+    # metadata relies on it (0.26 counts the prefill tokens with context as a prefix of the prefills).
+    vllm_batch_order: bool = False
     # DCP splits (decode context parallelism): `heads` is then per rank before the query all-gather, and a
     # split is drawn only where the gathered heads (heads x size) stay within this bound (FlashMLA's fp8
     # kernel pads local and gathered heads to one envelope, 64 or 128, and refuses DCP otherwise).
@@ -231,7 +242,8 @@ def attention_cases(draw, p: Profile, f: AttentionFeatures) -> Case:
     bound = 1024 if outside else f.dcp_max_gathered_heads
     dcp = draw(attention_dcp_splits(p, block_size, heads, bound, f.dcp_sizes)) if f.dcp else Dcp()
     # vLLM allows multi-token (MTP) decodes under DCP only with interleave 1 (supports_dcp_with_varlen).
-    reqs, num_decodes = draw(requests(p, topk_width, 1 if dcp.interleave > 1 else MAX_DECODE_QUERY_LEN))
+    reqs, num_decodes = draw(requests(p, topk_width, 1 if dcp.interleave > 1 else MAX_DECODE_QUERY_LEN,
+                                      vllm_order=f.vllm_batch_order))
     # Under DCP a block id names one block on every rank: a "virtual" block of block_size x size tokens.
     virtual = block_size * dcp.size
     table, _ = draw(block_tables([_cdiv(r.seq_len, virtual) for r in reqs], False,

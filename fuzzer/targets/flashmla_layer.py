@@ -10,6 +10,12 @@ and merges the two parts by LSE. The output is judged after W_UV, for whichever 
 The prefill backend is vLLM's own torch backend, CPU_SDPA_MLA, on every host: FlashAttention is not in the
 GPU bundle. Compiled ops the host lacks are attnfuzz's stand-ins (see `fuzzer.standins`) and are listed in
 every result.
+
+Older releases (`flashmla_runtime.layer_api` reads what the installed one offers): 0.26.0 has the same two
+routes but no CPU_SDPA_MLA and no `prefill_backend_cls=`; its layer picks its prefill backend itself, FLASH_ATTN
+on a CPU, whose Python is vLLM's and whose varlen kernel is attnfuzz's stand-in. 0.23.0's forward_impl sends
+every token of a sparse impl to forward_mqa (no dense-MHA route exists there), so the target drives that. Each
+observation names the routes the release has (`notes["layer_routes"]`).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from fuzzer.guards import Guards
 from fuzzer.targets import flashmla_runtime
 from fuzzer.targets.backend_harness import common_attn_metadata, step_tensors
 from fuzzer.targets.flashmla_runtime import (BACKEND_MODULE, LAYER, configure, guard_index_group,
-                                            install_layer_standins, mla_layer, record_routes)
+                                            install_layer_standins, layer_api, mla_layer, record_routes)
 from fuzzer.targets.flashmla_sparse import FlashMLASparse
 from oracles.attention_judge import judge_layer
 from oracles.materialize import HEAD_SIZE, V_HEAD, materialize_layer_inputs
@@ -40,30 +46,33 @@ class FlashMLASparseLayer(FlashMLASparse):
                   "CPU_SDPA_MLA prefill backend", "SparseMLAIndexGroup", "the index-remap Triton kernel",
                   "merge_attn_states")
 
-    def unavailable(self) -> str | None:
-        why = super().unavailable()
-        if why:
-            return why
-        import inspect
-
-        from vllm.model_executor.layers.attention.mla_attention import MLAAttention
-
-        params = inspect.signature(MLAAttention.__init__).parameters
-        if not {"prefill_backend_cls", "use_sparse", "topk_indices_buffer"} <= set(params):
-            from fuzzer.targets.vllm_api import vllm_version
-
-            return (f"builds 0.33's MLAAttention (prefill_backend_cls=, use_sparse=, topk_indices_buffer=); "
-                    f"vLLM {vllm_version()}'s layer takes other arguments: not supported yet")
-        return None
-
     def prepare(self) -> None:
         super().prepare()
+        api = layer_api()  # which routes and prefill backend this release's layer has (see layer_api)
+        self.routes = api.routes
+        drop = {"CPU_SDPA_MLA prefill backend"}
+        if flashmla_runtime._try_import("vllm.v1.attention.backends.mla.index_group") is None:
+            drop.add("SparseMLAIndexGroup")  # 0.26 and older convert top-k in the impl
+        if not api.dense_mha:
+            drop |= {"chunked-context metadata", "merge_attn_states"}
+        parts = [p for p in self.real_parts if p not in drop]
+        if api.dense_mha:
+            parts.append(f"{api.prefill_backend} MLA prefill backend")
+        else:  # 0.23: forward_impl hands a sparse impl every token
+            parts = [{"MLAAttention.forward_impl (the decode/MHA split, W_UK/W_UV)": "MLAAttention.forward_impl (W_UK/W_UV)",
+                      "FlashMLASparseImpl.forward_mqa / forward_mha": "FlashMLASparseImpl.forward_mqa"}.get(p, p)
+                     for p in parts]
+        self.real_parts = tuple(parts)
         self.emulated = (*self.emulated, *install_layer_standins(self.device))
         flashmla_runtime.record_gathers()
 
     def cases(self, profile):
+        from fuzzer.targets.vllm_api import remap_api
+
         return attention_cases(profile, AttentionFeatures(kv_cache_dtypes=self.kv_cache_dtypes, block_sizes=(64, 128),
-                                                          indexer_fills_short_seqs=True))
+                                                          block_stride_rows=remap_api().has_block_stride_rows,
+                                                          indexer_fills_short_seqs=True,
+                                                          vllm_batch_order=layer_api().relies_on_batch_order))
 
     @staticmethod
     def backend():
@@ -95,7 +104,8 @@ class FlashMLASparseLayer(FlashMLASparse):
                 layer = mla_layer(cfg, case.heads, inputs.kv_b_weight, topk_buffer, dev)
                 builder = self.backend().get_builder_cls()(spec, [LAYER], cfg, torch.device(dev))
                 metadata = builder.build(0, common_attn_metadata(case, inp.index, dev))
-                route.update(chunked_context=metadata.prefill is not None and metadata.prefill.chunked_context is not None,
+                prefill = getattr(metadata, "prefill", None)  # 0.23's sparse metadata has no dense-MHA part
+                route.update(chunked_context=prefill is not None and prefill.chunked_context is not None,
                              fp8_mixed_batch=bool(getattr(metadata, "fp8_use_mixed_batch", False)))
                 record_routes(layer.impl, route)
                 check_overrun = guard_index_group(layer.impl)
@@ -112,6 +122,7 @@ class FlashMLASparseLayer(FlashMLASparse):
 
         obs = self.finish(observe_paths(self.observe, call), case, slots, cache, before, write_emulated, overruns, guards)
         obs.notes["route"] = dict(route)
+        obs.notes["layer_routes"] = self.routes  # what this release's forward_impl offers a sparse impl
         if gathers:  # the context rows the dense-MHA path gathered, with the cache slots they came from
             obs.outputs["gathered_slots"] = torch.cat([s for s, _ in gathers])
             obs.outputs["gathered_rows"] = torch.cat([r for _, r in gathers])

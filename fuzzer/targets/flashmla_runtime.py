@@ -10,6 +10,7 @@ import functools
 import importlib
 import inspect
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -110,9 +111,16 @@ def cpu_shims() -> tuple[str, ...]:
         index_group.current_stream = lambda: _NoStream()
     mod.current_stream = lambda: _NoStream()
     workspace.torch = SimpleNamespace(**{**vars(torch), "accelerator": SimpleNamespace(empty_cache=lambda: None)})
-    _zeros = torch.zeros
+    _zeros, _empty = torch.zeros, torch.empty
     mod.torch = SimpleNamespace(**{**vars(torch), "zeros": lambda *a, pin_memory=False, **k: _zeros(*a, **k)})
-    return ("PIN_MEMORY=False where (sparse_)mla_attention and backends.utils bound it",
+    mla = optional[0]
+    pinned_mla = mla is not None and "pin_memory=True" in inspect.getsource(mla)
+    if pinned_mla:  # 0.26 allocates the chunked-context metadata pinned, literally (0.33 through PIN_MEMORY)
+        mla.torch = SimpleNamespace(**{**vars(torch), "zeros": lambda *a, pin_memory=False, **k: _zeros(*a, **k),
+                                       "empty": lambda *a, pin_memory=False, **k: _empty(*a, **k)})
+    return (*(("mla_attention: torch.empty/zeros(pin_memory=True) unpinned (chunked-context metadata)",)
+              if pinned_mla else ()),
+            "PIN_MEMORY=False where (sparse_)mla_attention and backends.utils bound it",
             "flashmla_sparse.num_compute_units=132 (CPU platform raises)",
             "index group side stream / events / current_stream: no-ops (CPU has no streams)",
             "workspace manager: torch.accelerator.empty_cache no-op",
@@ -229,36 +237,91 @@ def install_layer_standins(device: str) -> tuple[str, ...]:
 
         custom_ops.merge_attn_states = merge_attn_states
         bound.append("merge_attn_states (vLLM's Triton merge for the CUDA op)")
+    if layer_api().prefill_backend == "FLASH_ATTN":
+        # The release's own FlashAttention prefill backend. fa_utils binds the platform's compiled varlen kernel
+        # (vllm_flash_attn on CUDA, xpu_ops on XPU) and, on CUDA, FA4's compile API; on a host with neither (a CPU
+        # platform) it binds nothing and the backend's module cannot import. Bind the stand-in where fa_utils
+        # would, with no compile API (as on XPU and ROCm), and where the backend module bound the kernel.
+        from fuzzer.standins.flash_attn_ops import flash_attn_varlen_func
+
+        fa_utils = importlib.import_module("vllm.v1.attention.backends.fa_utils")
+        if device == "cpu" or not hasattr(fa_utils, "flash_attn_varlen_func"):
+            fa_utils.flash_attn_varlen_func = flash_attn_varlen_func
+            if not hasattr(fa_utils, "compile_flash_attn_varlen_func_from_specs"):
+                fa_utils.compile_flash_attn_varlen_func_from_specs = None
+        fa = importlib.import_module(FLASH_ATTN_PREFILL_MODULE)
+        if device == "cpu" or fa.flash_attn_varlen_func is None:  # None: fa_utils says no kernel on this platform
+            fa.flash_attn_varlen_func = flash_attn_varlen_func
+            bound.append("flash_attn_varlen_func (the FLASH_ATTN MLA prefill backend's kernel)" if layer_api().dense_mha
+                         else "flash_attn_varlen_func (bound for the FLASH_ATTN prefill backend the layer builds; "
+                              "this release's sparse layer never calls it)")
     return tuple(bound)
+
+
+FLASH_ATTN_PREFILL_MODULE = "vllm.v1.attention.backends.mla.prefill.flash_attn"
+CPU_SDPA_PREFILL_MODULE = "vllm.v1.attention.backends.mla.prefill.cpu_sdpa"
+
+
+@functools.cache
+def layer_api() -> SimpleNamespace:
+    """How this release's MLAAttention is built and which routes it gives a sparse impl, read from its source.
+
+    0.33: `prefill_backend_cls=` (attnfuzz passes vLLM's CPU_SDPA_MLA), `topk_indices_buffer=`; decode tokens to
+    forward_mqa, short prefills (seq_len <= top-k) to the dense-MHA forward_mha. 0.26: no `prefill_backend_cls`
+    (the layer picks its prefill backend itself: FLASH_ATTN on a host with no device capability, i.e. any CPU;
+    there is no CPU_SDPA_MLA yet), `topk_indices_buffer=`, the same two routes. 0.23: no `topk_indices_buffer`
+    (the impl reads it from `indexer=`), and forward_impl sends every token of a sparse impl to forward_mqa:
+    there is no dense-MHA route (a FLASH_ATTN prefill backend is built but never called)."""
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    params = inspect.signature(MLAAttention.__init__).parameters
+    dense_mha = "topk_tokens" in inspect.getsource(MLAAttention.forward_impl)  # the short-prefill test
+    chosen = "prefill_backend_cls" in params and _try_import(CPU_SDPA_PREFILL_MODULE) is not None
+    mla_source = inspect.getsource(importlib.import_module(MLA_MODULE))
+    return SimpleNamespace(
+        # 0.23/0.26 merge the context into only the first qsl[num_prefills_with_context] prefill tokens: they rely
+        # on vLLM's batch order (prefills with context first), which their model runner guarantees.
+        relies_on_batch_order=bool(re.search(r"prefill_tokens_with_context\s*=\s*prefill_query_start_loc_cpu\[",
+                                             mla_source)),
+        prefill_backend="CPU_SDPA_MLA" if chosen else "FLASH_ATTN",  # FLASH_ATTN: the layer's own pick on a CPU
+        pass_prefill_backend=chosen,
+        topk_buffer_arg="topk_indices_buffer" in params,
+        dense_mha=dense_mha,
+        routes=("decode -> forward_mqa; short prefill (seq_len <= top-k) -> dense-MHA forward_mha "
+                "(+ chunked context)" if dense_mha else
+                "every token -> forward_mqa (this release has no dense-MHA route for sparse MLA)"))
 
 
 MLA_MODULE = "vllm.model_executor.layers.attention.mla_attention"
 
 
 def mla_layer(cfg, heads: int, kv_b_weight: torch.Tensor, topk_indices_buffer: torch.Tensor, device: str):
-    """A fresh MLAAttention on FLASHMLA_SPARSE with vLLM's CPU_SDPA_MLA prefill backend (FlashAttention is not
-    on every host), kv_b_proj holding `kv_b_weight`; it registers itself as the forward context's LAYER,
+    """A fresh MLAAttention on FLASHMLA_SPARSE, built as this release takes it (`layer_api`): with vLLM's CPU_SDPA_MLA
+    prefill backend where the release takes one (FlashAttention is not on every host), kv_b_proj holding `kv_b_weight`; it registers itself as the forward context's LAYER,
     which the metadata builder reads. Call inside `set_current_vllm_config(cfg)`."""
     from vllm.model_executor.layers.attention.mla_attention import MLAAttention
     from vllm.model_executor.layers.linear import ColumnParallelLinear
-    from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import CPUSDPAMLAPrefillBackend
 
     cfg.compilation_config.static_forward_context.pop(LAYER, None)
     kv_b_proj = ColumnParallelLinear(KV_LORA_RANK, heads * (QK_NOPE + V_HEAD), bias=False, params_dtype=torch.bfloat16,
                                      prefix=f"{LAYER}.kv_b_proj").to(device)
     kv_b_proj.weight.data.copy_(kv_b_weight)
+    api = layer_api()  # what this release's constructor takes
+    extra = {"topk_indices_buffer": topk_indices_buffer} if api.topk_buffer_arg else {
+        "indexer": SimpleNamespace(topk_indices_buffer=topk_indices_buffer)}
+    if api.pass_prefill_backend:
+        extra["prefill_backend_cls"] = importlib.import_module(CPU_SDPA_PREFILL_MODULE).CPUSDPAMLAPrefillBackend
     layer = MLAAttention(
         num_heads=heads, scale=SM_SCALE, qk_nope_head_dim=QK_NOPE, qk_rope_head_dim=ROPE_DIM, v_head_dim=V_HEAD,
         q_lora_rank=None, kv_lora_rank=KV_LORA_RANK, kv_b_proj=kv_b_proj, cache_config=cfg.cache_config, prefix=LAYER,
-        attn_backend=importlib.import_module(BACKEND_MODULE).FlashMLASparseBackend, use_sparse=True,
-        topk_indices_buffer=topk_indices_buffer, prefill_backend_cls=CPUSDPAMLAPrefillBackend)
+        attn_backend=importlib.import_module(BACKEND_MODULE).FlashMLASparseBackend, use_sparse=True, **extra)
     layer.process_weights_after_loading(torch.bfloat16)  # W_UK_T / W_UV from kv_b_proj, as after loading
     return layer
 
 
 def record_routes(impl, route: dict) -> None:
     """Count the tokens vLLM hands each route (instance attributes shadow the impl's methods)."""
-    forward_mqa, forward_mha = impl.forward_mqa, impl.forward_mha
+    forward_mqa, forward_mha = impl.forward_mqa, getattr(impl, "forward_mha", None)  # 0.23's sparse impls: no MHA
 
     def mqa(q, *args, **kwargs):
         route["mqa_tokens"] = route.get("mqa_tokens", 0) + (q[0] if isinstance(q, tuple) else q).shape[0]
@@ -268,7 +331,9 @@ def record_routes(impl, route: dict) -> None:
         route["mha_tokens"] = route.get("mha_tokens", 0) + q.shape[0]
         return forward_mha(q, *args, **kwargs)
 
-    impl.forward_mqa, impl.forward_mha = mqa, mha
+    impl.forward_mqa = mqa
+    if forward_mha is not None:
+        impl.forward_mha = mha
 
 
 INDEX_GROUP_POISON = 0  # slot 0 of the null block: never a converted index (tables hold blocks >= 1)
