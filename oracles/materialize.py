@@ -67,7 +67,7 @@ def _topk_indices(case: Case, table_tokens: int, g: torch.Generator) -> torch.Te
     permuted = torch.where(n_valid > 0, visible, 0)
     flat = torch.cat([torch.randperm(v, generator=g) for v in permuted.tolist() if v] + [torch.zeros(k, dtype=torch.int64)])
     m = torch.arange(k)
-    valid = flat[(permuted.cumsum(0) - permuted)[:, None] + m]
+    valid = flat.take((permuted.cumsum(0) - permuted)[:, None] + m)
     topk.scatter_(1, torch.where(m < n_valid[:, None], lead[:, None] + m, width), valid)
     # Then past_seq entries (past the sequence, inside the block table), then past_table ones (just past the
     # table; the last of several far past it: a wrapped/garbage index).
