@@ -7,6 +7,7 @@ top-k width, block size 64, no DCP, a contiguous block table, the call vLLM make
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from hypothesis import strategies as st
@@ -111,6 +112,9 @@ def block_tables(draw, blocks_needed: list[int], allow_idx_mapping: bool, sharea
     return tuple(tuple(r) for r in rows), idx_mapping
 
 
+# The per-request TopkSpec strategies are built once per width: a fresh st.builds drawn for every request costs
+# Hypothesis a signature inspection per draw (about half of drawing a 16-request case).
+@functools.lru_cache(maxsize=None)
 def topk_specs(width: int) -> st.SearchStrategy[TopkSpec]:
     return st.builds(
         TopkSpec,
@@ -216,12 +220,14 @@ def attention_dcp_splits(draw, p: Profile, block_size: int, heads: int, max_gath
     return Dcp(size, 0, draw(st.sampled_from(interleaves)))
 
 
+@functools.lru_cache(maxsize=None)
 def attention_topk_specs(width: int) -> st.SearchStrategy[TopkSpec]:
     # The indexer only emits positions < seq_len: no `past_seq` (its slots hold other data by design).
     return st.builds(TopkSpec, valid=st.integers(0, width), invalid_at=st.sampled_from(INVALID_AT),
                      past_table=st.integers(0, 2))
 
 
+@functools.lru_cache(maxsize=None)
 def _indexer_full_spec(width: int) -> st.SearchStrategy[TopkSpec]:
     return st.builds(TopkSpec, valid=st.just(width), invalid_at=st.sampled_from(INVALID_AT))
 

@@ -62,3 +62,59 @@ def test_compare_remap_sees_each_kind_of_error():
     assert compare_remap(stray, counts, exp, compacted=True)[0].what == "layout"
     swapped = compacted.clone(); swapped[0, 0] = 6
     assert compare_remap(swapped, counts, exp, compacted=True)[0].what == "set"
+
+
+def _row_is_as_specified(row: list[int], spec, visible: int, seq_len: int, table_tokens: int, width: int) -> None:
+    """One row of topk_indices against TopkSpec's words (materialize_index_inputs builds every row at once).
+    Past-table entries can be visible positions too (under DCP the table holds fewer positions than the
+    sequence), so rows are read in order: valid, past the sequence, past the table."""
+    n_valid = min(spec.valid, visible, width)
+    n_seq = min(spec.past_seq if table_tokens > seq_len else 0, width - n_valid)
+    n_table = min(spec.past_table, width - n_valid - n_seq)
+    entries = [p for p in row if p != -1]
+    assert len(entries) == n_valid + n_seq + n_table, (row, spec)
+    far = [p for p in entries if p >= table_tokens + 2**30]  # the last of >1 past-table entries, when it fits
+    assert len(far) == (1 if spec.past_table > 1 and n_table == spec.past_table else 0), (row, spec)
+    if spec.invalid_at == "scattered":  # shuffled: only what each entry can be
+        seq = [p for p in entries if seq_len <= p < table_tokens]
+        valid = [p for p in entries if p < visible and p < table_tokens]
+        assert len(seq) == n_seq and len(valid) <= n_valid and len(set(valid)) == len(valid), (row, spec)
+        assert all(0 <= p < visible or p >= table_tokens for p in entries if p not in seq), (row, spec)
+        return
+    valid, seq, table = entries[:n_valid], entries[n_valid:n_valid + n_seq], entries[n_valid + n_seq:]
+    assert all(0 <= p < visible for p in valid) and len(set(valid)) == len(valid), (row, spec)
+    assert all(seq_len <= p < table_tokens for p in seq), (row, spec)
+    assert all(table_tokens <= p < table_tokens + 4096 for p in table if p not in far), (row, spec)
+    assert far == table[-1:] if far else True, (row, spec)
+    n_invalid = width - len(entries)
+    lead = {"tail": 0, "head": n_invalid, "leading_tiles": min(n_invalid, 16 * (1 + n_invalid // 64))}[spec.invalid_at]
+    assert row[lead:lead + len(entries)] == entries, (row, spec)
+
+
+def _rows_are_as_specified(case):
+    index = materialize_index_inputs(case)
+    table_tokens = len(case.block_table[0]) * case.block_size * case.dcp.size
+    rows = index.topk_indices.tolist()
+    assert len(rows) == case.num_tokens and index.req_id_per_token.tolist() == [
+        r for r, req in enumerate(case.requests) for _ in range(req.query_len)]
+    for r, (req, spec) in enumerate(zip(case.requests, case.topk)):
+        for i in range(req.query_len):
+            _row_is_as_specified(rows[case.token_start(r) + i], spec, req.context_len + i + 1, req.seq_len,
+                                 table_tokens, case.topk_width)
+
+
+@settings(max_examples=150, deadline=None)
+@given(index_cases(PROFILES["cpu"], IndexFeatures(dcp=True, block_stride_rows=True, idx_mapping=True)))
+def test_topk_rows_are_as_specified(case):
+    _rows_are_as_specified(case)
+
+
+def test_topk_rows_truncate_at_the_width():
+    from strategies.case import Case, Request, TopkSpec
+
+    for at in ("tail", "head", "leading_tiles", "scattered"):
+        # 130 visible positions for a width of 128: the valid entries fill the row, the out-of-range ones fall off;
+        # and a short row whose two past-table entries fit (the last far past the table).
+        case = Case((Request(2, 128), Request(3, 1)), 0, 64, ((1, 2, 3, 0), (4, 0, 0, 0)), 128,
+                    (TopkSpec(128, at, 3, 3), TopkSpec(2, at, 1, 2)), seed=5).validate()
+        _rows_are_as_specified(case)
