@@ -61,25 +61,44 @@ def check_driver() -> dict:
     return {"driver_version": f"{version // 1000}.{version % 1000 // 10}", "devices": count}
 
 
-PRINT_LIMIT = 1_000_000
+PRINT_LIMIT = 20_000  # reports a worker prints before compute-sanitizer goes quiet (see limit_reached)
 
 
 def sanitizer_command(tool: str, binary: str | None = None, log_file: str | None = None) -> list[str]:
     """compute-sanitizer and its options; reports go to the process's own output unless `log_file`."""
     if tool not in TOOLS:
         raise ValueError(f"unknown compute-sanitizer tool {tool!r}; known: {', '.join(TOOLS)}")
-    # The print limit counts over the whole (persistent) worker: at the default, every case after the first
-    # noisy one would be reported clean. Per-case volume is bounded by the device's error buffer anyway.
+    # The print limit counts over the whole (persistent) worker: past it, every case would read as clean. So
+    # the worker is retired once it has printed half of it (`limit_reached`), and a fresh one goes on.
     cmd = [binary or find_compute_sanitizer(), "--tool", tool, "--print-limit", str(PRINT_LIMIT), "--show-backtrace", "no"]
     if tool == "memcheck":  # unused bytes after each allocation: a short overrun lands there, not in a neighbour
         cmd += ["--padding", "256"]
     if log_file:
         cmd += ["--log-file", log_file]
-    # More options for a diagnosis (e.g. "--show-backtrace host"); later options win.
-    cmd += shlex.split(os.environ.get("ATTNFUZZ_SANITIZER_OPTIONS", ""))
     if tool == "memcheck":
         cmd += ["--leak-check", "no"]
+    # More options for a diagnosis (e.g. "--show-backtrace host"). compute-sanitizer refuses an option given
+    # twice, so one of ours that is given again takes the new value.
+    return _merge_options(cmd, shlex.split(os.environ.get("ATTNFUZZ_SANITIZER_OPTIONS", "")))
+
+
+def _merge_options(cmd: list[str], extra: list[str]) -> list[str]:
+    cmd = list(cmd)
+    i = 0
+    while i < len(extra):
+        flag = extra[i]
+        value = extra[i + 1] if i + 1 < len(extra) and not extra[i + 1].startswith("-") else None
+        i += 2 if value is not None else 1
+        if flag in cmd and value is not None and cmd.index(flag) + 1 < len(cmd):
+            cmd[cmd.index(flag) + 1] = value
+        else:
+            cmd += [flag] + ([value] if value is not None else [])
     return cmd
+
+
+def limit_reached(reports_printed: int) -> bool:
+    """Whether a worker has printed so many reports that it should be replaced before its print limit blinds it."""
+    return reports_printed >= PRINT_LIMIT // 2
 
 
 def sanitized_env(base: dict | None = None) -> dict:

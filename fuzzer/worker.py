@@ -167,6 +167,7 @@ class WorkerExecutor:
         self.n = 0
         self.log_path: Path | None = None
         self._offset = 0
+        self._reports_printed = 0
 
     # worker life
     def _start(self) -> None:
@@ -190,6 +191,7 @@ class WorkerExecutor:
         child.close()
         self.conn = Connection(parent.detach())
         self._offset = 0
+        self._reports_printed = 0  # this worker's sanitizer reports so far (its print limit is per process)
         if not self.conn.poll(self.spec.startup_timeout):
             self._kill()
             raise WorkerError(f"worker for {self.spec.target} did not start within {self.spec.startup_timeout:.0f} s; "
@@ -308,9 +310,14 @@ class WorkerExecutor:
         return obs, verdicts
 
     def _sanitizer_verdicts(self, log: str, obs: Observation) -> list[Verdict]:
-        from fuzzer.sanitizer import dedupe, parse_log
+        from fuzzer.sanitizer import dedupe, limit_reached, parse_log
 
-        reports = dedupe(parse_log(log, self.spec.sanitizer))
+        printed = parse_log(log, self.spec.sanitizer)
+        self._reports_printed += len(printed)
+        if limit_reached(self._reports_printed):  # before compute-sanitizer stops printing: a fresh worker next
+            self._kill()
+            obs.notes["sanitizer_worker_retired"] = f"{self._reports_printed} reports printed"
+        reports = dedupe(printed)
         obs.notes["sanitizer"] = self.spec.sanitizer
         if reports:
             obs.notes["sanitizer_log"] = log[-20000:]  # the raw log beside the finding

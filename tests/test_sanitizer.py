@@ -7,7 +7,8 @@ import torch
 
 from fuzzer.guards import Guards
 from fuzzer.observation import Observation
-from fuzzer.sanitizer import SANITIZED_ENV, dedupe, parse_log, sanitized_env, sanitizer_command
+from fuzzer.sanitizer import (PRINT_LIMIT, SANITIZED_ENV, dedupe, limit_reached, parse_log, sanitized_env,
+                              sanitizer_command)
 from oracles.verdict import Verdict, passed
 from strategies.case import Case, Request, TopkSpec
 
@@ -74,7 +75,16 @@ def test_real_initcheck_log_host_api_errors_and_dropped_records():
     case5 = text[text.index("CASE-BEGIN 5"):text.index("CASE-END 5")]
     (dropped,) = parse_log(case5, "initcheck")
     assert dropped.kind.startswith("error records dropped") and dropped.signature != r.signature
-    assert "--print-limit" in sanitizer_command("initcheck", "cs") and "200" not in sanitizer_command("initcheck", "cs")
+    cmd = sanitizer_command("initcheck", "cs")
+    assert int(cmd[cmd.index("--print-limit") + 1]) == PRINT_LIMIT and limit_reached(PRINT_LIMIT // 2)
+
+
+def test_extra_sanitizer_options_replace_ours(monkeypatch):
+    """compute-sanitizer refuses an option given twice (seen on the H200): a diagnosis's options replace ours."""
+    monkeypatch.setenv("ATTNFUZZ_SANITIZER_OPTIONS", "--show-backtrace host --check-api-memory-access no --demangle full")
+    cmd = sanitizer_command("initcheck", "cs")
+    assert cmd.count("--show-backtrace") == 1 and cmd[cmd.index("--show-backtrace") + 1] == "host"
+    assert cmd[-4:] == ["--check-api-memory-access", "no", "--demangle", "full"]
 
 
 def test_sanitized_workers_never_run_with_the_caching_allocator():
