@@ -245,17 +245,30 @@ def install_layer_standins(device: str) -> tuple[str, ...]:
         from fuzzer.standins.flash_attn_ops import flash_attn_varlen_func
 
         fa_utils = importlib.import_module("vllm.v1.attention.backends.fa_utils")
-        if device == "cpu" or not hasattr(fa_utils, "flash_attn_varlen_func"):
+        # A GPU host without FA's compiled extensions (the GPU bundle: an import stand-in that raises) lacks it too.
+        lacks_kernel = device == "cpu" or not _has_compiled_flash_attn()
+        if lacks_kernel or not hasattr(fa_utils, "flash_attn_varlen_func"):
             fa_utils.flash_attn_varlen_func = flash_attn_varlen_func
             if not hasattr(fa_utils, "compile_flash_attn_varlen_func_from_specs"):
                 fa_utils.compile_flash_attn_varlen_func_from_specs = None
         fa = importlib.import_module(FLASH_ATTN_PREFILL_MODULE)
-        if device == "cpu" or fa.flash_attn_varlen_func is None:  # None: fa_utils says no kernel on this platform
+        if lacks_kernel or fa.flash_attn_varlen_func is None:  # None: fa_utils says no kernel on this platform
             fa.flash_attn_varlen_func = flash_attn_varlen_func
             bound.append("flash_attn_varlen_func (the FLASH_ATTN MLA prefill backend's kernel)" if layer_api().dense_mha
                          else "flash_attn_varlen_func (bound for the FLASH_ATTN prefill backend the layer builds; "
                               "this release's sparse layer never calls it)")
     return tuple(bound)
+
+
+def _has_compiled_flash_attn() -> bool:
+    """Whether vllm_flash_attn's compiled FA2 or FA3 extension is installed (not merely its Python package)."""
+    import importlib.util
+
+    try:
+        return any(importlib.util.find_spec(f"vllm.vllm_flash_attn.{ext}") is not None
+                   for ext in ("_vllm_fa2_C", "_vllm_fa3_C"))
+    except ImportError:
+        return False
 
 
 FLASH_ATTN_PREFILL_MODULE = "vllm.v1.attention.backends.mla.prefill.flash_attn"
