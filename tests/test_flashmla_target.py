@@ -111,6 +111,8 @@ def test_a_mutant_finding_gets_a_standalone_reproducer(tmp_path):
     run = attnfuzz("--device", "cpu", "run", "--target", "vllm.flashmla_sparse", "--inject", "flashmla-padded-heads-out",
                    "--max-examples", "5", "--reruns", "0", "--quiet", "--repros", str(tmp_path / "repros"),
                    "--json", str(tmp_path / "run.json"))
+    if run.returncode == 2 and "not found in this vLLM" in run.stderr:
+        pytest.skip("the mutant patches 0.33's padded-heads slice; this release has none to patch")
     assert run.returncode == 1, run.stderr[-3000:]
     finding = json.loads((tmp_path / "run.json").read_text())["findings"][0]
     repro = subprocess.run([sys.executable, "repro.py"], cwd=finding["path"], capture_output=True, text=True, timeout=600)

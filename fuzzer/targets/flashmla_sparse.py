@@ -52,7 +52,18 @@ class FlashMLASparse(Target):
             install_corrections()
             self.shims += [*install_cpu_shims(), *cpu_shims(), *(f"interpreter correction: {c}" for c in CORRECTIONS)]
         self.emulated = install_standins(self.device)
+        self.real_parts = self.real_parts_here()
         self.cfg = self.runtime(str(STATE_DIR))
+
+    def real_parts_here(self) -> tuple[str, ...]:
+        """What of vLLM really ran, as this release and host have it (every result lists it)."""
+        from fuzzer.targets.flashmla_runtime import _try_import
+
+        parts = [p for p in type(self).real_parts if p != "SparseMLAIndexGroup"
+                 or _try_import("vllm.v1.attention.backends.mla.index_group") is not None]
+        if self.device == "cuda":  # the compiled FlashMLA extension; on a CPU its kernels are stand-ins (emulated)
+            parts.append("FlashMLA's CUDA kernels (vllm._flashmla_C)")
+        return tuple(parts)
 
     def runtime(self, state_dir: str):
         """vLLM's config and process groups for this process (one rank of its own)."""
