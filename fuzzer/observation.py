@@ -10,7 +10,7 @@ from typing import Any
 class Observation:
     target: str
     device: str
-    outputs: dict[str, Any] = field(default_factory=dict)  # tensors, moved to CPU
+    outputs: dict[str, Any] = field(default_factory=dict)  # tensors: on the CPU, or the device (outputs_stay_on_device)
     error_type: str | None = None  # exception raised by the code under test, if any
     error: str | None = None
     memory: list[Any] = field(default_factory=list)  # out-of-bounds accesses (interpreter sanitizer)

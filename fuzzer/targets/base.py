@@ -58,7 +58,10 @@ class Target(ABC):
         start = time.perf_counter()
         with memory_checked(self.device) as violations:
             try:
-                obs.outputs = {k: v.detach().cpu() for k, v in call().items() if v is not None}
+                # Judged where they are (the oracle moves what it needs): a GPU case's outputs reach tens of MB,
+                # and a worker sends verdicts, not tensors. Other targets' oracles compare on the CPU.
+                keep = (lambda v: v.detach()) if self.outputs_stay_on_device else (lambda v: v.detach().cpu())
+                obs.outputs = {k: keep(v) for k, v in call().items() if v is not None}
             except AttributeError as e:
                 if "SimpleNamespace" in str(e):  # vLLM read a config field attnfuzz's namespace lacks
                     raise HarnessConfigError(f"{self.name}: the config namespace lacks what this vLLM reads: {e}") from e
@@ -83,6 +86,7 @@ class Target(ABC):
         return obs
 
     real_parts: ClassVar[tuple[str, ...]] = ()
+    outputs_stay_on_device: ClassVar[bool] = False  # its oracle takes device tensors (no copy to the CPU per case)
     kv_cache_dtypes: tuple[str, ...] = ()  # the cache dtypes its cases draw; `run --kv-cache-dtype` narrows it
 
 

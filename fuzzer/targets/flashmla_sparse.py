@@ -33,6 +33,7 @@ class FlashMLASparse(Target):
     real_parts = ("FlashMLASparseMetadataBuilder", "FlashMLASparseImpl.forward_mqa", "SparseMLAIndexGroup",
                   "the index-remap Triton kernel")
     kv_cache_dtypes = ("bfloat16", "fp8_ds_mla")
+    outputs_stay_on_device = True  # the attention oracles judge on the device (oracles/attention_judge.py)
 
     def unavailable(self) -> str | None:
         try:
