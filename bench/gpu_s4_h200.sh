@@ -7,19 +7,11 @@
 #      extensions (0.26.0: its top-k length bug on the real kernel, and that finding's repro.py on 0.26.0 and
 #      0.33.0), the layer target on 0.26.0, and the seed-bug mutant's GPU reproducer under memcheck.
 # Results: $OUT/r/*.log and one tarball $OUT/s4-h200.tgz (only 8 files come back from a call).
-set -uo pipefail
-R=${OUT:-/tmp/out}/r; mkdir -p "$R"
-G=scripts/gpu-host.sh
-export PYTHONUNBUFFERED=1 ATTNFUZZ_STATE=/tmp/attnfuzz-state OMP_NUM_THREADS=2
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export OMP_NUM_THREADS=2
+source bench/gpu_lib.sh  # (the prelude these ran with, moved there after the runs)
 T0=$(date +%s)
-$G -- true; $G --vllm 0.26.0 -- true; $G --vllm 0.23.0 -- true  # unpack everything before jobs run at once
+$G --vllm 0.26.0 -- true; $G --vllm 0.23.0 -- true  # unpack these releases too before jobs start at once
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$R/gpu.txt" 2>&1; nproc >> "$R/gpu.txt"
-quiet() { grep -v "deep_gemm\|Padding\|^  File\|^    \|Warning\|warn(\|^Failed to import"; }
-run() { local name=$1 limit=$2; shift 2
-  ( /usr/bin/time -f "%e s wall" timeout -s ABRT "$limit" $G "$@" --json "$R/$name.json" --repros "/tmp/repros-$name" --quiet \
-      2>&1 | quiet | tail -14 > "$R/$name.log"; echo "exit=${PIPESTATUS[0]}" >> "$R/$name.log" ); }
-A="attnfuzz --device cuda run"
 B="--target vllm.flashmla_sparse --profile gpu-bench --no-shrink --reruns 1"
 # 1. throughput, alone
 run bench-warm 100 $A $B --seed 1 --max-examples 30

@@ -7,21 +7,9 @@
 #             then a clean memcheck campaign (1 worker), then the emulated-rank DCP target clean.
 # The machine is shared by all of them: rates are lower bounds of a machine alone.
 # Results: $OUT/r/*.log and one tarball $OUT/s4-x2b.tgz (only 8 files come back from a call).
-set -uo pipefail
-R=${OUT:-/tmp/out}/r; mkdir -p "$R"
-G=scripts/gpu-host.sh
-export PYTHONUNBUFFERED=1 ATTNFUZZ_STATE=/tmp/attnfuzz-state OMP_NUM_THREADS=4
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never multicast
-$G -- true
+source bench/gpu_lib.sh  # (the prelude these ran with, moved there after the runs)
 nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader > "$R/gpus.txt" 2>&1
 $G -- compute-sanitizer --version >> "$R/gpus.txt" 2>&1
-quiet() { grep -v "deep_gemm\|Padding\|^  File\|^    \|Warning\|warn(\|^Failed to import"; }
-run() { local name=$1 limit=$2; shift 2
-  ( /usr/bin/time -f "%e s wall" timeout -s ABRT "$limit" $G "$@" --json "$R/$name.json" --repros "/tmp/repros-$name" --quiet \
-      2>&1 | quiet | tail -14 > "$R/$name.log"; echo "exit=${PIPESTATUS[0]}" >> "$R/$name.log" )
-  find "/tmp/repros-$name" -name finding.json -size -1M 2>/dev/null | head -3 | while read -r f; do
-    cp "$f" "$R/$name-$(basename "$(dirname "$f")").finding.json"; done; }
-A="attnfuzz --device cuda run"
 ( # real ranks: the check first, then the campaigns
   ( timeout 100 $G python3 bench/dcp_collectives_check.py --enable-pynccl 2>&1 | quiet > "$R/collectives.log"
     echo "exit=${PIPESTATUS[0]}" >> "$R/collectives.log" )
