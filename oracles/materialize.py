@@ -65,7 +65,8 @@ def _topk_indices(case: Case, table_tokens: int, g: torch.Generator) -> torch.Te
     # end to end in one tensor, padded so that every row can read max(n_valid) of it).
     k = int(n_valid.max())
     permuted = torch.where(n_valid > 0, visible, 0)
-    flat = torch.cat([torch.randperm(v, generator=g) for v in permuted.tolist() if v] + [torch.zeros(k, dtype=torch.int64)])
+    flat = torch.cat([torch.randperm(v, generator=g) for v in permuted.tolist() if v]
+                     + [torch.zeros(k, dtype=torch.int64)])
     m = torch.arange(k)
     valid = flat.take((permuted.cumsum(0) - permuted)[:, None] + m)
     topk.scatter_(1, torch.where(m < n_valid[:, None], lead[:, None] + m, width), valid)
