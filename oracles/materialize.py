@@ -37,7 +37,7 @@ def _topk_indices(case: Case, table_tokens: int, g: torch.Generator) -> torch.Te
 
     Only the random permutations are drawn row by row: torch has no batched randperm, and a randperm per row
     (a shuffle in C, O(visible)) costs less on a CPU than top-k or a sort over random keys for every visible
-    position of every row (2-core CPU, 512 rows over 4,608 positions: 512 randperms ~8 ms, rand + topk ~30 ms)."""
+    position of every row (one CPU thread, 512 rows over 4,608 positions: randperms ~15 ms, rand + topk ~35 ms)."""
     width, specs, num_tokens = case.topk_width, case.topk, case.num_tokens
     if num_tokens == 0:
         return torch.zeros(0, width, dtype=torch.int64)
@@ -65,7 +65,8 @@ def _topk_indices(case: Case, table_tokens: int, g: torch.Generator) -> torch.Te
     # end to end in one tensor, padded so that every row can read max(n_valid) of it).
     k = int(n_valid.max())
     permuted = torch.where(n_valid > 0, visible, 0)
-    flat = torch.cat([torch.randperm(v, generator=g) for v in permuted.tolist() if v] + [torch.zeros(k, dtype=torch.int64)])
+    flat = torch.cat([torch.randperm(v, generator=g) for v in permuted.tolist() if v]
+                     + [torch.zeros(k, dtype=torch.int64)])
     m = torch.arange(k)
     valid = flat.take((permuted.cumsum(0) - permuted)[:, None] + m)
     topk.scatter_(1, torch.where(m < n_valid[:, None], lead[:, None] + m, width), valid)
