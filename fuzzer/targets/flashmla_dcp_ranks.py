@@ -87,11 +87,11 @@ class FlashMLASparseDcpRanks(FlashMLASparseDcp):
                 self.followers.append(subprocess.Popen(
                     [sys.executable, "-m", __name__, "--rank", str(r), "--world", str(self.world), "--init",
                      init_method, "--device", self.device], stdout=log, stderr=subprocess.STDOUT))
-        self.cfg = vllm_runtime(self.device, self.state_dir, self.world, self.rank, init_method)
-        self.collectives = check_collectives()
         import torch.distributed as dist
         from vllm.distributed.parallel_state import get_world_group
 
+        self.cfg = vllm_runtime(self.device, self.state_dir, self.world, self.rank, init_method)
+        self.collectives = check_collectives()
         # Every rank's check, at rank 0: a follower's broken collective must not pass for a clean group.
         group = get_world_group()
         checks = [None] * self.world if self.rank == 0 else None

@@ -50,9 +50,7 @@ class FlashMLASparseLayer(FlashMLASparse):
         super().prepare()
         api = layer_api()  # which routes and prefill backend this release's layer has (see layer_api)
         self.routes = api.routes
-        drop = {"CPU_SDPA_MLA prefill backend"}
-        if flashmla_runtime._try_import("vllm.v1.attention.backends.mla.index_group") is None:
-            drop.add("SparseMLAIndexGroup")  # 0.26 and older convert top-k in the impl
+        drop = {"CPU_SDPA_MLA prefill backend"}  # (the index group is dropped where absent by real_parts_here)
         if not api.dense_mha:
             drop |= {"chunked-context metadata", "merge_attn_states"}
         parts = [p for p in self.real_parts if p not in drop]

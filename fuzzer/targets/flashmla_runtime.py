@@ -309,9 +309,10 @@ MLA_MODULE = "vllm.model_executor.layers.attention.mla_attention"
 
 
 def mla_layer(cfg, heads: int, kv_b_weight: torch.Tensor, topk_indices_buffer: torch.Tensor, device: str):
-    """A fresh MLAAttention on FLASHMLA_SPARSE, built as this release takes it (`layer_api`): with vLLM's CPU_SDPA_MLA
-    prefill backend where the release takes one (FlashAttention is not on every host), kv_b_proj holding `kv_b_weight`; it registers itself as the forward context's LAYER,
-    which the metadata builder reads. Call inside `set_current_vllm_config(cfg)`."""
+    """A fresh MLAAttention on FLASHMLA_SPARSE, built as this release takes it (`layer_api`): with vLLM's
+    CPU_SDPA_MLA prefill backend where the release takes one (FlashAttention is not on every host), kv_b_proj
+    holding `kv_b_weight`; it registers itself as the forward context's LAYER, which the metadata builder reads.
+    Call inside `set_current_vllm_config(cfg)`."""
     from vllm.model_executor.layers.attention.mla_attention import MLAAttention
     from vllm.model_executor.layers.linear import ColumnParallelLinear
 
