@@ -96,9 +96,15 @@ def _merge_options(cmd: list[str], extra: list[str]) -> list[str]:
     return cmd
 
 
+def print_limit() -> int:
+    """The print limit the workers run with: ours, or the one ATTNFUZZ_SANITIZER_OPTIONS gives instead."""
+    cmd = _merge_options(["--print-limit", str(PRINT_LIMIT)], shlex.split(os.environ.get("ATTNFUZZ_SANITIZER_OPTIONS", "")))
+    return int(cmd[1])
+
+
 def limit_reached(reports_printed: int) -> bool:
     """Whether a worker has printed so many reports that it should be replaced before its print limit blinds it."""
-    return reports_printed >= PRINT_LIMIT // 2
+    return reports_printed >= print_limit() // 2
 
 
 def sanitized_env(base: dict | None = None) -> dict:
@@ -121,6 +127,7 @@ class SanitizerReport:
     block: tuple[int, ...] = ()
     address: str = ""
     distance: str = ""  # "2,049 bytes after the nearest allocation at 0x... of size 1,024 bytes"
+    symbol: str = ""  # the kernel's whole symbol, where it is more than its name (templates, parameters)
     text: str = ""  # the block as logged
 
     @property
@@ -145,13 +152,29 @@ _HOST_ACCESS = re.compile(r" at host access to 0x[0-9a-f]+$")  # host API errors
 _API = re.compile(r"on access by (?P<api>.+)$")  # "Uninitialized access to 0x... on access by cudaMemcpy source"
 # The device's error buffer overflowed: this case had more errors than were recorded (none of them printed).
 RECORDS_DROPPED = "Warning: Error buffer overflow has been detected"
-_AT = re.compile(r"^at (?P<kernel>[^\s+]+)(?:\+0x[0-9a-f]+)? in (?P<file>\S+?):(?P<line>\d+)")
+# "at KERNEL+0x140 in sparse_utils.py:152"; a kernel built without line info (FlashMLA's) gives only
+# "at void smxx::decode::flash_fwd_mla_combine_kernel<...>(SparseAttnDecodeParams)+0x440".
+_AT = re.compile(r"^at (?P<symbol>.+?)(?P<pc>\+0x[0-9a-f]+)?(?: in (?P<file>\S+?):(?P<line>\d+))?$")
+# "6026752 errors were skipped (error buffer overflow)." at the end of a log: the same, counted.
+_SKIPPED = re.compile(r"^[\d,]+ errors were skipped")
 _THREAD = re.compile(r"by thread \((?P<thread>[\d, ]+)\) in block \((?P<block>[\d, ]+)\)")
 _ADDRESS = re.compile(r"(?:Access to|Address) (?P<address>0x[0-9a-f]+)")
 _DISTANCE = re.compile(r"and is (?P<distance>.+)$")
 _NOT_ERRORS = ("COMPUTE-SANITIZER", "ERROR SUMMARY", "RACECHECK SUMMARY", "Target application returned", "Saved host backtrace",
                "LEAK SUMMARY", "Program hit", "Host Frame",
                "Error: process didn't terminate")
+
+
+def kernel_name(symbol: str) -> str:
+    """A kernel's name without return type, template arguments and parameters: one name for every
+    instantiation, so that one bug in a templated kernel is one signature (the symbol stays in the report)."""
+    name = symbol[5:] if symbol.startswith("void ") else symbol
+    depth = 0
+    for i, c in enumerate(name):
+        if c in "<(" and depth == 0 and i > 0:
+            return name[:i]
+        depth += c in "<(" and 1 or (-1 if c in ">)" else 0)
+    return name
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -186,7 +209,7 @@ def _report(tool: str, lines: list[str]) -> SanitizerReport:
     kind, size = (m.group("kind"), int(m.group("size").replace(",", ""))) if m else (head.rstrip(". "), 0)
     kind = _HOST_ACCESS.sub("", kind)
     fields: dict = {}
-    if head.startswith(RECORDS_DROPPED):
+    if head.startswith(RECORDS_DROPPED) or _SKIPPED.match(head):
         kind, fields["kernel"] = "error records dropped (the device's error buffer overflowed)", "?"
     if (a := re.search(r" at (?P<kernel>[^\s+]+)(?:\+0x[0-9a-f]+)? in (?P<file>\S+?):(?P<line>\d+)", head)):
         fields.update(kernel=a.group("kernel"), file=a.group("file"), line=int(a.group("line")))  # racecheck
@@ -194,7 +217,9 @@ def _report(tool: str, lines: list[str]) -> SanitizerReport:
         if line.startswith(("Host Frame", "Saved host backtrace")):
             continue
         if (a := _AT.search(line)) and "kernel" not in fields:
-            fields.update(kernel=a.group("kernel"), file=a.group("file"), line=int(a.group("line")))
+            fields.update(kernel=kernel_name(a.group("symbol")), file=a.group("file") or "", line=int(a.group("line") or 0))
+            if a.group("symbol") != fields["kernel"]:
+                fields["symbol"] = a.group("symbol")
         if t := _THREAD.search(line):
             fields.update(thread=_ints(t.group("thread")), block=_ints(t.group("block")))
         if (ad := _ADDRESS.search(line)) and "address" not in fields:

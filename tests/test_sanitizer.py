@@ -85,6 +85,8 @@ def test_extra_sanitizer_options_replace_ours(monkeypatch):
     cmd = sanitizer_command("initcheck", "cs")
     assert cmd.count("--show-backtrace") == 1 and cmd[cmd.index("--show-backtrace") + 1] == "host"
     assert cmd[-4:] == ["--check-api-memory-access", "no", "--demangle", "full"]
+    monkeypatch.setenv("ATTNFUZZ_SANITIZER_OPTIONS", "--print-limit 3000")  # a worker retires at half of this one
+    assert not limit_reached(1499) and limit_reached(1500)
 
 
 def test_sanitized_workers_never_run_with_the_caching_allocator():
@@ -130,3 +132,37 @@ def test_auto_sanitizer_reruns_failures_new_paths_and_a_sample():
     assert memcheck.calls == 1 and verdicts == [oob] and obs.notes["memcheck_rerun"] == "new path"
     auto.check(case)  # same path, nothing failed, no sample: native only
     assert memcheck.calls == 1 and native.calls == 2
+
+
+def test_kernels_without_line_info_keep_their_name():
+    """FlashMLA's kernels carry no line info: the report names the kernel (one signature for all its template
+    instantiations, the whole symbol kept), and the closing count of skipped errors reads as dropped records."""
+    text = (FIXTURES / "initcheck-h200-flashmla-kernels.log").read_text()
+    reports = parse_log(text, "initcheck")
+    kernels = [r.kernel for r in reports]
+    assert kernels[:2] == ["smxx::decode::flash_fwd_mla_combine_kernel"] * 2
+    assert reports[0].symbol.startswith("void smxx::decode::flash_fwd_mla_combine_kernel<cutlass::bfloat16_t")
+    assert reports[0].access_size == 16 and reports[0].block == (2, 0, 5)
+    assert "at::native::elementwise_kernel" in kernels
+    assert [r.signature for r in dedupe(reports)] == [
+        "initcheck:Uninitialized __global__ memory read:smxx::decode::flash_fwd_mla_combine_kernel::0",
+        "initcheck:error records dropped (the device's error buffer overflowed):?::0",
+        "initcheck:Uninitialized __global__ memory read:at::native::elementwise_kernel::0"]
+    assert reports[-1].kind.startswith("error records dropped")
+    memcheck = parse_log((FIXTURES / "memcheck-index-remap-oob.log").read_text())
+    assert (memcheck[0].kernel, memcheck[0].file, memcheck[0].line, memcheck[0].symbol) == (
+        "sparse_mla_index_remap_kernel", "sparse_utils.py", 152, "")
+
+
+def test_allocator_poisoning_is_opt_in_and_cuda_only(monkeypatch):
+    """Poisoning the caching allocator's free memory: only on CUDA, only when asked, never under a sanitizer
+    (the allocator is off there and initcheck sees unwritten memory itself)."""
+    from fuzzer.guards import allocator_poisoning, poison_free_memory
+
+    monkeypatch.delenv("PYTORCH_NO_CUDA_MEMORY_CACHING", raising=False)
+    monkeypatch.delenv("ATTNFUZZ_POISON_ALLOCATOR", raising=False)
+    assert not allocator_poisoning("cuda") and not poison_free_memory("cpu")
+    monkeypatch.setenv("ATTNFUZZ_POISON_ALLOCATOR", "1")
+    assert allocator_poisoning("cuda") and allocator_poisoning("cuda:0") and not allocator_poisoning("cpu")
+    monkeypatch.setenv("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
+    assert not allocator_poisoning("cuda")
