@@ -21,6 +21,9 @@ if [ -n "$VER" ]; then
     # That release's own FlashMLA extensions, where the bundle carries them (old/so-VER, from its wheel).
     if [ -d "$ROOT/.gpu-bundle/old/so-$VER" ]; then cp "$ROOT/.gpu-bundle/old/so-$VER"/*.so "$SRC/vllm/"; fi
   fi
+  # Compiled extensions too large to travel with the bundle (0.23.0's vllm._C, 43 MB) come in a call of their
+  # own, in .gpu-extra/so-VER/, while the machine still holds the bundle from the call before.
+  if [ -d "$ROOT/.gpu-extra/so-$VER" ]; then cp -u "$ROOT/.gpu-extra/so-$VER"/*.so "$SRC/vllm/"; fi
   export PYTHONPATH="$SRC:/tmp/gpu-bundle/site"
 fi
 # vLLM's sources seen through a path with /site-packages/ in it: Hypothesis then treats vLLM as third-party
@@ -31,5 +34,10 @@ mkdir -p "$(dirname "$LINK")"
 [ "$(readlink "$LINK" 2>/dev/null)" = "$SRC_DIR" ] || ln -sfn "$SRC_DIR" "$LINK"  # jobs start at once
 export PYTHONPATH="$LINK${PYTHONPATH#"$SRC_DIR"}"
 export PYTHONPATH="$ROOT:$PYTHONPATH"
+# Pure-Python packages an older release needs and the bundle lacks (0.23.0: gguf), carried in .gpu-extra/whl.
+if [ -d "$ROOT/.gpu-extra/whl" ]; then
+  [ -d /tmp/gpu-extra/site ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/gpu-extra/site "$ROOT"/.gpu-extra/whl/*.whl
+  export PYTHONPATH="$PYTHONPATH:/tmp/gpu-extra/site"
+fi
 if [ "${1:-}" = "attnfuzz" ]; then shift; exec python3 -m fuzzer.cli "$@"; fi
 exec "$@"
