@@ -63,6 +63,9 @@ def _parser() -> argparse.ArgumentParser:
                         "filesystem or a Redis server shares failures between workers and hosts")
     rp = sub.add_parser("replay", help="re-run a saved finding (repros/<id>/ or its case.json)")
     rp.add_argument("path", type=Path)
+    rp.add_argument("--save-repro", type=Path, metavar="DIR",
+                    help="if it still fails here, save this host's reproducer under DIR (e.g. a GPU repro.py for a "
+                         "finding made on a CPU)")
     sub.add_parser("list", help="targets, mutants and what this host can run")
     for command in (gate, selftest, campaign_report):
         command.add_parser(sub)
@@ -237,6 +240,16 @@ def cmd_replay(args, device: str) -> int:
     for v in failed:
         print(f"BUG [{v.check}] {v.detail}")
     print(f"{meta['target']} on {case.summary()}: {'still failing' if failed else 'passes (fixed)'}")
+    if failed and args.save_repro:
+        from fuzzer.campaign import Finding
+        from fuzzer.env import host_info
+        from fuzzer.repro import write_repro
+        from oracles.verdict import primary
+
+        finding = Finding(meta["target"], primary(failed).signature, case, failed, obs,
+                          host_info(device, obs.emulated), meta.get("inject"), meta.get("examples_to_find", 0),
+                          meta.get("seconds_to_find", 0.0))
+        print(f"reproducer for this host: {write_repro(finding, target, args.save_repro)}/repro.py")
     return EXIT_FOUND if failed else EXIT_CLEAN
 
 

@@ -61,8 +61,12 @@ def test_seed_bug_is_found_shrunk_and_reproduced(tmp_path):
     assert "BUG: out-of-bounds store" in repro.stdout
     assert "attnfuzz" not in "".join(l for l in (tmp_path / "repros" / finding["id"] / "repro.py").read_text().splitlines()
                                      if l.startswith(("import", "from")))
-    replay = attnfuzz("replay", str(tmp_path / "repros" / finding["id"]))
+    replay = attnfuzz("replay", str(tmp_path / "repros" / finding["id"]), "--save-repro", str(tmp_path / "here"))
     assert replay.returncode == 1 and "still failing" in replay.stdout
+    # The same finding's reproducer for the host that replayed it (how a CPU finding gets a GPU repro.py).
+    (ported,) = (tmp_path / "here").iterdir()
+    assert {p.name for p in ported.iterdir()} >= {"repro.py", "case.json", "finding.json", "report.md"}
+    assert json.loads((ported / "finding.json").read_text())["inject"] == finding["inject"]
 
 
 @pytest.mark.parametrize("target, mutant, bug_class", [
