@@ -42,3 +42,34 @@ class Guards:
                 found.append(f"guard region after `{name}` overwritten: {len(after)} bytes, the first "
                              f"{int(after[0])} bytes after its end")
         return found
+
+
+# -- memory vLLM allocates itself ----------------------------------------------------------------------------
+# Guard regions and poison cover the harness's buffers. What vLLM or a kernel library allocates with
+# torch.empty and never writes is another matter: natively it holds whatever PyTorch's caching allocator hands
+# out, and under compute-sanitizer (allocator off) fresh driver memory, which reads as zeros, so an oracle that
+# expects 0 there passes by luck. initcheck on the H200 saw exactly that (docs/benchmarks.md, session 5).
+# ATTNFUZZ_POISON_ALLOCATOR=1 fills the allocator's free memory with 0xFF before each call, so such a read
+# gives NaN (bf16, fp16, fp32) or -1 (signed ints) and shows up natively. Opt-in while its findings are triaged.
+POISON_BYTE = 0xFF
+POISON_LARGE_BYTES = 1 << 30  # the large pool: one block, split for every allocation over 1 MiB
+POISON_SMALL_BLOCKS = 32  # the small pool (allocations up to 1 MiB): 2 MiB segments, two blocks each
+
+
+def allocator_poisoning(device) -> bool:
+    """Whether `poison_free_memory` does anything here: CUDA, the caching allocator on, and asked for."""
+    return (str(device).startswith("cuda") and os.environ.get("ATTNFUZZ_POISON_ALLOCATOR", "0") == "1"
+            and os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "0") != "1")
+
+
+def poison_free_memory(device) -> bool:
+    """Fill what the caching allocator hands out next with POISON_BYTE; returns whether it did."""
+    if not allocator_poisoning(device):
+        return False
+    torch.cuda.empty_cache()  # the free blocks go back to the driver: only poisoned ones stay cached
+    held = [torch.empty(POISON_LARGE_BYTES, dtype=torch.uint8, device=device)]
+    held += [torch.empty(1 << 20, dtype=torch.uint8, device=device) for _ in range(POISON_SMALL_BLOCKS)]
+    for block in held:
+        block.fill_(POISON_BYTE)
+    del held  # freed into the pools, stream-ordered after the fills
+    return True

@@ -15,6 +15,7 @@ from typing import Callable, ClassVar
 
 from hypothesis.strategies import SearchStrategy
 
+from fuzzer.guards import poison_free_memory
 from fuzzer.observation import Observation
 from oracles.verdict import Verdict
 from strategies.case import Case
@@ -56,6 +57,8 @@ class Target(ABC):
         out-of-bounds access the interpreter sanitizer saw."""
         obs = Observation(self.name, self.device, notes=dict(notes or {}), real=self.real_parts)
         start = time.perf_counter()
+        if poison_free_memory(self.device):  # opt-in: what vLLM allocates and never writes then reads as NaN
+            obs.notes["allocator_poisoned"] = True
         with memory_checked(self.device) as violations:
             try:
                 # Judged where they are (the oracle moves what it needs): a GPU case's outputs reach tens of MB,
