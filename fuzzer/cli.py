@@ -164,7 +164,9 @@ def cmd_run(args, device: str) -> int:
             "kv_cache_dtypes": list(target.kv_cache_dtypes),
             "examples": result.examples, "seconds": round(result.seconds, 2), "cases_per_second": round(result.rate, 2),
             "isolation": args.isolation, "sanitizer": args.sanitizer, "workers_started": result.workers_started,
-            "checks": result.checks, "host": host.to_dict(),
+            # Which compiled ops were attnfuzz's stand-ins is known once cases ran (in the workers): every result says it.
+            "checks": result.checks, "host": dict(host.to_dict(), emulated_ops=sorted(result.cases.emulated)),
+            "emulated": dict(result.cases.emulated), "real": dict(result.cases.real),
             "findings": [dict(f.to_dict(), path=str(p)) for f, p in zip(result.findings, saved)],
         }, indent=1) + "\n")
     if args.out:  # the campaign directory (campaign.json, findings) and its report.md / report.html
