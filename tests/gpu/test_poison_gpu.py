@@ -6,7 +6,8 @@ import torch
 
 from fuzzer.guards import poison_free_memory
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# tests/conftest.py hides the GPU unless ATTNFUZZ_TEST_DEVICE=cuda (README: how tests/gpu run on the GPU host).
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (ATTNFUZZ_TEST_DEVICE=cuda)")
 
 
 def test_unwritten_allocations_read_as_nan(monkeypatch):
