@@ -10,7 +10,8 @@ source bench/gpu_lib.sh
 trap 'cd "$R" && tar czf "$OUT/s5-call5.tgz" . 2>/dev/null' EXIT
 export ATTNFUZZ_POISON_ALLOCATOR=1
 pids=()
-( timeout 100 $G -- python3 -m pytest -q tests/gpu/test_poison_gpu.py > "$R/pytest-poison.log" 2>&1; echo "exit=$?" >> "$R/pytest-poison.log" ) & pids+=($!)
+# When this call ran, the next line lacked ATTNFUZZ_TEST_DEVICE=cuda and the test was skipped (added since).
+( ATTNFUZZ_TEST_DEVICE=cuda timeout 100 $G -- python3 -m pytest -q tests/gpu/test_poison_gpu.py > "$R/pytest-poison.log" 2>&1; echo "exit=$?" >> "$R/pytest-poison.log" ) & pids+=($!)
 for d in bfloat16 fp8_ds_mla; do
   ( export ATTNFUZZ_STATE=/tmp/st-p-$d
     run poisoned-flashmla-$d 140 $A --target vllm.flashmla_sparse --kv-cache-dtype $d --max-examples 60 --no-shrink --reruns 1 ) & pids+=($!)
