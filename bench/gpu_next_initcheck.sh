@@ -17,7 +17,7 @@ pids=()
   for d in bfloat16 fp8_ds_mla; do run poisoned-$d 150 $A --target vllm.flashmla_sparse --kv-cache-dtype $d --max-examples 200 --no-shrink --reruns 1; done
 ) & pids+=($!)
 ( export PYTORCH_NO_CUDA_MEMORY_CACHING=1
-  timeout 250 $G -- $CS --print-limit 4 --show-backtrace host --kernel-name-exclude regex=.* \
+  timeout 250 $G -- $CS --print-limit 4 --show-backtrace host --kernel-name-exclude 'regex=.*' \
     python3 bench/initcheck_stages.py vllm.flashmla_sparse 20 > /tmp/api.log 2>&1
   $G -- python3 bench/sanitizer_log_summary.py initcheck /tmp/api.log > "$R/api-summary.log" 2>&1 ) & pids+=($!)
 ( export PYTORCH_NO_CUDA_MEMORY_CACHING=1
