@@ -169,11 +169,14 @@ def kernel_name(symbol: str) -> str:
     """A kernel's name without return type, template arguments and parameters: one name for every
     instantiation, so that one bug in a templated kernel is one signature (the symbol stays in the report)."""
     name = symbol[5:] if symbol.startswith("void ") else symbol
-    depth = 0
+    depth = 0  # inside a leading "(anonymous namespace)"
     for i, c in enumerate(name):
-        if c in "<(" and depth == 0 and i > 0:
-            return name[:i]
-        depth += c in "<(" and 1 or (-1 if c in ">)" else 0)
+        if c in "<(":
+            if depth == 0 and i > 0:
+                return name[:i]
+            depth += 1
+        elif c in ">)":
+            depth -= 1
     return name
 
 

@@ -7,7 +7,7 @@ import torch
 
 from fuzzer.guards import Guards
 from fuzzer.observation import Observation
-from fuzzer.sanitizer import (PRINT_LIMIT, SANITIZED_ENV, dedupe, limit_reached, parse_log, sanitized_env,
+from fuzzer.sanitizer import (PRINT_LIMIT, SANITIZED_ENV, dedupe, kernel_name, limit_reached, parse_log, sanitized_env,
                               sanitizer_command)
 from oracles.verdict import Verdict, passed
 from strategies.case import Case, Request, TopkSpec
@@ -144,6 +144,7 @@ def test_kernels_without_line_info_keep_their_name():
     assert reports[0].symbol.startswith("void smxx::decode::flash_fwd_mla_combine_kernel<cutlass::bfloat16_t")
     assert reports[0].access_size == 16 and reports[0].block == (2, 0, 5)
     assert "at::native::elementwise_kernel" in kernels
+    assert kernel_name("void (anonymous namespace)::fill<float>(float *)") == "(anonymous namespace)::fill"
     assert [r.signature for r in dedupe(reports)] == [
         "initcheck:Uninitialized __global__ memory read:smxx::decode::flash_fwd_mla_combine_kernel::0",
         "initcheck:error records dropped (the device's error buffer overflowed):?::0",
