@@ -59,6 +59,7 @@ class CaseLog:
     real: Counter = field(default_factory=Counter)  # vLLM parts that ran for real -> cases
     emulated: Counter = field(default_factory=Counter)  # compiled ops replaced by attnfuzz stand-ins -> cases
     shims: Counter = field(default_factory=Counter)
+    allocator_poisoned: int = 0  # cases run with the caching allocator's free memory poisoned (fuzzer/guards.py)
     records: list = field(default_factory=list)
     dropped: int = 0  # records past MAX_RECORDS (still counted above)
 
@@ -83,6 +84,7 @@ class CaseLog:
         self.real.update(obs.real)
         self.emulated.update(obs.emulated)
         self.shims.update(obs.notes.get("shims", ()))
+        self.allocator_poisoned += bool(obs.notes.get("allocator_poisoned"))
         record = {"n": n, "summary": case.summary(), "kv_cache_dtype": case.kv_cache_dtype, "heads": case.heads,
                   "seconds": round(obs.seconds, 4), "paths": paths,
                   "margins": {k: (round(m, 6) if math.isfinite(m) else str(m)) for k, m in worst.items()},
@@ -97,7 +99,8 @@ class CaseLog:
         return {"coverage": dict(self.coverage.most_common()), "path_sets": dict(self.path_sets.most_common()),
                 "first_seen": self.first_seen, "margins": {k: dict(v) for k, v in self.margins.items()},
                 "verdicts": dict(self.verdicts.most_common()), "real": dict(self.real), "emulated": dict(self.emulated),
-                "shims": dict(self.shims), "records_dropped": self.dropped, "cases": self.records}
+                "shims": dict(self.shims), "allocator_poisoned": self.allocator_poisoned,
+                "records_dropped": self.dropped, "cases": self.records}
 
 
 # -- the campaign directory -----------------------------------------------------------------------------------

@@ -167,6 +167,7 @@ def cmd_run(args, device: str) -> int:
             # Which compiled ops were attnfuzz's stand-ins is known once cases ran (in the workers): every result says it.
             "checks": result.checks, "host": dict(host.to_dict(), emulated_ops=sorted(result.cases.emulated)),
             "emulated": dict(result.cases.emulated), "real": dict(result.cases.real),
+            "allocator_poisoned": result.cases.allocator_poisoned,  # cases (ATTNFUZZ_POISON_ALLOCATOR=1, CUDA)
             "findings": [dict(f.to_dict(), path=str(p)) for f, p in zip(result.findings, saved)],
         }, indent=1) + "\n")
     if args.out:  # the campaign directory (campaign.json, findings) and its report.md / report.html

@@ -46,7 +46,7 @@ def test_expected_vs_got_reads_the_oracles_wording():
 def test_case_log_counts_paths_margins_and_parts():
     log = CaseLog()
     obs = Observation("t", "cpu", real=("builder",), emulated=("flash_mla_sparse_fwd",),
-                      notes={"paths": ["mqa", "bf16"], "shims": ["PIN_MEMORY=False"]})
+                      notes={"paths": ["mqa", "bf16"], "shims": ["PIN_MEMORY=False"], "allocator_poisoned": True})
     log.add(case(), obs, [passed("output", margin=0.05)])
     obs2 = Observation("t", "cpu", notes={"paths": ["mqa", "fp8.mixed_batch"]})
     rec = log.add(case(), obs2, [Verdict("output", False, "off", margin=40.0, where="output"),
@@ -58,6 +58,7 @@ def test_case_log_counts_paths_margins_and_parts():
     assert log.margins == {"output": {"-3": 1, "3": 1}, "lse": {"nonfinite": 1}}
     assert log.verdicts == {"ok": 1, "output:output": 1}
     assert (log.real, log.emulated, log.shims) == ({"builder": 1}, {"flash_mla_sparse_fwd": 1}, {"PIN_MEMORY=False": 1})
+    assert log.allocator_poisoned == 1 and log.to_dict()["allocator_poisoned"] == 1  # results say it took effect
 
 
 class _Tags(HTMLParser):
