@@ -441,10 +441,14 @@ def _report(args, plans, procs, merged: Merged, db: str, seconds: float, interru
                         "examples": s["examples"] if s else None, "seconds": s["seconds"] if s else None,
                         "cases_per_second": s["cases_per_second"] if s else None, "log": str(plan.log)})
     examples = sum(w["examples"] or 0 for w in workers)
-    checks: dict[str, int] = {}
+    # Per-key case counts summed over the workers: checks, and which parts were vLLM's or attnfuzz's stand-ins.
+    counts: dict[str, dict[str, int]] = {key: {} for key in ("checks", "real", "emulated")}
     for s in summaries:
-        for k, v in (s or {}).get("checks", {}).items():
-            checks[k] = checks.get(k, 0) + v
+        for key, total in counts.items():
+            for k, v in (s or {}).get(key, {}).items():
+                total[k] = total.get(k, 0) + v
+    checks = counts["checks"]
+    poisoned = sum((s or {}).get("allocator_poisoned", 0) for s in summaries)
     failed = [(w, p) for w, p in zip(workers, plans) if w["exit"] not in (EXIT_CLEAN, EXIT_FOUND) and not interrupted]
     print(f"fleet {args.target}: {len(plans)} worker(s), {examples} cases in {seconds:.1f} s "
           f"({examples / max(seconds, 1e-9):.1f}/s){' (interrupted)' if interrupted else ''}: "
@@ -469,7 +473,8 @@ def _report(args, plans, procs, merged: Merged, db: str, seconds: float, interru
             "target": args.target, "seed": args.seed, "database": db, "interrupted": interrupted,
             "examples": examples, "seconds": round(seconds, 2),
             "cases_per_second": round(examples / max(seconds, 1e-9), 2), "checks": checks, "workers": workers,
-            "host": _host(plans), "duplicates_merged": merged.duplicates,
+            "host": _host(plans), "real": counts["real"], "emulated": counts["emulated"],
+            "allocator_poisoned": poisoned, "duplicates_merged": merged.duplicates,
             "findings": merged.saved, "known": merged.known, "pending": merged.pending,
         }, indent=1, default=str) + "\n")
     if merged.saved or merged.known or merged.pending:

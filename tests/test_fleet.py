@@ -196,6 +196,9 @@ def test_two_workers_dedup_and_a_second_run_replays_first(tmp_path):
     assert r.returncode == 1, r.stdout + r.stderr[-3000:]
     s2 = json.loads((tmp_path / "s2.json").read_text())
     assert s2["findings"] == [] and s2["known"]
+    # Stand-ins are named in the fleet's summary too (a CPU: FlashMLA's kernels are attnfuzz's).
+    assert "flash_mla_sparse_fwd" in s2["emulated"] and "flash_mla_sparse_fwd" in s2["host"]["emulated_ops"]
+    assert s2["allocator_poisoned"] == 0
     first = min(s2["known"], key=lambda f: f["examples_to_find"])
     assert first["examples_to_find"] == 1 and first["id"] in saved and first["saved_as"]["id"] == first["id"]
     assert {p.name for p in (tmp_path / "repros").iterdir()} == saved
