@@ -145,9 +145,19 @@ class Campaign:
         self._start = 0.0
         self._batch_failed = False
         self._settled: set[str] = set()
+        self._winding_down = False  # SIGTERM: no case runs from now on
 
     def _out_of_time(self) -> bool:
         return self.time_budget is not None and time.monotonic() - self._start > self.time_budget
+
+    def _spent(self) -> bool:
+        """No more cases to run: the campaign winds down, or its example count is reached outside a shrink.
+        Hypothesis's reuse phase replays the whole stored corpus (the shared database's failures and Pareto
+        front) whatever max_examples says: on the GPU host a worker of a 220-case campaign ran 1,800 cases."""
+        if self._winding_down:
+            return True
+        return (self.time_budget is None and self.max_examples is not None and not self._batch_failed
+                and self.result.examples >= self.max_examples)
 
     # -- one case -----------------------------------------------------------------------------------------
     def check(self, case: Case) -> tuple[Observation, list[Verdict]]:
@@ -168,6 +178,8 @@ class Campaign:
                                f"{traceback.format_exc()}") from e
 
     def _test(self, case: Case) -> None:
+        if self._spent():
+            raise _Stop()
         if self._out_of_time() and not self._batch_failed:
             return  # the budget is spent: let Hypothesis run out the batch without running cases
         obs, verdicts = self.check(case)
@@ -291,6 +303,7 @@ class Campaign:
 
         def wind_down(signum, frame):  # SIGTERM (a fleet's parent, a scheduler): stop searching, save the findings
             self.time_budget = 0.0
+            self._winding_down = True  # a shrink in progress stops too: its best case so far is pending on disk
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one kills
 
         main = threading.current_thread() is threading.main_thread()
@@ -319,7 +332,10 @@ class Campaign:
                 digest = hashlib.sha256(f"{self.seed}/{batch}".encode()).hexdigest()
                 seed = self.seed if batch == 0 else int(digest[:15], 16)
                 # Settled bugs no longer raise: Hypothesis would delete their stored examples as fixed.
-                self._hypothesis(strategy, KeepStoredFailures(db) if self._settled else db, seed, n)
+                try:
+                    self._hypothesis(strategy, KeepStoredFailures(db) if self._settled else db, seed, n)
+                except _Stop:
+                    break
                 # Hypothesis ends a batch at its first bug and shrinks it; the next batch goes on searching, and
                 # the bugs already shrunk no longer stop it (they are counted, not raised).
                 self._settled |= set(self._failures)
@@ -357,7 +373,7 @@ class Campaign:
         fuzz._hypothesis_internal_database_key = key.encode()
         try:
             fuzz()
-        except HarnessError:
+        except (HarnessError, _Stop):
             raise
         except BaseException as e:  # CaseFailed, or Hypothesis's (nested) groups of them: recorded in _failures
             errors = _flatten(e)
@@ -366,6 +382,10 @@ class Campaign:
                     raise err
                 if not isinstance(err, CaseFailed):
                     raise
+
+
+class _Stop(BaseException):
+    """Raised from a case to end the Hypothesis run at once (not an Exception: Hypothesis lets it through)."""
 
 
 def _flatten(e: BaseException) -> list[BaseException]:

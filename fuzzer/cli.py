@@ -178,7 +178,7 @@ def cmd_run(args, device: str) -> int:
 def _executor(args, target, device: str, label):
     """Where the campaign's cases run (see fuzzer/worker.py)."""
     from fuzzer.env import STATE_DIR
-    from fuzzer.worker import AutoSanitizedExecutor, InProcessExecutor, WorkerExecutor, WorkerSpec
+    from fuzzer.worker import SANITIZED_RECYCLE_AFTER, AutoSanitizedExecutor, InProcessExecutor, WorkerExecutor, WorkerSpec
 
     if args.sanitizer:
         if device != "cuda":
@@ -193,13 +193,15 @@ def _executor(args, target, device: str, label):
     elif args.isolation == "none":
         return InProcessExecutor(target)
     spec = WorkerSpec(target.name, device, inject=args.inject, kv_cache_dtypes=tuple(target.kv_cache_dtypes) or None,
-                      sanitizer=None if args.sanitizer == "auto" else args.sanitizer, case_timeout=args.case_timeout)
+                      sanitizer=None if args.sanitizer == "auto" else args.sanitizer, case_timeout=args.case_timeout,
+                      recycle_after=SANITIZED_RECYCLE_AFTER if args.sanitizer not in (None, "auto") else 0)
     logs = STATE_DIR / "workers" / target.name
     if args.sanitizer == "auto":
         from dataclasses import replace
 
         return AutoSanitizedExecutor(WorkerExecutor(spec, logs / "native"),
-                                     WorkerExecutor(replace(spec, sanitizer="memcheck", case_timeout=args.case_timeout * 10),
+                                     WorkerExecutor(replace(spec, sanitizer="memcheck", case_timeout=args.case_timeout * 10,
+                                                                   recycle_after=SANITIZED_RECYCLE_AFTER),
                                                     logs / "memcheck"), seed=args.seed)
     return WorkerExecutor(spec, logs)
 

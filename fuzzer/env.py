@@ -49,12 +49,14 @@ class HostInfo:
     python: str
     interpreted: bool
     emulated_ops: tuple[str, ...] = field(default_factory=tuple)
+    hypothesis: str = ""  # its engine decides how many cases a batch runs (a database replay is not capped)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 def host_info(device: str, emulated_ops: tuple[str, ...] = ()) -> HostInfo:
+    import hypothesis
     import torch
     import triton
 
@@ -74,4 +76,5 @@ def host_info(device: str, emulated_ops: tuple[str, ...] = ()) -> HostInfo:
         python=platform.python_version(),
         interpreted=os.environ.get("TRITON_INTERPRET") == "1",
         emulated_ops=tuple(emulated_ops),
+        hypothesis=hypothesis.__version__,
     )

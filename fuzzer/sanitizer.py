@@ -9,10 +9,12 @@ with PYTORCH_NO_CUDA_MEMORY_CACHING=1 and without expandable segments (false "In
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shlex
 import shutil
+import subprocess
 from dataclasses import asdict, dataclass
 
 TOOLS = ("memcheck", "initcheck", "racecheck", "synccheck")
@@ -77,9 +79,23 @@ def sanitizer_command(tool: str, binary: str | None = None, log_file: str | None
         cmd += ["--log-file", log_file]
     if tool == "memcheck":
         cmd += ["--leak-check", "no"]
+    if tool == "initcheck" and supports(cmd[0], "--check-bulk-copy"):
+        # Hopper kernels (FlashMLA's) store through the TMA unit (cp.async.bulk). Unless initcheck tracks those
+        # bulk copies, every later read of what they wrote is reported as uninitialized (session 6, H200).
+        cmd += ["--check-bulk-copy", "yes"]
     # More options for a diagnosis (e.g. "--show-backtrace host"). compute-sanitizer refuses an option given
     # twice, so one of ours that is given again takes the new value.
     return _merge_options(cmd, shlex.split(os.environ.get("ATTNFUZZ_SANITIZER_OPTIONS", "")))
+
+
+@functools.cache
+def supports(binary: str, option: str) -> bool:
+    """Whether this compute-sanitizer lists `option` in its --help (options come and go between releases)."""
+    try:
+        out = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return option in out.stdout + out.stderr
 
 
 def _merge_options(cmd: list[str], extra: list[str]) -> list[str]:

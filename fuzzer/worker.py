@@ -43,6 +43,14 @@ class WorkerSpec:
     sanitizer: str | None = None  # a compute-sanitizer tool, or None for a native worker
     case_timeout: float = 300.0  # seconds for one case before the worker counts as hung
     startup_timeout: float = 900.0  # vLLM import, target set-up and (sanitized) tool start
+    # Cases before a worker is replaced by a fresh one (0: never). Sanitized workers on the H200 ran out of device
+    # memory every ~540 initcheck cases (session 6); a fresh process frees whatever the tool or the worker held.
+    recycle_after: int = 0
+
+
+SANITIZED_RECYCLE_AFTER = 300  # cases per sanitized worker (compute-sanitizer start-up: ~30 s on the H200)
+MEMORY_EVERY = 25  # cases between the device-memory lines a CUDA worker logs (a leak shows as a trend)
+MEMORY = "ATTNFUZZ-DEVICE-MEMORY"
 
 
 class WorkerError(RuntimeError):
@@ -136,9 +144,23 @@ def serve(fd: int, spec: WorkerSpec) -> None:
         if late and not obs.notes.get("device_lost"):
             _lost(spec, conn, late)
         obs.outputs = {}  # tensors stay here: findings keep verdicts and notes
+        if spec.device == "cuda" and n % MEMORY_EVERY == 0:
+            _log_device_memory(n)
         conn.send(("result", obs, verdicts))
         if obs.notes.get("device_lost"):
             os._exit(3)  # a fresh worker takes the next case
+
+
+def _log_device_memory(n: int) -> None:
+    """Free device memory and what PyTorch holds, after case n, into the worker's log."""
+    try:
+        import torch
+
+        free, total = torch.cuda.mem_get_info()
+        print(f"{MEMORY} after case {n}: free {free >> 20} MiB of {total >> 20}, torch allocated "
+              f"{torch.cuda.memory_allocated() >> 20} MiB", flush=True)
+    except Exception as e:  # the context may be gone: the case's own verdict says so
+        print(f"{MEMORY} after case {n}: unavailable ({type(e).__name__})", flush=True)
 
 
 def _sync(device: str) -> str | None:
@@ -168,6 +190,7 @@ class WorkerExecutor:
         self.log_path: Path | None = None
         self._offset = 0
         self._reports_printed = 0
+        self._cases_this_worker = 0
 
     # worker life
     def _start(self) -> None:
@@ -192,6 +215,7 @@ class WorkerExecutor:
         self.conn = Connection(parent.detach())
         self._offset = 0
         self._reports_printed = 0  # this worker's sanitizer reports so far (its print limit is per process)
+        self._cases_this_worker = 0
         if not self.conn.poll(self.spec.startup_timeout):
             self._kill()
             raise WorkerError(f"worker for {self.spec.target} did not start within {self.spec.startup_timeout:.0f} s; "
@@ -307,6 +331,10 @@ class WorkerExecutor:
         log = self._new_log() if self.log_path else ""
         if self.spec.sanitizer:
             verdicts = self._sanitizer_verdicts(log, obs) + verdicts
+        self._cases_this_worker += 1
+        if self.spec.recycle_after and self._cases_this_worker >= self.spec.recycle_after and self.proc is not None:
+            self.close()  # asked to stop, so compute-sanitizer writes its summary; the next case starts a fresh one
+            obs.notes["worker_recycled"] = f"after {self._cases_this_worker} cases"
         return obs, verdicts
 
     def _sanitizer_verdicts(self, log: str, obs: Observation) -> list[Verdict]:

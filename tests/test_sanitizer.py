@@ -167,3 +167,16 @@ def test_allocator_poisoning_is_opt_in_and_cuda_only(monkeypatch):
     assert allocator_poisoning("cuda") and allocator_poisoning("cuda:0") and not allocator_poisoning("cpu")
     monkeypatch.setenv("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
     assert not allocator_poisoning("cuda")
+
+
+def test_initcheck_tracks_bulk_copies_where_the_tool_can(tmp_path):
+    """FlashMLA's Hopper kernels write through TMA bulk copies: initcheck must track them, or every read of
+    their output reads as uninitialized. Older compute-sanitizers lack the option: then it is not given."""
+    new, old = tmp_path / "cs-new", tmp_path / "cs-old"
+    new.write_text("#!/bin/sh\necho '  --check-bulk-copy arg   Check bulk copies'\n")
+    old.write_text("#!/bin/sh\necho '  --print-limit arg'\n")
+    for f in (new, old):
+        f.chmod(0o755)
+    assert sanitizer_command("initcheck", str(new))[-2:] == ["--check-bulk-copy", "yes"]
+    assert "--check-bulk-copy" not in sanitizer_command("initcheck", str(old))
+    assert "--check-bulk-copy" not in sanitizer_command("memcheck", str(new))

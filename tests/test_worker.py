@@ -69,3 +69,22 @@ def test_sigkill_of_the_campaign_loses_no_finding(tmp_path):
     assert [f["signature"] for f in s["findings"]] == ["crash:killed-by-SIGSEGV"]
     assert not journal.exists()
     assert not list((tmp_path / "repros" / ".pending").glob("*/finding.json"))
+
+
+def test_a_lost_device_replaces_the_worker_and_a_recycled_worker_is_replaced_too(tmp_path, monkeypatch):
+    from fuzzer.worker import WorkerExecutor, WorkerSpec
+    from strategies.case import Case
+
+    monkeypatch.setenv("ATTNFUZZ_STATE", str(tmp_path / "state"))
+    monkeypatch.setenv("ATTNFUZZ_FAULT", "device-lost:2")
+    case = Case.from_json((ROOT / "repros" / "index-remap-7e944ef6" / "case.json").read_text())
+    executor = WorkerExecutor(WorkerSpec("selftest.fault", "cpu", recycle_after=3), tmp_path / "logs")
+    try:
+        results = [executor.check(case) for _ in range(5)]
+    finally:
+        executor.close()
+    lost = results[1][1]
+    assert [v.where for v in lost] == ["device_lost"] and "out of memory" in lost[0].detail
+    assert all(v.ok for _, verdicts in results[2:] for v in verdicts)
+    # case 2 lost the device (worker 2 next); worker 2 served cases 3-5, recycled after its third
+    assert executor.started == 2 and results[4][0].notes.get("worker_recycled") == "after 3 cases"

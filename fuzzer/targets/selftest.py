@@ -8,6 +8,7 @@ across worker replacements, in a file under the state directory) it does that fa
   illegal-address  a Triton kernel stores far outside its tensor (GPU: the CUDA context is lost)
   segfault         the process gets SIGSEGV        abort   abort()        hang   sleeps forever
   oom              allocates until the OS or the allocator gives up
+  device-lost      raises the error a lost CUDA context raises (CUDA error: out of memory), on any device
 Every other case passes.
 """
 
@@ -22,7 +23,7 @@ from fuzzer.targets.base import Target
 from oracles.verdict import Verdict, passed
 from strategies.batches import IndexFeatures, index_cases
 
-FAULTS = ("illegal-address", "segfault", "abort", "hang", "oom")
+FAULTS = ("illegal-address", "segfault", "abort", "hang", "oom", "device-lost")
 
 
 def _judge(case, obs) -> list[Verdict]:
@@ -84,6 +85,8 @@ class SelftestFault(Target):
                 hog.append(bytearray(1 << 30))
         elif fault == "illegal-address":
             _illegal_store(self.device)
+        elif fault == "device-lost":  # what torch raises once the context is gone; the worker must be replaced
+            raise RuntimeError("CUDA error: out of memory")
         return {}
 
     def render_repro(self, finding) -> tuple[str, dict]:

@@ -1,0 +1,66 @@
+"""A campaign runs no more cases than asked: Hypothesis replays its whole stored corpus (a fleet's shared
+database) whatever max_examples says, and SIGTERM stops a shrink too (its best case is already on disk)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import strategies as st
+from hypothesis.database import InMemoryExampleDatabase
+
+from fuzzer.campaign import Campaign, _Stop
+from fuzzer.env import HostInfo
+from fuzzer.observation import Observation
+from fuzzer.targets.base import Target
+from oracles.verdict import Verdict, passed
+from strategies.case import Case, Request, TopkSpec
+from strategies.profiles import PROFILES
+
+HOST = HostInfo("cpu", "test", "-", "-", "-", "-", False)
+
+
+def _case(n: int) -> Case:
+    return Case(requests=(Request(1, n),), num_decodes=1, block_size=64, block_table=((1,) * (1 + n // 64),),
+                topk_width=128, topk=(TopkSpec(valid=1),)).validate()
+
+
+class Counting(Target):
+    """Runs nothing: counts the cases it is given; fails on contexts of 13."""
+    name, summary, bug_classes = "test.counting", "counts cases", ""
+    oracle = staticmethod(lambda case, obs: [Verdict("output", False, "13", where="x")] if case.requests[0].context_len == 13
+                          else [passed("output", "fine")])
+
+    def __init__(self, device="cpu"):
+        super().__init__(device)
+        self.ran = 0
+
+    def unavailable(self):
+        return None
+
+    def cases(self, profile):
+        return st.integers(0, 200).map(_case)
+
+    def run(self, case):
+        self.ran += 1
+        return Observation(self.name, self.device)
+
+    def render_repro(self, finding):
+        return "", {}
+
+
+def test_a_stored_corpus_larger_than_max_examples_is_not_all_replayed(tmp_path):
+    db = InMemoryExampleDatabase()
+    first = Counting()
+    Campaign(first, PROFILES["cpu"], HOST, max_examples=60, reruns=0, shrink=False, database=db).run()
+    target = Counting()
+    result = Campaign(target, PROFILES["cpu"], HOST, seed=1, max_examples=5, reruns=0, shrink=False, database=db).run()
+    assert result.examples == target.ran <= 5
+
+
+def test_sigterm_stops_even_a_shrink():
+    campaign = Campaign(Counting(), PROFILES["cpu"], HOST, max_examples=10, reruns=0)
+    campaign._batch_failed = True  # shrinking: cases past max_examples still run
+    campaign.result.examples = 50
+    campaign._test(_case(1))
+    campaign._winding_down = True
+    with pytest.raises(_Stop):
+        campaign._test(_case(1))
