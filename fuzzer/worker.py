@@ -44,11 +44,12 @@ class WorkerSpec:
     case_timeout: float = 300.0  # seconds for one case before the worker counts as hung
     startup_timeout: float = 900.0  # vLLM import, target set-up and (sanitized) tool start
     # Cases before a worker is replaced by a fresh one (0: never). Sanitized workers on the H200 ran out of device
-    # memory every ~540 initcheck cases (session 6); a fresh process frees whatever the tool or the worker held.
+    # memory every ~540 initcheck cases, free memory falling ~0.4 GiB a case outside PyTorch's allocator (session 6);
+    # a fresh process frees whatever the tool or the worker held.
     recycle_after: int = 0
 
 
-SANITIZED_RECYCLE_AFTER = 300  # cases per sanitized worker (compute-sanitizer start-up: ~30 s on the H200)
+SANITIZED_RECYCLE_AFTER = 150  # cases per sanitized worker (compute-sanitizer start-up: ~30 s on the H200)
 MEMORY_EVERY = 25  # cases between the device-memory lines a CUDA worker logs (a leak shows as a trend)
 MEMORY = "ATTNFUZZ-DEVICE-MEMORY"
 
@@ -207,6 +208,7 @@ class WorkerExecutor:
 
             cmd = sanitizer_command(self.spec.sanitizer) + cmd  # reports land in the worker's log, between markers
             env = sanitized_env(env)
+            env["ATTNFUZZ_SANITIZER"] = self.spec.sanitizer  # a target may adapt to the tool (flashmla_runtime)
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, pass_fds=(child.fileno(),), stdout=log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True, cwd=os.getcwd(), preexec_fn=die_with_parent)

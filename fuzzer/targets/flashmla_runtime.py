@@ -10,6 +10,7 @@ import functools
 import importlib
 import inspect
 import json
+import os
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -70,6 +71,48 @@ def install_standins(device: str = "cuda") -> tuple[str, ...]:
         mod.ops = SimpleNamespace(**{**vars(mod.ops), **standins})
         bound += missing
     return tuple(bound)
+
+
+def prefilled_out(fn, out_shape):
+    """`fn` (a FlashMLA entry point with an `out` parameter), its `out` filled with NaN first: vLLM's buffer if
+    vLLM passes one, else one of `out_shape(arguments)` in q's dtype."""
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        if a.get("out") is None:
+            a["out"] = torch.full(out_shape(a), float("nan"), dtype=a["q"].dtype, device=a["q"].device)
+        else:
+            a["out"].fill_(float("nan"))
+        return fn(*bound.args, **bound.kwargs)
+    return call
+
+
+@functools.cache
+def prefill_outputs_under_initcheck(device: str) -> tuple[str, ...]:
+    """Under compute-sanitizer initcheck only: FlashMLA's output buffers are filled with NaN before each call.
+
+    FlashMLA's SM90 kernels store their outputs through the TMA unit, which initcheck does not see: every later
+    read of an output (vLLM's copy into its own buffer, the oracle's) was reported as uninitialized although
+    the values matched the fp32 reference (session 6, H200). A fill is a write initcheck sees; an element the
+    kernel then leaves unwritten stays NaN, which the oracle reports natively (class H/I). Whether vLLM passes
+    `out` or FlashMLA allocates it, the call FlashMLA gets is otherwise vLLM's."""
+    if device != "cuda" or os.environ.get("ATTNFUZZ_SANITIZER") != "initcheck" or not _has_flashmla_kernels():
+        return ()
+    mod = importlib.import_module(BACKEND_MODULE)
+
+    done = []
+    if hasattr(mod, "flash_mla_sparse_fwd") and "out" in inspect.signature(mod.flash_mla_sparse_fwd).parameters:
+        mod.flash_mla_sparse_fwd = prefilled_out(mod.flash_mla_sparse_fwd, lambda a: (*a["q"].shape[:2], a["d_v"]))
+        done.append("flash_mla_sparse_fwd")
+    if hasattr(mod, "flash_mla_with_kvcache") and "out" in inspect.signature(mod.flash_mla_with_kvcache).parameters:
+        mod.flash_mla_with_kvcache = prefilled_out(mod.flash_mla_with_kvcache, lambda a: (*a["q"].shape[:3], a["head_dim_v"]))
+        done.append("flash_mla_with_kvcache")
+    return tuple(f"initcheck: {name}'s out filled with NaN before the call (FlashMLA writes it through TMA, "
+                 f"which initcheck does not see)" for name in done)
 
 
 def _try_import(name: str):

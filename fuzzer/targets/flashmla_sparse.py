@@ -19,7 +19,8 @@ from fuzzer.guards import Guards
 from fuzzer.targets.backend_harness import cache_writer, common_attn_metadata, paged_cache, step_tensors
 from fuzzer.targets.base import Target
 from fuzzer.targets.flashmla_runtime import (BACKEND_MODULE, FP8_ENTRY_BYTES, LAYER, configure, cpu_shims,
-                                            define_missing_c_queries, guard_index_group, has_cache_op, impl_topk_kwargs, install_standins, vllm_runtime)
+                                            define_missing_c_queries, guard_index_group, has_cache_op, impl_topk_kwargs, install_standins,
+                                            prefill_outputs_under_initcheck, vllm_runtime)
 from oracles.attention_judge import judge_attention
 from oracles.materialize import HEAD_SIZE, KV_LORA_RANK, ROPE_DIM, SM_SCALE
 from strategies.batches import AttentionFeatures, attention_cases
@@ -53,6 +54,7 @@ class FlashMLASparse(Target):
             install_corrections()
             self.shims += [*install_cpu_shims(), *cpu_shims(), *(f"interpreter correction: {c}" for c in CORRECTIONS)]
         self.emulated = install_standins(self.device)
+        self.shims += prefill_outputs_under_initcheck(self.device)
         self.real_parts = self.real_parts_here()
         self.cfg = self.runtime(str(STATE_DIR))
 
