@@ -50,11 +50,16 @@ CASES = {
     "fp8-h16-decode-no-valid": case([(1, 300), (1, 100)], 2, 16, "fp8_ds_mla", valid=[256, 0]),
     "fp8-h128-prefill-with-context": case([(1, 100), (4, 300)], 1, 128, "fp8_ds_mla"),  # separate path, gather
     "fp8-h64-decodes-padding-row": case([(1, 300), (0, 0)], 2, 64, "fp8_ds_mla"),
+    # the layer target (ATTNFUZZ_TRIAGE_TARGET=vllm.flashmla_sparse.layer): session 6 saw every case reported
+    "layer-one-token-h16": case([(1, 0)], 0, 16, "bfloat16", topk_width=128),  # session 6's case: a decode to vLLM
+    "layer-short-prefill-h16": case([(5, 0)], 0, 16, "bfloat16", topk_width=128),  # the dense-MHA route
+    "layer-decode-h16": case([(1, 200)], 1, 16, "bfloat16"),  # the MQA route
+    "layer-fp8-prefill-with-context-h16": case([(3, 100)], 0, 16, "fp8_ds_mla"),  # dense MHA + context gather
 }
 
 
 def main() -> None:
-    names = sys.argv[1:] or list(CASES)
+    names = sys.argv[1:] or [n for n in CASES if not n.startswith("layer-")]
     device = os.environ.get("ATTNFUZZ_TRIAGE_DEVICE", "cuda")  # cpu: to try the script itself
     from fuzzer.env import prepare_process
 
@@ -80,7 +85,7 @@ def main() -> None:
             return r
         return wrapper
 
-    target = TARGETS["vllm.flashmla_sparse"](device)
+    target = TARGETS[os.environ.get("ATTNFUZZ_TRIAGE_TARGET", "vllm.flashmla_sparse")](device)
     target.prepare()
     mod = importlib.import_module(BACKEND_MODULE)
     for name in ("flash_mla_sparse_fwd", "flash_mla_with_kvcache", "triton_convert_req_index_to_global_index"):
@@ -94,6 +99,8 @@ def main() -> None:
                 pass
     impl = mod.FlashMLASparseBackend.get_impl_cls()
     impl.forward_mqa = marked("forward_mqa", impl.forward_mqa)
+    if hasattr(impl, "forward_mha"):
+        impl.forward_mha = marked("forward_mha", impl.forward_mha)
     print(f"emulated here: {target.emulated}", flush=True)
     for name in names:
         c = CASES[name]

@@ -99,7 +99,9 @@ INITCHECK_BLIND_KERNELS = ("flash_fwd_mla_combine_kernel",)
 @functools.cache
 def _accepts(binary: str, options: tuple[str, ...]) -> bool:
     try:
-        return subprocess.run([binary, *options, "true"], capture_output=True, timeout=120).returncode == 0
+        # `true` makes no CUDA call: without --require-cuda-init no, every option set would read as refused
+        run = [binary, "--require-cuda-init", "no", *options, "true"]
+        return subprocess.run(run, capture_output=True, timeout=120).returncode == 0
     except (OSError, subprocess.SubprocessError):
         return False
 
