@@ -51,6 +51,7 @@ def main():
         problems.append(f"raised {{type(error).__name__}}: {{error}}")
     else:
         expected = T["expected_out"].float().cpu()
+        out = out[: expected.shape[0]]  # rows of CUDA-graph padding tokens (if any) are dropped, as the runner does
         if out.numel() != expected.numel():
             problems.append(f"output has shape {{tuple(out.shape)}}; expected {{tuple(expected.shape)}} (the heads of this rank)")
             out = expected  # nothing more to compare
@@ -125,7 +126,7 @@ def _load_vendored():
 
 def render_flashmla_repro(finding, target, layer: bool) -> tuple[str, dict]:
     from fuzzer.repro import _NO_CHECKER, _header
-    from fuzzer.targets.backend_harness import common_attn_metadata, step_tensors
+    from fuzzer.targets.backend_harness import common_attn_metadata, step_tensors, with_padded_tokens
     from oracles.attention_judge import (attention_tolerance, judge_fp8_ds_mla_entries, layer_reference_for,
                                          layer_tolerance, reference_for)
     from oracles.materialize import materialize_attention_inputs, materialize_layer_inputs
@@ -153,9 +154,10 @@ def render_flashmla_repro(finding, target, layer: bool) -> tuple[str, dict]:
         atol, rtol = attention_tolerance(case, inp)
     cam = common_attn_metadata(case, inp.index, dev)
     width = cache.shape[-1]
-    tensors = dict(q=inputs.q if layer else inp.q,
+    tensors = dict(q=with_padded_tokens(case, inputs.q if layer else inp.q),
                    kv_cache_rows=cache.as_strided((case.num_blocks * case.stride_rows, width), (width, 1)),
-                   topk_indices_buffer=topk_buffer, kv_c_normed=inp.kv_c[new_slots], k_pe=inp.k_pe[new_slots].unsqueeze(1),
+                   topk_indices_buffer=topk_buffer, kv_c_normed=with_padded_tokens(case, inp.kv_c[new_slots]),
+                   k_pe=with_padded_tokens(case, inp.k_pe[new_slots]).unsqueeze(1),
                    query_start_loc=inp.index.query_start_loc, seq_lens=inp.index.seq_lens,
                    block_table=inp.index.block_table, slot_mapping=cam.slot_mapping,
                    num_computed_tokens=torch.tensor([r.context_len for r in case.requests], dtype=torch.int32),
@@ -163,7 +165,7 @@ def render_flashmla_repro(finding, target, layer: bool) -> tuple[str, dict]:
     if layer:
         tensors["kv_b_weight"] = inputs.kv_b_weight
     constants = dict(BLOCK_SIZE=case.block_size, BLOCK_STRIDE_ROWS=case.stride_rows, NUM_BLOCKS=case.num_blocks,
-                     NUM_REQS=len(case.requests), NUM_TOKENS=case.num_tokens,
+                     NUM_REQS=len(case.requests), NUM_TOKENS=case.num_actual_tokens,  # CUDA-graph padding included
                      MAX_QUERY_LEN=max(r.query_len for r in case.requests),
                      MAX_SEQ_LEN=max(r.seq_len for r in case.requests), ATOL=atol, RTOL=rtol)
     # On a CPU every reproducer runs the interpreter under attnfuzz's checker, memory finding or not: besides the

@@ -200,6 +200,9 @@ class AttentionFeatures:
     # Also draw DCP splits outside that bound (and heads the mixed-batch path does not take), where vLLM must
     # refuse the configuration instead of computing with mismatched head padding.
     dcp_outside_envelope: bool = False
+    # Padding rows come with their padded tokens (Case.padded_tokens), as vLLM's runner makes them under full
+    # CUDA graphs. Targets that feed those rows to vLLM set it; the others keep padding rows of no tokens.
+    cudagraph_padding: bool = False
 
 
 TOTAL_HEADS = 128  # DeepSeek-V3.2's attention heads: heads per rank are 128 / TP
@@ -271,4 +274,13 @@ def attention_cases(draw, p: Profile, f: AttentionFeatures) -> Case:
         fp8_scale=draw(st.sampled_from(FP8_SCALES)) if kv_dtype == "fp8_ds_mla" else "pow2",
         values=draw(st.sampled_from(VALUE_KINDS)),
         seed=draw(st.integers(0, 2**16)),
+        padded_tokens=_graph_padding(reqs, num_decodes) if f.cudagraph_padding else 0,
     ).validate()
+
+
+def _graph_padding(reqs: tuple[Request, ...], num_decodes: int) -> int:
+    """The tokens a full CUDA graph gives a uniform decode batch's trailing padding rows (0: not such a batch)."""
+    pads = sum(1 for r in reqs if r.query_len == 0)
+    if num_decodes != len(reqs) or not pads or any(r.query_len == 0 for r in reqs[: len(reqs) - pads]):
+        return 0
+    return pads * max(r.query_len for r in reqs)

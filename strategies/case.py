@@ -84,6 +84,10 @@ class Case:
     fp8_scale: str = "pow2"
     values: str = "normal"
     seed: int = 0
+    # Tokens past the last request, as a full CUDA graph pads a uniform decode batch: vLLM's model runner
+    # gives each padding row (query_len 0) the decode query length in tokens that belong to no request,
+    # counts them in num_actual_tokens, gives them slot -1 and its indexer no valid index.
+    padded_tokens: int = 0
     schema: int = SCHEMA
 
     # -- derived ---------------------------------------------------------------------------------------
@@ -94,6 +98,11 @@ class Case:
     @property
     def num_tokens(self) -> int:
         return sum(r.query_len for r in self.requests)
+
+    @property
+    def num_actual_tokens(self) -> int:
+        """Rows of the step's q, top-k and output as the backend sees them: the requests' tokens + padding."""
+        return self.num_tokens + self.padded_tokens
 
     @property
     def num_decode_tokens(self) -> int:
@@ -121,6 +130,8 @@ class Case:
             extra.append(f"dcp={self.dcp.size}/r{self.dcp.rank}/i{self.dcp.interleave}")
         if self.call != IndexCall():
             extra.append(f"call={_nondefault(self.call)}")
+        if self.padded_tokens:
+            extra.append(f"padded_tokens={self.padded_tokens}")
         return f"[{reqs}] topk={self.topk_width} block={self.block_size} {' '.join(extra)}".strip()
 
     # -- validation ------------------------------------------------------------------------------------
@@ -181,6 +192,12 @@ class Case:
         _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         _check(self.fp8_scale in FP8_SCALES, "fp8_scale", f"one of {FP8_SCALES}, got {self.fp8_scale!r}")
         _check(self.values in VALUE_KINDS, "values", f"one of {VALUE_KINDS}, got {self.values!r}")
+        if self.padded_tokens:
+            pads = [i for i, r in enumerate(self.requests) if r.query_len == 0]
+            want = len(pads) * max(dq, default=0)
+            _check(self.num_decodes == n and pads and pads[0] == n - len(pads) and self.padded_tokens == want,
+                   "padded_tokens", f"a full CUDA graph pads only a decode batch whose last requests are padding rows, "
+                   f"by decode query_len tokens each ({want} here), got {self.padded_tokens}")
         return self
 
     # -- JSON ------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ def test_json_round_trip():
     ({"block_table": [[1], [2, 3]]}, "case.block_table[1]"),
     ({"kv_cache_dtype": "fp4"}, "case.kv_cache_dtype"),
     ({"num_decodes": 3}, "case.num_decodes"),
+    ({"padded_tokens": 1}, "case.padded_tokens"),  # a batch with prefills and no padding rows: no CUDA graph pads it
 ])
 def test_malformed_case_names_the_field(patch, message):
     data = json.loads(small_case().to_json())
@@ -61,3 +62,15 @@ def test_generated_cases_are_valid_and_fit_the_profile(case):
         local = rank_owned_positions(r.seq_len, case.dcp.size, case.dcp.rank, case.dcp.interleave)
         row = case.block_table[case.table_row(i)]
         assert len(row) * case.block_size >= local
+
+
+def test_padded_tokens_follow_the_runners_rule():
+    """A full CUDA graph gives each trailing padding row of a uniform decode batch its query_len in tokens."""
+    base = dict(requests=(Request(2, 30), Request(2, 5), Request(0, 0), Request(0, 0)), num_decodes=4, block_size=64,
+                block_table=((1,), (2,), (0,), (0,)), topk_width=128, topk=(TopkSpec(1),) * 4)
+    c = Case(**base, padded_tokens=4).validate()
+    assert (c.num_tokens, c.num_actual_tokens) == (4, 8) and c.summary().endswith("padded_tokens=4")
+    assert Case.from_json(c.to_json()) == c
+    for wrong in (3, 2):
+        with pytest.raises(CaseError, match="padded_tokens.*4 here"):
+            Case(**base, padded_tokens=wrong).validate()

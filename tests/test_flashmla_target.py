@@ -76,6 +76,27 @@ def test_mixed_batch_two_decodes_one_prefill(kv_cache_dtype, heads, block_size):
     assert {"flash_mla_sparse_fwd", "flash_mla_with_kvcache", "get_mla_metadata", "concat_mla_q"} <= set(obs.emulated)
 
 
+@pytest.mark.parametrize("kv_cache_dtype,q", [("bfloat16", 2), ("fp8_ds_mla", 1)])
+def test_cuda_graph_padding_tokens(kv_cache_dtype, q):
+    """A uniform decode batch padded as a full CUDA graph pads it: vLLM gets num_actual_tokens and q rows for the
+    padding tokens (no request, slot -1, no valid index); their output rows are dropped, the rest judged.
+    vLLM 0.23's fp8 decode path relies on it (it asserted on padding rows without their tokens)."""
+    case = Case(requests=(Request(q, 200), Request(q, 90), Request(0, 0)), num_decodes=3, block_size=64,
+                block_table=((1, 2, 3, 4), (5, 6, 0, 0), (0, 0, 0, 0)), topk_width=128,
+                topk=(TopkSpec(128), TopkSpec(60, "scattered"), TopkSpec(1)), heads=16,
+                kv_cache_dtype=kv_cache_dtype, padded_tokens=q).validate()
+    obs, _ = check(case)
+    assert obs.outputs["out"].shape == (2 * q, 16, 512) and obs.notes["padded_tokens"] == q
+
+
+def test_generated_cases_pad_like_a_cuda_graph():
+    from hypothesis import find
+
+    padded = find(FlashMLASparse("cpu").cases(PROFILES["cpu"]), lambda c: c.padded_tokens > 0,
+                  settings=settings(max_examples=2000, database=None))
+    assert padded.num_decodes == len(padded.requests) and padded.requests[-1].query_len == 0
+
+
 @settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(FlashMLASparse("cpu").cases(PROFILES["cpu"]))  # the strategy needs no vLLM
 def test_generated_cases_pass(case):

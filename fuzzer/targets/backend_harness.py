@@ -38,11 +38,12 @@ def common_attn_metadata(case, index, device):
         row = case.block_table[case.table_row(r)]
         for pos in range(req.context_len, req.seq_len):
             slots.append(row[pos // case.block_size] * case.block_size + pos % case.block_size)
+    slots += [-1] * case.padded_tokens  # the runner's slot for a CUDA-graph padding token: none
     seq_lens = index.seq_lens
     values = dict(
         query_start_loc=qsl.to(device), query_start_loc_cpu=qsl.cpu(), seq_lens=seq_lens.to(device),
         seq_lens_cpu=seq_lens.cpu(), num_computed_tokens_cpu=torch.tensor([r.context_len for r in case.requests]),
-        seq_lens_cpu_upper_bound=seq_lens.cpu(), num_reqs=len(case.requests), num_actual_tokens=case.num_tokens,
+        seq_lens_cpu_upper_bound=seq_lens.cpu(), num_reqs=len(case.requests), num_actual_tokens=case.num_actual_tokens,
         max_query_len=max((r.query_len for r in case.requests), default=0),
         max_seq_len=max((r.seq_len for r in case.requests), default=0),
         block_table_tensor=index.block_table.to(device),
@@ -86,12 +87,23 @@ def step_tensors(case, device, inputs=None, guards=None):
 
     inp = inputs if inputs is not None else materialize_attention_inputs(case, device)
     slots = (torch.unique(torch.cat(inp.slot_of)) if inp.slot_of else torch.zeros(0, dtype=torch.int64)).to(device)
-    shape = (case.num_tokens + 8, case.topk_width)
+    shape = (case.num_actual_tokens + 8, case.topk_width)
     if guards is not None:
         topk_buffer = guards.empty("topk_indices_buffer", shape[0] * shape[1], torch.int32, device).view(shape)
         topk_buffer.fill_(TOPK_POISON)
     else:
         topk_buffer = torch.full(shape, TOPK_POISON, dtype=torch.int32, device=device)
     topk_buffer[: case.num_tokens] = inp.index.topk_indices
+    topk_buffer[case.num_tokens : case.num_actual_tokens] = -1  # padding tokens: the indexer finds no request
     return inp, slots, topk_buffer
+
+
+def with_padded_tokens(case, rows: torch.Tensor) -> torch.Tensor:
+    """`rows` (one per token of the step) and a row for each CUDA-graph padding token after them: the model
+    runs on padding tokens too, so they carry values (drawn from the case's seed) that nothing may judge."""
+    if not case.padded_tokens:
+        return rows
+    gen = torch.Generator().manual_seed(case.seed + 7919)
+    pad = torch.randn((case.padded_tokens, *rows.shape[1:]), generator=gen).to(rows.dtype).to(rows.device)
+    return torch.cat([rows, pad])
 

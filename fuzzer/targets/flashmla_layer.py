@@ -27,7 +27,7 @@ import torch
 from fuzzer.coverage import observe_paths
 from fuzzer.guards import Guards
 from fuzzer.targets import flashmla_runtime
-from fuzzer.targets.backend_harness import common_attn_metadata, step_tensors
+from fuzzer.targets.backend_harness import common_attn_metadata, step_tensors, with_padded_tokens
 from fuzzer.targets.flashmla_runtime import (BACKEND_MODULE, LAYER, configure, guard_index_group,
                                             install_layer_standins, layer_api, mla_layer, record_routes)
 from fuzzer.targets.flashmla_sparse import FlashMLASparse
@@ -70,7 +70,8 @@ class FlashMLASparseLayer(FlashMLASparse):
         return attention_cases(profile, AttentionFeatures(kv_cache_dtypes=self.kv_cache_dtypes, block_sizes=(64, 128),
                                                           block_stride_rows=remap_api().has_block_stride_rows,
                                                           indexer_fills_short_seqs=True,
-                                                          vllm_batch_order=layer_api().relies_on_batch_order))
+                                                          vllm_batch_order=layer_api().relies_on_batch_order,
+                                                          cudagraph_padding=True))
 
     @staticmethod
     def backend():
@@ -107,12 +108,13 @@ class FlashMLASparseLayer(FlashMLASparse):
                              fp8_mixed_batch=bool(getattr(metadata, "fp8_use_mixed_batch", False)))
                 record_routes(layer.impl, route)
                 check_overrun = guard_index_group(layer.impl)
-                output = guards.empty("output", case.num_tokens * case.heads * V_HEAD, torch.bfloat16, dev).view(
-                    case.num_tokens, case.heads * V_HEAD).fill_(float("nan"))
+                rows = case.num_actual_tokens  # the step's tokens and any CUDA-graph padding tokens
+                output = guards.empty("output", rows * case.heads * V_HEAD, torch.bfloat16, dev).view(
+                    rows, case.heads * V_HEAD).fill_(float("nan"))
                 flashmla_runtime.GATHER_LOG = gathers
                 try:
-                    layer.forward_impl(inputs.q, inp.kv_c[new_slots], inp.k_pe[new_slots].unsqueeze(1), cache,
-                                       metadata, output)
+                    layer.forward_impl(with_padded_tokens(case, inputs.q), with_padded_tokens(case, inp.kv_c[new_slots]),
+                                       with_padded_tokens(case, inp.k_pe[new_slots]).unsqueeze(1), cache, metadata, output)
                 finally:
                     flashmla_runtime.GATHER_LOG = None
                 overruns.extend(check_overrun(route["mqa_tokens"]))

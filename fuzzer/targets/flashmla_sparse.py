@@ -16,7 +16,7 @@ import torch
 
 from fuzzer.coverage import observe_paths
 from fuzzer.guards import Guards
-from fuzzer.targets.backend_harness import cache_writer, common_attn_metadata, paged_cache, step_tensors
+from fuzzer.targets.backend_harness import cache_writer, common_attn_metadata, paged_cache, step_tensors, with_padded_tokens
 from fuzzer.targets.base import Target
 from fuzzer.targets.flashmla_runtime import (BACKEND_MODULE, FP8_ENTRY_BYTES, LAYER, configure, cpu_shims,
                                             define_missing_c_queries, guard_index_group, has_cache_op, impl_topk_kwargs, install_standins,
@@ -77,7 +77,8 @@ class FlashMLASparse(Target):
 
         # Releases before flat_kv_row_view (0.26 and older) view the cache as contiguous rows.
         return attention_cases(profile, AttentionFeatures(kv_cache_dtypes=self.kv_cache_dtypes, block_sizes=(64, 128),
-                                                          block_stride_rows=remap_api().has_block_stride_rows))
+                                                          block_stride_rows=remap_api().has_block_stride_rows,
+                                                          cudagraph_padding=True))
 
     def step(self, case, device, guards=None):
         """Inputs, poisoned cache, top-k buffer, new-token slots for `case` on `device`."""
@@ -131,10 +132,11 @@ class FlashMLASparse(Target):
                     **impl_topk_kwargs(backend.get_impl_cls(), topk_buffer), q_lora_rank=None, kv_lora_rank=KV_LORA_RANK,
                     qk_nope_head_dim=128, qk_rope_head_dim=ROPE_DIM, qk_head_dim=128 + ROPE_DIM, v_head_dim=128,
                     kv_b_proj=None)
-                q = (inp.q[..., :KV_LORA_RANK], inp.q[..., KV_LORA_RANK:])  # (ql_nope, q_pe), as the layer passes it
+                q = with_padded_tokens(case, inp.q)
+                q = (q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:])  # (ql_nope, q_pe), as the layer passes it
                 check_overrun = guard_index_group(impl)
                 out, lse = impl.forward_mqa(q, cache, metadata, None)
-                overruns.extend(check_overrun(case.num_tokens))
+                overruns.extend(check_overrun(case.num_actual_tokens))
             return {"out": out, "lse": lse}
 
         return self.finish(observe_paths(self.observe, call), case, slots, cache, before, write_emulated, overruns, guards)
@@ -145,6 +147,10 @@ class FlashMLASparse(Target):
         if before and case.kv_cache_dtype == "fp8_ds_mla":
             obs.outputs["cache_slots"] = slots  # on the device: the worker's oracle reads them back there
             obs.outputs["cache_entries"] = before[0][slots // case.block_size, slots % case.block_size]
+        out = obs.outputs.get("out")
+        if case.padded_tokens and out is not None and out.shape[0] == case.num_actual_tokens:
+            obs.outputs["out"] = out[: case.num_tokens]  # the runner drops padding tokens' rows; none is judged
+            obs.notes["padded_tokens"] = case.padded_tokens
         obs.emulated = tuple(dict.fromkeys(x for x in (*self.emulated, write_emulated) if x))  # each op once
         obs.notes["shims"] = self.shims
         if overruns:

@@ -21,6 +21,7 @@ from fuzzer.targets.backend_harness import (
     model_namespace,
     paged_cache,
     step_tensors,
+    with_padded_tokens,
 )
 from fuzzer.targets.base import Target
 from oracles.attention_judge import judge_attention
@@ -93,8 +94,11 @@ class TritonSparse(Target):
             impl = backend.get_impl_cls()(case.heads, HEAD_SIZE, SM_SCALE, 1, None, None, "auto", None, "decoder",
                                           None, indexer=SimpleNamespace(topk_indices_buffer=topk_buffer),
                                           kv_lora_rank=KV_LORA_RANK)
-            q = (inp.q[..., :KV_LORA_RANK], inp.q[..., KV_LORA_RANK:])  # (ql_nope, q_pe), as the layer passes it
+            q = with_padded_tokens(case, inp.q)  # CUDA-graph padding tokens' rows, if the case has any
+            q = (q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:])  # (ql_nope, q_pe), as the layer passes it
             out, lse = impl.forward_mqa(q, cache, metadata, None)
+            if case.padded_tokens and out is not None and out.shape[0] == case.num_actual_tokens:
+                out = out[: case.num_tokens]  # the runner drops padding tokens' rows; none is judged
             return {"out": out, "lse": lse}
 
         obs = observe_paths(self.observe, call)
@@ -117,13 +121,13 @@ class TritonSparse(Target):
         write(inp.kv_c[slots], inp.k_pe[slots], cache, slots, "auto", torch.ones((), device=dev))
         cam = common_attn_metadata(case, inp.index, dev)
         atol, rtol = attention_tolerance(case, inp)
-        tensors = dict(q=inp.q, kv_cache_rows=cache.as_strided((case.num_blocks * case.stride_rows, HEAD_SIZE), (HEAD_SIZE, 1)),
+        tensors = dict(q=with_padded_tokens(case, inp.q), kv_cache_rows=cache.as_strided((case.num_blocks * case.stride_rows, HEAD_SIZE), (HEAD_SIZE, 1)),
                        topk_indices_buffer=topk_buffer, query_start_loc=inp.index.query_start_loc,
                        seq_lens=inp.index.seq_lens, block_table=inp.index.block_table, slot_mapping=cam.slot_mapping,
                        num_computed_tokens=torch.tensor([r.context_len for r in case.requests], dtype=torch.int32),
                        expected_out=reference_for(case, inp, dev)[0])
         constants = dict(HEADS=case.heads, SM_SCALE=SM_SCALE, BLOCK_SIZE=case.block_size,
                          BLOCK_STRIDE_ROWS=case.stride_rows, NUM_BLOCKS=case.num_blocks, NUM_REQS=len(case.requests),
-                         NUM_TOKENS=case.num_tokens, MAX_QUERY_LEN=max(r.query_len for r in case.requests),
+                         NUM_TOKENS=case.num_actual_tokens, MAX_QUERY_LEN=max(r.query_len for r in case.requests),
                          MAX_SEQ_LEN=max(r.seq_len for r in case.requests), ATOL=atol, RTOL=rtol)
         return render_backend_repro(finding, self, tensors, constants, BACKEND_MODULE, "XPUMLASparseBackend"), tensors
