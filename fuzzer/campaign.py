@@ -150,13 +150,17 @@ class Campaign:
     def _out_of_time(self) -> bool:
         return self.time_budget is not None and time.monotonic() - self._start > self.time_budget
 
+    def _shrinking(self) -> bool:
+        """This batch found a bug and Hypothesis shrinks it: its cases must run whatever the budget says."""
+        return self.shrink and self._batch_failed
+
     def _spent(self) -> bool:
         """No more cases to run: the campaign winds down, or its example count is reached outside a shrink.
-        Hypothesis's reuse phase replays the whole stored corpus (the shared database's failures and Pareto
-        front) whatever max_examples says: on the GPU host a worker of a 220-case campaign ran 1,800 cases."""
+        Once a batch has failed, Hypothesis replays the rest of the stored corpus (a fleet's shared database)
+        past max_examples: on the GPU host one worker of a 220-case --no-shrink campaign ran 1,825 cases."""
         if self._winding_down:
             return True
-        return (self.time_budget is None and self.max_examples is not None and not self._batch_failed
+        return (self.time_budget is None and self.max_examples is not None and not self._shrinking()
                 and self.result.examples >= self.max_examples)
 
     # -- one case -----------------------------------------------------------------------------------------
@@ -180,7 +184,7 @@ class Campaign:
     def _test(self, case: Case) -> None:
         if self._spent():
             raise _Stop()
-        if self._out_of_time() and not self._batch_failed:
+        if self._out_of_time() and not self._shrinking():
             return  # the budget is spent: let Hypothesis run out the batch without running cases
         obs, verdicts = self.check(case)
         r = self.result

@@ -64,3 +64,13 @@ def test_sigterm_stops_even_a_shrink():
     campaign._winding_down = True
     with pytest.raises(_Stop):
         campaign._test(_case(1))
+
+
+def test_without_shrinking_a_failed_batch_stops_at_the_count_too():
+    """--no-shrink: nothing is shrunk, so a batch that found a bug has no reason to run past the count (the
+    replays of a shared database's corpus did, on the GPU host and in CI)."""
+    campaign = Campaign(Counting(), PROFILES["cpu"], HOST, max_examples=10, reruns=0, shrink=False)
+    campaign._batch_failed = True
+    campaign.result.examples = 10
+    with pytest.raises(_Stop):
+        campaign._test(_case(1))
