@@ -17,20 +17,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def main() -> None:
-    name, n = sys.argv[1], int(sys.argv[2])
-    device = sys.argv[3] if len(sys.argv) > 3 else "cuda"
-    from fuzzer.env import prepare_process
-
-    prepare_process(device)
+def stage_marker(device: str):
+    """marked(label, f): `f` with a STAGE line before and after each call, the device synchronized at each, so
+    that every sanitizer report falls between two lines (shared with bench/initcheck_triage.py)."""
     import torch
-    import vllm  # noqa: F401
-    from hypothesis.control import BuildContext
-    from hypothesis.internal.conjecture.data import ConjectureData
-
-    from fuzzer.guards import Guards
-    from fuzzer.targets import TARGETS
-    from strategies.profiles import PROFILES
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
@@ -44,6 +34,24 @@ def main() -> None:
             print(f"STAGE {label} end", flush=True)
             return r
         return wrapper
+    return marked
+
+
+def main() -> None:
+    name, n = sys.argv[1], int(sys.argv[2])
+    device = sys.argv[3] if len(sys.argv) > 3 else "cuda"
+    from fuzzer.env import prepare_process
+
+    prepare_process(device)
+    import vllm  # noqa: F401
+    from hypothesis.control import BuildContext
+    from hypothesis.internal.conjecture.data import ConjectureData
+
+    from fuzzer.guards import Guards
+    from fuzzer.targets import TARGETS
+    from strategies.profiles import PROFILES
+
+    marked = stage_marker(device)
 
     target = TARGETS[name](device)
     target.prepare()

@@ -11,7 +11,6 @@ that every report in the compute-sanitizer log falls between two markers. On the
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 from pathlib import Path
@@ -66,24 +65,14 @@ def main() -> None:
     prepare_process(device)
     import importlib
 
-    import torch
     import vllm  # noqa: F401
 
     from fuzzer.targets import TARGETS
     from fuzzer.targets.flashmla_runtime import BACKEND_MODULE
 
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    from initcheck_stages import stage_marker  # bench/, beside this script
 
-    def marked(label, f):
-        @functools.wraps(f)
-        def wrapper(*a, **k):
-            sync()
-            print(f"STAGE {label} begin", flush=True)
-            r = f(*a, **k)
-            sync()
-            print(f"STAGE {label} end", flush=True)
-            return r
-        return wrapper
+    marked = stage_marker(device)
 
     target = TARGETS[os.environ.get("ATTNFUZZ_TRIAGE_TARGET", "vllm.flashmla_sparse")](device)
     target.prepare()
