@@ -44,12 +44,12 @@ class WorkerSpec:
     case_timeout: float = 300.0  # seconds for one case before the worker counts as hung
     startup_timeout: float = 900.0  # vLLM import, target set-up and (sanitized) tool start
     # Cases before a worker is replaced by a fresh one (0: never). Sanitized workers on the H200 ran out of device
-    # memory every ~540 initcheck cases, free memory falling ~0.4 GiB a case outside PyTorch's allocator (session 6);
-    # a fresh process frees whatever the tool or the worker held.
+    # memory every ~540 initcheck cases while PyTorch held nothing between cases (session 6): a fresh process
+    # frees whatever the tool or the CUDA context held.
     recycle_after: int = 0
 
 
-SANITIZED_RECYCLE_AFTER = 150  # cases per sanitized worker (compute-sanitizer start-up: ~30 s on the H200)
+SANITIZED_RECYCLE_AFTER = 150  # cases per sanitized worker; each fresh one restarts the tool and imports vLLM
 MEMORY_EVERY = 25  # cases between the device-memory lines a CUDA worker logs (a leak shows as a trend)
 MEMORY = "ATTNFUZZ-DEVICE-MEMORY"
 
