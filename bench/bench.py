@@ -63,9 +63,9 @@ def main(argv: list[str] | None = None) -> int:
 
     device = prepare_process(args.device)
     from fuzzer import budgets
-    from fuzzer.campaign_process import CampaignSpec, run_campaigns
+    from fuzzer.run.campaign_process import CampaignSpec, run_campaigns
     from fuzzer.env import host_info
-    from fuzzer.gate import gate_specs, host_targets, import_vllm
+    from fuzzer.commands.gate import gate_specs, host_targets, import_vllm
 
     vllm_version = import_vllm()
     host = host_info(device)

@@ -56,7 +56,7 @@ if device == "cuda":
 
         print(f"rank {rank}: enable_pynccl: {enable_pynccl()}", flush=True)
 else:
-    from fuzzer.standins.cpu_shims import install_cpu_shims
+    from fuzzer.support.standins.cpu_shims import install_cpu_shims
 
     install_cpu_shims()  # the Triton interpreter runs the LSE correction
 failed = []

@@ -6,7 +6,7 @@ from fuzzer.env import prepare_process
 
 device = prepare_process(None)
 if device == "cpu":  # the interpreter needs attnfuzz's shims (InterpretedFunction.constexprs)
-    from fuzzer.standins.cpu_shims import install_cpu_shims
+    from fuzzer.support.standins.cpu_shims import install_cpu_shims
 
     install_cpu_shims()
 from vllm.v1.attention.ops.dcp import correct_attn_out  # noqa: E402

@@ -30,7 +30,7 @@ def main() -> None:
     import torch
     from hypothesis import HealthCheck, Phase, given, settings
 
-    from oracles.materialize import materialize_index_inputs
+    from strategies.tensors import materialize_index_inputs
     from strategies.batches import AttentionFeatures, attention_cases
     from strategies.profiles import PROFILES
 

@@ -47,8 +47,8 @@ def main() -> None:
     from hypothesis.control import BuildContext
     from hypothesis.internal.conjecture.data import ConjectureData
 
-    from fuzzer.guards import Guards
-    from fuzzer.targets import TARGETS
+    from fuzzer.targets.guards import Guards
+    from fuzzer.targets.registry import TARGETS
     from strategies.profiles import PROFILES
 
     marked = stage_marker(device)
@@ -57,7 +57,7 @@ def main() -> None:
     target.prepare()
     import importlib
 
-    from fuzzer.targets.flashmla_runtime import BACKEND_MODULE
+    from fuzzer.support.flashmla_runtime import BACKEND_MODULE
 
     backend = importlib.import_module(BACKEND_MODULE).FlashMLASparseBackend
     builder, impl = backend.get_builder_cls(), backend.get_impl_cls()

@@ -67,8 +67,8 @@ def main() -> None:
 
     import vllm  # noqa: F401
 
-    from fuzzer.targets import TARGETS
-    from fuzzer.targets.flashmla_runtime import BACKEND_MODULE
+    from fuzzer.targets.registry import TARGETS
+    from fuzzer.support.flashmla_runtime import BACKEND_MODULE
 
     from initcheck_stages import stage_marker  # bench/, beside this script
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fuzzer.sanitizer import parse_log  # noqa: E402
-from fuzzer.worker import BEGIN, END  # noqa: E402
+from fuzzer.run.compute_sanitizer import parse_log  # noqa: E402
+from fuzzer.run.worker import BEGIN, END  # noqa: E402
 
 MARKER = re.compile(rf"^(?:{BEGIN} \d+|{END} \d+|STAGE .*|CASE .*|exit=.*)$", re.M)
 

@@ -12,7 +12,9 @@ import re
 import sys
 from pathlib import Path
 
-from fuzzer import campaign_report, fleet, gate, selftest
+from fuzzer.artifacts import campaign_report
+from fuzzer.commands import gate, selftest
+from fuzzer.run import fleet
 
 EXIT_CLEAN, EXIT_FOUND, EXIT_USAGE = 0, 1, 2
 
@@ -97,7 +99,7 @@ def _import_vllm():
 
 
 def _make_target(name: str, device: str):
-    from fuzzer.targets import TARGETS
+    from fuzzer.targets.registry import TARGETS
 
     if name not in TARGETS:
         raise UsageError(f"unknown target {name!r}; known: {', '.join(TARGETS)}")
@@ -110,12 +112,12 @@ def _make_target(name: str, device: str):
 
 
 def cmd_run(args, device: str) -> int:
-    from fuzzer.campaign import Campaign, HarnessError
+    from fuzzer.search.campaign import Campaign, HarnessError
     from fuzzer.env import STATE_DIR, host_info
-    from fuzzer.worker import WorkerError
+    from fuzzer.run.worker import WorkerError
     from fuzzer.mutants import MutantError, inject
-    from fuzzer.progress import Progress
-    from fuzzer.repro import write_repro
+    from fuzzer.search.progress import Progress
+    from fuzzer.artifacts.repro import write_repro
     from strategies.profiles import PROFILES
 
     if args.workers is not None:  # a fleet: this process runs none of the cases
@@ -176,14 +178,14 @@ def cmd_run(args, device: str) -> int:
 
 
 def _executor(args, target, device: str, label):
-    """Where the campaign's cases run (see fuzzer/worker.py)."""
+    """Where the campaign's cases run (see fuzzer/run/worker.py)."""
     from fuzzer.env import STATE_DIR
-    from fuzzer.worker import SANITIZED_RECYCLE_AFTER, AutoSanitizedExecutor, InProcessExecutor, WorkerExecutor, WorkerSpec
+    from fuzzer.run.worker import SANITIZED_RECYCLE_AFTER, AutoSanitizedExecutor, InProcessExecutor, WorkerExecutor, WorkerSpec
 
     if args.sanitizer:
         if device != "cuda":
             raise UsageError("--sanitizer needs a GPU (on CPU every interpreted load and store is bounds-checked)")
-        from fuzzer.sanitizer import SanitizerUnavailable, check_driver, find_compute_sanitizer
+        from fuzzer.run.compute_sanitizer import SanitizerUnavailable, check_driver, find_compute_sanitizer
 
         try:
             find_compute_sanitizer()
@@ -246,9 +248,9 @@ def cmd_replay(args, device: str) -> int:
         print(f"BUG [{v.check}] {v.detail}")
     print(f"{meta['target']} on {case.summary()}: {'still failing' if failed else 'passes (fixed)'}")
     if failed and args.save_repro:
-        from fuzzer.campaign import Finding
+        from fuzzer.search.campaign import Finding
         from fuzzer.env import host_info
-        from fuzzer.repro import write_repro
+        from fuzzer.artifacts.repro import write_repro
         from oracles.verdict import primary
 
         finding = Finding(meta["target"], primary(failed).signature, case, failed, obs,
@@ -264,7 +266,7 @@ def cmd_list(args, device: str) -> int:
 
     from fuzzer.env import host_info
     from fuzzer.mutants import MUTANTS, load
-    from fuzzer.targets import TARGETS
+    from fuzzer.targets.registry import TARGETS
 
     console = Console(width=None if sys.stdout.isatty() else 200)  # logs and pipes: never truncate names
     try:

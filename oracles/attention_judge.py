@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from oracles.attention import error_margin, sparse_mla_reference, tolerance
-from oracles.materialize import SM_SCALE, materialize_attention_inputs, materialize_layer_inputs
+from strategies.tensors import SM_SCALE, materialize_attention_inputs, materialize_layer_inputs
 from oracles.verdict import Verdict, passed
 
 

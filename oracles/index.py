@@ -135,7 +135,7 @@ def remap_args_for(case, inputs) -> RemapArgs:
 
 def judge_remap(case, obs) -> list:
     """Verdicts for one call of the remap (either entry point), from the case alone plus what was seen."""
-    from oracles.materialize import materialize_index_inputs
+    from strategies.tensors import materialize_index_inputs
     from oracles.verdict import Verdict, passed
 
     verdicts = []

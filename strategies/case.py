@@ -2,7 +2,7 @@
 
 A case says what the backend sees (requests in vLLM's batch order, the block table, how each query row
 picks its top-k, dtypes, DCP split) and, for kernel targets, how the call site calls the kernel. It holds
-no tensors: `oracles.materialize` builds them from it deterministically, on any device. Cases are frozen,
+no tensors: `strategies.tensors` builds them from it deterministically, on any device. Cases are frozen,
 compare by value and round-trip through JSON; `Case.from_dict` names the field that is wrong.
 """
 

@@ -4,7 +4,7 @@ import torch
 
 from oracles.attention_judge import judge_fp8_ds_mla_entries
 from oracles.fp8_ds_mla import quantize
-from oracles.materialize import materialize_attention_inputs
+from strategies.tensors import materialize_attention_inputs
 from tests.test_case import small_case
 
 

@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-from fuzzer.interp.sanitizer import SANITIZER
-from fuzzer.standins.cache_ops import concat_and_cache_mla
+from fuzzer.support.interp.sanitizer import SANITIZER
+from fuzzer.support.standins.cache_ops import concat_and_cache_mla
 from tests.conftest import attnfuzz
 
 
@@ -64,7 +64,7 @@ def test_padded_heads_mutant_is_found_on_flashmla(tmp_path):
 
     if FlashMLASparse("cpu").unavailable():
         pytest.skip(FlashMLASparse("cpu").unavailable())
-    from fuzzer.targets.flashmla_runtime import _try_import
+    from fuzzer.support.flashmla_runtime import _try_import
 
     if _try_import("vllm.v1.attention.backends.mla.index_group") is None:
         pytest.skip("the mutant edits 0.33's head slicing; older releases slice differently")

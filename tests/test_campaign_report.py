@@ -1,4 +1,4 @@
-"""Campaign directories and their reports (fuzzer/campaign_report.py): what is counted per case, campaign.json,
+"""Campaign directories and their reports (fuzzer/artifacts/campaign_report.py): what is counted per case, campaign.json,
 report.md and a self-contained report.html; `attnfuzz run --out` and `attnfuzz report` end to end."""
 
 import json
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from fuzzer.campaign import CampaignResult, Finding
-from fuzzer.campaign_report import (CaseLog, ReportError, bin_label, expected_vs_got, load_campaign, margin_bin,
+from fuzzer.search.campaign import CampaignResult, Finding
+from fuzzer.artifacts.campaign_report import (CaseLog, ReportError, bin_label, expected_vs_got, load_campaign, margin_bin,
                                     render, write_campaign)
 from fuzzer.env import HostInfo
 from fuzzer.observation import Observation

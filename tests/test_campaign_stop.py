@@ -7,7 +7,7 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.database import InMemoryExampleDatabase
 
-from fuzzer.campaign import Campaign, _Stop
+from fuzzer.search.campaign import Campaign, _Stop
 from fuzzer.env import HostInfo
 from fuzzer.observation import Observation
 from fuzzer.targets.base import Target

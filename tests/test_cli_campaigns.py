@@ -95,7 +95,7 @@ def test_max_findings_stops_the_search_at_the_first_finding(tmp_path):
 
 def test_topk_length_mutant_is_found_on_the_flashmla_layer(tmp_path):
     """Class B at backend level: stale entries past the valid count, read because topk_length is dropped."""
-    from fuzzer.targets.flashmla_runtime import _try_import
+    from fuzzer.support.flashmla_runtime import _try_import
 
     if _try_import("vllm.v1.attention.backends.mla.index_group") is None:
         pytest.skip("the layer target and this mutant are written against 0.33 (no index group here)")

@@ -1,4 +1,4 @@
-"""Path coverage (fuzzer/coverage.py): probes wrap vLLM's functions where vLLM looks them up, record the
+"""Path coverage (fuzzer/targets/probes.py): probes wrap vLLM's functions where vLLM looks them up, record the
 paths of one case, survive a mutant replacing a function, and name the paths vLLM really took."""
 
 import inspect
@@ -9,8 +9,8 @@ import types
 import pytest
 import torch
 
-from fuzzer import coverage
-from fuzzer.coverage import KNOWN_PATHS, PROBES, Probe, install, observe_paths, rarity, recording
+from fuzzer.targets import probes as coverage
+from fuzzer.targets.probes import KNOWN_PATHS, PROBES, Probe, install, observe_paths, rarity, recording
 
 
 @pytest.fixture

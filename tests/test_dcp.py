@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fuzzer.targets.dcp_group import EmulatedDcpGroup, LockstepRanks
+from fuzzer.support.dcp_group import EmulatedDcpGroup, LockstepRanks
 from oracles.dcp import owner_and_local, rank_slots, undivided
 from strategies.case import Case, Dcp, Request, TopkSpec, rank_owned_positions
 

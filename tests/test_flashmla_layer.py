@@ -48,7 +48,7 @@ def test_upstream_regression_shapes_pass_and_take_both_routes(kv_cache_dtype, sh
     verdicts = target().oracle(case, obs)
     assert all(v.ok for v in verdicts), verdicts
     route = obs.notes["route"]
-    from fuzzer.targets.flashmla_runtime import layer_api
+    from fuzzer.support.flashmla_runtime import layer_api
 
     if layer_api().dense_mha:
         assert route["mqa_tokens"] == 1 and route["mha_tokens"] == case.num_tokens - 1
@@ -62,8 +62,8 @@ def test_upstream_regression_shapes_pass_and_take_both_routes(kv_cache_dtype, sh
 def test_gather_standin_reads_fp8_ds_mla_entries_as_flat_fp8():
     """The misuse behind issue 48611 bug 2, as the CUDA op does it: the first 576 bytes of a 656-byte entry,
     each an e4m3 code times the one scale; the entry's own tile scales are ignored."""
-    from fuzzer.standins.cache_ops import gather_and_maybe_dequant_cache
-    from fuzzer.standins.flashmla_ops import dequantize_fp8_ds_mla, quantize_fp8_ds_mla
+    from fuzzer.support.standins.cache_ops import gather_and_maybe_dequant_cache
+    from fuzzer.support.standins.flashmla_ops import dequantize_fp8_ds_mla, quantize_fp8_ds_mla
 
     kv_c, k_pe = torch.randn(4, 512) * 3, torch.randn(4, 64)
     cache = quantize_fp8_ds_mla(kv_c, k_pe).view(2, 2, 656)
@@ -119,7 +119,7 @@ def test_seed_bug_mutants_are_found_on_the_regression_shapes():
 def test_flash_attn_varlen_standin_matches_dense_attention():
     """The FLASH_ATTN prefill backend's kernel stand-in (0.23/0.26 on a CPU): per-request causal attention aligned
     bottom-right, natural-log LSE [H, T], both return forms; an empty key range leaves undefined rows."""
-    from fuzzer.standins.flash_attn_ops import flash_attn_varlen_func
+    from fuzzer.support.standins.flash_attn_ops import flash_attn_varlen_func
 
     torch.manual_seed(0)
     q, k, v = torch.randn(5, 2, 8), torch.randn(7, 2, 8), torch.randn(7, 2, 4)
@@ -144,7 +144,7 @@ def test_cases_keep_vllm_batch_order_where_the_release_relies_on_it():
     only such batches there."""
     from hypothesis import HealthCheck, given, settings
 
-    from fuzzer.targets.flashmla_runtime import layer_api
+    from fuzzer.support.flashmla_runtime import layer_api
     from strategies.profiles import PROFILES
 
     t = target()

@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from fuzzer.interp.sanitizer import SANITIZER
+from fuzzer.support.interp.sanitizer import SANITIZER
 from strategies.case import Case, Request, TopkSpec
 from fuzzer.targets.flashmla_sparse import FlashMLASparse
 from strategies.profiles import PROFILES
@@ -104,7 +104,7 @@ def test_generated_cases_pass(case):
 
 
 def test_sparse_prefill_standin_masks_by_contract_and_reports_faults():
-    from fuzzer.standins.flashmla_ops import flash_mla_sparse_fwd, flash_mla_with_kvcache, get_mla_metadata, quantize_fp8_ds_mla
+    from fuzzer.support.standins.flashmla_ops import flash_mla_sparse_fwd, flash_mla_with_kvcache, get_mla_metadata, quantize_fp8_ds_mla
 
     kv = torch.randn(4, 1, 576, dtype=torch.bfloat16)
     q = torch.randn(2, 8, 576, dtype=torch.bfloat16)

@@ -13,7 +13,7 @@ import time
 import pytest
 from hypothesis.database import InMemoryExampleDatabase
 
-from fuzzer import fleet
+from fuzzer.run import fleet
 from fuzzer.cli import UsageError, _parser
 from strategies.case import Case, Request, TopkSpec
 from tests.conftest import ROOT

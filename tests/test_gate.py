@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from fuzzer import budgets
-from fuzzer.campaign_process import CampaignOutcome, CampaignSpec
-from fuzzer.gate import (GateError, ReproRecord, gate_specs, judge_campaign, junit_suites, release, replay,
+from fuzzer.run.campaign_process import CampaignOutcome, CampaignSpec
+from fuzzer.commands.gate import (GateError, ReproRecord, gate_specs, judge_campaign, junit_suites, release, replay,
                          replay_outcome)
-from fuzzer.junit import JUnitCase, JUnitSuite, write_junit
+from fuzzer.artifacts.junit import JUnitCase, JUnitSuite, write_junit
 from tests.conftest import attnfuzz
 
 

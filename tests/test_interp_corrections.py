@@ -1,4 +1,4 @@
-"""Interpreter arithmetic corrections (fuzzer/interp/corrections.py; measured.md, Trap 2) on tiny kernels of
+"""Interpreter arithmetic corrections (fuzzer/support/interp/corrections.py; measured.md, Trap 2) on tiny kernels of
 our own, then vLLM's pure-Triton sparse MLA kernel end to end against the fp32 oracle."""
 
 import numpy as np
@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fuzzer.interp.corrections import CORRECTIONS, install_corrections
+from fuzzer.support.interp.corrections import CORRECTIONS, install_corrections
 
 install_corrections()
 

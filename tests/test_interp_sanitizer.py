@@ -4,7 +4,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fuzzer.interp.sanitizer import SANITIZER
+from fuzzer.support.interp.sanitizer import SANITIZER
 
 
 @triton.jit

@@ -1,6 +1,6 @@
 import random
 
-from fuzzer.repro import compact_list
+from fuzzer.artifacts.repro import compact_list
 
 
 def test_compact_list_is_exact_and_short():

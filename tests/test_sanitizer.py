@@ -5,9 +5,9 @@ from pathlib import Path
 
 import torch
 
-from fuzzer.guards import Guards
+from fuzzer.targets.guards import Guards
 from fuzzer.observation import Observation
-from fuzzer.sanitizer import (PRINT_LIMIT, SANITIZED_ENV, dedupe, kernel_name, limit_reached, parse_log, sanitized_env,
+from fuzzer.run.compute_sanitizer import (PRINT_LIMIT, SANITIZED_ENV, dedupe, kernel_name, limit_reached, parse_log, sanitized_env,
                               sanitizer_command)
 from oracles.verdict import Verdict, passed
 from strategies.case import Case, Request, TopkSpec
@@ -121,7 +121,7 @@ class _Fake:
 
 
 def test_auto_sanitizer_reruns_failures_new_paths_and_a_sample():
-    from fuzzer.worker import AutoSanitizedExecutor
+    from fuzzer.run.worker import AutoSanitizedExecutor
 
     case = Case(requests=(Request(1, 3),), num_decodes=1, block_size=64, block_table=((1,),), topk_width=128,
                 topk=(TopkSpec(4),))
@@ -158,7 +158,7 @@ def test_kernels_without_line_info_keep_their_name():
 def test_allocator_poisoning_is_opt_in_and_cuda_only(monkeypatch):
     """Poisoning the caching allocator's free memory: only on CUDA, only when asked, never under a sanitizer
     (the allocator is off there and initcheck sees unwritten memory itself)."""
-    from fuzzer.guards import allocator_poisoning, poison_free_memory
+    from fuzzer.targets.guards import allocator_poisoning, poison_free_memory
 
     monkeypatch.delenv("PYTORCH_NO_CUDA_MEMORY_CACHING", raising=False)
     monkeypatch.delenv("ATTNFUZZ_POISON_ALLOCATOR", raising=False)
@@ -185,7 +185,7 @@ def test_initcheck_skips_flashmlas_combine_kernel_where_the_tool_takes_the_filte
 def test_flashmla_outputs_are_prefilled_with_nan_under_initcheck():
     """What FlashMLA writes through TMA is invisible to initcheck: under it, the harness fills `out` first (a
     write initcheck sees), whether vLLM passes a buffer or FlashMLA allocates one; unwritten stays NaN."""
-    from fuzzer.targets.flashmla_runtime import prefill_outputs_under_initcheck, prefilled_out
+    from fuzzer.support.flashmla_runtime import prefill_outputs_under_initcheck, prefilled_out
 
     seen = []
 

@@ -7,9 +7,9 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from fuzzer import budgets
-from fuzzer.campaign_process import CampaignOutcome, CampaignSpec
+from fuzzer.run.campaign_process import CampaignOutcome, CampaignSpec
 from fuzzer.mutants import MUTANTS, load
-from fuzzer.selftest import failures, judge_clean, judge_mutant, markdown_table, plan
+from fuzzer.commands.selftest import failures, judge_clean, judge_mutant, markdown_table, plan
 from tests.conftest import attnfuzz
 
 
@@ -89,7 +89,7 @@ def test_markdown_table_has_a_row_per_campaign(tmp_path):
 @pytest.mark.vllm
 def test_selftest_finds_a_fast_mutant_end_to_end(tmp_path):
     """One real campaign: the DCP-ownership mutant on vLLM's DCP filter, a small budget (~10 cases)."""
-    from fuzzer.targets import TARGETS
+    from fuzzer.targets.registry import TARGETS
 
     if TARGETS["vllm.dcp_filter"]("cpu").unavailable():
         pytest.skip("this vLLM release has no DCP filter")

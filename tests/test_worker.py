@@ -72,7 +72,7 @@ def test_sigkill_of_the_campaign_loses_no_finding(tmp_path):
 
 
 def test_a_lost_device_replaces_the_worker_and_a_recycled_worker_is_replaced_too(tmp_path, monkeypatch):
-    from fuzzer.worker import WorkerExecutor, WorkerSpec
+    from fuzzer.run.worker import WorkerExecutor, WorkerSpec
     from strategies.case import Case
 
     monkeypatch.setenv("ATTNFUZZ_STATE", str(tmp_path / "state"))

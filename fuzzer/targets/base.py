@@ -2,7 +2,7 @@
 
 A target knows vLLM; nothing else does. It says which cases it can take (a Hypothesis strategy built
 from `strategies`), runs one case and returns an `Observation`, and names the oracle that judges it.
-Add a target: one file in this folder, one line in `fuzzer/targets/__init__.py`.
+Add a target: one file in this folder, one line in `fuzzer/targets/registry.py`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Callable, ClassVar
 
 from hypothesis.strategies import SearchStrategy
 
-from fuzzer.guards import poison_free_memory
+from fuzzer.targets.guards import poison_free_memory
 from fuzzer.observation import Observation
 from oracles.verdict import Verdict
 from strategies.case import Case
@@ -100,9 +100,9 @@ class HarnessConfigError(RuntimeError):
 @contextmanager
 def memory_checked(device: str):
     if device != "cpu":
-        yield []  # native GPU runs: compute-sanitizer's job (fuzzer/sanitizer), not ours
+        yield []  # native GPU runs: compute-sanitizer's job (fuzzer/run/compute_sanitizer), not ours
         return
-    from fuzzer.interp.sanitizer import SANITIZER
+    from fuzzer.support.interp.sanitizer import SANITIZER
 
     with SANITIZER.install().collect() as found:
         yield found

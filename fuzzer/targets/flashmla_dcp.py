@@ -7,7 +7,7 @@ the query all-gather (`MLADCPManager.query_gather`), the builder and `FlashMLASp
 fp8 mixed-batch path, which filters the global top-k to the rank's local slots
 (`triton_filter_and_convert_dcp_index`) and returns the rank's LSE, then vLLM's LSE combine
 (`cp_lse_ag_out_rs`: all-gather of LSEs, `correct_attn_out`, reduce-scatter over heads). The collectives run
-over `fuzzer.targets.dcp_group` (threads, one rank at a time). The merged heads are judged against
+over `fuzzer.support.dcp_group` (threads, one rank at a time). The merged heads are judged against
 attention over the whole, undivided context (`oracles.dcp`); each rank's filtered indices exactly; each
 rank's LSE over its own share.
 """
@@ -22,15 +22,15 @@ from types import SimpleNamespace
 
 import torch
 
-from fuzzer.coverage import observe_paths
-from fuzzer.guards import Guards
-from fuzzer.targets.backend_harness import common_attn_metadata, step_tensors
-from fuzzer.targets.dcp_group import EmulatedDcpGroup, LockstepRanks, installed_dcp_group
-from fuzzer.targets.flashmla_runtime import (BACKEND_MODULE, KV_LORA_RANK, LAYER, configure, guard_index_group,
+from fuzzer.targets.probes import observe_paths
+from fuzzer.targets.guards import Guards
+from fuzzer.targets.harness import common_attn_metadata, step_tensors
+from fuzzer.support.dcp_group import EmulatedDcpGroup, LockstepRanks, installed_dcp_group
+from fuzzer.support.flashmla_runtime import (BACKEND_MODULE, KV_LORA_RANK, LAYER, configure, guard_index_group,
                                             impl_topk_kwargs)
 from fuzzer.targets.flashmla_sparse import FlashMLASparse
 from oracles.dcp import judge_dcp, rank_slot_mapping, rank_slots, undivided
-from oracles.materialize import HEAD_SIZE, ROPE_DIM, SM_SCALE, materialize_attention_inputs
+from strategies.tensors import HEAD_SIZE, ROPE_DIM, SM_SCALE, materialize_attention_inputs
 from strategies.batches import AttentionFeatures, attention_cases
 
 # Per-rank records of vLLM's DCP filter (the rank's local top-k, and the BLOCK_STRIDE_ROWS it was called
@@ -102,7 +102,7 @@ class FlashMLASparseDcp(FlashMLASparse):
         return step.finish(obs, "DCP collectives (attnfuzz's in-process group)")
 
     def render_repro(self, finding) -> tuple[str, dict]:
-        from fuzzer.repro_dcp import render_dcp_repro
+        from fuzzer.artifacts.repro_dcp import render_dcp_repro
 
         return render_dcp_repro(finding, self)
 

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from fuzzer.coverage import observe_paths
+from fuzzer.targets.probes import observe_paths
 from fuzzer.targets.flashmla_dcp import DcpStep, FlashMLASparseDcp, RankResult
-from fuzzer.targets.flashmla_runtime import vllm_runtime
+from fuzzer.support.flashmla_runtime import vllm_runtime
 from strategies.batches import AttentionFeatures, attention_cases
 from strategies.case import Case
 
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", required=True)
     args = p.parse_args(argv)
     from fuzzer.env import prepare_process
-    from fuzzer.worker import die_with_parent
+    from fuzzer.run.worker import die_with_parent
 
     die_with_parent()
     os.environ["ATTNFUZZ_DCP_RANKS"] = str(args.world)

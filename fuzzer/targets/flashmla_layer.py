@@ -8,7 +8,7 @@ context (`cp_gather_and_upconvert_fp8_kv_cache` for fp8_ds_mla, `gather_and_mayb
 and merges the two parts by LSE. The output is judged after W_UV, for whichever route vLLM took.
 
 The prefill backend is vLLM's own torch backend, CPU_SDPA_MLA, on every host: FlashAttention is not in the
-GPU bundle. Compiled ops the host lacks are attnfuzz's stand-ins (see `fuzzer.standins`) and are listed in
+GPU bundle. Compiled ops the host lacks are attnfuzz's stand-ins (see `fuzzer.support.standins`) and are listed in
 every result.
 
 Older releases (`flashmla_runtime.layer_api` reads what the installed one offers): 0.26.0 has the same two
@@ -24,15 +24,15 @@ import importlib
 
 import torch
 
-from fuzzer.coverage import observe_paths
-from fuzzer.guards import Guards
-from fuzzer.targets import flashmla_runtime
-from fuzzer.targets.backend_harness import common_attn_metadata, step_tensors, with_padded_tokens
-from fuzzer.targets.flashmla_runtime import (BACKEND_MODULE, LAYER, configure, guard_index_group,
+from fuzzer.targets.probes import observe_paths
+from fuzzer.targets.guards import Guards
+from fuzzer.support import flashmla_runtime
+from fuzzer.targets.harness import common_attn_metadata, step_tensors, with_padded_tokens
+from fuzzer.support.flashmla_runtime import (BACKEND_MODULE, LAYER, configure, guard_index_group,
                                             install_layer_standins, layer_api, mla_layer, record_routes)
 from fuzzer.targets.flashmla_sparse import FlashMLASparse
 from oracles.attention_judge import judge_layer
-from oracles.materialize import HEAD_SIZE, V_HEAD, materialize_layer_inputs
+from strategies.tensors import HEAD_SIZE, V_HEAD, materialize_layer_inputs
 from strategies.batches import AttentionFeatures, attention_cases
 
 
@@ -129,6 +129,6 @@ class FlashMLASparseLayer(FlashMLASparse):
         return obs
 
     def render_repro(self, finding) -> tuple[str, dict]:
-        from fuzzer.repro_flashmla import render_flashmla_repro
+        from fuzzer.artifacts.repro_flashmla import render_flashmla_repro
 
         return render_flashmla_repro(finding, self, layer=True)

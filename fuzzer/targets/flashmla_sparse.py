@@ -4,7 +4,7 @@ vLLM's FlashMLASparseMetadataBuilder and FlashMLASparseImpl.forward_mqa over eve
 on the layer, so nothing is split off to dense MHA), with a bf16 or fp8_ds_mla cache: the builder's split and
 req_id_per_token, the index group and the index-remap Triton kernel, head padding, the fp8 mixed-batch and
 separate prefill/decode paths. Where this host lacks FlashMLA's compiled kernels and vLLM's cache ops (any
-CPU), torch stand-ins from `fuzzer.standins.flashmla_ops` are bound where `flashmla_sparse` looks them up.
+CPU), torch stand-ins from `fuzzer.support.standins.flashmla_ops` are bound where `flashmla_sparse` looks them up.
 """
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ import importlib.util
 
 import torch
 
-from fuzzer.coverage import observe_paths
-from fuzzer.guards import Guards
-from fuzzer.targets.backend_harness import cache_writer, common_attn_metadata, paged_cache, step_tensors, with_padded_tokens
+from fuzzer.targets.probes import observe_paths
+from fuzzer.targets.guards import Guards
+from fuzzer.targets.harness import cache_writer, common_attn_metadata, paged_cache, step_tensors, with_padded_tokens
 from fuzzer.targets.base import Target
-from fuzzer.targets.flashmla_runtime import (BACKEND_MODULE, FP8_ENTRY_BYTES, LAYER, configure, cpu_shims,
+from fuzzer.support.flashmla_runtime import (BACKEND_MODULE, FP8_ENTRY_BYTES, LAYER, configure, cpu_shims,
                                             define_missing_c_queries, guard_index_group, has_cache_op, impl_topk_kwargs, install_standins,
                                             prefill_outputs_under_initcheck, vllm_runtime)
 from oracles.attention_judge import judge_attention
-from oracles.materialize import HEAD_SIZE, KV_LORA_RANK, ROPE_DIM, SM_SCALE
+from strategies.tensors import HEAD_SIZE, KV_LORA_RANK, ROPE_DIM, SM_SCALE
 from strategies.batches import AttentionFeatures, attention_cases
 
 
@@ -48,8 +48,8 @@ class FlashMLASparse(Target):
 
         self.shims: list[str] = list(define_missing_c_queries())
         if self.device == "cpu":  # before the backend is imported: it binds PIN_MEMORY by name
-            from fuzzer.interp.corrections import CORRECTIONS, install_corrections
-            from fuzzer.standins.cpu_shims import install_cpu_shims
+            from fuzzer.support.interp.corrections import CORRECTIONS, install_corrections
+            from fuzzer.support.standins.cpu_shims import install_cpu_shims
 
             install_corrections()
             self.shims += [*install_cpu_shims(), *cpu_shims(), *(f"interpreter correction: {c}" for c in CORRECTIONS)]
@@ -60,7 +60,7 @@ class FlashMLASparse(Target):
 
     def real_parts_here(self) -> tuple[str, ...]:
         """What of vLLM really ran, as this release and host have it (every result lists it)."""
-        from fuzzer.targets.flashmla_runtime import _try_import
+        from fuzzer.support.flashmla_runtime import _try_import
 
         parts = [p for p in type(self).real_parts if p != "SparseMLAIndexGroup"
                  or _try_import("vllm.v1.attention.backends.mla.index_group") is not None]
@@ -100,7 +100,7 @@ class FlashMLASparse(Target):
         if has_cache_op("concat_and_cache_mla"):
             op = torch.ops._C_cache_ops.concat_and_cache_mla
             return (lambda kv_c, k_pe, cache, slots: op(kv_c, k_pe, cache, slots, "fp8_ds_mla", torch.ones((), device=cache.device))), None
-        from fuzzer.standins.flashmla_ops import concat_and_cache_mla
+        from fuzzer.support.standins.flashmla_ops import concat_and_cache_mla
 
         convention = case.fp8_scale if case.fp8_scale != "e8m0_trunc" else "pow2"  # pow2 scales survive e8m0
         return (lambda kv_c, k_pe, cache, slots: concat_and_cache_mla(kv_c, k_pe, cache, slots, "fp8_ds_mla", None, convention)), "concat_and_cache_mla"
@@ -163,6 +163,6 @@ class FlashMLASparse(Target):
         return obs
 
     def render_repro(self, finding) -> tuple[str, dict]:
-        from fuzzer.repro_flashmla import render_flashmla_repro
+        from fuzzer.artifacts.repro_flashmla import render_flashmla_repro
 
         return render_flashmla_repro(finding, self, layer=False)

@@ -7,11 +7,11 @@ pass only the MQA subset of topk_indices, including the pre-fix one that left re
 
 from __future__ import annotations
 
-from fuzzer.coverage import observe_paths
+from fuzzer.targets.probes import observe_paths
 from fuzzer.targets import vllm_api
 from fuzzer.targets.base import Target
 from oracles.index import judge_remap, remap_args_for
-from oracles.materialize import materialize_index_inputs
+from strategies.tensors import materialize_index_inputs
 from strategies.batches import IndexFeatures, index_cases
 
 # Tensors a reproducer defines under these names; other keyword arguments are written as literals.
@@ -70,7 +70,7 @@ class IndexRemap(Target):
         return observe_paths(self.observe, call, {"compacted": self.compacted(case)})
 
     def render_repro(self, finding) -> tuple[str, dict]:
-        from fuzzer.repro import render_index_repro
+        from fuzzer.artifacts.repro import render_index_repro
 
         return render_index_repro(finding, self), {}
 

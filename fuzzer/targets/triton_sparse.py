@@ -13,9 +13,9 @@ from types import SimpleNamespace
 
 import torch
 
-from fuzzer.coverage import observe_paths
-from fuzzer.guards import Guards
-from fuzzer.targets.backend_harness import (
+from fuzzer.targets.probes import observe_paths
+from fuzzer.targets.guards import Guards
+from fuzzer.targets.harness import (
     cache_writer,
     common_attn_metadata,
     model_namespace,
@@ -25,7 +25,7 @@ from fuzzer.targets.backend_harness import (
 )
 from fuzzer.targets.base import Target
 from oracles.attention_judge import judge_attention
-from oracles.materialize import HEAD_SIZE, KV_LORA_RANK, SM_SCALE
+from strategies.tensors import HEAD_SIZE, KV_LORA_RANK, SM_SCALE
 from strategies.batches import AttentionFeatures, attention_cases
 
 BACKEND_MODULE = "vllm.v1.attention.backends.mla.xpu_mla_sparse"
@@ -53,8 +53,8 @@ class TritonSparse(Target):
     def prepare(self) -> None:
         self.shims: list[str] = []
         if self.device == "cpu":
-            from fuzzer.interp.corrections import CORRECTIONS, install_corrections
-            from fuzzer.standins.cpu_shims import install_cpu_shims
+            from fuzzer.support.interp.corrections import CORRECTIONS, install_corrections
+            from fuzzer.support.standins.cpu_shims import install_cpu_shims
 
             install_corrections()
             self.shims = [*install_cpu_shims(), *(f"interpreter correction: {c}" for c in CORRECTIONS)]
@@ -112,7 +112,7 @@ class TritonSparse(Target):
         return obs
 
     def render_repro(self, finding) -> tuple[str, dict]:
-        from fuzzer.repro import render_backend_repro
+        from fuzzer.artifacts.repro import render_backend_repro
         from oracles.attention_judge import attention_tolerance, reference_for
 
         case, dev = finding.case, finding.host.device  # the values the finding ran with are drawn on its device

@@ -4,7 +4,7 @@ as NaN, in both of its pools; without it, nothing is done."""
 import pytest
 import torch
 
-from fuzzer.guards import poison_free_memory
+from fuzzer.targets.guards import poison_free_memory
 
 # tests/conftest.py hides the GPU unless ATTNFUZZ_TEST_DEVICE=cuda (README: how tests/gpu run on the GPU host).
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (ATTNFUZZ_TEST_DEVICE=cuda)")

@@ -37,7 +37,7 @@ from typing import Protocol
 
 from hypothesis.database import DirectoryBasedExampleDatabase, ExampleDatabase
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 GRACE_SECONDS = 120.0  # after SIGTERM, how long a worker may take to re-run and save its findings
 PROGRESS_EVERY = 30.0  # seconds between progress lines when only case counts changed
 SIGNATURES_DIR = "attnfuzz-signatures"  # the signature index, inside a directory database
@@ -369,7 +369,7 @@ def _signal(procs: list[subprocess.Popen], sig: int) -> None:
 
 def run_fleet(args, device: str) -> int:
     from fuzzer.env import STATE_DIR
-    from fuzzer.worker import die_with_parent
+    from fuzzer.run.worker import die_with_parent
 
     db = args.db if args.db is not None else str((STATE_DIR / "examples").resolve())
     if not _is_redis(db):

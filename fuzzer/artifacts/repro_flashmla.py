@@ -14,14 +14,14 @@ import inspect
 
 import torch
 
-_VENDORED_CPU = ("fuzzer.interp.corrections", "fuzzer.standins.cpu_shims")
-_VENDORED = ("fuzzer.interp.sanitizer", "fuzzer.standins.cache_ops", "fuzzer.standins.flashmla_ops",
-             "fuzzer.standins.flash_attn_ops", "fuzzer.targets.flashmla_runtime")
+_VENDORED_CPU = ("fuzzer.support.interp.corrections", "fuzzer.support.standins.cpu_shims")
+_VENDORED = ("fuzzer.support.interp.sanitizer", "fuzzer.support.standins.cache_ops", "fuzzer.support.standins.flashmla_ops",
+             "fuzzer.support.standins.flash_attn_ops", "fuzzer.support.flashmla_runtime")
 
 _MAIN = '''
 def main():
     _load_vendored()
-    runtime = sys.modules["fuzzer.targets.flashmla_runtime"]
+    runtime = sys.modules["fuzzer.support.flashmla_runtime"]
 {setup}
     emulated = tuple(dict.fromkeys(runtime.install_standins(DEVICE) + runtime.install_layer_standins(DEVICE)))
 {inject}
@@ -125,11 +125,11 @@ def _load_vendored():
 
 
 def render_flashmla_repro(finding, target, layer: bool) -> tuple[str, dict]:
-    from fuzzer.repro import _NO_CHECKER, _header
-    from fuzzer.targets.backend_harness import common_attn_metadata, step_tensors, with_padded_tokens
+    from fuzzer.artifacts.repro import _NO_CHECKER, _header
+    from fuzzer.targets.harness import common_attn_metadata, step_tensors, with_padded_tokens
     from oracles.attention_judge import (attention_tolerance, judge_fp8_ds_mla_entries, layer_reference_for,
                                          layer_tolerance, reference_for)
-    from oracles.materialize import materialize_attention_inputs, materialize_layer_inputs
+    from strategies.tensors import materialize_attention_inputs, materialize_layer_inputs
 
     case, dev = finding.case, finding.host.device  # the values the finding ran with are drawn on its device
     cpu = dev == "cpu"
@@ -181,7 +181,7 @@ def render_flashmla_repro(finding, target, layer: bool) -> tuple[str, dict]:
     main = _MAIN.format(cam=_CAM, setup="\n".join(setup), inject="    apply()  # the injected bug" if finding.inject else "",
                         call=_LAYER_CALL if layer else _MQA_CALL,
                         collect="SANITIZER.collect()" if cpu and memory else "_NoBoundsCheck()")
-    lazy_sanitizer = ("\n\ndef _sanitizer():\n    return sys.modules['fuzzer.interp.sanitizer'].SANITIZER\n\n\n"
+    lazy_sanitizer = ("\n\ndef _sanitizer():\n    return sys.modules['fuzzer.support.interp.sanitizer'].SANITIZER\n\n\n"
                       "class _Lazy:\n    def __getattr__(self, name):\n        return getattr(_sanitizer(), name)\n\n\n"
                       "SANITIZER = _Lazy()\n")
     return assemble(finding, header, cpu, constants, "dcp=SimpleNamespace(size=1, interleave=1)", main, (),
@@ -190,8 +190,8 @@ def render_flashmla_repro(finding, target, layer: bool) -> tuple[str, dict]:
 
 
 # Set-up a CPU reproducer makes before it calls vLLM.
-_CPU_SETUP = ("    sys.modules['fuzzer.interp.corrections'].install_corrections()  # Triton interpreter: bf16 dot, casts",
-              "    sys.modules['fuzzer.standins.cpu_shims'].install_cpu_shims()  # no accelerator: no pinned memory",
+_CPU_SETUP = ("    sys.modules['fuzzer.support.interp.corrections'].install_corrections()  # Triton interpreter: bf16 dot, casts",
+              "    sys.modules['fuzzer.support.standins.cpu_shims'].install_cpu_shims()  # no accelerator: no pinned memory",
               "    runtime.cpu_shims()  # no streams on a CPU")
 
 
@@ -199,7 +199,7 @@ def assemble(finding, header: str, cpu: bool, constants: dict, case_dcp: str, ma
              before_loader: tuple = (), after: tuple = ()) -> str:
     """A whole reproducer: its docstring, imports, the step's constants, the case fields vLLM's config reads,
     what attnfuzz saw, `main`, the injected bug's source, and attnfuzz's support modules inlined verbatim."""
-    from fuzzer.repro import _CPU_ENV
+    from fuzzer.artifacts.repro import _CPU_ENV
 
     case = finding.case
     modules = (*(_VENDORED_CPU if cpu else ()), *_VENDORED, *extra_modules)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from fuzzer.interp.sanitizer import SANITIZER, MemoryViolation
+from fuzzer.support.interp.sanitizer import SANITIZER, MemoryViolation
 
 OP = "flash_attn_varlen_func"
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from fuzzer.interp import sanitizer as sanitizer_module
+from fuzzer.support.interp import sanitizer as sanitizer_module
 from oracles.index import expected_remap, remap_args_for
-from oracles.materialize import materialize_index_inputs
+from strategies.tensors import materialize_index_inputs
 
 
 def compact_list(xs: list[int]) -> str:
@@ -180,7 +180,7 @@ def render_index_repro(finding, target) -> str:
 
 
 def write_repro(finding, target, root: Path) -> Path:
-    from fuzzer.campaign import save_finding
+    from fuzzer.search.campaign import save_finding
 
     source, tensors = target.render_repro(finding)
     return save_finding(finding, source, root, tensors)
@@ -250,7 +250,7 @@ def main():
 
 def render_backend_repro(finding, target, tensors: dict, constants: dict, backend_module: str,
                          backend_class: str) -> str:
-    from fuzzer.targets import backend_harness
+    from fuzzer.targets import harness as backend_harness
 
     case, host = finding.case, finding.host
     cpu = host.device == "cpu"
@@ -283,7 +283,7 @@ def render_backend_repro(finding, target, tensors: dict, constants: dict, backen
 
         parts.append(f"\n# ---- the injected bug ({finding.inject}) ----\n{source(finding.inject)}")
     if cpu:
-        from fuzzer.interp import corrections
+        from fuzzer.support.interp import corrections
 
         parts.append("\n# ---- support: Triton interpreter corrections (from attnfuzz; numpy/torch/triton only) ----"
                      + _support_source(corrections))

@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from fuzzer import budgets
-from fuzzer.campaign_process import CampaignOutcome, CampaignSpec, run_campaigns
-from fuzzer.junit import JUnitCase, JUnitSuite, write_junit
+from fuzzer.run.campaign_process import CampaignOutcome, CampaignSpec, run_campaigns
+from fuzzer.artifacts.junit import JUnitCase, JUnitSuite, write_junit
 
 # Time to find is the measure here: findings are kept as first seen (shrinking is tested elsewhere).
 NO_SHRINK = ("--no-shrink",)
@@ -157,7 +157,7 @@ def add_parser(subparsers) -> None:
 
 def main(args: argparse.Namespace, device: str) -> int:
     from fuzzer.env import STATE_DIR, host_info
-    from fuzzer.gate import host_targets, import_vllm
+    from fuzzer.commands.gate import host_targets, import_vllm
     from fuzzer.mutants import MUTANTS
 
     start = time.monotonic()

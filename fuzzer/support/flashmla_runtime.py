@@ -55,7 +55,7 @@ def install_standins(device: str = "cuda") -> tuple[str, ...]:
     """Bind torch stand-ins where flashmla_sparse looks the compiled ops up: for ops this host lacks, and for
     every compiled op when the tensors live on the CPU (a CPU run on a GPU host: the CUDA kernels cannot
     take them)."""
-    from fuzzer.standins import flashmla_ops
+    from fuzzer.support.standins import flashmla_ops
 
     mod, bound = importlib.import_module(BACKEND_MODULE), []
     if device == "cpu" or not _has_flashmla_kernels():
@@ -263,7 +263,7 @@ def configure(cfg, case, max_num_batched_tokens: int):
 @functools.cache
 def install_layer_standins(device: str) -> tuple[str, ...]:
     """The dense-MHA path's compiled ops, where this host lacks them."""
-    from fuzzer.standins import cache_ops, flashmla_ops
+    from fuzzer.support.standins import cache_ops, flashmla_ops
 
     mla, bound = importlib.import_module(MLA_MODULE), []
     standins = {"gather_and_maybe_dequant_cache": cache_ops.gather_and_maybe_dequant_cache,
@@ -285,7 +285,7 @@ def install_layer_standins(device: str) -> tuple[str, ...]:
         # (vllm_flash_attn on CUDA, xpu_ops on XPU) and, on CUDA, FA4's compile API; on a host with neither (a CPU
         # platform) it binds nothing and the backend's module cannot import. Bind the stand-in where fa_utils
         # would, with no compile API (as on XPU and ROCm), and where the backend module bound the kernel.
-        from fuzzer.standins.flash_attn_ops import flash_attn_varlen_func
+        from fuzzer.support.standins.flash_attn_ops import flash_attn_varlen_func
 
         fa_utils = importlib.import_module("vllm.v1.attention.backends.fa_utils")
         # A GPU host without FA's compiled extensions (the GPU bundle: an import stand-in that raises) lacks it too.

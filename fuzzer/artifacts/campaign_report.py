@@ -2,7 +2,7 @@
 case by case) beside its findings; `attnfuzz report DIR` renders DIR/report.md and DIR/report.html.
 
 campaign.json holds the target, seed, host and versions, the ops that ran for real and the attnfuzz
-stand-ins, path coverage (vLLM's paths each case took, `fuzzer/coverage.py`), the oracle's error margins per
+stand-ins, path coverage (vLLM's paths each case took, `fuzzer/targets/probes.py`), the oracle's error margins per
 check as log-scale histograms, and one record per case (summary, seconds, paths, worst margin per check,
 verdict signature). The report is self-contained: the HTML holds its CSS and its SVG charts, drawn here.
 """
@@ -59,7 +59,7 @@ class CaseLog:
     real: Counter = field(default_factory=Counter)  # vLLM parts that ran for real -> cases
     emulated: Counter = field(default_factory=Counter)  # compiled ops replaced by attnfuzz stand-ins -> cases
     shims: Counter = field(default_factory=Counter)
-    allocator_poisoned: int = 0  # cases run with the caching allocator's free memory poisoned (fuzzer/guards.py)
+    allocator_poisoned: int = 0  # cases run with the caching allocator's free memory poisoned (fuzzer/targets/guards.py)
     records: list = field(default_factory=list)
     dropped: int = 0  # records past MAX_RECORDS (still counted above)
 
@@ -280,7 +280,7 @@ def _checks(doc: dict) -> list[tuple[str, int, int]]:
 
 
 def _never_taken(doc: dict) -> list[str]:
-    from fuzzer.coverage import KNOWN_PATHS
+    from fuzzer.targets.probes import KNOWN_PATHS
 
     return [p for p in KNOWN_PATHS if p not in doc["coverage"]]
 

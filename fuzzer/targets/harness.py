@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import torch
 
-from oracles.materialize import HEAD_SIZE, KV_LORA_RANK, ROPE_DIM
+from strategies.tensors import HEAD_SIZE, KV_LORA_RANK, ROPE_DIM
 
 MAX_MODEL_LEN = 8192
 
@@ -72,7 +72,7 @@ def cache_writer():
         op = torch.ops._C_cache_ops.concat_and_cache_mla
         return (lambda kv_c, k_pe, cache, slots, dtype, scale: op(kv_c, k_pe, cache, slots, dtype, scale)), None
     except (AttributeError, RuntimeError):
-        from fuzzer.standins.cache_ops import concat_and_cache_mla
+        from fuzzer.support.standins.cache_ops import concat_and_cache_mla
 
         return concat_and_cache_mla, "concat_and_cache_mla"
 
@@ -83,7 +83,7 @@ TOPK_POISON = 2**30 - 1  # rows of the top-k buffer past this step's tokens: mus
 def step_tensors(case, device, inputs=None, guards=None):
     """(attention inputs, the physical slots the step's requests hold, the indexer's top-k buffer) on
     `device`. The buffer has spare rows, poisoned, as the indexer's persistent buffer has."""
-    from oracles.materialize import materialize_attention_inputs
+    from strategies.tensors import materialize_attention_inputs
 
     inp = inputs if inputs is not None else materialize_attention_inputs(case, device)
     slots = (torch.unique(torch.cat(inp.slot_of)) if inp.slot_of else torch.zeros(0, dtype=torch.int64)).to(device)

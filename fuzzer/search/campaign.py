@@ -21,11 +21,11 @@ from hypothesis import target as hypothesis_target
 from hypothesis.control import currently_in_test_context
 from hypothesis.database import DirectoryBasedExampleDatabase
 
-from fuzzer.campaign_report import CaseLog
-from fuzzer.coverage import rarity
+from fuzzer.artifacts.campaign_report import CaseLog
+from fuzzer.targets.probes import rarity
 from fuzzer.env import STATE_DIR, HostInfo
 from fuzzer.observation import Observation
-from fuzzer.progress import Progress
+from fuzzer.search.progress import Progress
 from fuzzer.targets.base import Target
 from oracles.verdict import Verdict, primary
 from strategies.case import Case
@@ -128,7 +128,7 @@ class Campaign:
                  progress: Progress | None = None, executor=None, pending: Path | None = None,
                  journal: Path | None = None, reruns: int = 3, shrink: bool = True,
                  database=None, max_findings: int | None = None) -> None:
-        from fuzzer.worker import InProcessExecutor
+        from fuzzer.run.worker import InProcessExecutor
 
         # Where cases run: a worker process (crash isolation, sanitizers) or this process.
         self.executor = executor or InProcessExecutor(target)
@@ -165,7 +165,7 @@ class Campaign:
 
     # -- one case -----------------------------------------------------------------------------------------
     def check(self, case: Case) -> tuple[Observation, list[Verdict]]:
-        from fuzzer.worker import HarnessFailure
+        from fuzzer.run.worker import HarnessFailure
 
         if self.journal is not None:  # written before the case runs: a SIGKILLed campaign loses nothing
             self.journal.parent.mkdir(parents=True, exist_ok=True)
@@ -303,7 +303,7 @@ class Campaign:
         import signal
         import threading
 
-        from fuzzer.fleet import KeepStoredFailures
+        from fuzzer.run.fleet import KeepStoredFailures
 
         def wind_down(signum, frame):  # SIGTERM (a fleet's parent, a scheduler): stop searching, save the findings
             self.time_budget = 0.0
@@ -402,7 +402,7 @@ def _flatten(e: BaseException) -> list[BaseException]:
 
 def save_finding(finding: Finding, repro_source: str, root: Path, tensors: dict | None = None) -> Path:
     """Write repros/<id>/: case.json, finding.json, report.md, repro.py (+ tensors.safetensors)."""
-    from fuzzer.report import render_report
+    from fuzzer.artifacts.finding_report import render_report
 
     d = root / finding.id
     d.mkdir(parents=True, exist_ok=True)

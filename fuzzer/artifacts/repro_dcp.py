@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from fuzzer.repro_flashmla import _CAM, _CPU_SETUP, assemble
+from fuzzer.artifacts.repro_flashmla import _CAM, _CPU_SETUP, assemble
 
 _MAIN = '''
 def main():
     _load_vendored()
-    runtime = sys.modules["fuzzer.targets.flashmla_runtime"]
-    dcp = sys.modules["fuzzer.targets.dcp_group"]
+    runtime = sys.modules["fuzzer.support.flashmla_runtime"]
+    dcp = sys.modules["fuzzer.support.dcp_group"]
 {setup}
     emulated = runtime.install_standins(DEVICE)
 {inject}
@@ -102,11 +102,11 @@ def main():
 
 
 def render_dcp_repro(finding, target) -> tuple[str, dict]:
-    from fuzzer.repro import _header
-    from fuzzer.targets.backend_harness import common_attn_metadata, step_tensors
+    from fuzzer.artifacts.repro import _header
+    from fuzzer.targets.harness import common_attn_metadata, step_tensors
     from oracles.attention_judge import attention_tolerance, judge_fp8_ds_mla_entries, reference_for
     from oracles.dcp import RANK_LSE_TOLERANCE, owner_and_local, rank_slot_mapping, undivided
-    from oracles.materialize import materialize_attention_inputs
+    from strategies.tensors import materialize_attention_inputs
 
     case, dev = finding.case, finding.host.device
     cpu = dev == "cpu"
@@ -148,4 +148,4 @@ def render_dcp_repro(finding, target) -> tuple[str, dict]:
     main = _MAIN.format(cam=_CAM, setup="\n".join(_CPU_SETUP if cpu else ()),
                         inject="    apply()  # the injected bug" if finding.inject else "")
     return assemble(finding, header, cpu, constants, "dcp=SimpleNamespace(size=DCP_SIZE, interleave=INTERLEAVE)", main,
-                    ("fuzzer.targets.dcp_group",)), tensors
+                    ("fuzzer.support.dcp_group",)), tensors

@@ -32,7 +32,7 @@ def render_report(f) -> str:
         lines += ["", "The worker's last output:", "", "```", o.notes["log_tail"].rstrip(), "```"]
     if o.notes.get("sanitizer_log"):
         lines += ["", "compute-sanitizer's log for this case:", "", "```", o.notes["sanitizer_log"].rstrip()[-6000:], "```"]
-    from fuzzer.repro import sanitizer_run_line
+    from fuzzer.artifacts.repro import sanitizer_run_line
 
     run = sanitizer_run_line(f)
     how = (f"{run}   # exits 1 while the bug is present, 0 once fixed" if f.has_repro and run else

@@ -9,7 +9,7 @@ with a per-case watchdog, turns a dead or silent worker into a verdict on that c
 worker for the next one. Under compute-sanitizer the worker's output is its log: the worker prints a marker
 before and after each case and synchronizes the device around it, so every report belongs to one case.
 
-    python -m fuzzer.worker FD SPEC_JSON      (started by WorkerExecutor, never by hand)
+    python -m fuzzer.run.worker FD SPEC_JSON      (started by WorkerExecutor, never by hand)
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from oracles.verdict import Verdict
 from strategies.case import Case
 
 BEGIN, END = "ATTNFUZZ-CASE-BEGIN", "ATTNFUZZ-CASE-END"
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def serve(fd: int, spec: WorkerSpec) -> None:
         import vllm  # noqa: F401  (once per worker)
 
         from fuzzer.mutants import inject
-        from fuzzer.targets import TARGETS
+        from fuzzer.targets.registry import TARGETS
 
         target = TARGETS[spec.target](spec.device)
         why = target.unavailable()
@@ -198,13 +198,13 @@ class WorkerExecutor:
         parent, child = socket.socketpair()
         self.started += 1
         self.log_path = self.log_dir / f"worker-{self.started}.log"
-        cmd = [sys.executable, "-m", "fuzzer.worker", str(child.fileno()), json.dumps(asdict(self.spec))]
+        cmd = [sys.executable, "-m", "fuzzer.run.worker", str(child.fileno()), json.dumps(asdict(self.spec))]
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
         env["PYTHONUNBUFFERED"] = "1"
         env["PYTHONFAULTHANDLER"] = "1"  # a fatal signal (and the watchdog's SIGABRT) prints every thread's stack
         if self.spec.sanitizer:
-            from fuzzer.sanitizer import sanitized_env, sanitizer_command
+            from fuzzer.run.compute_sanitizer import sanitized_env, sanitizer_command
 
             cmd = sanitizer_command(self.spec.sanitizer) + cmd  # reports land in the worker's log, between markers
             env = sanitized_env(env)
@@ -340,7 +340,7 @@ class WorkerExecutor:
         return obs, verdicts
 
     def _sanitizer_verdicts(self, log: str, obs: Observation) -> list[Verdict]:
-        from fuzzer.sanitizer import dedupe, limit_reached, parse_log
+        from fuzzer.run.compute_sanitizer import dedupe, limit_reached, parse_log
 
         printed = parse_log(log, self.spec.sanitizer)
         self._reports_printed += len(printed)

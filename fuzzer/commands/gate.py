@@ -33,8 +33,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from fuzzer import budgets
-from fuzzer.campaign_process import CampaignOutcome, CampaignSpec, run_campaigns
-from fuzzer.junit import JUnitCase, JUnitSuite, write_junit
+from fuzzer.run.campaign_process import CampaignOutcome, CampaignSpec, run_campaigns
+from fuzzer.artifacts.junit import JUnitCase, JUnitSuite, write_junit
 
 STATUSES = ("open", "fixed")
 # A finding is kept as first seen: shrinking one can take a thousand cases, and the gate's time must stay bounded
@@ -264,7 +264,7 @@ def add_parser(subparsers) -> None:
 
 def host_targets(device: str) -> tuple[dict[str, str | None], dict[str, tuple[str, ...]]]:
     """Each registered target -> why it cannot run here (None: it can), and its kv-cache dtypes."""
-    from fuzzer.targets import TARGETS
+    from fuzzer.targets.registry import TARGETS
 
     unavailable, dtypes = {}, {}
     for name, cls in TARGETS.items():

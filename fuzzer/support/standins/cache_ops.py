@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fuzzer.interp.sanitizer import SANITIZER, MemoryViolation
+from fuzzer.support.interp.sanitizer import SANITIZER, MemoryViolation
 
 
 def _violation(op: str, argument: str, index: int, limit: int, elem_bytes: int, access: str = "store") -> None:

@@ -1,0 +1,30 @@
+"""The target registry: name -> class. Add a target: one file here, one line below."""
+
+from __future__ import annotations
+
+from fuzzer.targets.base import Target
+from fuzzer.targets.dcp_filter import DcpFilter
+from fuzzer.targets.flashmla_dcp import FlashMLASparseDcp
+from fuzzer.targets.flashmla_dcp_ranks import FlashMLASparseDcpRanks
+from fuzzer.targets.flashmla_layer import FlashMLASparseLayer
+from fuzzer.targets.flashmla_sparse import FlashMLASparse
+from fuzzer.targets.index_remap import IndexRemap
+from fuzzer.targets.selftest import SelftestFault
+from fuzzer.targets.triton_sparse import TritonSparse
+
+TARGETS: dict[str, type[Target]] = {
+    IndexRemap.name: IndexRemap,
+    DcpFilter.name: DcpFilter,
+    TritonSparse.name: TritonSparse,
+    FlashMLASparse.name: FlashMLASparse,
+    FlashMLASparseLayer.name: FlashMLASparseLayer,
+    FlashMLASparseDcp.name: FlashMLASparseDcp,
+    FlashMLASparseDcpRanks.name: FlashMLASparseDcpRanks,
+    SelftestFault.name: SelftestFault,  # harness self-test, not vLLM
+}
+
+
+def get_target(name: str) -> type[Target]:
+    if name not in TARGETS:
+        raise KeyError(f"unknown target {name!r}; known: {', '.join(TARGETS)}")
+    return TARGETS[name]
