@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Host-side CPU time per case of attnfuzz's own stages for a backend target's cases (issue 3: what a GPU
-cannot speed up). No vLLM import, no kernels:
+"""Host-side CPU time per case of attnfuzz's own stages for a backend target's cases (what a GPU cannot
+speed up). No vLLM import, no kernels:
 
   .venv/bin/python bench/host_stages.py [--profile gpu-bench] [--cases 100]
 

@@ -39,7 +39,7 @@ CASES = {
     "bf16-h64-decodes": case([(1, 200), (1, 90)], 2, 64, "bfloat16"),
     "bf16-h16-decodes": case([(1, 200), (1, 90)], 2, 16, "bfloat16"),  # heads padded to 64
     "bf16-h64-prefill": case([(5, 0)], 0, 64, "bfloat16"),
-    "bf16-h64-prefill-no-valid": case([(1, 0)], 0, 64, "bfloat16", valid=0),  # session 5's smallest case
+    "bf16-h64-prefill-no-valid": case([(1, 0)], 0, 64, "bfloat16", valid=0),  # one prefill token, no valid index
     "bf16-h64-decodes-padding-row": case([(1, 200), (0, 0)], 2, 64, "bfloat16"),
     # fp8_ds_mla: FlashMLA's fp8 sparse decode kernel (split KV, then the combine kernel)
     "fp8-h64-decode-short": case([(1, 50)], 1, 64, "fp8_ds_mla"),
@@ -49,8 +49,8 @@ CASES = {
     "fp8-h16-decode-no-valid": case([(1, 300), (1, 100)], 2, 16, "fp8_ds_mla", valid=[256, 0]),
     "fp8-h128-prefill-with-context": case([(1, 100), (4, 300)], 1, 128, "fp8_ds_mla"),  # separate path, gather
     "fp8-h64-decodes-padding-row": case([(1, 300), (0, 0)], 2, 64, "fp8_ds_mla"),
-    # the layer target (ATTNFUZZ_TRIAGE_TARGET=vllm.flashmla_sparse.layer): session 6 saw every case reported
-    "layer-one-token-h16": case([(1, 0)], 0, 16, "bfloat16", topk_width=128),  # session 6's case: a decode to vLLM
+    # the layer target (ATTNFUZZ_TRIAGE_TARGET=vllm.flashmla_sparse.layer): one route each
+    "layer-one-token-h16": case([(1, 0)], 0, 16, "bfloat16", topk_width=128),  # one token: a decode to vLLM
     "layer-short-prefill-h16": case([(5, 0)], 0, 16, "bfloat16", topk_width=128),  # the dense-MHA route
     "layer-decode-h16": case([(1, 200)], 1, 16, "bfloat16"),  # the MQA route
     "layer-fp8-prefill-with-context-h16": case([(3, 100)], 0, 16, "fp8_ds_mla"),  # dense MHA + context gather

@@ -1,14 +1,58 @@
-"""Print a Markdown table from the --json summaries of a results directory."""
+"""A Markdown table of a results folder: one row per run of bench/scenario.sh (RESULTS/runs.tsv: name, exit,
+wall seconds, command) with what its --json summary says (`attnfuzz run`, a fleet, `gate`, `selftest`), or,
+without runs.tsv, one row per *.json summary of `attnfuzz run`.
+
+  python3 bench/summarize.py RESULTS
+"""
 
 import json
 import sys
 from pathlib import Path
 
-rows = ["| run | vLLM | device | cases | s | cases/s | findings (cases / s to find; shrunk case) |", "|---|---|---|---|---|---|---|"]
-for p in sorted(Path(sys.argv[1]).glob("*.json")):
-    d = json.loads(p.read_text())
-    found = "; ".join(f"{f['bug_classes']} {f['examples_to_find']} / {f['seconds_to_find']} s; `{f['summary']}`"
-                      for f in d["findings"]) or "none"
-    rows.append(f"| {p.stem} | {d['host']['vllm']} | {d['host']['device_name']} | {d['examples']} | {d['seconds']} "
-                f"| {d['cases_per_second']} | {found} |")
-print("\n".join(rows))
+
+def findings(d: dict) -> str:
+    out = []
+    for kind in ("findings", "known", "pending"):
+        for f in d.get(kind) or []:
+            classes = ",".join(f.get("bug_classes") or []) or "-"
+            where = f"{f.get('examples_to_find', '?')} cases / {f.get('seconds_to_find', '?')} s"
+            what = f.get("summary") or f.get("signature") or f.get("id") or ""
+            out.append(f"{'' if kind == 'findings' else kind + ' '}[{classes}] after {where}: `{str(what)[:160]}`")
+    return "; ".join(out) or "none"
+
+
+def row(name: str, d: dict | None) -> tuple[str, str, str, str]:
+    """(cases, campaign s, cases/s, result) of one summary."""
+    if not d:
+        return "-", "-", "-", f"(no summary: {name}.log)"
+    if "passed" in d:  # gate, selftest
+        return "-", str(d.get("seconds", "-")), "-", "passed" if d["passed"] else "FAILED"
+    extra = f" ({d['duplicates_merged']} duplicates merged)" if d.get("duplicates_merged") else ""
+    return (str(d.get("examples", "-")), str(d.get("seconds", "-")), str(d.get("cases_per_second", "-")),
+            findings(d) + extra)
+
+
+def main() -> None:
+    results = Path(sys.argv[1])
+    lines = ["| run | exit | wall s | cases | campaign s | cases/s | findings |", "|---|---|---|---|---|---|---|"]
+    tsv = results / "runs.tsv"
+    if tsv.is_file():
+        runs = [ln.split("\t")[:3] for ln in tsv.read_text().splitlines() if ln.strip()]
+    else:
+        runs = [[p.stem, "-", "-"] for p in sorted(results.glob("*.json"))]
+    for name, rc, wall in runs:
+        p = results / f"{name}.json"
+        try:
+            d = json.loads(p.read_text()) if p.is_file() else None
+        except ValueError:
+            d = None
+        cases, secs, rate, result = row(name, d)
+        lines.append(f"| {name} | {rc} | {wall} | {cases} | {secs} | {rate} | {result} |")
+    host = results / "host.txt"
+    if host.is_file():
+        lines = ["```", host.read_text().strip(), "```", ""] + lines
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -4,7 +4,7 @@
 #   .gpu-extra/so-VER/_C.abi3.so   (0.23.0: 43 MB; its FlashMLA module imports vllm._C)
 #   .gpu-extra/whl/*.whl           (0.23.0: gguf)
 # Send it with `carry: [".gpu-extra"]` on a machine that a call with `.gpu-bundle` left warm;
-# scripts/gpu-host.sh --vllm VER copies both in (bench/gpu_s5_call3.sh did this for 0.23.0).
+# scripts/gpu-host.sh --vllm VER copies both in (bench/scenarios/gpu-old-releases runs 0.23.0 so).
 #
 #   scripts/gpu-extra.sh 0.23.0
 set -euo pipefail
