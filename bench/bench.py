@@ -63,9 +63,10 @@ def main(argv: list[str] | None = None) -> int:
 
     device = prepare_process(args.device)
     from fuzzer import budgets
-    from fuzzer.run.campaign_process import CampaignSpec, run_campaigns
+    from fuzzer.commands.gate import gate_specs
     from fuzzer.env import host_info
-    from fuzzer.commands.gate import gate_specs, host_targets, import_vllm
+    from fuzzer.run.campaign_process import CampaignSpec, run_campaigns
+    from fuzzer.run.host import host_targets, import_vllm
 
     vllm_version = import_vllm()
     host = host_info(device)

@@ -2,8 +2,8 @@
 
 Examples per campaign, per device and target. The CPU figures are sized so that the gate ends within 15
 minutes on the 2-core CI machine (vLLM imported twice per campaign: the campaign and its worker) and the
-GPU figures so that it ends within 10 minutes on one H200 (docs/benchmarks.md, "Session 3", has the
-measurements; the GPU time is an estimate from one interrupted run). `--budget-scale` multiplies them all.
+GPU figures so that it ends within 10 minutes on one H200 (docs/benchmarks.md has the current gate and
+selftest times). `--budget-scale` multiplies them all.
 """
 
 from __future__ import annotations

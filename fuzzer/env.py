@@ -1,13 +1,15 @@
 """Where attnfuzz runs: the host, its device, and how vLLM must be imported there.
 
 Everything that has to happen *before* `import vllm` lives here, because vLLM decides at import time
-whether Triton is real (see ../shared/docs/measured.md, Trap 1).
+whether Triton is real: on a host without a GPU driver it swaps Triton for a placeholder whose `jit` does
+nothing, unless CUDA_VISIBLE_DEVICES is set and empty.
 """
 
 from __future__ import annotations
 
 import os
 import platform
+import signal
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -55,17 +57,25 @@ class HostInfo:
         return asdict(self)
 
 
+def installed_vllm() -> str:
+    """vLLM's version without importing it here (only fuzzer/targets imports vLLM): the module a target loaded,
+    else the installed distribution's metadata."""
+    if "vllm" in sys.modules:
+        return getattr(sys.modules["vllm"], "__version__", "unknown")
+    try:
+        from importlib.metadata import version
+
+        return version("vllm")
+    except Exception as e:  # pragma: no cover - reported, not raised
+        return f"unavailable ({type(e).__name__}: {e})"
+
+
 def host_info(device: str, emulated_ops: tuple[str, ...] = ()) -> HostInfo:
     import hypothesis
     import torch
     import triton
 
-    try:
-        import vllm
-
-        vllm_version = vllm.__version__
-    except Exception as e:  # pragma: no cover - reported, not raised
-        vllm_version = f"unavailable ({type(e).__name__}: {e})"
+    vllm_version = installed_vllm()
     name = torch.cuda.get_device_name(0) if device == "cuda" else (platform.processor() or platform.machine())
     return HostInfo(
         device=device,
@@ -78,3 +88,13 @@ def host_info(device: str, emulated_ops: tuple[str, ...] = ()) -> HostInfo:
         emulated_ops=tuple(emulated_ops),
         hypothesis=hypothesis.__version__,
     )
+
+
+def die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when its parent dies (a SIGKILLed campaign leaves no hung worker)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass

@@ -1,9 +1,39 @@
-"""What a target saw when it ran one case. Targets fill it in; they never judge it."""
+"""What a target saw when it ran one case. Targets fill it in; they never judge it.
+
+The contract between targets and oracles: the outputs a target returns, the error the code under test
+raised, the memory violations seen, and `notes`, whose keys are named and typed below (`Notes`): the oracle
+reads the first group; the harness and the reports read the rest."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
+
+
+class Notes(TypedDict, total=False):
+    # what the oracles read
+    compacted: bool  # the index call compacted valid entries to the front (oracles/index.py)
+    route: dict[str, int]  # vLLM's split of the step: decode / MQA / dense-MHA token counts (the layer target)
+    guard: list[str]  # guard-region bytes a call overwrote (fuzzer/targets/guards.py)
+    buffer_overrun: list[str]  # writes past the index group's persistent buffers
+    cache_changed: str  # rows of the KV cache an attention call changed (it must write none)
+    dcp_filter_call: dict[str, Any]  # how vLLM called the DCP filter (its block stride)
+    # what the harness and the reports read
+    paths: list[str]  # vLLM's paths the case took (fuzzer/targets/probes.py)
+    layer_routes: dict[str, Any]  # what this release's forward_impl offers a sparse impl
+    padded_tokens: int  # CUDA-graph padding tokens the case carried (their rows are not judged)
+    shims: tuple[str, ...]  # CPU shims and interpreter corrections in force
+    allocator_poisoned: bool  # the caching allocator's free memory was poisoned before the call
+    traceback: str  # where the code under test raised
+    log_tail: str  # a crashed or hung worker's last output
+    device_lost: bool  # the case lost the CUDA context (the worker was replaced)
+    worker_recycled: str  # the worker was replaced after this case (why)
+    sanitizer: str  # the compute-sanitizer tool the case ran under
+    sanitizer_log: str  # compute-sanitizer's log for the case
+    sanitizer_reports: list[dict]  # the log's reports, parsed (fuzzer/run/compute_sanitizer.py)
+    sanitizer_worker_retired: str  # the sanitized worker neared its print limit (why)
+    memcheck_rerun: str  # why `--sanitizer auto` re-ran the case under memcheck
+    resumed: bool  # rebuilt from a saved finding.json (a resumed or replayed finding)
 
 
 @dataclass
@@ -17,4 +47,7 @@ class Observation:
     real: tuple[str, ...] = ()  # vLLM functions/kernels that ran for real
     emulated: tuple[str, ...] = ()  # compiled ops replaced by attnfuzz stand-ins (must be reported)
     seconds: float = 0.0
-    notes: dict[str, Any] = field(default_factory=dict)  # call details the oracle needs (layout, flags)
+    notes: Notes = field(default_factory=dict)  # type: ignore[assignment]
+
+
+NOTE_KEYS = frozenset(Notes.__annotations__)

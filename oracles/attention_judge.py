@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 
 from oracles.attention import error_margin, sparse_mla_reference, tolerance
-from strategies.tensors import SM_SCALE, materialize_attention_inputs, materialize_layer_inputs
+from oracles.fp8_ds_mla import dequantize, split_entry
 from oracles.verdict import Verdict, passed
+from strategies.tensors import SM_SCALE, materialize_attention_inputs, materialize_layer_inputs
 
 
 def reference_for(case, inputs=None, device: str = "cpu", slot_values=None, q=None, keep=None):
@@ -44,7 +45,6 @@ def judge_fp8_ds_mla_entries(case, inputs, slots, entries):
     The kernels consume the entries' values, so the output is judged against attention over exactly those
     (rounded to bf16, as the kernels dequantize), with bf16's tolerance: the quantization error itself is
     judged here, once, at the fp8 bound."""
-    from oracles.fp8_ds_mla import dequantize, split_entry
 
     device = inputs.kv_c.device  # judged where the inputs live (a 4K-context batch holds ~60K entries)
     entries, slots = entries.to(device), slots.to(device)

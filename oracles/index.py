@@ -19,6 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+from oracles.verdict import Verdict, passed
+from strategies.tensors import materialize_index_inputs
+
 
 @dataclass(frozen=True)
 class RemapArgs:
@@ -135,8 +138,6 @@ def remap_args_for(case, inputs) -> RemapArgs:
 
 def judge_remap(case, obs) -> list:
     """Verdicts for one call of the remap (either entry point), from the case alone plus what was seen."""
-    from strategies.tensors import materialize_index_inputs
-    from oracles.verdict import Verdict, passed
 
     verdicts = []
     args = remap_args_for(case, materialize_index_inputs(case, "cpu"))

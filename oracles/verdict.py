@@ -4,10 +4,39 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Every check an oracle (or the harness) emits, in the order that picks a finding's primary symptom: an
+# out-of-bounds access outranks what follows from it. tests/test_verdicts.py checks that every check name
+# in the code is here.
+CHECKS: dict[str, str] = {
+    "memory": "an out-of-bounds or uninitialized access (interpreter bounds checks, compute-sanitizer, guards)",
+    "crash": "the process running the case died (segfault, abort, lost CUDA context, out of memory)",
+    "hang": "no result within the case timeout",
+    "contract": "a call that must be refused (mis-sized arguments) was accepted",
+    "error": "the code under test raised on a valid case",
+    "cache": "the KV cache changed during a call that must not write it",
+    "cache_write": "the cache writer's bytes differ from the layout's reference encoding",
+    "gather": "gathered or dequantized context K/V differs from the cache bytes' decoding",
+    "dcp_filter": "a DCP rank's filtered top-k indices differ from its exact share",
+    "dcp_empty_shard": "a rank that holds none of a row's tokens is not neutral in the merge",
+    "dcp_rank_lse": "a rank's LSE over its own share is off",
+    "nan": "NaN or Inf where the fp32 reference is finite",
+    "empty_row": "a row with no valid index does not give LSE -inf / output 0",
+    "count": "a valid count differs from the number of valid indices",
+    "set": "the set of valid indices differs",
+    "layout": "valid indices are not where the mode puts them (compaction, padding)",
+    "values": "index values differ from the documented remap",
+    "output": "attention output outside the tolerance of the fp32 reference",
+    "lse": "LSE outside the tolerance of the fp32 reference",
+    "dcp_rank_out": "a rank's partial output over its own share is off",
+    "shape": "an output of the wrong shape",
+    "selftest": "the harness's own fault target (not vLLM)",
+}
+PRIORITY = tuple(CHECKS)
+
 
 @dataclass(frozen=True)
 class Verdict:
-    check: str  # memory | contract | error | values | count | set | layout | nan | output
+    check: str  # a key of CHECKS
     ok: bool
     detail: str
     bug_class: str = ""  # the letter of ../shared/docs/bug-classes.md this symptom points at, if any
@@ -21,10 +50,6 @@ class Verdict:
 
 def passed(check: str, detail: str = "", margin: float | None = None) -> Verdict:
     return Verdict(check, True, detail, margin=margin)
-
-
-# Which failed check names a finding: an out-of-bounds access outranks what follows from it.
-PRIORITY = ("memory", "crash", "hang", "contract", "error", "cache", "cache_write", "gather", "dcp_filter", "dcp_empty_shard", "dcp_rank_lse", "nan", "empty_row", "count", "set", "layout", "values", "output", "lse")
 
 
 def primary(failed: list[Verdict]) -> Verdict:

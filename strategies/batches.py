@@ -13,8 +13,10 @@ from dataclasses import dataclass
 from hypothesis import strategies as st
 
 from strategies.case import (
+    FP8_SCALES,
     INVALID_AT,
     MAX_DECODE_QUERY_LEN,
+    VALUE_KINDS,
     Case,
     Dcp,
     IndexCall,
@@ -237,7 +239,6 @@ def _indexer_full_spec(width: int) -> st.SearchStrategy[TopkSpec]:
 
 @st.composite
 def attention_cases(draw, p: Profile, f: AttentionFeatures) -> Case:
-    from strategies.case import FP8_SCALES, VALUE_KINDS
 
     p = p.for_attention()
     outside = f.dcp and f.dcp_outside_envelope and draw(st.integers(0, 9)) == 0  # one case in ten

@@ -1,5 +1,6 @@
 """Tests run on CPU: vLLM's Triton kernels under the interpreter. The environment must be set before
-anything imports triton or vLLM (measured.md, Trap 1), hence at conftest import."""
+anything imports triton or vLLM (on a host without a GPU driver vLLM swaps Triton for a placeholder
+otherwise), hence at conftest import."""
 
 import os
 import subprocess

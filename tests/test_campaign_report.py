@@ -7,11 +7,20 @@ from pathlib import Path
 
 import pytest
 
-from fuzzer.search.campaign import CampaignResult, Finding
-from fuzzer.artifacts.campaign_report import (CaseLog, ReportError, bin_label, expected_vs_got, load_campaign, margin_bin,
-                                    render, write_campaign)
+from fuzzer.artifacts.campaign_report import (
+    bin_label,
+    expected_vs_got,
+    load_campaign,
+    margin_bin,
+    render,
+    write_campaign,
+)
 from fuzzer.env import HostInfo
+from fuzzer.errors import RecordError
 from fuzzer.observation import Observation
+from fuzzer.records import Finding, read_finding
+from fuzzer.search.campaign import CampaignResult
+from fuzzer.search.caselog import CaseLog
 from oracles.verdict import Verdict, passed
 from strategies.case import Case
 from tests.conftest import ROOT, attnfuzz
@@ -90,8 +99,7 @@ class _Tags(HTMLParser):
 
 
 def _campaign_dir(tmp_path: Path, inside: bool) -> Path:
-    saved = json.loads((SAVED / "finding.json").read_text())
-    finding = Finding.from_saved(saved, (SAVED / "case.json").read_text())
+    finding = Finding.from_record(read_finding(SAVED), Case.from_json((SAVED / "case.json").read_text()))
     result = CampaignResult("vllm.flashmla_sparse", examples=2, seconds=1.5, findings=[finding],
                             checks={"output:ok": 1, "output:FAIL": 1}, workers_started=1)
     result.cases.add(case(), Observation("t", "cpu", notes={"paths": ["mqa", "bf16"]}), [passed("output", margin=0.2)])
@@ -129,10 +137,10 @@ def test_campaign_directory_and_reports(tmp_path, inside):
 
 
 def test_report_errors_name_the_file_and_field(tmp_path):
-    with pytest.raises(ReportError, match="campaign.json: no such file"):
+    with pytest.raises(RecordError, match="campaign.json: no such file"):
         load_campaign(tmp_path)
     (tmp_path / "campaign.json").write_text(json.dumps({"schema": 1, "target": "x"}))
-    with pytest.raises(ReportError, match="missing field 'host'"):
+    with pytest.raises(RecordError, match="field 'host' is missing"):
         load_campaign(tmp_path)
 
 

@@ -7,9 +7,10 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.database import InMemoryExampleDatabase
 
-from fuzzer.search.campaign import Campaign, _Stop
 from fuzzer.env import HostInfo
 from fuzzer.observation import Observation
+from fuzzer.run.executors import InProcessExecutor
+from fuzzer.search.campaign import Campaign, _Stop
 from fuzzer.targets.base import Target
 from oracles.verdict import Verdict, passed
 from strategies.case import Case, Request, TopkSpec
@@ -43,21 +44,24 @@ class Counting(Target):
         self.ran += 1
         return Observation(self.name, self.device)
 
-    def render_repro(self, finding):
-        return "", {}
+    def repro_spec(self, finding):
+        return None
 
 
 def test_a_stored_corpus_larger_than_max_examples_is_not_all_replayed(tmp_path):
     db = InMemoryExampleDatabase()
     first = Counting()
-    Campaign(first, PROFILES["cpu"], HOST, max_examples=60, reruns=0, shrink=False, database=db).run()
+    Campaign(first, PROFILES["cpu"], HOST, executor=InProcessExecutor(first), max_examples=60, reruns=0, shrink=False,
+             database=db).run()
     target = Counting()
-    result = Campaign(target, PROFILES["cpu"], HOST, seed=1, max_examples=5, reruns=0, shrink=False, database=db).run()
+    result = Campaign(target, PROFILES["cpu"], HOST, executor=InProcessExecutor(target), seed=1, max_examples=5, reruns=0,
+                      shrink=False, database=db).run()
     assert result.examples == target.ran <= 5
 
 
 def test_sigterm_stops_even_a_shrink():
-    campaign = Campaign(Counting(), PROFILES["cpu"], HOST, max_examples=10, reruns=0)
+    target = Counting()
+    campaign = Campaign(target, PROFILES["cpu"], HOST, executor=InProcessExecutor(target), max_examples=10, reruns=0)
     campaign._batch_failed = True  # shrinking: cases past max_examples still run
     campaign.result.examples = 50
     campaign._test(_case(1))
@@ -69,7 +73,9 @@ def test_sigterm_stops_even_a_shrink():
 def test_without_shrinking_a_failed_batch_stops_at_the_count_too():
     """--no-shrink: nothing is shrunk, so a batch that found a bug has no reason to run past the count (the
     replays of a shared database's corpus did, on the GPU host and in CI)."""
-    campaign = Campaign(Counting(), PROFILES["cpu"], HOST, max_examples=10, reruns=0, shrink=False)
+    target = Counting()
+    campaign = Campaign(target, PROFILES["cpu"], HOST, executor=InProcessExecutor(target), max_examples=10, reruns=0,
+                        shrink=False)
     campaign._batch_failed = True
     campaign.result.examples = 10
     with pytest.raises(_Stop):

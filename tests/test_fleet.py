@@ -13,8 +13,10 @@ import time
 import pytest
 from hypothesis.database import InMemoryExampleDatabase
 
+from fuzzer.cli import parser
+from fuzzer.errors import UsageError
 from fuzzer.run import fleet
-from fuzzer.cli import UsageError, _parser
+from fuzzer.search import database
 from strategies.case import Case, Request, TopkSpec
 from tests.conftest import ROOT
 
@@ -40,7 +42,10 @@ def _worker_finding(plan: fleet.WorkerPlan, case: Case, signature: str, *, pendi
 
 
 def _args(*argv: str):
-    return _parser().parse_args(["--device", "cpu", "run", "--target", "vllm.index_remap", *argv])
+    run_argv = ["--target", "vllm.index_remap", *argv]
+    args = parser().parse_args(["--device", "cpu", "run", *run_argv])
+    args.run_argv = run_argv  # as fuzzer.cli.main keeps them
+    return args
 
 
 # -- planning ------------------------------------------------------------------------------------------------
@@ -69,9 +74,9 @@ def test_worker_command_passes_options_through_and_sets_its_own(tmp_path):
     assert cmd[cmd.index("--seed") + 1] == "6" and cmd[cmd.index("--db") + 1] == "/shared/db"
     assert cmd[cmd.index("--json") + 1] == str(plan.summary) and cmd[cmd.index("--repros") + 1] == str(plan.repros)
     assert cmd[cmd.index("--inject") + 1] == "remap-no-length-check" and "--no-shrink" in cmd
-    assert float(cmd[cmd.index("--time-budget") + 1]) == 8 * 3600
+    assert cmd[cmd.index("--time-budget") + 1] == "8h"  # as given
     assert "--workers" not in cmd and "--quiet" not in cmd and "/x/merged.json" not in cmd
-    assert _parser().parse_args(cmd[3:]).workers is None  # the worker is a plain campaign
+    assert parser().parse_args(cmd[3:]).workers is None  # the worker is a plain campaign
 
 
 # -- the database and the signature index --------------------------------------------------------------------
@@ -80,15 +85,15 @@ def test_db_spec_errors_name_the_option(tmp_path, monkeypatch):
     (tmp_path / "file").write_text("")
     for spec, words in ((str(tmp_path / "file"), "not a directory"), ("http://host/db", "redis://host:port/n")):
         with pytest.raises(UsageError, match=words):
-            fleet.example_database(spec)
+            database.example_database(spec)
     monkeypatch.setitem(sys.modules, "redis", None)  # the package is not installed
     with pytest.raises(UsageError, match="needs the `redis` package"):
-        fleet.example_database("redis://localhost:6379/0")
+        database.example_database("redis://localhost:6379/0")
 
 
 def test_settled_bugs_keep_their_stored_examples():
     db = InMemoryExampleDatabase()
-    kept = fleet.KeepStoredFailures(db)
+    kept = database.KeepStoredFailures(db)
     kept.save(b"k", b"a")
     kept.save(b"k", b"b")
     kept.delete(b"k", b"a")  # what Hypothesis does to a stored failure that no longer raises
@@ -100,7 +105,7 @@ def test_settled_bugs_keep_their_stored_examples():
 
 
 def test_directory_index_claims_each_signature_once(tmp_path):
-    index = fleet.signature_index(str(tmp_path))
+    index = database.signature_index(str(tmp_path))
     assert index.claim("t|-|sig", {"id": "first"}) is None
     assert index.claim("t|-|sig", {"id": "second"})["id"] == "first"
     assert index.claim("t|-|other", {"id": "x"}) is None
@@ -122,11 +127,11 @@ def test_redis_database_and_index():
     url = _redis_url()
     if url is None:
         pytest.skip("no Redis server reachable (ATTNFUZZ_TEST_REDIS) or no `redis` package")
-    db = fleet.example_database(url)
-    index = fleet.signature_index(url)
+    db = database.example_database(url)
+    index = database.signature_index(url)
     index.client.delete(fleet.SIGNATURES_HASH)
     db.save(b"attnfuzz-test", b"choices")
-    assert b"choices" in set(fleet.example_database(url).fetch(b"attnfuzz-test"))
+    assert b"choices" in set(database.example_database(url).fetch(b"attnfuzz-test"))
     db.delete(b"attnfuzz-test", b"choices")
     assert index.claim("t|-|sig", {"id": "first"}) is None and index.claim("t|-|sig", {})["id"] == "first"
     index.client.delete(fleet.SIGNATURES_HASH)
@@ -140,7 +145,7 @@ def test_merge_keeps_the_smallest_case_and_counts_duplicates(tmp_path):
     small = _worker_finding(w1, _case(2), "memory:k")
     other = _worker_finding(w1, _case(3), "nan:nan")
     left = _worker_finding(w0, _case(1), "crash:killed-by-SIGSEGV", pending=True)  # a killed worker's
-    index, repros = fleet.signature_index(str(tmp_path / "db")), tmp_path / "repros"
+    index, repros = database.signature_index(str(tmp_path / "db")), tmp_path / "repros"
     merged = fleet.merge([w0, w1], index, repros, {"vllm": "0.33.0", "device": "cpu"})
     assert sorted(p.name for p in repros.iterdir()) == sorted([small, other])
     by_sig = {f["signature"]: f for f in merged.saved}
@@ -192,7 +197,7 @@ def test_two_workers_dedup_and_a_second_run_replays_first(tmp_path):
 
     # Run 2: other seeds, the same database: a stored failure is replayed on the first case, as the same case
     # (the same id), and counted as already saved. One case only: the mutant has more signatures than run 1 may
-    # have reached before its SIGTERM, and a second replay from the shared database can hit one (CI, session 6).
+    # have reached before its SIGTERM, and a second replay from the shared database can hit one.
     r = _fleet(tmp_path, "--workers", "1", "--seed", "7", "--max-examples", "1", "--json", str(tmp_path / "s2.json"))
     assert r.returncode == 1, r.stdout + r.stderr[-3000:]
     s2 = json.loads((tmp_path / "s2.json").read_text())

@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 
 from fuzzer import budgets
-from fuzzer.run.campaign_process import CampaignOutcome, CampaignSpec
-from fuzzer.commands.gate import (GateError, ReproRecord, gate_specs, judge_campaign, junit_suites, release, replay,
-                         replay_outcome)
 from fuzzer.artifacts.junit import JUnitCase, JUnitSuite, write_junit
+from fuzzer.commands.gate import gate_specs, judge_campaign, junit_suites, replay, replay_outcome
+from fuzzer.errors import RecordError
+from fuzzer.records import read_finding, release_of
+from fuzzer.run.campaign_process import CampaignOutcome, CampaignSpec
 from tests.conftest import attnfuzz
 
 
@@ -54,7 +55,7 @@ def _repro(tmp_path, name="r1", rc=None, **meta) -> Path:
 
 
 def test_release_is_the_numeric_part():
-    assert release("0.33.0+cpu") == release("v0.33.0") == "0.33.0"
+    assert release_of("0.33.0+cpu") == release_of("v0.33.0") == "0.33.0"
 
 
 @pytest.mark.parametrize("status, releases, installed, expects", [
@@ -66,12 +67,12 @@ def test_release_is_the_numeric_part():
     ("open", {"0.33.0": "absent"}, "0.33.0", False),
 ])
 def test_which_releases_expect_the_bug(tmp_path, status, releases, installed, expects):
-    rec = ReproRecord.load(_repro(tmp_path, status=status, releases=releases))
+    rec = read_finding(_repro(tmp_path, status=status, releases=releases))
     assert rec.expects_bug(installed) is expects
 
 
 def test_an_injected_bug_is_not_vllms_on_the_release_it_was_found_on(tmp_path):
-    rec = ReproRecord.load(_repro(tmp_path, status="fixed", inject="remap-no-length-check"))
+    rec = read_finding(_repro(tmp_path, status="fixed", inject="remap-no-length-check"))
     assert not rec.expects_bug("0.26.0")
 
 
@@ -87,14 +88,14 @@ def test_replay_outcomes(expects, rc, outcome):
                                          ({"releases": {"0.33.0": "maybe"}}, "'releases'")])
 def test_a_malformed_record_names_the_file_and_field(tmp_path, meta, field):
     d = _repro(tmp_path, **meta)
-    with pytest.raises(GateError, match=f"{d}/finding.json: field {field}"):
-        ReproRecord.load(d)
+    with pytest.raises(RecordError, match=f"{d}/finding.json: field {field}"):
+        read_finding(d)
 
 
 @pytest.mark.parametrize("status, rc, outcome", [("fixed", 1, "regressed"), ("fixed", 0, "fixed"), ("open", 1, "known"),
                                                  ("open", 0, "now-passes"), ("open", 3, "broken"), ("open", 99, "broken")])
 def test_replay_runs_repro_py_in_its_own_process(tmp_path, status, rc, outcome):
-    rec = ReproRecord.load(_repro(tmp_path, status=status, rc=rc, releases={"0.26.0": "absent"}))
+    rec = read_finding(_repro(tmp_path, status=status, rc=rc, releases={"0.26.0": "absent"}))
     r = replay(rec, "cpu", "0.33.0", {"vllm.index_remap": None}, tmp_path / "logs", timeout_s=3)
     assert r.outcome == outcome and r.expected == ("present" if status == "open" else "absent")
     assert r.returncode == (None if rc == 99 else rc)
@@ -103,7 +104,7 @@ def test_replay_runs_repro_py_in_its_own_process(tmp_path, status, rc, outcome):
 
 
 def test_replay_skips_a_target_this_host_cannot_run(tmp_path):
-    rec = ReproRecord.load(_repro(tmp_path, rc=1))
+    rec = read_finding(_repro(tmp_path, rc=1))
     r = replay(rec, "cpu", "0.33.0", {"vllm.index_remap": "no such kernel in 0.23.0"}, tmp_path / "logs", 5)
     assert r.outcome == "skipped" and "no such kernel" in r.detail
 

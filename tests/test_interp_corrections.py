@@ -1,5 +1,6 @@
-"""Interpreter arithmetic corrections (fuzzer/support/interp/corrections.py; measured.md, Trap 2) on tiny kernels of
-our own, then vLLM's pure-Triton sparse MLA kernel end to end against the fp32 oracle."""
+"""Interpreter arithmetic corrections (fuzzer/support/interp/corrections.py: bf16 dot products on raw bits, fp8
+rounding) on tiny kernels of our own, then vLLM's pure-Triton sparse MLA kernel end to end against the fp32
+oracle."""
 
 import numpy as np
 import pytest
@@ -122,8 +123,9 @@ def test_bf16_casts_round_to_nearest_even():
 
 @pytest.mark.vllm
 def test_vllm_bf16_sparse_mla_matches_oracle():
-    from oracles.attention import sparse_mla_reference
     from vllm.v1.attention.ops.xpu_mla_sparse import triton_bf16_mla_sparse_interface
+
+    from oracles.attention import sparse_mla_reference
 
     g = torch.Generator().manual_seed(0)
     T, H, D, S, K = 4, 16, 576, 256, 128

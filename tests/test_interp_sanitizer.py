@@ -15,7 +15,7 @@ def _copy(src, dst, n, BLOCK: tl.constexpr):
 
 @triton.jit
 def _scalar_mask_load(src, dst, flag):
-    # A scalar pointer with a scalar mask: the interpreter's native load rejects it (measured.md, Trap 4).
+    # A scalar pointer with a scalar mask: the interpreter's native load rejects it ("mask has unsupported dtype").
     v = tl.load(src + 1, mask=flag > 0, other=-1)
     tl.store(dst, v)
 

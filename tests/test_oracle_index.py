@@ -4,9 +4,9 @@ import torch
 from hypothesis import given, settings
 
 from oracles.index import RemapArgs, compare_remap, expected_remap, remap_args_for
-from strategies.tensors import materialize_index_inputs
 from strategies.batches import IndexFeatures, index_cases
 from strategies.profiles import PROFILES
+from strategies.tensors import materialize_index_inputs
 
 
 def brute(a: RemapArgs) -> list[list[int]]:

@@ -4,8 +4,18 @@ import pytest
 import torch
 
 from oracles.fp8_ds_mla import (
-    ENTRY_BYTES, FLT_MIN, NOPE_DIM, ROPE_DIM, SCALE_CONVENTIONS, TILE, dequantize,
-    dequantize_flat_fp8, quantize, read_scales, split_entry, tile_scales,
+    ENTRY_BYTES,
+    FLT_MIN,
+    NOPE_DIM,
+    ROPE_DIM,
+    SCALE_CONVENTIONS,
+    TILE,
+    dequantize,
+    dequantize_flat_fp8,
+    quantize,
+    read_scales,
+    split_entry,
+    tile_scales,
 )
 
 

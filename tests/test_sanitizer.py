@@ -5,10 +5,18 @@ from pathlib import Path
 
 import torch
 
-from fuzzer.targets.guards import Guards
 from fuzzer.observation import Observation
-from fuzzer.run.compute_sanitizer import (PRINT_LIMIT, SANITIZED_ENV, dedupe, kernel_name, limit_reached, parse_log, sanitized_env,
-                              sanitizer_command)
+from fuzzer.run.compute_sanitizer import (
+    PRINT_LIMIT,
+    SANITIZED_ENV,
+    dedupe,
+    kernel_name,
+    limit_reached,
+    parse_log,
+    sanitized_env,
+    sanitizer_command,
+)
+from fuzzer.targets.guards import Guards
 from oracles.verdict import Verdict, passed
 from strategies.case import Case, Request, TopkSpec
 
@@ -121,7 +129,7 @@ class _Fake:
 
 
 def test_auto_sanitizer_reruns_failures_new_paths_and_a_sample():
-    from fuzzer.run.worker import AutoSanitizedExecutor
+    from fuzzer.run.executors import AutoSanitizedExecutor
 
     case = Case(requests=(Request(1, 3),), num_decodes=1, block_size=64, block_table=((1,),), topk_width=128,
                 topk=(TopkSpec(4),))

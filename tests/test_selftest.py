@@ -7,9 +7,9 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from fuzzer import budgets
-from fuzzer.run.campaign_process import CampaignOutcome, CampaignSpec
-from fuzzer.mutants import MUTANTS, load
 from fuzzer.commands.selftest import failures, judge_clean, judge_mutant, markdown_table, plan
+from fuzzer.mutants import MUTANTS, load
+from fuzzer.run.campaign_process import CampaignOutcome, CampaignSpec
 from tests.conftest import attnfuzz
 
 

@@ -10,97 +10,18 @@ verdict signature). The report is self-contained: the HTML holds its CSS and its
 from __future__ import annotations
 
 import html
-import json
-import math
 import re
 import shutil
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 
-SCHEMA = 1
-MAX_RECORDS = 20_000  # per-case records kept in campaign.json; counts and histograms cover every case
+from fuzzer.errors import RecordError
+from fuzzer.records import read_campaign_record, write_campaign_record
+from fuzzer.search.caselog import bin_label, bin_order, margin_bin  # noqa: F401  (margin_bin: tests)
+from fuzzer.targets.probes import KNOWN_PATHS
+from oracles.verdict import Verdict, primary
+
 COPY_LIMIT = 8 << 20  # a finding's files larger than this (tensors) are referenced, not copied
-
-
-# -- what a campaign counts, case by case ---------------------------------------------------------------------
-
-def margin_bin(m: float) -> str:
-    """Half-decade bins of an error margin (error / tolerance; <= 1 passes): "k" is [10^(k/2), 10^((k+1)/2))."""
-    if math.isnan(m) or math.isinf(m):
-        return "nonfinite"
-    if m <= 0:
-        return "zero"
-    return str(max(-16, min(8, math.floor(2 * math.log10(m)))))
-
-
-def bin_label(key: str) -> str:
-    if key in ("zero", "nonfinite"):
-        return {"zero": "0", "nonfinite": "inf/nan"}[key]
-    k = int(key)
-    lo = 10 ** (k / 2)
-    return ("<" if k == -16 else "≥" if k == 8 else "") + (f"{lo:.0e}" if k % 2 == 0 else f"{lo:.1e}").replace("e+0", "e").replace("e-0", "e-")
-
-
-def _bin_order(key: str) -> int:
-    return -99 if key == "zero" else 99 if key == "nonfinite" else int(key)
-
-
-@dataclass
-class CaseLog:
-    """Everything a campaign directory says about its cases, gathered as they run."""
-
-    coverage: Counter = field(default_factory=Counter)  # path -> cases that took it
-    path_sets: Counter = field(default_factory=Counter)  # the whole set of paths of a case -> cases
-    first_seen: dict = field(default_factory=dict)  # path -> the case number that took it first
-    margins: dict = field(default_factory=dict)  # check -> Counter(margin bin -> cases)
-    verdicts: Counter = field(default_factory=Counter)  # "ok" or the failing signature -> cases
-    real: Counter = field(default_factory=Counter)  # vLLM parts that ran for real -> cases
-    emulated: Counter = field(default_factory=Counter)  # compiled ops replaced by attnfuzz stand-ins -> cases
-    shims: Counter = field(default_factory=Counter)
-    allocator_poisoned: int = 0  # cases run with the caching allocator's free memory poisoned (fuzzer/targets/guards.py)
-    records: list = field(default_factory=list)
-    dropped: int = 0  # records past MAX_RECORDS (still counted above)
-
-    def add(self, case, obs, verdicts) -> dict:
-        from oracles.verdict import primary
-
-        n = sum(self.verdicts.values()) + 1
-        paths = sorted(obs.notes.get("paths", ()))
-        self.coverage.update(paths)
-        self.path_sets[" + ".join(paths) or "-"] += 1
-        for p in paths:
-            self.first_seen.setdefault(p, n)
-        worst: dict[str, float] = {}
-        for v in verdicts:
-            if v.margin is not None and not (v.check in worst and worst[v.check] >= v.margin):
-                worst[v.check] = float(v.margin)
-        for check, m in worst.items():
-            self.margins.setdefault(check, Counter())[margin_bin(m)] += 1
-        failed = [v for v in verdicts if not v.ok]
-        signature = primary(failed).signature if failed else "ok"
-        self.verdicts[signature] += 1
-        self.real.update(obs.real)
-        self.emulated.update(obs.emulated)
-        self.shims.update(obs.notes.get("shims", ()))
-        self.allocator_poisoned += bool(obs.notes.get("allocator_poisoned"))
-        record = {"n": n, "summary": case.summary(), "kv_cache_dtype": case.kv_cache_dtype, "heads": case.heads,
-                  "seconds": round(obs.seconds, 4), "paths": paths,
-                  "margins": {k: (round(m, 6) if math.isfinite(m) else str(m)) for k, m in worst.items()},
-                  "verdict": signature}
-        if len(self.records) < MAX_RECORDS:
-            self.records.append(record)
-        else:
-            self.dropped += 1
-        return record
-
-    def to_dict(self) -> dict:
-        return {"coverage": dict(self.coverage.most_common()), "path_sets": dict(self.path_sets.most_common()),
-                "first_seen": self.first_seen, "margins": {k: dict(v) for k, v in self.margins.items()},
-                "verdicts": dict(self.verdicts.most_common()), "real": dict(self.real), "emulated": dict(self.emulated),
-                "shims": dict(self.shims), "allocator_poisoned": self.allocator_poisoned,
-                "records_dropped": self.dropped, "cases": self.records}
 
 
 # -- the campaign directory -----------------------------------------------------------------------------------
@@ -125,36 +46,24 @@ def write_campaign(out: Path, result, *, host, seed: int, inject: str | None, pr
                     shutil.copy2(p, dest / p.name)
             entry["path"] = str(dest.relative_to(out))
         findings.append(entry)
-    log: CaseLog = result.cases
+    log = result.cases
     doc = {
-        "schema": SCHEMA, "target": result.target, "seed": seed, "inject": inject, "profile": profile,
+        "target": result.target, "seed": seed, "inject": inject, "profile": profile,
         "options": options, "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "examples": result.examples, "seconds": round(result.seconds, 2), "cases_per_second": round(result.rate, 3),
         "workers_started": result.workers_started, "checks": result.checks, "repeats": result.repeats,
         "host": host.to_dict(), "findings": findings, **log.to_dict(),
     }
     path = out / "campaign.json"
-    path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    write_campaign_record(path, doc)
     return path
-
-
-class ReportError(Exception):
-    """A campaign directory this command cannot read (names the file and the field)."""
 
 
 def load_campaign(d: Path) -> dict:
     path = Path(d) / "campaign.json"
     if not path.is_file():
-        raise ReportError(f"{path}: no such file (a campaign directory is made by `attnfuzz run --out DIR`)")
-    try:
-        doc = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ReportError(f"{path}: not JSON: {e}") from e
-    for key in ("target", "host", "examples", "coverage", "margins", "findings"):
-        if key not in doc:
-            raise ReportError(f"{path}: missing field {key!r}")
-    if doc.get("schema") != SCHEMA:
-        raise ReportError(f"{path}: schema {doc.get('schema')!r}; this attnfuzz reads schema {SCHEMA}")
+        raise RecordError(f"{path}: no such file (a campaign directory is made by `attnfuzz run --out DIR`)")
+    doc = read_campaign_record(path)
     for f in doc["findings"]:
         case = Path(d) / f["path"] / "case.json"
         f["case_json"] = case.read_text().strip() if case.is_file() else None
@@ -210,7 +119,7 @@ def _header_rows(doc: dict) -> list[tuple[str, str]]:
 
 
 def _margin_table(doc: dict) -> dict[str, list[tuple[str, int]]]:
-    return {check: sorted(bins.items(), key=lambda kv: _bin_order(kv[0])) for check, bins in sorted(doc["margins"].items())}
+    return {check: sorted(bins.items(), key=lambda kv: bin_order(kv[0])) for check, bins in sorted(doc["margins"].items())}
 
 
 def render_markdown(doc: dict) -> str:
@@ -269,7 +178,6 @@ def render_markdown(doc: dict) -> str:
 
 def _title(finding: dict) -> str:
     """The finding's primary symptom, as `Finding.title` names it."""
-    from oracles.verdict import Verdict, primary
 
     return primary([Verdict(**v) for v in finding["verdicts"]]).detail if finding["verdicts"] else finding["signature"]
 
@@ -280,7 +188,6 @@ def _checks(doc: dict) -> list[tuple[str, int, int]]:
 
 
 def _never_taken(doc: dict) -> list[str]:
-    from fuzzer.targets.probes import KNOWN_PATHS
 
     return [p for p in KNOWN_PATHS if p not in doc["coverage"]]
 
@@ -468,37 +375,4 @@ def render(d: Path) -> tuple[Path, Path]:
     md, page = Path(d) / "report.md", Path(d) / "report.html"
     md.write_text(render_markdown(doc))
     page.write_text(render_html(doc))
-    return md, page
-
-
-# -- `attnfuzz report DIR` --------------------------------------------------------------------------------------
-
-def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("report", help="render DIR/report.md and DIR/report.html from a campaign directory "
-                                             "(`run --out DIR`)")
-    p.add_argument("dir", type=Path)
-
-
-def main(args, device: str) -> int:
-    from fuzzer.cli import EXIT_CLEAN, EXIT_USAGE
-
-    try:
-        md, page = render(args.dir)
-    except ReportError as e:
-        print(f"attnfuzz report: {e}")
-        return EXIT_USAGE
-    print(f"{md}\n{page}")
-    return EXIT_CLEAN
-
-
-def write_from_run(args, result, saved: list[Path], host, inject: str | None, profile: str, target,
-                   max_examples: int | None) -> tuple[Path, Path]:
-    """`attnfuzz run --out DIR`: the campaign directory, then its report (paths printed)."""
-    options = {"max_examples": None if args.time_budget else max_examples, "time_budget": args.time_budget,
-               "kv_cache_dtypes": list(target.kv_cache_dtypes), "isolation": args.isolation,
-               "sanitizer": args.sanitizer, "reruns": args.reruns, "shrink": not args.no_shrink}
-    write_campaign(args.out, result, host=host, seed=args.seed, inject=inject, profile=profile, options=options,
-                   findings_saved=saved)
-    md, page = render(args.out)
-    print(f"campaign directory {args.out}: {md.name}, {page.name}")
     return md, page

@@ -3,6 +3,15 @@
 from __future__ import annotations
 
 
+def sanitizer_run_line(finding) -> str | None:
+    """The command that shows a memory finding made under compute-sanitizer (None for other findings)."""
+    tool = finding.observation.notes.get("sanitizer")
+    if not tool or not any(v.check == "memory" for v in finding.verdicts):
+        return None
+    # PyTorch's caching allocator hides out-of-bounds accesses inside its pool (measured: 0 errors with it).
+    return f"PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool {tool} python repro.py"
+
+
 def render_report(f) -> str:
     h, o = f.host, f.observation
     lines = [
@@ -32,8 +41,6 @@ def render_report(f) -> str:
         lines += ["", "The worker's last output:", "", "```", o.notes["log_tail"].rstrip(), "```"]
     if o.notes.get("sanitizer_log"):
         lines += ["", "compute-sanitizer's log for this case:", "", "```", o.notes["sanitizer_log"].rstrip()[-6000:], "```"]
-    from fuzzer.artifacts.repro import sanitizer_run_line
-
     run = sanitizer_run_line(f)
     how = (f"{run}   # exits 1 while the bug is present, 0 once fixed" if f.has_repro and run else
            "python repro.py   # exits 1 while the bug is present, 0 once fixed" if f.has_repro else

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import subprocess
 import sys
 import time
@@ -33,10 +32,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from fuzzer import budgets
-from fuzzer.run.campaign_process import CampaignOutcome, CampaignSpec, run_campaigns
 from fuzzer.artifacts.junit import JUnitCase, JUnitSuite, write_junit
+from fuzzer.env import STATE_DIR, host_info
+from fuzzer.errors import RecordError, UsageError
+from fuzzer.records import FindingRecord, read_finding, release_of, verdicts_title
+from fuzzer.run.campaign_process import CampaignOutcome, CampaignSpec, run_campaigns
+from fuzzer.run.host import host_targets, import_vllm
 
-STATUSES = ("open", "fixed")
 # A finding is kept as first seen: shrinking one can take a thousand cases, and the gate's time must stay bounded
 # (`attnfuzz run` with the campaign's target, dtype and seed shrinks it).
 NO_SHRINK = ("--no-shrink",)
@@ -48,58 +50,6 @@ class GateError(ValueError):
 
 
 # -- reproducers ---------------------------------------------------------------------------------------
-def release(version: str) -> str:
-    """'0.33.0' of '0.33.0', '0.33.0+cpu' or 'v0.33.0rc1'."""
-    m = re.search(r"\d+(?:\.\d+)*", version)
-    return m.group(0) if m else version
-
-
-@dataclass(frozen=True)
-class ReproRecord:
-    id: str
-    path: Path
-    target: str
-    status: str  # open | fixed
-    releases: dict[str, str]  # release -> "present" | "absent", as replayed
-    title: str = ""
-    sanitizer: str | None = None  # made under compute-sanitizer: run plainly, the replay may look clean
-    signature: str = ""  # the campaign's name for the symptom (check:where)
-
-    @classmethod
-    def load(cls, d: Path) -> "ReproRecord":
-        meta_file = d / "finding.json"
-        try:
-            meta = json.loads(meta_file.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise GateError(f"{meta_file}: {e}") from e
-        for key in ("target", "status"):
-            if not isinstance(meta.get(key), str):
-                raise GateError(f"{meta_file}: field {key!r} is missing or not a string")
-        if meta["status"] not in STATUSES:
-            raise GateError(f"{meta_file}: field 'status' is {meta['status']!r}; expected one of {', '.join(STATUSES)}")
-        recorded = meta.get("releases", {})
-        if not isinstance(recorded, dict) or any(v not in ("present", "absent") for v in recorded.values()):
-            raise GateError(f"{meta_file}: field 'releases' must map releases to \"present\" or \"absent\"")
-        releases = {release(k): v for k, v in recorded.items()}
-        found_on = (meta.get("host") or {}).get("vllm")
-        if found_on and not meta.get("inject"):  # vLLM's own bug, seen on the release it was found on
-            releases.setdefault(release(found_on), "present")
-        verdicts = [v for v in meta.get("verdicts", []) if not v.get("ok", True)]
-        title = _title(verdicts) if verdicts else meta.get("summary", "")
-        return cls(meta.get("id", d.name), d, meta["target"], meta["status"], releases, title, meta.get("sanitizer"),
-                   meta.get("signature", ""))
-
-    def expects_bug(self, vllm_version: str) -> bool:
-        recorded = self.releases.get(release(vllm_version))
-        return recorded == "present" if recorded else self.status == "open"
-
-
-def _title(verdicts: list[dict]) -> str:
-    from oracles.verdict import Verdict, primary
-
-    return primary([Verdict(**v) for v in verdicts]).detail
-
-
 def replay_outcome(expects_bug: bool, returncode: int | None) -> str:
     """What one replay means (the table in this module's docstring); returncode None: timed out."""
     if returncode not in (0, 1):
@@ -124,30 +74,30 @@ class ReproResult:
     log: str = ""
 
 
-def find_repros(root: Path) -> list[ReproRecord]:
+def find_repros(root: Path) -> list[FindingRecord]:
     if not root.is_dir():
         raise GateError(f"--repros {root}: no such directory")
-    return [ReproRecord.load(d) for d in sorted(root.iterdir()) if (d / "finding.json").is_file()]
+    return [read_finding(d) for d in sorted(root.iterdir()) if (d / "finding.json").is_file()]
 
 
-def replay(record: ReproRecord, device: str, vllm_version: str, unavailable: dict[str, str | None],
+def replay(record: FindingRecord, device: str, vllm_version: str, unavailable: dict[str, str | None],
            logs: Path, timeout_s: float) -> ReproResult:
     """Run the reproducer (repro.py, or `attnfuzz replay` where there is none) in a fresh process."""
-    base = dict(id=record.id, path=str(record.path), target=record.target, status=record.status)
+    base = dict(id=record.id, path=str(record.dir), target=record.target, status=record.status)
     why = unavailable.get(record.target, f"unknown target {record.target}")
     if why:
         return ReproResult(**base, expected="-", outcome="skipped", detail=f"target not runnable here: {why}")
     expects = record.expects_bug(vllm_version)
-    if (record.path / "repro.py").is_file():
+    if (record.dir / "repro.py").is_file():
         argv = [sys.executable, "repro.py"]
     else:
-        argv = [sys.executable, "-m", "fuzzer.cli", "--device", device, "replay", str(record.path.resolve())]
+        argv = [sys.executable, "-m", "fuzzer.cli", "--device", device, "replay", str(record.dir.resolve())]
     logs.mkdir(parents=True, exist_ok=True)
     log = logs / f"{record.id}.log"
     start = time.monotonic()
     with log.open("w") as out:
         try:
-            rc: int | None = subprocess.run(argv, cwd=record.path, stdout=out, stderr=subprocess.STDOUT,
+            rc: int | None = subprocess.run(argv, cwd=record.dir, stdout=out, stderr=subprocess.STDOUT,
                                             timeout=timeout_s).returncode
         except subprocess.TimeoutExpired:
             rc = None
@@ -156,7 +106,7 @@ def replay(record: ReproRecord, device: str, vllm_version: str, unavailable: dic
     detail = {
         "known": f"known bug, still present on vLLM {vllm_version}: {record.title}",
         "now-passes": f"expected present on vLLM {vllm_version}, now passes: good news; record it in finding.json "
-                      f"(\"releases\": {{\"{release(vllm_version)}\": \"absent\"}}, \"status\": \"fixed\")",
+                      f"(\"releases\": {{\"{release_of(vllm_version)}\": \"absent\"}}, \"status\": \"fixed\")",
         "fixed": f"fixed on vLLM {vllm_version}, stays fixed",
         "regressed": f"REGRESSION: a fixed bug is back on vLLM {vllm_version}: {record.title}",
         "broken": f"the reproducer itself broke ({'timed out' if rc is None else f'exit {rc}'}), neither 0 nor 1",
@@ -218,8 +168,7 @@ def judge_campaign(o: CampaignOutcome, known: dict[tuple[str, str], str] | None 
             continue
         r.findings.append({"id": f.get("id"), "path": f.get("path"), "signature": f.get("signature"),
                            "bug_classes": f.get("bug_classes", []), "examples_to_find": f.get("examples_to_find"),
-                           "title": _title([v for v in f.get("verdicts", []) if not v.get("ok", True)])
-                           or f.get("summary", "")})
+                           "title": verdicts_title(f.get("verdicts", [])) or f.get("summary", "")})
     if r.findings:
         r.outcome = "failed"
         r.reason = "; ".join(f"{f['title']} (class {','.join(f['bug_classes']) or '-'}; repro {f['path']})"
@@ -262,26 +211,7 @@ def add_parser(subparsers) -> None:
     g.add_argument("--no-campaigns", action="store_true", help="skip the campaign step")
 
 
-def host_targets(device: str) -> tuple[dict[str, str | None], dict[str, tuple[str, ...]]]:
-    """Each registered target -> why it cannot run here (None: it can), and its kv-cache dtypes."""
-    from fuzzer.targets.registry import TARGETS
-
-    unavailable, dtypes = {}, {}
-    for name, cls in TARGETS.items():
-        target = cls(device)
-        unavailable[name] = target.unavailable()
-        dtypes[name] = tuple(target.kv_cache_dtypes)
-    return unavailable, dtypes
-
-
-def import_vllm() -> str:
-    import vllm
-
-    return vllm.__version__
-
-
 def main(args: argparse.Namespace, device: str) -> int:
-    from fuzzer.env import STATE_DIR, host_info
 
     start = time.monotonic()
     out = args.out or STATE_DIR / "gate"
@@ -291,14 +221,14 @@ def main(args: argparse.Namespace, device: str) -> int:
         records = [] if args.no_repros else find_repros(args.repros)
         try:
             vllm_version = import_vllm()
-        except Exception as e:
-            raise GateError(f"vLLM is not importable here ({type(e).__name__}: {e}); see README's set-up") from e
+        except UsageError as e:
+            raise GateError(str(e)) from e
         unavailable, dtypes = host_targets(device)
         only = [t.strip() for t in args.targets.split(",")] if args.targets else None
         for t in only or ():
             if t not in unavailable:
                 raise GateError(f"--targets: unknown target {t!r}; known: {', '.join(unavailable)}")
-    except GateError as e:
+    except (GateError, RecordError) as e:
         print(f"attnfuzz gate: {e}", file=sys.stderr)
         return 2
     host = host_info(device)

@@ -22,8 +22,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from fuzzer import budgets
-from fuzzer.run.campaign_process import CampaignOutcome, CampaignSpec, run_campaigns
 from fuzzer.artifacts.junit import JUnitCase, JUnitSuite, write_junit
+from fuzzer.env import STATE_DIR, host_info
+from fuzzer.errors import UsageError
+from fuzzer.mutants import MUTANTS, load
+from fuzzer.run.campaign_process import CampaignOutcome, CampaignSpec, run_campaigns
+from fuzzer.run.host import host_targets, import_vllm
 
 # Time to find is the measure here: findings are kept as first seen (shrinking is tested elsewhere).
 NO_SHRINK = ("--no-shrink",)
@@ -96,7 +100,6 @@ def plan(device: str, unavailable: dict[str, str | None], seed: int, scale: floa
                                                                     list[SelftestRow]]:
     """(mutant, bug class, spec) per campaign to run (mutant None: clean run), and the rows already skipped;
     `mutants` and `targets` narrow it."""
-    from fuzzer.mutants import MUTANTS, load
 
     runs, skipped = [], []
     for name in mutants or MUTANTS:
@@ -156,9 +159,6 @@ def add_parser(subparsers) -> None:
 
 
 def main(args: argparse.Namespace, device: str) -> int:
-    from fuzzer.env import STATE_DIR, host_info
-    from fuzzer.commands.gate import host_targets, import_vllm
-    from fuzzer.mutants import MUTANTS
 
     start = time.monotonic()
     for m in args.mutant or ():
@@ -170,8 +170,8 @@ def main(args: argparse.Namespace, device: str) -> int:
         return 2
     try:
         vllm_version = import_vllm()
-    except Exception as e:
-        print(f"attnfuzz selftest: vLLM is not importable here ({type(e).__name__}: {e})", file=sys.stderr)
+    except UsageError as e:
+        print(f"attnfuzz selftest: {e}", file=sys.stderr)
         return 2
     unavailable, _ = host_targets(device)
     targets = [t.strip() for t in args.targets.split(",")] if args.targets else None

@@ -15,9 +15,12 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
+
+from fuzzer.errors import RecordError
+from fuzzer.records import RunSummary
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -96,8 +99,6 @@ class CampaignOutcome:
 
 def run_campaign(spec: CampaignSpec, device: str, workdir: Path, timeout_s: float) -> CampaignOutcome:
     """Run `spec` in a fresh process with a fresh state directory under `workdir` (emptied first)."""
-    import json
-
     workdir = workdir.resolve()  # the campaign runs from the repository root
     if workdir.exists():
         shutil.rmtree(workdir)  # a stale summary.json must never be read as this run's
@@ -116,7 +117,10 @@ def run_campaign(spec: CampaignSpec, device: str, workdir: Path, timeout_s: floa
             rc = None
     seconds = time.monotonic() - start
     summary_path = workdir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
+    try:
+        summary = asdict(RunSummary.read(summary_path)) if summary_path.is_file() else None
+    except RecordError:
+        summary = None  # half-written: the outcome's error says there is none
     return CampaignOutcome(spec, rc, seconds, summary, log)
 
 

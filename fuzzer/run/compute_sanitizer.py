@@ -3,7 +3,7 @@
 Reports are parsed from compute-sanitizer's log (one block per error: a header line, then indented detail
 lines) into `SanitizerReport`s: tool, error kind, kernel, source file and line, access size, distance from the
 nearest allocation, thread and block. PyTorch's caching allocator hides out-of-bounds accesses inside its
-pooled segments (../shared/docs/measured.md: 0 errors with it, 1,282 without), so every sanitized worker runs
+pooled segments (memcheck saw 0 errors of the seed bug with it, 1,282 without), so every sanitized worker runs
 with PYTORCH_NO_CUDA_MEMORY_CACHING=1 and without expandable segments (false "Invalid write" reports).
 """
 
@@ -80,8 +80,8 @@ def sanitizer_command(tool: str, binary: str | None = None, log_file: str | None
     if tool == "memcheck":
         cmd += ["--leak-check", "no"]
     if tool == "initcheck":
-        # FlashMLA's SM90 kernels store through the TMA unit, which initcheck does not see (session 6, H200; its
-        # --check-bulk-copy is on by default and changes nothing). Outputs: the FlashMLA targets fill them first
+        # FlashMLA's SM90 kernels store through the TMA unit, which initcheck does not see (its --check-bulk-copy
+        # is on by default and changes nothing). Outputs: the FlashMLA targets fill them first
         # (flashmla_runtime.prefill_outputs_under_initcheck). The split-KV accumulators are FlashMLA's own,
         # written by its split kernel and read only by its combine kernel: that kernel is not checked.
         for kernel in INITCHECK_BLIND_KERNELS:

@@ -20,8 +20,6 @@ found: campaign.py's SIGTERM handler) and merges; a second signal, or a worker s
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import os
 import re
 import shutil
@@ -30,134 +28,19 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Protocol
 
-from hypothesis.database import DirectoryBasedExampleDatabase, ExampleDatabase
+from fuzzer.env import STATE_DIR, die_with_parent
+from fuzzer.errors import ExitCode, RecordError, UsageError
+from fuzzer.records import RunSummary, read_finding
+from fuzzer.search.database import SignatureIndex, example_database, is_redis, signature_index
+from strategies.case import Case
 
 ROOT = Path(__file__).resolve().parents[2]
 GRACE_SECONDS = 120.0  # after SIGTERM, how long a worker may take to re-run and save its findings
 PROGRESS_EVERY = 30.0  # seconds between progress lines when only case counts changed
-SIGNATURES_DIR = "attnfuzz-signatures"  # the signature index, inside a directory database
-SIGNATURES_HASH = "attnfuzz:signatures"  # the signature index, in a Redis database
-# run options the parent sets per worker (the rest are passed through unchanged)
-_PER_WORKER = {"workers", "seed", "json", "repros", "db", "quiet", "out"}
-
-
-# -- the shared example database ------------------------------------------------------------------------------
-
-def _usage(message: str) -> Exception:
-    from fuzzer.cli import UsageError  # cli imports this module
-
-    return UsageError(message)
-
-
-def _is_redis(spec: str) -> bool:
-    return spec.startswith(("redis://", "rediss://", "unix://"))
-
-
-def _redis_client(spec: str):
-    try:
-        import redis
-    except ImportError as e:
-        raise _usage(f"--db {spec}: a Redis database needs the `redis` package (pip install redis)") from e
-    client = redis.Redis.from_url(spec)
-    try:
-        client.ping()
-    except redis.RedisError as e:
-        raise _usage(f"--db {spec}: Redis does not answer ({type(e).__name__}: {e})") from e
-    return client
-
-
-def example_database(spec: str | None) -> ExampleDatabase | None:
-    """`--db`: a directory (on a shared filesystem for several hosts) or redis://host:port/n. None: the
-    campaign's own default (.attnfuzz/examples)."""
-    if spec is None:
-        return None
-    if _is_redis(spec):
-        client = _redis_client(spec)
-        from hypothesis.extra.redis import RedisExampleDatabase
-
-        return RedisExampleDatabase(client)
-    if "://" in spec:
-        raise _usage(f"--db {spec}: not a directory or redis://host:port/n")
-    path = Path(spec)
-    if path.exists() and not path.is_dir():
-        raise _usage(f"--db {spec}: exists and is not a directory")
-    return DirectoryBasedExampleDatabase(str(path))
-
-
-class KeepStoredFailures(ExampleDatabase):
-    """The database as a campaign sees it once some of its bugs are settled: those no longer raise (they are
-    counted), so Hypothesis would take their stored failures for fixed and delete them, and the next run, or
-    another worker, could not replay them. Deletes from the failures (a test's primary key) are dropped; the
-    rest goes through (Hypothesis's .secondary and .pareto corpora stay bounded). A run's first batch, which
-    settles nothing, still clears the failures of bugs that are really gone."""
-
-    def __init__(self, db: ExampleDatabase) -> None:
-        super().__init__()
-        self.db = db
-
-    def save(self, key: bytes, value: bytes) -> None:
-        self.db.save(key, value)
-
-    def fetch(self, key: bytes):
-        return self.db.fetch(key)
-
-    def delete(self, key: bytes, value: bytes) -> None:
-        if key.endswith((b".secondary", b".pareto")):
-            self.db.delete(key, value)
-
-    def move(self, src: bytes, dest: bytes, value: bytes) -> None:  # a shrink's downgrade: primary to secondary
-        self.db.move(src, dest, value)
-
-
-# -- the signature index: which findings are saved already, across workers, runs and hosts ----------------------
-
-class SignatureIndex(Protocol):
-    def claim(self, key: str, record: dict) -> dict | None:
-        """Record `key` as saved (by `record`): None when this call recorded it, else the earlier record."""
-
-
-class DirectorySignatureIndex:
-    """One small JSON file per signature; os.link makes each claim atomic, on NFS too."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def claim(self, key: str, record: dict) -> dict | None:
-        self.path.mkdir(parents=True, exist_ok=True)
-        final = self.path / f"{hashlib.sha1(key.encode()).hexdigest()[:20]}.json"
-        tmp = self.path / f".{final.name}.{socket.gethostname()}.{os.getpid()}"
-        tmp.write_text(json.dumps(dict(record, key=key), indent=1) + "\n")
-        try:
-            os.link(tmp, final)
-            return None
-        except FileExistsError:
-            try:
-                return json.loads(final.read_text())
-            except (OSError, ValueError):
-                return {"key": key}
-        finally:
-            tmp.unlink(missing_ok=True)
-
-
-class RedisSignatureIndex:
-    def __init__(self, client) -> None:
-        self.client = client
-
-    def claim(self, key: str, record: dict) -> dict | None:
-        if self.client.hsetnx(SIGNATURES_HASH, key, json.dumps(dict(record, key=key))):
-            return None
-        return json.loads(self.client.hget(SIGNATURES_HASH, key) or b"{}")
-
-
-def signature_index(spec: str) -> SignatureIndex:
-    if _is_redis(spec):
-        return RedisSignatureIndex(_redis_client(spec))
-    return DirectorySignatureIndex(Path(spec) / SIGNATURES_DIR)
 
 
 # -- the workers ------------------------------------------------------------------------------------------------
@@ -204,30 +87,35 @@ def visible_gpus() -> list[str]:
 def plan_workers(workers: int | str, device: str, seed: int, root: Path) -> list[WorkerPlan]:
     gpus = visible_gpus() if device == "cuda" else []
     if device == "cuda" and not gpus:
-        raise _usage("--workers with --device cuda: no GPU is visible")
+        raise UsageError("--workers with --device cuda: no GPU is visible")
     n = (len(gpus) if device == "cuda" else 1) if workers == "auto" else int(workers)
     # More workers than GPUs share them round-robin.
     return [WorkerPlan(i, seed + i, gpus[i % len(gpus)] if gpus else None, root / f"w{i}") for i in range(n)]
 
 
-def _run_parser() -> argparse.ArgumentParser:
-    from fuzzer.cli import _parser
+# run options the parent sets per worker, and whether each takes a value (the rest pass through as given)
+_PER_WORKER = {"--workers": True, "--seed": True, "--json": True, "--repros": True, "--db": True, "--out": True,
+               "--quiet": False}
 
-    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return sub.choices["run"]
+
+def passed_through(run_argv: list[str]) -> list[str]:
+    """`run_argv` (the `attnfuzz run` arguments as given) without the options the parent sets per worker."""
+    out, skip = [], False
+    for arg in run_argv:
+        if skip:
+            skip = False
+            continue
+        flag = arg.split("=", 1)[0]
+        if flag in _PER_WORKER:
+            skip = _PER_WORKER[flag] and "=" not in arg
+            continue
+        out.append(arg)
+    return out
 
 
 def worker_command(args, device: str, plan: WorkerPlan, db: str) -> list[str]:
     """The worker's `attnfuzz run`: the parent's options, with its own seed, summary, repros and the shared db."""
-    argv = []
-    for action in _run_parser()._actions:
-        if not action.option_strings or action.dest in _PER_WORKER:
-            continue
-        value = getattr(args, action.dest, action.default)
-        if value is None or value == action.default:
-            continue
-        flag = max(action.option_strings, key=len)
-        argv += [flag] if action.nargs == 0 else [flag, str(value)]
+    argv = passed_through(args.run_argv)
     if getattr(args, "out", None):  # each worker's campaign directory beside the others'
         argv += ["--out", str(Path(args.out).resolve() / f"w{plan.index}")]
     return [sys.executable, "-m", "fuzzer.cli", "--device", device, "run", *argv, "--seed", str(plan.seed),
@@ -260,13 +148,11 @@ class Candidate:
 
 
 def _candidates(plan: WorkerPlan) -> list[Candidate]:
-    from strategies.case import Case
-
     found = []
     for pending, pattern in ((False, "*/finding.json"), (True, ".pending/*/finding.json")):
         for path in sorted(plan.repros.glob(pattern)):
             try:
-                finding = json.loads(path.read_text())
+                finding = read_finding(path).raw
                 case_json = (path.parent / "case.json").read_text()
                 case = Case.from_json(case_json)
             except Exception as e:  # half-written when the worker was killed: its next run redoes it
@@ -368,11 +254,9 @@ def _signal(procs: list[subprocess.Popen], sig: int) -> None:
 
 
 def run_fleet(args, device: str) -> int:
-    from fuzzer.env import STATE_DIR
-    from fuzzer.run.worker import die_with_parent
 
     db = args.db if args.db is not None else str((STATE_DIR / "examples").resolve())
-    if not _is_redis(db):
+    if not is_redis(db):
         db = str(Path(db).resolve())
     example_database(db)  # a bad --db fails here, once, not in every worker
     index = signature_index(db)
@@ -421,8 +305,8 @@ def _summaries(plans: list[WorkerPlan]) -> list[dict | None]:
     out = []
     for p in plans:
         try:
-            out.append(json.loads(p.summary.read_text()))
-        except (OSError, ValueError):
+            out.append(asdict(RunSummary.read(p.summary)))
+        except RecordError:
             out.append(None)  # killed before it wrote one
     return out
 
@@ -432,8 +316,6 @@ def _host(plans: list[WorkerPlan]) -> dict:
 
 
 def _report(args, plans, procs, merged: Merged, db: str, seconds: float, interrupted: bool) -> int:
-    from fuzzer.cli import EXIT_CLEAN, EXIT_FOUND, EXIT_USAGE
-
     summaries = _summaries(plans)
     workers = []
     for plan, proc, s in zip(plans, procs, summaries):
@@ -449,7 +331,7 @@ def _report(args, plans, procs, merged: Merged, db: str, seconds: float, interru
                 total[k] = total.get(k, 0) + v
     checks = counts["checks"]
     poisoned = sum((s or {}).get("allocator_poisoned", 0) for s in summaries)
-    failed = [(w, p) for w, p in zip(workers, plans) if w["exit"] not in (EXIT_CLEAN, EXIT_FOUND) and not interrupted]
+    failed = [(w, p) for w, p in zip(workers, plans) if w["exit"] not in (ExitCode.CLEAN, ExitCode.FOUND) and not interrupted]
     print(f"fleet {args.target}: {len(plans)} worker(s), {examples} cases in {seconds:.1f} s "
           f"({examples / max(seconds, 1e-9):.1f}/s){' (interrupted)' if interrupted else ''}: "
           f"{len(merged.saved)} new finding(s), {len(merged.known)} already saved, {len(merged.pending)} pending, "
@@ -468,18 +350,14 @@ def _report(args, plans, procs, merged: Merged, db: str, seconds: float, interru
         print(f"attnfuzz fleet: worker {w['worker']} exited {w['exit']}; {plan.log}:\n  " + "\n  ".join(tail),
               file=sys.stderr)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            "target": args.target, "seed": args.seed, "database": db, "interrupted": interrupted,
-            "examples": examples, "seconds": round(seconds, 2),
-            "cases_per_second": round(examples / max(seconds, 1e-9), 2), "checks": checks, "workers": workers,
-            "host": _host(plans), "real": counts["real"], "emulated": counts["emulated"],
-            "allocator_poisoned": poisoned, "duplicates_merged": merged.duplicates,
-            "findings": merged.saved, "known": merged.known, "pending": merged.pending,
-        }, indent=1, default=str) + "\n")
+        RunSummary(target=args.target, seed=args.seed, examples=examples, seconds=round(seconds, 2),
+                   findings=merged.saved, cases_per_second=round(examples / max(seconds, 1e-9), 2), checks=checks,
+                   host=_host(plans), real=counts["real"], emulated=counts["emulated"], allocator_poisoned=poisoned,
+                   interrupted=interrupted, database=db, workers=workers, duplicates_merged=merged.duplicates,
+                   known=merged.known, pending=merged.pending).write(args.json)
     if merged.saved or merged.known or merged.pending:
-        return EXIT_FOUND
-    return EXIT_USAGE if failed else EXIT_CLEAN
+        return ExitCode.FOUND
+    return ExitCode.USAGE if failed else ExitCode.CLEAN
 
 
 def _dups(f: dict) -> str:

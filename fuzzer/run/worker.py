@@ -26,7 +26,13 @@ from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+from fuzzer.env import die_with_parent, prepare_process
+from fuzzer.errors import HarnessFailure, WorkerError
+from fuzzer.mutants import inject
 from fuzzer.observation import Observation
+from fuzzer.run.compute_sanitizer import dedupe, limit_reached, parse_log, sanitized_env, sanitizer_command
+from fuzzer.targets.registry import TARGETS
+from fuzzer.targets.vllm_api import import_vllm
 from oracles.verdict import Verdict
 from strategies.case import Case
 
@@ -43,23 +49,15 @@ class WorkerSpec:
     sanitizer: str | None = None  # a compute-sanitizer tool, or None for a native worker
     case_timeout: float = 300.0  # seconds for one case before the worker counts as hung
     startup_timeout: float = 900.0  # vLLM import, target set-up and (sanitized) tool start
-    # Cases before a worker is replaced by a fresh one (0: never). Sanitized workers on the H200 ran out of device
-    # memory every ~540 initcheck cases while PyTorch held nothing between cases (session 6): a fresh process
-    # frees whatever the tool or the CUDA context held.
+    # Cases before a worker is replaced by a fresh one (0: never). A sanitized worker's device memory grows while
+    # PyTorch holds nothing between cases (initcheck workers run out of it after some hundreds of cases): a fresh
+    # process frees whatever the tool or the CUDA context held.
     recycle_after: int = 0
 
 
 SANITIZED_RECYCLE_AFTER = 150  # cases per sanitized worker; each fresh one restarts the tool and imports vLLM
 MEMORY_EVERY = 25  # cases between the device-memory lines a CUDA worker logs (a leak shows as a trend)
 MEMORY = "ATTNFUZZ-DEVICE-MEMORY"
-
-
-class WorkerError(RuntimeError):
-    """The worker could not be started (vLLM missing, target unavailable): a usage error, not a finding."""
-
-
-class HarnessFailure(RuntimeError):
-    """attnfuzz's own code raised inside the worker: a harness bug, never a finding."""
 
 
 # -- the worker process ---------------------------------------------------------------------------------------
@@ -81,27 +79,14 @@ def _lost(spec: WorkerSpec, conn, error: str) -> None:
     os._exit(3)
 
 
-def die_with_parent() -> None:
-    """Linux: this process gets SIGKILL when its parent dies (a SIGKILLed campaign leaves no hung worker)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-
-
 def serve(fd: int, spec: WorkerSpec) -> None:
-    from fuzzer.env import prepare_process
 
     die_with_parent()
     prepare_process(spec.device)
     conn = Connection(fd)
     try:
-        import vllm  # noqa: F401  (once per worker)
 
-        from fuzzer.mutants import inject
-        from fuzzer.targets.registry import TARGETS
+        import_vllm()  # once per worker, after prepare_process
 
         target = TARGETS[spec.target](spec.device)
         why = target.unavailable()
@@ -204,7 +189,6 @@ class WorkerExecutor:
         env["PYTHONUNBUFFERED"] = "1"
         env["PYTHONFAULTHANDLER"] = "1"  # a fatal signal (and the watchdog's SIGABRT) prints every thread's stack
         if self.spec.sanitizer:
-            from fuzzer.run.compute_sanitizer import sanitized_env, sanitizer_command
 
             cmd = sanitizer_command(self.spec.sanitizer) + cmd  # reports land in the worker's log, between markers
             env = sanitized_env(env)
@@ -340,7 +324,6 @@ class WorkerExecutor:
         return obs, verdicts
 
     def _sanitizer_verdicts(self, log: str, obs: Observation) -> list[Verdict]:
-        from fuzzer.run.compute_sanitizer import dedupe, limit_reached, parse_log
 
         printed = parse_log(log, self.spec.sanitizer)
         self._reports_printed += len(printed)
@@ -354,67 +337,6 @@ class WorkerExecutor:
             obs.notes["sanitizer_reports"] = [r.to_dict() for r in reports]
         return [Verdict("memory", False, r.describe(), "C" if "Invalid" in r.kind else "H",
                         where=f"{r.tool}:{r.kernel}:{r.line}") for r in reports]
-
-
-class AutoSanitizedExecutor:
-    """`--sanitizer auto`: cases run natively; a memcheck worker re-runs every failing case, every case that
-    took a path not seen before (vLLM's route, the cache dtype, the fp8 path) and a sampled fraction, and its
-    memory reports join that case's verdicts."""
-
-    def __init__(self, native: WorkerExecutor, sanitized: WorkerExecutor, sample: float = 0.05, seed: int = 0):
-        import random
-
-        self.native, self.sanitized, self.sample = native, sanitized, sample
-        self.rng = random.Random(seed)
-        self.paths: set = set()
-        self.rechecked = 0
-
-    @property
-    def started(self) -> int:
-        return self.native.started + self.sanitized.started
-
-    @staticmethod
-    def path_of(case: Case, obs: Observation) -> tuple:
-        route = obs.notes.get("route", {})
-        return (case.kv_cache_dtype, tuple(sorted((k, bool(v)) for k, v in route.items())),
-                case.num_decodes > 0, case.num_tokens > case.num_decode_tokens)
-
-    def check(self, case: Case) -> tuple[Observation, list[Verdict]]:
-        obs, verdicts = self.native.check(case)
-        path = self.path_of(case, obs)
-        why = ("failed" if any(not v.ok for v in verdicts) else "new path" if path not in self.paths
-               else "sampled" if self.rng.random() < self.sample else None)
-        self.paths.add(path)
-        if why is None:
-            return obs, verdicts
-        self.rechecked += 1
-        s_obs, s_verdicts = self.sanitized.check(case)
-        memory = [v for v in s_verdicts if v.check == "memory" and not v.ok]
-        obs.notes["memcheck_rerun"] = why
-        if memory:
-            obs.notes.update({k: s_obs.notes[k] for k in ("sanitizer", "sanitizer_log", "sanitizer_reports")
-                              if k in s_obs.notes})
-            verdicts = memory + [v for v in verdicts if not v.ok]
-        return obs, verdicts
-
-    def close(self) -> None:
-        self.native.close()
-        self.sanitized.close()
-
-
-class InProcessExecutor:
-    """The target in this process (tests, debugging): no isolation."""
-
-    def __init__(self, target):
-        self.target = target
-        self.started = 0
-
-    def check(self, case: Case) -> tuple[Observation, list[Verdict]]:
-        obs = self.target.run(case)
-        return obs, self.target.oracle(case, obs)
-
-    def close(self) -> None:
-        pass
 
 
 if __name__ == "__main__":

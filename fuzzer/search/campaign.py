@@ -9,7 +9,6 @@ Hypothesis shrinks each bug separately instead of sliding from one to another.
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -21,12 +20,16 @@ from hypothesis import target as hypothesis_target
 from hypothesis.control import currently_in_test_context
 from hypothesis.database import DirectoryBasedExampleDatabase
 
-from fuzzer.artifacts.campaign_report import CaseLog
-from fuzzer.targets.probes import rarity
 from fuzzer.env import STATE_DIR, HostInfo
+from fuzzer.errors import HarnessError, HarnessFailure
 from fuzzer.observation import Observation
+from fuzzer.records import Finding
+from fuzzer.search.caselog import CaseLog
+from fuzzer.search.database import KeepStoredFailures
+from fuzzer.search.pending import Journal, Pending
 from fuzzer.search.progress import Progress
 from fuzzer.targets.base import Target
+from fuzzer.targets.probes import rarity
 from oracles.verdict import Verdict, primary
 from strategies.case import Case
 from strategies.profiles import Profile
@@ -37,73 +40,6 @@ CLIMB_MARGIN = 0.1  # an error within 10x of the tolerance (clean cases sit near
 
 class CaseFailed(Exception):
     """Raised inside the Hypothesis test for a failing case; subclassed once per signature."""
-
-
-class HarnessError(RuntimeError):
-    """attnfuzz itself failed (not the code under test): the campaign stops with exit code 2."""
-
-
-@dataclass
-class Finding:
-    target: str
-    signature: str
-    case: Case
-    verdicts: list[Verdict]  # the failed ones
-    observation: Observation
-    host: HostInfo
-    inject: str | None
-    examples_to_find: int
-    seconds_to_find: float
-    has_repro: bool = True
-    reruns: tuple[int, int] | None = None  # (times the signature came back, re-runs): flaky when fewer
-
-    @classmethod
-    def from_saved(cls, d: dict, case_json: str) -> "Finding":
-        """A finding as `to_dict` wrote it (a resumed campaign's)."""
-        verdicts = [Verdict(**v) for v in d["verdicts"]]
-        error_type, _, error = (d.get("error") or "").partition(": ")
-        obs = Observation(d["target"], d["host"]["device"], error_type=error_type or None, error=error or None,
-                          real=tuple(d.get("real", ())), emulated=tuple(d.get("emulated", ())),
-                          notes={"resumed": True})
-        return cls(d["target"], d["signature"], Case.from_json(case_json), verdicts, obs, HostInfo(**{
-            k: tuple(v) if isinstance(v, list) else v for k, v in d["host"].items()}), d.get("inject"),
-            d["examples_to_find"], d["seconds_to_find"])
-
-    @property
-    def flaky(self) -> bool:
-        return self.reruns is not None and self.reruns[0] < self.reruns[1]
-
-    @property
-    def id(self) -> str:
-        digest = hashlib.sha1(f"{self.signature}|{self.case.to_json(None)}".encode()).hexdigest()[:8]
-        return f"{self.target.split('.')[-1].replace('_', '-')}-{digest}"
-
-    @property
-    def title(self) -> str:
-        return primary(self.verdicts).detail
-
-    def to_dict(self) -> dict:
-        o = self.observation
-        return {
-            "id": self.id,
-            "target": self.target,
-            "signature": self.signature,
-            "status": "open",
-            "inject": self.inject,
-            "bug_classes": sorted({v.bug_class for v in self.verdicts if v.bug_class}),
-            "verdicts": [vars(v) for v in self.verdicts],
-            "error": None if o.error_type is None else f"{o.error_type}: {o.error}",
-            "memory": [v.describe() for v in o.memory],
-            "real": list(o.real),
-            "emulated": list(o.emulated),
-            "host": self.host.to_dict(),
-            "examples_to_find": self.examples_to_find,
-            "seconds_to_find": round(self.seconds_to_find, 2),
-            "summary": self.case.summary(),
-            "reruns": None if self.reruns is None else {"reproduced": self.reruns[0], "of": self.reruns[1],
-                                                        "flaky": self.flaky},
-            "sanitizer": o.notes.get("sanitizer"),
-        }
 
 
 @dataclass
@@ -124,15 +60,15 @@ class CampaignResult:
 
 class Campaign:
     def __init__(self, target: Target, profile: Profile, host: HostInfo, *, seed: int = 0,
-                 max_examples: int | None = 100, time_budget: float | None = None, inject: str | None = None,
-                 progress: Progress | None = None, executor=None, pending: Path | None = None,
+                 executor, max_examples: int | None = 100, time_budget: float | None = None,
+                 inject: str | None = None, progress: Progress | None = None, pending: Path | None = None,
                  journal: Path | None = None, reruns: int = 3, shrink: bool = True,
                  database=None, max_findings: int | None = None) -> None:
-        from fuzzer.run.worker import InProcessExecutor
-
-        # Where cases run: a worker process (crash isolation, sanitizers) or this process.
-        self.executor = executor or InProcessExecutor(target)
-        self.pending, self.journal, self.reruns, self.shrink = pending, journal, reruns, shrink
+        # Where cases run (fuzzer/run/executors): a worker process (crash isolation, sanitizers) or this process.
+        self.executor = executor
+        self.pending = Pending(pending, target.name) if pending is not None else None
+        self.journal = Journal(journal) if journal is not None else None
+        self.reruns, self.shrink = reruns, shrink
         self.max_findings = max_findings  # stop searching once this many distinct findings are made
         self.target, self.profile, self.host = target, profile, host
         self.seed, self.max_examples, self.time_budget, self.inject = seed, max_examples, time_budget, inject
@@ -157,7 +93,7 @@ class Campaign:
     def _spent(self) -> bool:
         """No more cases to run: the campaign winds down, or its example count is reached outside a shrink.
         Once a batch has failed, Hypothesis replays the rest of the stored corpus (a fleet's shared database)
-        past max_examples: on the GPU host one worker of a 220-case --no-shrink campaign ran 1,825 cases."""
+        whatever its max_examples says, so the campaign's own count is the stop."""
         if self._winding_down:
             return True
         return (self.time_budget is None and self.max_examples is not None and not self._shrinking()
@@ -165,15 +101,12 @@ class Campaign:
 
     # -- one case -----------------------------------------------------------------------------------------
     def check(self, case: Case) -> tuple[Observation, list[Verdict]]:
-        from fuzzer.run.worker import HarnessFailure
-
         if self.journal is not None:  # written before the case runs: a SIGKILLed campaign loses nothing
-            self.journal.parent.mkdir(parents=True, exist_ok=True)
-            self.journal.write_text(case.to_json() + "\n")
+            self.journal.write(case)
         try:
             result = self.executor.check(case)
             if self.journal is not None:
-                self.journal.unlink(missing_ok=True)
+                self.journal.clear()
             return result
         except HarnessFailure as e:  # attnfuzz's code raised inside the worker
             raise HarnessError(f"{self.target.name} on {case.summary()}: {e}") from e
@@ -235,42 +168,27 @@ class Campaign:
 
     # -- the campaign --------------------------------------------------------------------------------------
     # -- findings survive the campaign's own death -----------------------------------------------------
-    def _pending_dir(self, signature: str) -> Path:
-        return self.pending / hashlib.sha1(f"{self.target.name}|{signature}".encode()).hexdigest()[:12]
-
     def _save_pending(self, finding: Finding) -> None:
         """Each finding (and each smaller case for it) is on disk the moment it is made."""
-        if self.pending is None:
-            return
-        d = self._pending_dir(finding.signature)
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "case.json").write_text(finding.case.to_json() + "\n")
-        (d / "finding.json").write_text(json.dumps(finding.to_dict(), indent=1, default=str) + "\n")
+        if self.pending is not None:
+            self.pending.save(finding)
 
     def _resume(self) -> None:
         """Before searching: the findings a killed campaign had made are taken back as they were saved (and
         re-run with the others at the end), and the case it was running when it died (the journal) is
         checked again, so a SIGKILL loses none of them."""
-        if self.pending is not None and self.pending.exists():
-            for path in sorted(self.pending.glob("*/finding.json")):
-                try:
-                    finding = Finding.from_saved(json.loads(path.read_text()), (path.parent / "case.json").read_text())
-                except Exception:
-                    continue  # half-written when the campaign died
-                if finding.target == self.target.name and finding.signature not in self._failures:
-                    self._failures[finding.signature] = finding
-                    self._settled.add(finding.signature)
-        if self.journal is not None and self.journal.exists():
+        for finding in self.pending.load() if self.pending is not None else ():
+            if finding.signature not in self._failures:
+                self._failures[finding.signature] = finding
+                self._settled.add(finding.signature)
+        case = self.journal.read() if self.journal is not None else None
+        if case is not None:
             try:
-                case = Case.from_json(self.journal.read_text())
-            except Exception:
-                case = None  # a half-written journal entry
-            if case is not None:
-                try:
-                    self._test(case)
-                except CaseFailed:
-                    pass
-            self.journal.unlink(missing_ok=True)
+                self._test(case)
+            except CaseFailed:
+                pass
+        if self.journal is not None:
+            self.journal.clear()
 
     def _rerun(self, finding: Finding) -> None:
         """Run a finding's case again: one that does not fail the same way every time is flaky."""
@@ -283,14 +201,8 @@ class Campaign:
 
     def clear_pending(self) -> None:
         """Called once the findings are saved for good."""
-        if self.pending is None:
-            return
-        for f in self.result.findings:
-            d = self._pending_dir(f.signature)
-            for p in d.glob("*"):
-                p.unlink()
-            if d.exists():
-                d.rmdir()
+        if self.pending is not None:
+            self.pending.clear(self.result.findings)
 
     def run(self) -> CampaignResult:
         self._start = time.monotonic()
@@ -302,8 +214,6 @@ class Campaign:
     def _run(self) -> CampaignResult:
         import signal
         import threading
-
-        from fuzzer.run.fleet import KeepStoredFailures
 
         def wind_down(signum, frame):  # SIGTERM (a fleet's parent, a scheduler): stop searching, save the findings
             self.time_budget = 0.0
@@ -398,22 +308,3 @@ def _flatten(e: BaseException) -> list[BaseException]:
     if not inner:
         return [e]
     return [leaf for x in inner for leaf in _flatten(x)]
-
-
-def save_finding(finding: Finding, repro_source: str, root: Path, tensors: dict | None = None) -> Path:
-    """Write repros/<id>/: case.json, finding.json, report.md, repro.py (+ tensors.safetensors)."""
-    from fuzzer.artifacts.finding_report import render_report
-
-    d = root / finding.id
-    d.mkdir(parents=True, exist_ok=True)
-    finding.has_repro = bool(repro_source)
-    (d / "case.json").write_text(finding.case.to_json() + "\n")
-    (d / "finding.json").write_text(json.dumps(finding.to_dict(), indent=1) + "\n")
-    (d / "report.md").write_text(render_report(finding))
-    if repro_source:
-        (d / "repro.py").write_text(repro_source)
-    if tensors:
-        from safetensors.torch import save_file
-
-        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(d / "tensors.safetensors"))
-    return d

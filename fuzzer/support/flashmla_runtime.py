@@ -1,7 +1,7 @@
 """Setting vLLM up to run the FlashMLA sparse backend without a model, shared by the FlashMLA targets and
-their reproducers (which inline this file): the stand-ins bound where the host lacks compiled ops, the CPU
-shims, one real VllmConfig, and MLAAttention layers built like a DeepSeek-V3.2 layer. torch and vLLM only
-(plus attnfuzz's stand-in modules)."""
+their reproducers (whose attnfuzz_support.py carries this file): the stand-ins bound where the host lacks
+compiled ops, the CPU shims, one real VllmConfig, and MLAAttention layers built like a DeepSeek-V3.2 layer.
+torch and vLLM only (plus attnfuzz's stand-in modules)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+
+from fuzzer.support.standins import cache_ops, flashmla_ops
+from fuzzer.support.standins.flash_attn_ops import flash_attn_varlen_func
 
 # DeepSeek-V3.2's MLA dims
 KV_LORA_RANK, ROPE_DIM, QK_NOPE, V_HEAD = 512, 64, 128, 128
@@ -55,7 +58,6 @@ def install_standins(device: str = "cuda") -> tuple[str, ...]:
     """Bind torch stand-ins where flashmla_sparse looks the compiled ops up: for ops this host lacks, and for
     every compiled op when the tensors live on the CPU (a CPU run on a GPU host: the CUDA kernels cannot
     take them)."""
-    from fuzzer.support.standins import flashmla_ops
 
     mod, bound = importlib.import_module(BACKEND_MODULE), []
     if device == "cpu" or not _has_flashmla_kernels():
@@ -263,7 +265,6 @@ def configure(cfg, case, max_num_batched_tokens: int):
 @functools.cache
 def install_layer_standins(device: str) -> tuple[str, ...]:
     """The dense-MHA path's compiled ops, where this host lacks them."""
-    from fuzzer.support.standins import cache_ops, flashmla_ops
 
     mla, bound = importlib.import_module(MLA_MODULE), []
     standins = {"gather_and_maybe_dequant_cache": cache_ops.gather_and_maybe_dequant_cache,
@@ -285,7 +286,6 @@ def install_layer_standins(device: str) -> tuple[str, ...]:
         # (vllm_flash_attn on CUDA, xpu_ops on XPU) and, on CUDA, FA4's compile API; on a host with neither (a CPU
         # platform) it binds nothing and the backend's module cannot import. Bind the stand-in where fa_utils
         # would, with no compile API (as on XPU and ROCm), and where the backend module bound the kernel.
-        from fuzzer.support.standins.flash_attn_ops import flash_attn_varlen_func
 
         fa_utils = importlib.import_module("vllm.v1.attention.backends.fa_utils")
         # A GPU host without FA's compiled extensions (the GPU bundle: an import stand-in that raises) lacks it too.

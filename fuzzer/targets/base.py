@@ -15,8 +15,11 @@ from typing import Callable, ClassVar
 
 from hypothesis.strategies import SearchStrategy
 
-from fuzzer.targets.guards import poison_free_memory
+from fuzzer.errors import HarnessConfigError
 from fuzzer.observation import Observation
+from fuzzer.repro_spec import ReproSpec
+from fuzzer.support.interp.sanitizer import SANITIZER
+from fuzzer.targets.guards import poison_free_memory
 from oracles.verdict import Verdict
 from strategies.case import Case
 from strategies.profiles import Profile
@@ -47,9 +50,10 @@ class Target(ABC):
         """Run one case through vLLM's real code; never raise for what the code under test does."""
 
     @abstractmethod
-    def render_repro(self, finding) -> tuple[str, dict]:
-        """A standalone reproducer (torch + vLLM only) for a finding: its source and the tensors it loads
-        from tensors.safetensors beside it (none: the source holds its inputs as literals)."""
+    def repro_spec(self, finding) -> ReproSpec | None:
+        """What a reproducer of `finding` needs, as data (fuzzer.repro_spec.ReproSpec): its tensors, constants and
+        int literals, the support modules and vLLM calls it makes, the judge that checks the result; None: the
+        target has no standalone reproducer. Only fuzzer.artifacts.repro renders."""
 
     # -- shared plumbing ---------------------------------------------------------------------------------
     def observe(self, call: Callable[[], dict], notes: dict | None = None) -> Observation:
@@ -93,16 +97,12 @@ class Target(ABC):
     kv_cache_dtypes: tuple[str, ...] = ()  # the cache dtypes its cases draw; `run --kv-cache-dtype` narrows it
 
 
-class HarnessConfigError(RuntimeError):
-    """attnfuzz built vLLM's inputs incompletely for this release: a harness bug, never a finding."""
-
 
 @contextmanager
 def memory_checked(device: str):
     if device != "cpu":
         yield []  # native GPU runs: compute-sanitizer's job (fuzzer/run/compute_sanitizer), not ours
         return
-    from fuzzer.support.interp.sanitizer import SANITIZER
 
     with SANITIZER.install().collect() as found:
         yield found

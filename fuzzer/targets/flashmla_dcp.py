@@ -22,16 +22,33 @@ from types import SimpleNamespace
 
 import torch
 
-from fuzzer.targets.probes import observe_paths
-from fuzzer.targets.guards import Guards
-from fuzzer.targets.harness import common_attn_metadata, step_tensors
+from fuzzer.repro_spec import Judge, ReproSpec
 from fuzzer.support.dcp_group import EmulatedDcpGroup, LockstepRanks, installed_dcp_group
-from fuzzer.support.flashmla_runtime import (BACKEND_MODULE, KV_LORA_RANK, LAYER, configure, guard_index_group,
-                                            impl_topk_kwargs)
-from fuzzer.targets.flashmla_sparse import FlashMLASparse
-from oracles.dcp import judge_dcp, rank_slot_mapping, rank_slots, undivided
-from strategies.tensors import HEAD_SIZE, ROPE_DIM, SM_SCALE, materialize_attention_inputs
+from fuzzer.support.flashmla_runtime import (
+    BACKEND_MODULE,
+    KV_LORA_RANK,
+    LAYER,
+    configure,
+    guard_index_group,
+    impl_topk_kwargs,
+)
+from fuzzer.targets.flashmla_sparse import REPRO_CONFIG, REPRO_SETUP, FlashMLASparse
+from fuzzer.targets.guards import Guards
+from fuzzer.targets.harness import (
+    REPRO_CPU_PREPARE,
+    REPRO_CPU_SUPPORT,
+    REPRO_METADATA,
+    common_attn_metadata,
+    repro_case,
+    repro_constants,
+    repro_step,
+    step_tensors,
+)
+from fuzzer.targets.probes import observe_paths
+from oracles.attention_judge import attention_tolerance, judge_fp8_ds_mla_entries, reference_for
+from oracles.dcp import RANK_LSE_TOLERANCE, judge_dcp, owner_and_local, rank_slot_mapping, rank_slots, undivided
 from strategies.batches import AttentionFeatures, attention_cases
+from strategies.tensors import HEAD_SIZE, ROPE_DIM, SM_SCALE, materialize_attention_inputs
 
 # Per-rank records of vLLM's DCP filter (the rank's local top-k, and the BLOCK_STRIDE_ROWS it was called
 # with: the fp8 kernel addresses 64-row pages, so vLLM passes none for 64-token blocks), filled per case.
@@ -101,10 +118,90 @@ class FlashMLASparseDcp(FlashMLASparse):
             "dcp": f"{case.dcp.size} ranks emulated in one process, interleave {case.dcp.interleave}"})
         return step.finish(obs, "DCP collectives (attnfuzz's in-process group)")
 
-    def render_repro(self, finding) -> tuple[str, dict]:
-        from fuzzer.artifacts.repro_dcp import render_dcp_repro
+    def repro_spec(self, finding) -> ReproSpec:
+        """Every rank of the step in one process, as `run` emulates them: each rank's cache as its writer left
+        it, vLLM's builder, MLADCPManager (query all-gather, LSE combine) and forward_mqa, over attnfuzz's
+        in-process DCP group. Judged: the merged heads against the fp32 reference over the undivided context,
+        each rank's LSE against the reference over its share. Real ranks' findings are reproduced so too."""
 
-        return render_dcp_repro(finding, self)
+        case, dev = finding.case, finding.host.device
+        whole = undivided(case)
+        inp, slots, topk_buffer = step_tensors(whole, dev, materialize_attention_inputs(whole, dev))
+        write, _ = self.writer(case)
+        cache_u = self.cache(whole, dev)  # the undivided slots' entries: what the oracle reads
+        write(inp.kv_c[slots], inp.k_pe[slots], cache_u, slots)
+        tensors = repro_step(whole, inp.index, None, topk_buffer, dev)
+        for r in range(case.dcp.size):  # each rank's cache as its writer left it: its own tokens only
+            cache = self.cache(case, dev)
+            write(inp.kv_c[slots], inp.k_pe[slots], cache, rank_slot_mapping(case, slots, r))
+            width = cache.shape[-1]
+            tensors[f"kv_cache_rows.rank{r}"] = cache.as_strided((case.num_blocks * case.stride_rows, width), (width, 1))
+        slot_values, _ = judge_fp8_ds_mla_entries(whole, inp, slots, cache_u[slots // whole.block_size,
+                                                                            slots % whole.block_size])
+        owner, _ = owner_and_local(case, inp.index.topk_indices.long().clamp(min=0))
+        for r in range(case.dcp.size):
+            tensors[f"expected_lse.rank{r}"] = reference_for(whole, inp, dev, slot_values, keep=owner == r)[1]
+        tensors.update(q=inp.q, expected_out=reference_for(whole, inp, dev, slot_values)[0])
+        atol, rtol = attention_tolerance(whole, inp)
+        real = "" if finding.target.endswith(".dcp") else (
+            "\nThe finding came from real ranks (one process per GPU); this script emulates them in one process.")
+        return ReproSpec(
+            about=f"Shrunk case: {case.summary()}; {case.heads} heads per rank, fp8_ds_mla, values {case.values}.\n"
+                  "Inputs in tensors.safetensors beside this file; the expected output is attnfuzz's fp32 oracle over "
+                  f"the undivided context (latent, 512 wide).{real}",
+            imports=("import dataclasses", "import tempfile", "from types import SimpleNamespace"),
+            constants=dict(DCP_SIZE=case.dcp.size, INTERLEAVE=case.dcp.interleave, HEADS=case.heads, **repro_constants(case),
+                           ATOL=atol, RTOL=rtol, LSE_TOL=RANK_LSE_TOLERANCE[0]),
+            tensors=tensors,
+            support={"runtime": "fuzzer.support.flashmla_runtime", "dcp": "fuzzer.support.dcp_group",
+                     **(REPRO_CPU_SUPPORT if dev == "cpu" else {})},
+            prepare=(REPRO_CPU_PREPARE + "runtime.cpu_shims()  # no streams on a CPU\n" if dev == "cpu" else "")
+            + "emulated = runtime.install_standins(DEVICE)\n",
+            setup=REPRO_SETUP.replace("from vllm.v1.kv_cache", "from vllm.v1.attention.ops.dcp import MLADCPManager\n"
+                                      "from vllm.v1.kv_cache")
+            + repro_case(case, "SimpleNamespace(size=DCP_SIZE, interleave=INTERLEAVE)") + REPRO_CONFIG
+            + REPRO_METADATA + _REPRO_RANK_STEP,
+            call=_REPRO_CALL,
+            judge=Judge("dcp", dict(out="out", expected='T["expected_out"]', lses="lses",
+                                    expected_lses='{r: T[f"expected_lse.rank{r}"] for r in lses}', heads="HEADS",
+                                    atol="ATOL", rtol="RTOL", lse_tol="LSE_TOL")),
+            report='print(f"DCP {DCP_SIZE} ranks emulated in one process, interleave {INTERLEAVE} | stand-ins for ops '
+                   'this host lacks: {\', \'.join(emulated) or \'none\'}")\n')
+
+
+_REPRO_RANK_STEP = """\
+lses = {}
+
+
+def rank_step(r):
+    \"\"\"Rank r's step, as MLAAttention.forward_impl drives the MQA tokens under DCP.\"\"\"
+    width = T[f"kv_cache_rows.rank{r}"].shape[-1]
+    cache = T[f"kv_cache_rows.rank{r}"].as_strided((NUM_BLOCKS, BLOCK_SIZE, width),
+                                                     (BLOCK_STRIDE_ROWS * width, width, 1))
+    with set_current_vllm_config(cfg), torch.inference_mode():
+        impl = Backend.get_impl_cls()(
+            HEADS, 576, runtime.SM_SCALE, 1, None, None, "fp8_ds_mla", None, "decoder", None,
+            **runtime.impl_topk_kwargs(Backend.get_impl_cls(), T["topk_indices_buffer"].clone()),
+            q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, qk_head_dim=192,
+            v_head_dim=128, kv_b_proj=None)
+        manager = MLADCPManager(vllm_config=cfg, device=torch.device(DEVICE), num_heads=HEADS, query_head_dim=576,
+                                output_head_dim=512, query_dtype=torch.bfloat16, output_dtype=torch.bfloat16,
+                                padded_num_heads=getattr(impl, "q_pad_num_heads", None),
+                                is_lse_base_on_e=impl.lse_base_on_e, use_pcp=False) if DCP_SIZE > 1 else None
+        cfg.compilation_config.static_forward_context[runtime.LAYER] = SimpleNamespace(
+            prefill_backend=None, dcp_manager=manager)  # where the builder finds the layer's DCP manager
+        metadata = Backend.get_builder_cls()(spec, [runtime.LAYER], cfg, torch.device(DEVICE)).build(0, cam)
+        q = T["q"][:, r * HEADS:(r + 1) * HEADS].contiguous()  # this rank's heads
+        if manager is None:
+            return impl.forward_mqa(q, cache, metadata, None)[0]
+        out, lses[r] = impl.forward_mqa(manager.query_gather(q), cache, metadata, None)
+        return manager.combine(out, lses[r], seq_lens=metadata.seq_lens, query_start_loc=metadata.query_start_loc)
+"""
+_REPRO_CALL = """\
+ranks = dcp.LockstepRanks(DCP_SIZE)
+with dcp.installed_dcp_group(dcp.EmulatedDcpGroup(ranks)):
+    out = torch.cat(ranks.run(rank_step), dim=1)  # every rank's heads after vLLM's combine, in rank order
+"""
 
 
 @dataclasses.dataclass

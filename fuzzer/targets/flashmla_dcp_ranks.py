@@ -24,9 +24,11 @@ from pathlib import Path
 
 import torch
 
-from fuzzer.targets.probes import observe_paths
-from fuzzer.targets.flashmla_dcp import DcpStep, FlashMLASparseDcp, RankResult
+from fuzzer.env import die_with_parent, prepare_process
+from fuzzer.mutants import APPLIED, inject
 from fuzzer.support.flashmla_runtime import vllm_runtime
+from fuzzer.targets.flashmla_dcp import DcpStep, FlashMLASparseDcp, RankResult
+from fuzzer.targets.probes import observe_paths
 from strategies.batches import AttentionFeatures, attention_cases
 from strategies.case import Case
 
@@ -107,7 +109,6 @@ class FlashMLASparseDcpRanks(FlashMLASparseDcp):
     def run(self, case):
         from vllm.distributed.parallel_state import get_world_group
 
-        from fuzzer.mutants import APPLIED
 
         self.join_group()
         if case.dcp.size != self.world:
@@ -132,7 +133,6 @@ class FlashMLASparseDcpRanks(FlashMLASparseDcp):
         """Ranks 1..N-1: run each case rank 0 broadcasts; None ends."""
         from vllm.distributed.parallel_state import get_world_group
 
-        from fuzzer.mutants import inject
 
         while True:
             msg = get_world_group().broadcast_object(None, src=0)
@@ -247,8 +247,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--init", required=True)
     p.add_argument("--device", required=True)
     args = p.parse_args(argv)
-    from fuzzer.env import prepare_process
-    from fuzzer.run.worker import die_with_parent
 
     die_with_parent()
     os.environ["ATTNFUZZ_DCP_RANKS"] = str(args.world)

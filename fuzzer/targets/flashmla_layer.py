@@ -24,16 +24,25 @@ import importlib
 
 import torch
 
-from fuzzer.targets.probes import observe_paths
-from fuzzer.targets.guards import Guards
 from fuzzer.support import flashmla_runtime
+from fuzzer.support.flashmla_runtime import (
+    BACKEND_MODULE,
+    LAYER,
+    configure,
+    guard_index_group,
+    install_layer_standins,
+    layer_api,
+    mla_layer,
+    record_routes,
+)
+from fuzzer.targets.flashmla_sparse import FlashMLASparse, flashmla_repro
+from fuzzer.targets.guards import Guards
 from fuzzer.targets.harness import common_attn_metadata, step_tensors, with_padded_tokens
-from fuzzer.support.flashmla_runtime import (BACKEND_MODULE, LAYER, configure, guard_index_group,
-                                            install_layer_standins, layer_api, mla_layer, record_routes)
-from fuzzer.targets.flashmla_sparse import FlashMLASparse
+from fuzzer.targets.probes import observe_paths
+from fuzzer.targets.vllm_api import remap_api
 from oracles.attention_judge import judge_layer
-from strategies.tensors import HEAD_SIZE, V_HEAD, materialize_layer_inputs
 from strategies.batches import AttentionFeatures, attention_cases
+from strategies.tensors import HEAD_SIZE, V_HEAD, materialize_layer_inputs
 
 
 class FlashMLASparseLayer(FlashMLASparse):
@@ -65,7 +74,6 @@ class FlashMLASparseLayer(FlashMLASparse):
         flashmla_runtime.record_gathers()
 
     def cases(self, profile):
-        from fuzzer.targets.vllm_api import remap_api
 
         return attention_cases(profile, AttentionFeatures(kv_cache_dtypes=self.kv_cache_dtypes, block_sizes=(64, 128),
                                                           block_stride_rows=remap_api().has_block_stride_rows,
@@ -128,7 +136,5 @@ class FlashMLASparseLayer(FlashMLASparse):
             obs.outputs["gathered_rows"] = torch.cat([r for _, r in gathers])
         return obs
 
-    def render_repro(self, finding) -> tuple[str, dict]:
-        from fuzzer.artifacts.repro_flashmla import render_flashmla_repro
-
-        return render_flashmla_repro(finding, self, layer=True)
+    def repro_spec(self, finding):
+        return flashmla_repro(self, finding, layer=True)

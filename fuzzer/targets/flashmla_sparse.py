@@ -14,16 +14,62 @@ import importlib.util
 
 import torch
 
-from fuzzer.targets.probes import observe_paths
-from fuzzer.targets.guards import Guards
-from fuzzer.targets.harness import cache_writer, common_attn_metadata, paged_cache, step_tensors, with_padded_tokens
+from fuzzer.env import STATE_DIR
+from fuzzer.repro_spec import Judge, ReproSpec
+from fuzzer.support.flashmla_runtime import (
+    BACKEND_MODULE,
+    FP8_ENTRY_BYTES,
+    LAYER,
+    _try_import,
+    configure,
+    cpu_shims,
+    define_missing_c_queries,
+    guard_index_group,
+    has_cache_op,
+    impl_topk_kwargs,
+    install_standins,
+    prefill_outputs_under_initcheck,
+    vllm_runtime,
+)
+from fuzzer.support.interp.corrections import CORRECTIONS, install_corrections
+from fuzzer.support.standins.cpu_shims import install_cpu_shims
+from fuzzer.support.standins.flashmla_ops import concat_and_cache_mla
 from fuzzer.targets.base import Target
-from fuzzer.support.flashmla_runtime import (BACKEND_MODULE, FP8_ENTRY_BYTES, LAYER, configure, cpu_shims,
-                                            define_missing_c_queries, guard_index_group, has_cache_op, impl_topk_kwargs, install_standins,
-                                            prefill_outputs_under_initcheck, vllm_runtime)
-from oracles.attention_judge import judge_attention
-from strategies.tensors import HEAD_SIZE, KV_LORA_RANK, ROPE_DIM, SM_SCALE
+from fuzzer.targets.guards import Guards
+from fuzzer.targets.harness import (
+    REPRO_CACHE,
+    REPRO_CPU_PREPARE,
+    REPRO_CPU_SUPPORT,
+    REPRO_METADATA,
+    cache_writer,
+    common_attn_metadata,
+    note_guards_and_cache,
+    paged_cache,
+    repro_case,
+    repro_constants,
+    repro_step,
+    step_tensors,
+    with_padded_tokens,
+)
+from fuzzer.targets.probes import observe_paths
+from fuzzer.targets.vllm_api import remap_api
+from oracles.attention_judge import (
+    attention_tolerance,
+    judge_attention,
+    judge_fp8_ds_mla_entries,
+    layer_reference_for,
+    layer_tolerance,
+    reference_for,
+)
 from strategies.batches import AttentionFeatures, attention_cases
+from strategies.tensors import (
+    HEAD_SIZE,
+    KV_LORA_RANK,
+    ROPE_DIM,
+    SM_SCALE,
+    materialize_attention_inputs,
+    materialize_layer_inputs,
+)
 
 
 class FlashMLASparse(Target):
@@ -44,12 +90,9 @@ class FlashMLASparse(Target):
         return None
 
     def prepare(self) -> None:
-        from fuzzer.env import STATE_DIR
 
         self.shims: list[str] = list(define_missing_c_queries())
         if self.device == "cpu":  # before the backend is imported: it binds PIN_MEMORY by name
-            from fuzzer.support.interp.corrections import CORRECTIONS, install_corrections
-            from fuzzer.support.standins.cpu_shims import install_cpu_shims
 
             install_corrections()
             self.shims += [*install_cpu_shims(), *cpu_shims(), *(f"interpreter correction: {c}" for c in CORRECTIONS)]
@@ -60,7 +103,6 @@ class FlashMLASparse(Target):
 
     def real_parts_here(self) -> tuple[str, ...]:
         """What of vLLM really ran, as this release and host have it (every result lists it)."""
-        from fuzzer.support.flashmla_runtime import _try_import
 
         parts = [p for p in type(self).real_parts if p != "SparseMLAIndexGroup"
                  or _try_import("vllm.v1.attention.backends.mla.index_group") is not None]
@@ -73,7 +115,6 @@ class FlashMLASparse(Target):
         return vllm_runtime(self.device, state_dir)
 
     def cases(self, profile):
-        from fuzzer.targets.vllm_api import remap_api
 
         # Releases before flat_kv_row_view (0.26 and older) view the cache as contiguous rows.
         return attention_cases(profile, AttentionFeatures(kv_cache_dtypes=self.kv_cache_dtypes, block_sizes=(64, 128),
@@ -100,7 +141,6 @@ class FlashMLASparse(Target):
         if has_cache_op("concat_and_cache_mla"):
             op = torch.ops._C_cache_ops.concat_and_cache_mla
             return (lambda kv_c, k_pe, cache, slots: op(kv_c, k_pe, cache, slots, "fp8_ds_mla", torch.ones((), device=cache.device))), None
-        from fuzzer.support.standins.flashmla_ops import concat_and_cache_mla
 
         convention = case.fp8_scale if case.fp8_scale != "e8m0_trunc" else "pow2"  # pow2 scales survive e8m0
         return (lambda kv_c, k_pe, cache, slots: concat_and_cache_mla(kv_c, k_pe, cache, slots, "fp8_ds_mla", None, convention)), "concat_and_cache_mla"
@@ -155,14 +195,103 @@ class FlashMLASparse(Target):
         obs.notes["shims"] = self.shims
         if overruns:
             obs.notes["buffer_overrun"] = overruns
-        if guard := guards.check():
-            obs.notes["guard"] = guard
-        changed = (cache.view(torch.uint8) != before[0].view(torch.uint8)).any(dim=-1).nonzero() if before else []
-        if len(changed):
-            obs.notes["cache_changed"] = f"{len(changed)} rows, first block {int(changed[0][0])} offset {int(changed[0][1])}"
+        note_guards_and_cache(obs, guards, cache, before)
         return obs
 
-    def render_repro(self, finding) -> tuple[str, dict]:
-        from fuzzer.artifacts.repro_flashmla import render_flashmla_repro
 
-        return render_flashmla_repro(finding, self, layer=False)
+    def repro_spec(self, finding) -> ReproSpec:
+        return flashmla_repro(self, finding, layer=False)
+
+
+def flashmla_repro(target, finding, layer: bool) -> ReproSpec:
+    """The step as the finding ran it (its values are drawn on its device: q, the cache as written, the top-k
+    buffer, the metadata's inputs, for the layer kv_b_proj's weight and the new tokens' latents), the call the
+    target makes on it (`forward_mqa`, or the layer's `forward_impl`), judged against the fp32 reference."""
+
+    case, dev = finding.case, finding.host.device
+    cpu = dev == "cpu"
+    inputs = materialize_layer_inputs(case, dev) if layer else None
+    inp, slots, topk_buffer = step_tensors(case, dev, inputs.attention if layer else materialize_attention_inputs(case, dev))
+    cache = target.cache(case, dev)
+    target.writer(case)[0](inp.kv_c[slots], inp.k_pe[slots], cache, slots)
+    slot_values = None
+    if case.kv_cache_dtype == "fp8_ds_mla":  # the oracle reads what the fp8 entries hold
+        slot_values, _ = judge_fp8_ds_mla_entries(case, inp, slots, cache[slots // case.block_size, slots % case.block_size])
+    tensors = repro_step(case, inp.index, cache, topk_buffer, dev)
+    if layer:
+        mha_tokens = int(finding.observation.notes.get("route", {}).get("mha_tokens", 0))
+        expected, _ = layer_reference_for(case, inputs, dev, slot_values, mha_tokens)
+        atol, rtol = layer_tolerance(case, inputs)
+        new = [inp.slot_of[r][req.context_len:] for r, req in enumerate(case.requests)]  # the step's own tokens
+        new_slots = (torch.cat(new) if new else torch.zeros(0, dtype=torch.int64)).to(dev)
+        tensors.update(q=with_padded_tokens(case, inputs.q), kv_b_weight=inputs.kv_b_weight,
+                       kv_c_normed=with_padded_tokens(case, inp.kv_c[new_slots]),
+                       k_pe=with_padded_tokens(case, inp.k_pe[new_slots]).unsqueeze(1))
+    else:
+        expected = reference_for(case, inp, dev, slot_values)[0]
+        atol, rtol = attention_tolerance(case, inp)
+        tensors["q"] = with_padded_tokens(case, inp.q)
+    tensors["expected_out"] = expected
+    return ReproSpec(
+        about=f"Shrunk case: {case.summary()}; {case.heads} heads, kv_cache_dtype {case.kv_cache_dtype}, values "
+              f"{case.values}.\nInputs in tensors.safetensors beside this file; the expected output is attnfuzz's "
+              + ("fp32 oracle (after W_UV)." if layer else "fp32 oracle (latent, 512 wide)."),
+        imports=("import dataclasses", "import tempfile", "from types import SimpleNamespace"),
+        constants=dict(**repro_constants(case), ATOL=atol, RTOL=rtol), tensors=tensors,
+        support={"runtime": "fuzzer.support.flashmla_runtime", **(REPRO_CPU_SUPPORT if cpu else {})},
+        prepare=(REPRO_CPU_PREPARE + "runtime.cpu_shims()  # no streams on a CPU\n" if cpu else "")
+        + ("emulated = tuple(dict.fromkeys(runtime.install_standins(DEVICE) + runtime.install_layer_standins(DEVICE)))\n" if layer
+           else "emulated = runtime.install_standins(DEVICE)\n"),
+        setup=REPRO_SETUP + repro_case(case) + REPRO_CONFIG + REPRO_CACHE + REPRO_METADATA + ("route = {}\n" if layer else ""),
+        call=_LAYER_CALL if layer else _MQA_CALL,
+        judge=Judge("attention", dict(out="out", expected='T["expected_out"]', cache="cache", before="before",
+                                      atol="ATOL", rtol="RTOL")),
+        report=('print("routes:", route, "| stand-ins for ops this host lacks:", ", ".join(emulated) or "none")\n'
+                if layer else 'print("stand-ins for ops this host lacks:", ", ".join(emulated) or "none")\n'),
+        # On a CPU the interpreter always runs under attnfuzz's checker: besides the bounds checks it broadcasts
+        # the 0-d masks the bare interpreter rejects ("mask has unsupported dtype", Trap 4, hit by the remap
+        # kernel on FlashMLA's fp8 separate path).
+        bounds_checked=cpu)
+
+
+# What every FlashMLA reproducer sets up (the DCP one too): vLLM's imports, the config the target builds.
+REPRO_SETUP = f"""\
+from vllm.config import set_current_vllm_config
+from vllm.v1.attention.backend import CommonAttentionMetadata
+from {BACKEND_MODULE} import FlashMLASparseBackend as Backend
+from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+"""
+REPRO_CONFIG = """\
+cfg = runtime.configure(runtime.vllm_runtime(DEVICE, tempfile.mkdtemp()), case,
+                        max_num_batched_tokens=T["topk_indices_buffer"].shape[0])
+spec = MLAAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=576, dtype=torch.bfloat16,
+                        cache_dtype_str=case.kv_cache_dtype)
+"""
+
+_MQA_CALL = """\
+with set_current_vllm_config(cfg), torch.inference_mode():
+    metadata = Backend.get_builder_cls()(spec, [runtime.LAYER], cfg, torch.device(DEVICE)).build(0, cam)
+    # topk_indices_buffer= with indexer=None: the index group orders on the compute stream.
+    impl = Backend.get_impl_cls()(
+        case.heads, 576, runtime.SM_SCALE, 1, None, None, case.kv_cache_dtype, None, "decoder", None,
+        **runtime.impl_topk_kwargs(Backend.get_impl_cls(), T["topk_indices_buffer"]),
+        q_lora_rank=None, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, qk_head_dim=192, v_head_dim=128, kv_b_proj=None)
+    check_overrun = runtime.guard_index_group(impl)
+    q = T["q"]  # (ql_nope | q_pe), as the layer hands it to forward_mqa
+    out, _lse = impl.forward_mqa((q[..., :512], q[..., 512:]), cache, metadata, None)
+    found += check_overrun(NUM_TOKENS)
+"""
+
+_LAYER_CALL = """\
+with set_current_vllm_config(cfg), torch.inference_mode():
+    layer = runtime.mla_layer(cfg, case.heads, T["kv_b_weight"], T["topk_indices_buffer"], DEVICE)
+    metadata = Backend.get_builder_cls()(spec, [runtime.LAYER], cfg, torch.device(DEVICE)).build(0, cam)
+    runtime.record_routes(layer.impl, route)
+    check_overrun = runtime.guard_index_group(layer.impl)
+    out = torch.full((NUM_TOKENS, case.heads * 128), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    # Decode tokens go to forward_mqa, short prefills to dense MHA: vLLM's own split.
+    layer.forward_impl(T["q"], T["kv_c_normed"], T["k_pe"], cache, metadata, out)
+    found += check_overrun(route.get("mqa_tokens", 0))
+"""

@@ -48,7 +48,7 @@ class Guards:
 # Guard regions and poison cover the harness's buffers. What vLLM or a kernel library allocates with
 # torch.empty and never writes is another matter: natively it holds whatever PyTorch's caching allocator hands
 # out, and under compute-sanitizer (allocator off) fresh driver memory, which reads as zeros, so an oracle that
-# expects 0 there can pass by luck. initcheck on the H200 reported such reads (docs/benchmarks.md, session 5).
+# expects 0 there can pass by luck (initcheck reports such reads).
 # ATTNFUZZ_POISON_ALLOCATOR=1 fills the allocator's free memory with 0xFF before each call, so such a read
 # gives NaN (bf16, fp16, fp32) or -1 (signed ints) and shows up natively. Opt-in while its findings are triaged.
 POISON_BYTE = 0xFF

@@ -1,31 +1,19 @@
 """Building vLLM's sparse-MLA objects without a model, the way vLLM's own unit tests do
 (../shared/docs/vllm-sparse-mla.md section 4), for any release 0.23-0.33.
 
-The config passed to builders is a namespace holding exactly what they read (upstream tests replace
-`hf_text_config` with a namespace too); the builder, metadata, impl and kernels are vLLM's own.
+The config passed to builders is `fuzzer.support.builder_config.model_namespace` (or, for the FlashMLA
+targets, a real VllmConfig: `fuzzer.support.flashmla_runtime`); the builder, metadata, impl and kernels are
+vLLM's own.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 
 import torch
 
-from strategies.tensors import HEAD_SIZE, KV_LORA_RANK, ROPE_DIM
-
-MAX_MODEL_LEN = 8192
-
-
-def model_namespace(case, max_num_batched_tokens: int) -> SimpleNamespace:
-    hf = SimpleNamespace(kv_lora_rank=KV_LORA_RANK, qk_nope_head_dim=128, qk_rope_head_dim=ROPE_DIM,
-                         v_head_dim=128, index_topk=case.topk_width, q_lora_rank=None, model_type="deepseek_v32")
-    model = SimpleNamespace(hf_text_config=hf, hf_config=hf, max_model_len=MAX_MODEL_LEN, dtype=torch.bfloat16,
-                            get_num_attention_heads=lambda parallel_config: case.heads,
-                            get_head_size=lambda: HEAD_SIZE, get_num_kv_heads=lambda parallel_config: 1)
-    return SimpleNamespace(model_config=model, parallel_config=SimpleNamespace(decode_context_parallel_size=1),
-                           scheduler_config=SimpleNamespace(max_num_batched_tokens=max_num_batched_tokens),
-                           cache_config=SimpleNamespace(cache_dtype=case.kv_cache_dtype, block_size=case.block_size))
+from fuzzer.support.standins.cache_ops import concat_and_cache_mla
+from strategies.tensors import HEAD_SIZE, materialize_attention_inputs
 
 
 def common_attn_metadata(case, index, device):
@@ -72,7 +60,6 @@ def cache_writer():
         op = torch.ops._C_cache_ops.concat_and_cache_mla
         return (lambda kv_c, k_pe, cache, slots, dtype, scale: op(kv_c, k_pe, cache, slots, dtype, scale)), None
     except (AttributeError, RuntimeError):
-        from fuzzer.support.standins.cache_ops import concat_and_cache_mla
 
         return concat_and_cache_mla, "concat_and_cache_mla"
 
@@ -83,7 +70,6 @@ TOPK_POISON = 2**30 - 1  # rows of the top-k buffer past this step's tokens: mus
 def step_tensors(case, device, inputs=None, guards=None):
     """(attention inputs, the physical slots the step's requests hold, the indexer's top-k buffer) on
     `device`. The buffer has spare rows, poisoned, as the indexer's persistent buffer has."""
-    from strategies.tensors import materialize_attention_inputs
 
     inp = inputs if inputs is not None else materialize_attention_inputs(case, device)
     slots = (torch.unique(torch.cat(inp.slot_of)) if inp.slot_of else torch.zeros(0, dtype=torch.int64)).to(device)
@@ -107,3 +93,68 @@ def with_padded_tokens(case, rows: torch.Tensor) -> torch.Tensor:
     pad = torch.randn((case.padded_tokens, *rows.shape[1:]), generator=gen).to(rows.dtype).to(rows.device)
     return torch.cat([rows, pad])
 
+
+
+
+def note_guards_and_cache(obs, guards, cache, before: list) -> None:
+    """What a whole-backend observation notes after the call: guard regions something wrote, and the cache
+    rows the call changed (`before`: the cache as written before it, if the call got that far)."""
+    if guard := guards.check():
+        obs.notes["guard"] = guard
+    changed = (cache.view(torch.uint8) != before[0].view(torch.uint8)).any(dim=-1).nonzero() if before else []
+    if len(changed):
+        obs.notes["cache_changed"] = f"{len(changed)} rows, first block {int(changed[0][0])} offset {int(changed[0][1])}"
+
+# -- reproducers: what the whole-backend targets hand `fuzzer.artifacts.repro` -----------------------------
+
+def repro_step(case, index, cache, topk_buffer, device) -> dict:
+    """The tensors of a step every whole-backend reproducer loads: the paged cache as rows, blocks
+    BLOCK_STRIDE_ROWS rows apart (none: the target saves its own), the top-k buffer and the inputs of
+    CommonAttentionMetadata (`REPRO_METADATA`)."""
+    tensors = dict(topk_indices_buffer=topk_buffer, query_start_loc=index.query_start_loc, seq_lens=index.seq_lens,
+                   block_table=index.block_table, slot_mapping=common_attn_metadata(case, index, device).slot_mapping,
+                   num_computed_tokens=torch.tensor([r.context_len for r in case.requests], dtype=torch.int32))
+    if cache is not None:
+        width = cache.shape[-1]
+        tensors["kv_cache_rows"] = cache.as_strided((case.num_blocks * case.stride_rows, width), (width, 1))
+    return tensors
+
+
+def repro_constants(case) -> dict:
+    """The step's sizes a whole-backend reproducer names (`REPRO_CACHE`, `REPRO_METADATA`)."""
+    return dict(BLOCK_SIZE=case.block_size, BLOCK_STRIDE_ROWS=case.stride_rows, NUM_BLOCKS=case.num_blocks,
+                NUM_REQS=len(case.requests), NUM_TOKENS=case.num_actual_tokens,  # CUDA-graph padding included
+                MAX_QUERY_LEN=max(r.query_len for r in case.requests), MAX_SEQ_LEN=max(r.seq_len for r in case.requests))
+
+
+def repro_case(case, dcp: str = "SimpleNamespace(size=1, interleave=1)") -> str:
+    """The case's fields vLLM's config reads, as a reproducer defines them (`case = SimpleNamespace(...)`)."""
+    return (f"case = SimpleNamespace(topk_width={case.topk_width}, heads={case.heads}, "
+            f"kv_cache_dtype={case.kv_cache_dtype!r}, block_size={case.block_size},\n"
+            f"                       dcp={dcp})\n")
+
+
+# A CPU reproducer's preparation, as the backend targets' prepare() makes it (modules: REPRO_CPU_SUPPORT).
+REPRO_CPU_SUPPORT = {"corrections": "fuzzer.support.interp.corrections", "cpu_shims": "fuzzer.support.standins.cpu_shims"}
+REPRO_CPU_PREPARE = """\
+corrections.install_corrections()  # Triton's interpreter: bf16 dot, casts
+cpu_shims.install_cpu_shims()  # no accelerator: no pinned memory
+"""
+
+# The paged cache as the layer left it before attention (other rows poisoned), and a copy to compare after.
+REPRO_CACHE = """\
+width = T["kv_cache_rows"].shape[-1]
+cache = T["kv_cache_rows"].as_strided((NUM_BLOCKS, BLOCK_SIZE, width), (BLOCK_STRIDE_ROWS * width, width, 1))
+before = cache.clone()
+"""
+
+# vLLM's CommonAttentionMetadata from the saved step (only the fields this release declares).
+REPRO_METADATA = """\
+fields = {f.name for f in dataclasses.fields(CommonAttentionMetadata)}
+cam = CommonAttentionMetadata(**{k: v for k, v in dict(
+    query_start_loc=T["query_start_loc"], query_start_loc_cpu=T["query_start_loc"].cpu(),
+    seq_lens=T["seq_lens"], seq_lens_cpu=T["seq_lens"].cpu(), seq_lens_cpu_upper_bound=T["seq_lens"].cpu(),
+    num_computed_tokens_cpu=T["num_computed_tokens"].cpu(), num_reqs=NUM_REQS, num_actual_tokens=NUM_TOKENS,
+    max_query_len=MAX_QUERY_LEN, max_seq_len=MAX_SEQ_LEN, block_table_tensor=T["block_table"],
+    slot_mapping=T["slot_mapping"]).items() if k in fields})
+"""

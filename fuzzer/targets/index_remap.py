@@ -7,12 +7,15 @@ pass only the MQA subset of topk_indices, including the pre-fix one that left re
 
 from __future__ import annotations
 
-from fuzzer.targets.probes import observe_paths
+import torch
+
+from fuzzer.repro_spec import Judge, ReproSpec
 from fuzzer.targets import vllm_api
 from fuzzer.targets.base import Target
-from oracles.index import judge_remap, remap_args_for
-from strategies.tensors import materialize_index_inputs
+from fuzzer.targets.probes import observe_paths
+from oracles.index import expected_remap, judge_remap, remap_args_for
 from strategies.batches import IndexFeatures, index_cases
+from strategies.tensors import materialize_index_inputs
 
 # Tensors a reproducer defines under these names; other keyword arguments are written as literals.
 _REPRO_TENSORS = {"idx_mapping", "prefill_workspace_request_ids", "prefill_workspace_starts"}
@@ -69,10 +72,28 @@ class IndexRemap(Target):
 
         return observe_paths(self.observe, call, {"compacted": self.compacted(case)})
 
-    def render_repro(self, finding) -> tuple[str, dict]:
-        from fuzzer.artifacts.repro import render_index_repro
 
-        return render_index_repro(finding, self), {}
+    def repro_spec(self, finding) -> ReproSpec:
+        """The call on the step's int tensors, written as literals; judged against the documented remap, or, where
+        req_id_per_token and topk_indices cover different tokens, by whether vLLM refuses the call."""
+        case = finding.case
+        a = remap_args_for(case, materialize_index_inputs(case, "cpu"))
+        literals = dict(req_id_per_token=a.req_id, block_table=a.block_table, topk_indices=a.token_indices)
+        if a.idx_mapping is not None:
+            literals["idx_mapping"] = a.idx_mapping
+        if a.prefill_request_id is not None:
+            literals.update(prefill_workspace_request_ids=a.prefill_request_id,
+                            prefill_workspace_starts=a.prefill_workspace_starts)
+        about = f"Shrunk case: {case.summary()}"
+        if a.req_id.shape[0] != a.token_indices.shape[0]:
+            judge = Judge("index_contract", {"req_id_per_token": "req_id_per_token", "topk_indices": "topk_indices"})
+        else:
+            literals["expected"] = expected_remap(a).to(torch.int32)
+            about += "\n`expected` is the documented remap of topk_indices (attnfuzz's oracle)."
+            judge = Judge("index", {"out": "out", "valid_counts": "valid_counts", "expected": "expected",
+                                    "compacted": repr(bool(finding.observation.notes.get("compacted", False)))})
+        return ReproSpec(about=about, call=self.repro_call(case), judge=judge, literals=literals,
+                         bounds_checked=finding.host.device == "cpu")
 
     def repro_call(self, case) -> str:
         """The call in a reproducer, on the tensors it defines as literals; it assigns `out`, `valid_counts`."""

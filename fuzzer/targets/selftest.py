@@ -19,6 +19,7 @@ import signal
 import time
 from pathlib import Path
 
+from fuzzer.env import STATE_DIR
 from fuzzer.targets.base import Target
 from oracles.verdict import Verdict, passed
 from strategies.batches import IndexFeatures, index_cases
@@ -59,7 +60,6 @@ class SelftestFault(Target):
         return index_cases(profile, IndexFeatures())
 
     def _count(self) -> int:
-        from fuzzer.env import STATE_DIR
 
         path = Path(os.environ.get("ATTNFUZZ_FAULT_COUNTER", STATE_DIR / "selftest-fault-count"))
         n = int(path.read_text()) + 1 if path.exists() else 1
@@ -89,8 +89,9 @@ class SelftestFault(Target):
             raise RuntimeError("CUDA error: out of memory")
         return {}
 
-    def render_repro(self, finding) -> tuple[str, dict]:
-        return "", {}
+
+    def repro_spec(self, finding) -> None:
+        return None  # no vLLM call to reproduce: `attnfuzz replay` re-runs the case
 
 
 def _illegal_store(device: str) -> None:

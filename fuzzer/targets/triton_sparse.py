@@ -13,20 +13,18 @@ from types import SimpleNamespace
 
 import torch
 
-from fuzzer.targets.probes import observe_paths
-from fuzzer.targets.guards import Guards
-from fuzzer.targets.harness import (
-    cache_writer,
-    common_attn_metadata,
-    model_namespace,
-    paged_cache,
-    step_tensors,
-    with_padded_tokens,
-)
+from fuzzer.repro_spec import Judge, ReproSpec
+from fuzzer.support.builder_config import model_namespace
+from fuzzer.support.interp.corrections import CORRECTIONS, install_corrections
+from fuzzer.support.standins.cpu_shims import install_cpu_shims
+from fuzzer.targets import harness
 from fuzzer.targets.base import Target
-from oracles.attention_judge import judge_attention
-from strategies.tensors import HEAD_SIZE, KV_LORA_RANK, SM_SCALE
+from fuzzer.targets.guards import Guards
+from fuzzer.targets.probes import observe_paths
+from fuzzer.targets.vllm_api import remap_api
+from oracles.attention_judge import attention_tolerance, judge_attention, reference_for
 from strategies.batches import AttentionFeatures, attention_cases
+from strategies.tensors import HEAD_SIZE, KV_LORA_RANK, SM_SCALE
 
 BACKEND_MODULE = "vllm.v1.attention.backends.mla.xpu_mla_sparse"
 
@@ -53,14 +51,11 @@ class TritonSparse(Target):
     def prepare(self) -> None:
         self.shims: list[str] = []
         if self.device == "cpu":
-            from fuzzer.support.interp.corrections import CORRECTIONS, install_corrections
-            from fuzzer.support.standins.cpu_shims import install_cpu_shims
 
             install_corrections()
             self.shims = [*install_cpu_shims(), *(f"interpreter correction: {c}" for c in CORRECTIONS)]
 
     def cases(self, profile):
-        from fuzzer.targets.vllm_api import remap_api
 
         # Releases before flat_kv_row_view (0.26 and older) view the cache as contiguous rows.
         return attention_cases(profile, AttentionFeatures(kv_cache_dtypes=self.kv_cache_dtypes,
@@ -68,8 +63,8 @@ class TritonSparse(Target):
 
     def step(self, case, device, guards=None):
         """Everything the call needs, on `device`: inputs, poisoned cache, top-k buffer, config."""
-        inp, slots, topk_buffer = step_tensors(case, device, guards=guards)
-        return inp, slots, paged_cache(case, device, guards=guards), topk_buffer
+        inp, slots, topk_buffer = harness.step_tensors(case, device, guards=guards)
+        return inp, slots, harness.paged_cache(case, device, guards=guards), topk_buffer
 
     def run(self, case):
         dev = self.device
@@ -78,7 +73,7 @@ class TritonSparse(Target):
         backend = self.backend_module().XPUMLASparseBackend
         from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
-        write, emulated = cache_writer()
+        write, emulated = harness.cache_writer()
         cfg = model_namespace(case, max_num_batched_tokens=topk_buffer.shape[0])
         spec = MLAAttentionSpec(block_size=case.block_size, num_kv_heads=1, head_size=HEAD_SIZE, dtype=torch.bfloat16)
         before = []
@@ -89,12 +84,12 @@ class TritonSparse(Target):
             write(inp.kv_c[slots], inp.k_pe[slots], cache, slots, "auto", torch.ones((), device=dev))
             before.append(cache.clone())
             builder = backend.get_builder_cls()(spec, ["attnfuzz.layer"], cfg, torch.device(dev))
-            metadata = builder.build(0, common_attn_metadata(case, inp.index, dev))
+            metadata = builder.build(0, harness.common_attn_metadata(case, inp.index, dev))
             # The buffer through an indexer, as the model passes it (0.23's impl accepts nothing else).
             impl = backend.get_impl_cls()(case.heads, HEAD_SIZE, SM_SCALE, 1, None, None, "auto", None, "decoder",
                                           None, indexer=SimpleNamespace(topk_indices_buffer=topk_buffer),
                                           kv_lora_rank=KV_LORA_RANK)
-            q = with_padded_tokens(case, inp.q)  # CUDA-graph padding tokens' rows, if the case has any
+            q = harness.with_padded_tokens(case, inp.q)  # CUDA-graph padding tokens' rows, if the case has any
             q = (q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:])  # (ql_nope, q_pe), as the layer passes it
             out, lse = impl.forward_mqa(q, cache, metadata, None)
             if case.padded_tokens and out is not None and out.shape[0] == case.num_actual_tokens:
@@ -104,30 +99,53 @@ class TritonSparse(Target):
         obs = observe_paths(self.observe, call)
         obs.emulated = tuple(x for x in (emulated,) if x)
         obs.notes["shims"] = self.shims
-        if guard := guards.check():
-            obs.notes["guard"] = guard
-        changed = (cache.view(torch.int16) != before[0].view(torch.int16)).any(dim=-1).nonzero() if before else []
-        if len(changed):
-            obs.notes["cache_changed"] = f"{len(changed)} rows, first block {int(changed[0][0])} offset {int(changed[0][1])}"
+        harness.note_guards_and_cache(obs, guards, cache, before)
         return obs
 
-    def render_repro(self, finding) -> tuple[str, dict]:
-        from fuzzer.artifacts.repro import render_backend_repro
-        from oracles.attention_judge import attention_tolerance, reference_for
 
-        case, dev = finding.case, finding.host.device  # the values the finding ran with are drawn on its device
+    def repro_spec(self, finding) -> ReproSpec:
+        """The step as the finding ran it (its values are drawn on its device): the cache as written, the builder
+        and forward_mqa on it, judged against the fp32 reference."""
+
+        case, dev = finding.case, finding.host.device
+        cpu = dev == "cpu"
         inp, slots, cache, topk_buffer = self.step(case, dev)
-        write, _ = cache_writer()
+        write, _ = harness.cache_writer()
         write(inp.kv_c[slots], inp.k_pe[slots], cache, slots, "auto", torch.ones((), device=dev))
-        cam = common_attn_metadata(case, inp.index, dev)
+        tensors = harness.repro_step(case, inp.index, cache, topk_buffer, dev)
+        tensors.update(q=harness.with_padded_tokens(case, inp.q), expected_out=reference_for(case, inp, dev)[0])
         atol, rtol = attention_tolerance(case, inp)
-        tensors = dict(q=with_padded_tokens(case, inp.q), kv_cache_rows=cache.as_strided((case.num_blocks * case.stride_rows, HEAD_SIZE), (HEAD_SIZE, 1)),
-                       topk_indices_buffer=topk_buffer, query_start_loc=inp.index.query_start_loc,
-                       seq_lens=inp.index.seq_lens, block_table=inp.index.block_table, slot_mapping=cam.slot_mapping,
-                       num_computed_tokens=torch.tensor([r.context_len for r in case.requests], dtype=torch.int32),
-                       expected_out=reference_for(case, inp, dev)[0])
-        constants = dict(HEADS=case.heads, SM_SCALE=SM_SCALE, BLOCK_SIZE=case.block_size,
-                         BLOCK_STRIDE_ROWS=case.stride_rows, NUM_BLOCKS=case.num_blocks, NUM_REQS=len(case.requests),
-                         NUM_TOKENS=case.num_actual_tokens, MAX_QUERY_LEN=max(r.query_len for r in case.requests),
-                         MAX_SEQ_LEN=max(r.seq_len for r in case.requests), ATOL=atol, RTOL=rtol)
-        return render_backend_repro(finding, self, tensors, constants, BACKEND_MODULE, "XPUMLASparseBackend"), tensors
+        return ReproSpec(
+            about=f"Shrunk case: {case.summary()}; {case.heads} heads, values {case.values}.\n"
+                  "Inputs in tensors.safetensors beside this file: q, the paged KV cache as written before attention,\n"
+                  "the top-k buffer, the step's metadata and the fp32 reference output (attnfuzz's oracle).",
+            imports=("import dataclasses", "from types import SimpleNamespace"),
+            constants=dict(HEADS=case.heads, SM_SCALE=SM_SCALE, **harness.repro_constants(case), ATOL=atol, RTOL=rtol),
+            tensors=tensors,
+            support={"builder_config": "fuzzer.support.builder_config", **(harness.REPRO_CPU_SUPPORT if cpu else {})},
+            prepare=harness.REPRO_CPU_PREPARE if cpu else "",
+            setup=_REPRO_SETUP + harness.repro_case(case) + harness.REPRO_CACHE + _REPRO_CONFIG + harness.REPRO_METADATA,
+            call=_REPRO_CALL,
+            judge=Judge("attention", dict(out="out", expected='T["expected_out"]', cache="cache", before="before",
+                                          atol="ATOL", rtol="RTOL")),
+            bounds_checked=cpu and bool(finding.observation.memory))
+
+
+_REPRO_SETUP = f"""\
+from vllm.v1.attention.backend import CommonAttentionMetadata
+from {BACKEND_MODULE} import XPUMLASparseBackend as Backend
+from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+"""
+_REPRO_CONFIG = """\
+cfg = builder_config.model_namespace(case, max_num_batched_tokens=T["topk_indices_buffer"].shape[0])
+spec = MLAAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+"""
+_REPRO_CALL = """\
+metadata = Backend.get_builder_cls()(spec, ["layer"], cfg, torch.device(DEVICE)).build(0, cam)
+impl = Backend.get_impl_cls()(HEADS, 576, SM_SCALE, 1, None, None, "auto", None, "decoder", None,
+                              indexer=SimpleNamespace(topk_indices_buffer=T["topk_indices_buffer"]),
+                              kv_lora_rank=512)
+q = T["q"]  # (ql_nope | q_pe), as the layer hands it to forward_mqa
+out, _lse = impl.forward_mqa((q[..., :512], q[..., 512:]), cache, metadata, None)
+"""

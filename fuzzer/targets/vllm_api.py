@@ -21,6 +21,14 @@ class TargetUnavailable(RuntimeError):
     """The installed vLLM lacks what a target drives; the message says what and which release."""
 
 
+def import_vllm() -> str:
+    """Import vLLM (once per process: 7-20 s on the GPU host) and return its version; raises what the import
+    raised."""
+    import vllm
+
+    return vllm.__version__
+
+
 def vllm_version() -> str:
     try:
         import vllm

@@ -2,8 +2,8 @@
 (req_id_per_token of 12 rows, topk_indices of 2), with the converter's row check removed (the mutant)."""
 
 import torch
-
 import vllm  # noqa: F401
+
 from fuzzer.mutants import inject
 
 inject("remap-no-length-check")

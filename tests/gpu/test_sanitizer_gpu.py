@@ -12,7 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from fuzzer.run.compute_sanitizer import SanitizerUnavailable, find_compute_sanitizer, parse_log, sanitized_env, sanitizer_command
+from fuzzer.run.compute_sanitizer import (
+    SanitizerUnavailable,
+    find_compute_sanitizer,
+    parse_log,
+    sanitized_env,
+    sanitizer_command,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,0 +1,87 @@
+"""What a campaign counts, case by case, as its cases run: vLLM's paths (coverage), error margins, verdicts,
+real and emulated parts. The search steers by it; `run --out` writes it into campaign.json."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+from oracles.verdict import primary
+
+MAX_RECORDS = 20_000  # per-case records kept in campaign.json; counts and histograms cover every case
+
+
+def margin_bin(m: float) -> str:
+    """Half-decade bins of an error margin (error / tolerance; <= 1 passes): "k" is [10^(k/2), 10^((k+1)/2))."""
+    if math.isnan(m) or math.isinf(m):
+        return "nonfinite"
+    if m <= 0:
+        return "zero"
+    return str(max(-16, min(8, math.floor(2 * math.log10(m)))))
+
+
+def bin_label(key: str) -> str:
+    if key in ("zero", "nonfinite"):
+        return {"zero": "0", "nonfinite": "inf/nan"}[key]
+    k = int(key)
+    lo = 10 ** (k / 2)
+    return ("<" if k == -16 else "≥" if k == 8 else "") + (f"{lo:.0e}" if k % 2 == 0 else f"{lo:.1e}").replace("e+0", "e").replace("e-0", "e-")
+
+
+def bin_order(key: str) -> int:
+    return -99 if key == "zero" else 99 if key == "nonfinite" else int(key)
+
+
+@dataclass
+class CaseLog:
+    """Everything a campaign directory says about its cases, gathered as they run."""
+
+    coverage: Counter = field(default_factory=Counter)  # path -> cases that took it
+    path_sets: Counter = field(default_factory=Counter)  # the whole set of paths of a case -> cases
+    first_seen: dict = field(default_factory=dict)  # path -> the case number that took it first
+    margins: dict = field(default_factory=dict)  # check -> Counter(margin bin -> cases)
+    verdicts: Counter = field(default_factory=Counter)  # "ok" or the failing signature -> cases
+    real: Counter = field(default_factory=Counter)  # vLLM parts that ran for real -> cases
+    emulated: Counter = field(default_factory=Counter)  # compiled ops replaced by attnfuzz stand-ins -> cases
+    shims: Counter = field(default_factory=Counter)
+    allocator_poisoned: int = 0  # cases run with the caching allocator's free memory poisoned (fuzzer/targets/guards.py)
+    records: list = field(default_factory=list)
+    dropped: int = 0  # records past MAX_RECORDS (still counted above)
+
+    def add(self, case, obs, verdicts) -> dict:
+        n = sum(self.verdicts.values()) + 1
+        paths = sorted(obs.notes.get("paths", ()))
+        self.coverage.update(paths)
+        self.path_sets[" + ".join(paths) or "-"] += 1
+        for p in paths:
+            self.first_seen.setdefault(p, n)
+        worst: dict[str, float] = {}
+        for v in verdicts:
+            if v.margin is not None and not (v.check in worst and worst[v.check] >= v.margin):
+                worst[v.check] = float(v.margin)
+        for check, m in worst.items():
+            self.margins.setdefault(check, Counter())[margin_bin(m)] += 1
+        failed = [v for v in verdicts if not v.ok]
+        signature = primary(failed).signature if failed else "ok"
+        self.verdicts[signature] += 1
+        self.real.update(obs.real)
+        self.emulated.update(obs.emulated)
+        self.shims.update(obs.notes.get("shims", ()))
+        self.allocator_poisoned += bool(obs.notes.get("allocator_poisoned"))
+        record = {"n": n, "summary": case.summary(), "kv_cache_dtype": case.kv_cache_dtype, "heads": case.heads,
+                  "seconds": round(obs.seconds, 4), "paths": paths,
+                  "margins": {k: (round(m, 6) if math.isfinite(m) else str(m)) for k, m in worst.items()},
+                  "verdict": signature}
+        if len(self.records) < MAX_RECORDS:
+            self.records.append(record)
+        else:
+            self.dropped += 1
+        return record
+
+    def to_dict(self) -> dict:
+        return {"coverage": dict(self.coverage.most_common()), "path_sets": dict(self.path_sets.most_common()),
+                "first_seen": self.first_seen, "margins": {k: dict(v) for k, v in self.margins.items()},
+                "verdicts": dict(self.verdicts.most_common()), "real": dict(self.real), "emulated": dict(self.emulated),
+                "shims": dict(self.shims), "allocator_poisoned": self.allocator_poisoned,
+                "records_dropped": self.dropped, "cases": self.records}
