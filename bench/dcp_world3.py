@@ -2,6 +2,7 @@
 the kernel documents N_ROUNDED as the rank count rounded to a power of two, but its launcher passes the
 rank count itself, and tl.arange needs a power of two. Prints what each size does on this host."""
 import torch
+
 from fuzzer.env import prepare_process
 
 device = prepare_process(None)

@@ -30,9 +30,9 @@ def main() -> None:
     import torch
     from hypothesis import HealthCheck, Phase, given, settings
 
-    from strategies.tensors import materialize_index_inputs
     from strategies.batches import AttentionFeatures, attention_cases
     from strategies.profiles import PROFILES
+    from strategies.tensors import materialize_index_inputs
 
     torch.set_num_threads(1)
     # vllm.flashmla_sparse's cases on 0.33 (both cache dtypes, block sizes 64 and 128, strided blocks).

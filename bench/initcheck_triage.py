@@ -66,11 +66,10 @@ def main() -> None:
     import importlib
 
     import vllm  # noqa: F401
-
-    from fuzzer.targets.registry import TARGETS
-    from fuzzer.support.flashmla_runtime import BACKEND_MODULE
-
     from initcheck_stages import stage_marker  # bench/, beside this script
+
+    from fuzzer.support.flashmla_runtime import BACKEND_MODULE
+    from fuzzer.targets.registry import TARGETS
 
     marked = stage_marker(device)
 

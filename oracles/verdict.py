@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # Every check an oracle (or the harness) emits, in the order that picks a finding's primary symptom: an
-# out-of-bounds access outranks what follows from it. tests/test_verdicts.py checks that every check name
+# out-of-bounds access outranks what follows from it. tests/oracles/test_verdict.py checks that every check name
 # in the code is here.
 CHECKS: dict[str, str] = {
     "memory": "an out-of-bounds or uninitialized access (interpreter bounds checks, compute-sanitizer, guards)",

@@ -23,7 +23,7 @@ pip_quiet() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a director
 "${PIP[@]}" -r "$ROOT/requirements/vllm-import.txt"
 "${PIP[@]}" --no-deps "vllm==$VLLM_VERSION"
 "${PIP[@]}" --no-deps -e "$ROOT"
-"${PIP[@]}" "hypothesis>=6.100" rich safetensors pytest
+"${PIP[@]}" "hypothesis>=6.100" rich safetensors pytest pytest-xdist
 # Import check: the interpreter-mode environment the fuzzer uses (see fuzzer/env.py).
 CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 "$VENV/bin/python" -c "import vllm, torch, triton; print('setup-venv: vllm', vllm.__version__, 'torch', torch.__version__, 'triton', triton.__version__)"
 touch "$VENV/.attnfuzz-ready-$VLLM_VERSION"

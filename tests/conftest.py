@@ -9,9 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from fuzzer.env import prepare_process
+# Each pytest-xdist worker its own state directory: campaigns journal their running case per target there.
+os.environ.setdefault("ATTNFUZZ_STATE", str(Path(__file__).resolve().parent.parent / ".attnfuzz" / "tests"
+                                            / os.environ.get("PYTEST_XDIST_WORKER", "main")))
 
-os.environ.setdefault("ATTNFUZZ_STATE", str(Path(__file__).resolve().parent.parent / ".attnfuzz" / "tests"))
+from fuzzer.env import prepare_process  # noqa: E402  (reads ATTNFUZZ_STATE)
+
 # ATTNFUZZ_TEST_DEVICE=cuda on the GPU host (tests/gpu); everything else is CPU.
 prepare_process(os.environ.get("ATTNFUZZ_TEST_DEVICE", "cpu"))
 

@@ -6,7 +6,8 @@ import ast
 import collections
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.conftest import ROOT
+
 PACKAGES = ("strategies", "oracles", "fuzzer")
 # The lower the number, the lower the floor. A module imports only from lower floors, or from its own package.
 FLOORS = {

@@ -42,7 +42,7 @@ def test_expected_remap_matches_brute_force(case):
 
 
 def test_materialize_is_deterministic():
-    from tests.test_case import small_case
+    from tests.strategies.test_case import small_case
 
     c = small_case(seed=7)
     a, b = materialize_index_inputs(c), materialize_index_inputs(c)

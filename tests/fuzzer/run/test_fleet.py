@@ -36,7 +36,8 @@ def _worker_finding(plan: fleet.WorkerPlan, case: Case, signature: str, *, pendi
     (d / "case.json").write_text(case.to_json())
     (d / "finding.json").write_text(json.dumps({"id": fid, "target": target, "signature": signature,
                                                 "inject": None, "examples_to_find": 3, "summary": case.summary(),
-                                                "verdicts": [{"detail": signature}]}))
+                                                "verdicts": [{"check": signature.split(":")[0], "ok": False,
+                                                              "detail": signature}]}))
     (d / "repro.py").write_text("raise SystemExit(1)\n")
     return fid
 
@@ -109,7 +110,7 @@ def test_directory_index_claims_each_signature_once(tmp_path):
     assert index.claim("t|-|sig", {"id": "first"}) is None
     assert index.claim("t|-|sig", {"id": "second"})["id"] == "first"
     assert index.claim("t|-|other", {"id": "x"}) is None
-    assert len(list((tmp_path / fleet.SIGNATURES_DIR).glob("*.json"))) == 2
+    assert len(list((tmp_path / database.SIGNATURES_DIR).glob("*.json"))) == 2
 
 
 def _redis_url() -> str | None:

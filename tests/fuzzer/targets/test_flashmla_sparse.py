@@ -133,7 +133,7 @@ def test_a_mutant_finding_gets_a_standalone_reproducer(tmp_path):
     import subprocess
     import sys
 
-    from .conftest import attnfuzz
+    from tests.conftest import attnfuzz
 
     run = attnfuzz("--device", "cpu", "run", "--target", "vllm.flashmla_sparse", "--inject", "flashmla-padded-heads-out",
                    "--max-examples", "5", "--reruns", "0", "--quiet", "--repros", str(tmp_path / "repros"),

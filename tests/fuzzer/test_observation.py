@@ -1,11 +1,10 @@
 """Every `notes` key a target, the harness or an oracle uses is declared in fuzzer/observation.py's Notes."""
 
 import re
-from pathlib import Path
 
 from fuzzer.observation import NOTE_KEYS
+from tests.conftest import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 USE = re.compile(r"notes(?:\.get\(|\[|\.setdefault\()\"(\w+)\"")
 
 

@@ -117,7 +117,7 @@ def test_usage_errors_exit_2(tmp_path):
     assert r.returncode == 2 and "--max-findings 0" in r.stderr
     bad = tmp_path / "bad"
     bad.mkdir()
-    from tests.test_case import small_case
+    from tests.strategies.test_case import small_case
 
     data = json.loads(small_case().to_json())
     data["requests"][0]["query_len"] = -2

@@ -1,7 +1,6 @@
 """compute-sanitizer reports as data: the real memcheck log of the seed bug (../shared/fixtures), and logs in
 the formats of the other tools; the sanitized worker's environment; guard regions; `--sanitizer auto`."""
 
-from pathlib import Path
 
 import torch
 
@@ -19,9 +18,10 @@ from fuzzer.run.compute_sanitizer import (
 from fuzzer.targets.guards import Guards
 from oracles.verdict import Verdict, passed
 from strategies.case import Case, Request, TopkSpec
+from tests.conftest import ROOT
 
-FIXTURE = Path(__file__).resolve().parent.parent.parent / "shared" / "fixtures" / "memcheck-index-remap-oob.log"
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
+FIXTURE = ROOT.parent / "shared" / "fixtures" / "memcheck-index-remap-oob.log"
+FIXTURES = ROOT / "tests" / "fixtures"
 
 
 def test_memcheck_fixture_of_the_seed_bug():

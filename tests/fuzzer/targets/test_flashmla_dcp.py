@@ -15,8 +15,7 @@ from hypothesis import strategies as st
 from fuzzer.support.dcp_group import EmulatedDcpGroup, LockstepRanks
 from oracles.dcp import owner_and_local, rank_slots, undivided
 from strategies.case import Case, Dcp, Request, TopkSpec, rank_owned_positions
-
-from .conftest import attnfuzz
+from tests.conftest import attnfuzz
 
 
 # -- the emulated group ------------------------------------------------------------------------------------
@@ -126,7 +125,7 @@ print(json.dumps(sorted({(v.check, v.bug_class) for v in t.oracle(case, t.run(ca
     ("dcp-owner-ignores-interleave", 2, "dcp_filter"),
 ])
 def test_each_dcp_mutant_is_seen(mutant, interleave, check):
-    from .conftest import ROOT
+    from tests.conftest import ROOT
 
     case = mixed(2, interleave)
     run = subprocess.run([sys.executable, "-c", PROBE, mutant, case.to_json(None)], cwd=ROOT, capture_output=True,

@@ -5,7 +5,7 @@ import torch
 from oracles.attention_judge import judge_fp8_ds_mla_entries
 from oracles.fp8_ds_mla import quantize
 from strategies.tensors import materialize_attention_inputs
-from tests.test_case import small_case
+from tests.strategies.test_case import small_case
 
 
 def _entries(case, convention="pow2"):

@@ -110,7 +110,7 @@ def test_index_remap_target_records_workspace_mode():
     ("fp8_ds_mla", 64, {"fp8.separate_prefill_decode", "remap.workspace", "kernel.bf16_sparse"}),  # >= 32 heads
 ])
 def test_flashmla_target_records_the_path_vllm_took(kv_cache_dtype, heads, expected):
-    from tests.test_flashmla_target import mixed_batch, target
+    from tests.fuzzer.targets.test_flashmla_sparse import mixed_batch, target
 
     t = target()
     case = mixed_batch(kv_cache_dtype, heads, 64)

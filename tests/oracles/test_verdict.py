@@ -2,11 +2,10 @@
 priority picks a finding's primary symptom)."""
 
 import ast
-from pathlib import Path
 
 from oracles.verdict import CHECKS, Verdict, primary
+from tests.conftest import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 EMITTERS = {"Verdict": 0, "passed": 0, "RemapMismatch": 1}  # callable -> position of the check name
 
 

@@ -6,7 +6,6 @@ import pkgutil
 import random
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -14,8 +13,8 @@ import pytest
 import fuzzer.support
 from fuzzer.artifacts.repro import SUPPORT_FILE, compact_list, render, support_file, support_modules
 from fuzzer.repro_spec import Judge, ReproSpec
+from tests.conftest import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 ALL_SUPPORT = [m.name for m in pkgutil.walk_packages(fuzzer.support.__path__, "fuzzer.support.") if not m.ispkg]
 ATTNFUZZ = ("fuzzer", "oracles", "strategies")
 ALLOWED_IMPORTS = {"__future__", "contextlib", "dataclasses", "os", "sys", "tempfile", "types", "torch", "safetensors",
