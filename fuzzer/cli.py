@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
+
+STARTED = time.monotonic()  # a run's summary counts its start-up (imports, vLLM's set-up) from here
 
 from fuzzer.commands import gate, replay, report, run, selftest
 from fuzzer.commands import list as list_command
@@ -33,9 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     # The run options as given: a fleet passes them on to its workers.
     args.run_argv = argv[argv.index("run") + 1:] if args.command == "run" else []
-
-    device = prepare_process(args.device)
+    args.started = STARTED
     try:
+        device = prepare_process(args.device)
         return int(COMMANDS[args.command].main(args, device))
     except UsageError as e:
         print(f"attnfuzz: {e}", file=sys.stderr)

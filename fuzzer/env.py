@@ -14,11 +14,19 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from fuzzer.errors import UsageError
+
 STATE_DIR = Path(os.environ.get("ATTNFUZZ_STATE", ".attnfuzz"))
 
 
 def _has_cuda_driver() -> bool:
     return any(Path(p).exists() for p in ("/dev/nvidia0", "/dev/nvidiactl", "/proc/driver/nvidia"))
+
+
+def _torch_has_cuda() -> bool:
+    import torch
+
+    return torch.version.cuda is not None
 
 
 def prepare_process(device: str | None = None) -> str:
@@ -31,6 +39,10 @@ def prepare_process(device: str | None = None) -> str:
         return "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
     if device is None:
         device = "cuda" if _has_cuda_driver() else "cpu"
+    if device == "cuda" and not _has_cuda_driver():
+        raise UsageError("--device cuda: this host has no GPU driver (no /dev/nvidia0); run with --device cpu")
+    if device == "cuda" and not _torch_has_cuda():
+        raise UsageError("--device cuda: this torch is a CPU build (torch.version.cuda is None)")
     if device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
         os.environ["TRITON_INTERPRET"] = "1"

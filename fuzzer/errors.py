@@ -1,7 +1,8 @@
 """Exit codes and the exceptions every layer raises; a leaf module, imported from anywhere.
 
-0 tested and clean, 1 findings, 2 could not test (usage, environment, harness). Each command maps what it
-caught to one of them in one place (`fuzzer/cli.py`)."""
+0 tested and clean (at least one case ran, nothing found, not cut short), 1 findings, 2 could not test (usage,
+environment, harness; a reproducer that could not run its call), 3 interrupted before it finished, nothing
+found so far. Each command maps what it caught to one of them in one place (`fuzzer/cli.py`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ class ExitCode(IntEnum):
     CLEAN = 0
     FOUND = 1
     USAGE = 2
+    INTERRUPTED = 3
 
 
 class UsageError(Exception):

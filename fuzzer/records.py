@@ -60,6 +60,7 @@ class Finding:
     seconds_to_find: float
     has_repro: bool = True
     reruns: tuple[int, int] | None = None  # (times the signature came back, re-runs): flaky when fewer
+    shrunk: bool = False  # Hypothesis shrank it (False: the first failing case, --no-shrink or cut short)
 
     @property
     def flaky(self) -> bool:
@@ -92,6 +93,8 @@ class Finding:
             "examples_to_find": self.examples_to_find,
             "seconds_to_find": round(self.seconds_to_find, 2),
             "summary": self.case.summary(),
+            "shrunk": self.shrunk,
+            "found_on": {"vllm": self.host.vllm, "device": self.host.device},
             "reruns": None if self.reruns is None else {"reproduced": self.reruns[0], "of": self.reruns[1],
                                                         "flaky": self.flaky},
             "sanitizer": o.notes.get("sanitizer"),
@@ -109,7 +112,7 @@ class Finding:
         host = HostInfo(**{k: tuple(v) if isinstance(v, list) else v for k, v in record.host.items()
                            if k in HostInfo.__dataclass_fields__})
         return cls(record.target, record.signature, case, list(record.failed), obs, host, record.inject,
-                   record.examples_to_find, record.seconds_to_find)
+                   record.examples_to_find, record.seconds_to_find, shrunk=bool(d.get("shrunk", False)))
 
 
 def write_finding(path: Path, finding: Finding) -> None:
@@ -220,7 +223,11 @@ class RunSummary:
     emulated: dict[str, int] = field(default_factory=dict)  # stand-in op -> cases it served
     real: dict[str, int] = field(default_factory=dict)
     allocator_poisoned: int = 0
-    interrupted: bool = False
+    interrupted: bool = False  # cut short (SIGINT, SIGTERM): the exit code says so too
+    interrupted_by: str | None = None
+    shrink_cases: int = 0  # cases run while shrinking findings, on top of `examples`
+    rerun_cases: int = 0  # findings' re-runs
+    startup_seconds: float = 0.0  # from the command's start to the campaign's (imports, vLLM's set-up)
     # a fleet's merge only (None elsewhere, and left out of the file):
     database: str | None = None
     workers: list[dict] | None = None  # per worker: seed, GPU, exit, cases, seconds, log

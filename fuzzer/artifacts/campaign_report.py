@@ -27,13 +27,13 @@ COPY_LIMIT = 8 << 20  # a finding's files larger than this (tensors) are referen
 # -- the campaign directory -----------------------------------------------------------------------------------
 
 def write_campaign(out: Path, result, *, host, seed: int, inject: str | None, profile: str, options: dict,
-                   findings_saved: list[Path]) -> Path:
+                   findings_saved: list[Path], findings: list | None = None) -> Path:
     """DIR/campaign.json and the findings: referenced where they already lie inside DIR, else copied to
     DIR/findings/<id>/ (files over COPY_LIMIT are referenced, not copied)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    findings = []
-    for f, saved in zip(result.findings, findings_saved):
+    entries = []
+    for f, saved in zip(result.findings if findings is None else findings, findings_saved):
         saved = Path(saved).resolve()
         entry = dict(f.to_dict(), repro_dir=str(saved))
         try:
@@ -45,14 +45,16 @@ def write_campaign(out: Path, result, *, host, seed: int, inject: str | None, pr
                 if p.is_file() and p.stat().st_size <= COPY_LIMIT:
                     shutil.copy2(p, dest / p.name)
             entry["path"] = str(dest.relative_to(out))
-        findings.append(entry)
+        entries.append(entry)
     log = result.cases
     doc = {
         "target": result.target, "seed": seed, "inject": inject, "profile": profile,
         "options": options, "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "examples": result.examples, "seconds": round(result.seconds, 2), "cases_per_second": round(result.rate, 3),
-        "workers_started": result.workers_started, "checks": result.checks, "repeats": result.repeats,
-        "host": host.to_dict(), "findings": findings, **log.to_dict(),
+        "workers_started": result.workers_started, "interrupted": result.interrupted,
+        "shrink_cases": result.shrink_cases, "rerun_cases": result.rerun_cases, "checks": result.checks,
+        "repeats": result.repeats,
+        "host": host.to_dict(), "findings": entries, **log.to_dict(),
     }
     path = out / "campaign.json"
     write_campaign_record(path, doc)

@@ -163,27 +163,48 @@ def support_file(modules: list[str]) -> str:
 # -- the script -----------------------------------------------------------------------------------------------
 
 _CPU_ENV = """
-# CPU: run vLLM's Triton kernels under Triton's interpreter. An empty CUDA_VISIBLE_DEVICES keeps vLLM
-# from swapping Triton for a placeholder on a machine with no GPU driver.
+# CPU: Triton's interpreter (an empty CUDA_VISIBLE_DEVICES keeps vLLM from swapping Triton for a placeholder)
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 os.environ["TRITON_INTERPRET"] = "1"
 """
 
 _MAIN = '''
 def main():
-{body}    problems, error, found = [], None, []
+    try:  # importing vLLM and setting the step up: a failure here is not the bug's answer
+{body}    except Exception as e:
+        return could_not_run("the set-up", e)
+    problems, error, found = [], None, []
     with {collect} as oob:
         try:
-{call}        except Exception as e:  # vLLM refused the call
-            error = e
+{call}        except Exception as e:
+            if not vllms_answer(e):
+                return could_not_run("the call", e)
+            error = e  # vLLM raised: judged below
     problems += [v.describe() for v in oob] + found
 {judge}{report}    for p in problems:
         print("BUG:", p)
     print("vLLM", __import__("vllm").__version__, "-", "bug present" if problems else "no bug: fixed")
     return 1 if problems else 0
+
+
+def vllms_answer(e):  # judged; not a module, name or signature (at this script's line) this vLLM lacks
+    here = traceback.extract_tb(e.__traceback__)[-1].filename == __file__
+    return not (isinstance(e, (ImportError, NameError)) or isinstance(e, (TypeError, AttributeError)) and here)
+
+
+def could_not_run(stage, e):  # exit 2: no answer from vLLM, so nothing about the bug
+    traceback.print_exception(e, limit=-4)
+    print(f"COULD NOT RUN ({{stage}}): {{type(e).__name__}}: {{e}} - this says nothing about the bug (exit 2)")
+    return 2
 '''
 
 _LOAD_TENSORS = 'T = load_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tensors.safetensors"), device=DEVICE)'
+
+
+def _saw(verdicts) -> list[str]:
+    """What attnfuzz saw, as comments: one line for one verdict."""
+    lines = [f"{v.check}: {v.detail}" for v in verdicts]
+    return [f"# What attnfuzz saw: {lines[0]}"] if len(lines) == 1 else ["# What attnfuzz saw:", *(f"#   {ln}" for ln in lines)]
 
 
 def _indent(code: str, n: int) -> str:
@@ -216,7 +237,7 @@ def _header(finding, spec: ReproSpec, support: str | None) -> str:
             f"Found by attnfuzz target `{finding.target}` on vLLM {host.vllm}, {host.device} ({host.device_name})"
             + (f", with the injected bug `{finding.inject}` (inlined below)" if finding.inject else "") + ".\n"
             + spec.about.strip("\n") + "\n" + where
-            + "Run:  python repro.py     (torch + vLLM only; exits 1 while the bug is present, 0 once fixed)\n"
+            + "Run:  python repro.py   (torch + vLLM only; exit 1: bug present, 0: fixed, 2: could not run the call)\n"
             + (f"This is a memory error that compute-sanitizer sees; run it so:\n  {run}\n"
                "Run plainly, the script may look clean on the GPU: it prints that command.\n" if run else "")
             + '"""\n'
@@ -247,14 +268,14 @@ def render(finding, spec: ReproSpec, standalone: bool = False) -> dict[str, str]
     judge_lines = (f"problems += {_judge_call(spec)}\n" if judge == "index_contract" else
                    'if error is not None:\n    problems.append(f"raised {type(error).__name__}: {error}")\n'
                    f"else:\n    problems += {_judge_call(spec)}\n")
-    imports = ["import os", "import sys", *spec.imports, *([] if spec.bounds_checked else ["import contextlib"])]
+    imports = ["import os", "import sys", "import traceback", *spec.imports, *([] if spec.bounds_checked else ["import contextlib"])]
     imports = sorted(set(imports), key=lambda ln: (ln.startswith("from"), ln))
     module = ["\n".join(imports) + "\n", _CPU_ENV if cpu else "",
               "import torch\n" + ("from safetensors.torch import load_file\n" if spec.tensors else ""),
               "\n".join([f'DEVICE = "{"cpu" if cpu else "cuda"}"', *(f"{k} = {v!r}" for k, v in spec.constants.items()),
-                         "# What attnfuzz saw:", *(f"#   {v.check}: {v.detail}" for v in finding.verdicts)]) + "\n",
+                         *_saw(finding.verdicts)]) + "\n",
               "\n".join(tensor_literal(k, t) for k, t in spec.literals.items()) + "\n" if spec.literals else ""]
-    main = _MAIN.format(body=_indent(body, 4), call=_indent(spec.call, 12), judge=_indent(judge_lines, 4),
+    main = _MAIN.format(body=_indent(body, 8), call=_indent(spec.call, 12), judge=_indent(judge_lines, 4),
                         report=_indent(spec.report, 4),
                         collect="sanitizer.SANITIZER.collect()" if spec.bounds_checked else "contextlib.nullcontext([])")
     tail = ["\n" + "\n\n".join(inspect.getsource(fn) for fn in repro_judges.FUNCTIONS[judge])]
@@ -265,7 +286,7 @@ def render(finding, spec: ReproSpec, standalone: bool = False) -> dict[str, str]
         tail.append(f"\n# ---- {SUPPORT_FILE}, inlined: attnfuzz's support code, each module verbatim ----\n"
                     + support_body(modules) + '\n\nsys.modules["attnfuzz_support"] = sys.modules[__name__]\n')
     script = "\n".join(p for p in [_header(finding, spec, None if not modules else "inline" if standalone else "file"),
-                                    *module, main, *tail, '\nif __name__ == "__main__":\n    sys.exit(main())\n'] if p)
+                                    *module, main, *tail, '\nif __name__ == "__main__":\n    try:\n        sys.exit(main())\n    except Exception as e:  # in the check itself\n        sys.exit(could_not_run("the check", e))\n'] if p)
     return {"repro.py": script, **({SUPPORT_FILE: support_file(modules)} if modules and not standalone else {})}
 
 

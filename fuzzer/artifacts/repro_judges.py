@@ -37,11 +37,7 @@ def judge_index_contract(error, req_id_per_token, topk_indices):
 def compare_to_reference(out, expected, atol, rtol, what="output", heads=None):
     """Problems of `out` against attnfuzz's fp32 reference: |out - ref| <= atol + rtol |ref| per element, and
     finite where the reference is. `heads`: heads per rank (a DCP step's merged output), named in each problem."""
-    problems = []
-
-    def rank(h):
-        return "" if heads is None else f" (rank {h // heads}'s heads)"
-
+    problems, rank = [], (lambda h: "") if heads is None else (lambda h: f" (rank {h // heads}'s heads)")
     bad = ~torch.isfinite(out)
     if bad.any():
         t, h, _ = bad.nonzero()[0].tolist()

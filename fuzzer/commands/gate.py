@@ -84,11 +84,16 @@ def replay(record: FindingRecord, device: str, vllm_version: str, unavailable: d
            logs: Path, timeout_s: float) -> ReproResult:
     """Run the reproducer (repro.py, or `attnfuzz replay` where there is none) in a fresh process."""
     base = dict(id=record.id, path=str(record.dir), target=record.target, status=record.status)
-    why = unavailable.get(record.target, f"unknown target {record.target}")
+    standalone = (record.dir / "repro.py").is_file()
+    made_on = record.host.get("device", "cpu")
+    # A repro.py needs only torch and vLLM: it runs wherever its device is, whatever attnfuzz's target detection
+    # says of this vLLM (a release that moved what the repro calls must show as broken, not as skipped).
+    why = (f"made on {made_on}; this host runs {device}" if standalone and made_on == "cuda" != device else None
+           if standalone else unavailable.get(record.target, f"unknown target {record.target}"))
     if why:
-        return ReproResult(**base, expected="-", outcome="skipped", detail=f"target not runnable here: {why}")
+        return ReproResult(**base, expected="-", outcome="skipped", detail=f"not runnable here: {why}")
     expects = record.expects_bug(vllm_version)
-    if (record.dir / "repro.py").is_file():
+    if standalone:
         argv = [sys.executable, "repro.py"]
     else:
         argv = [sys.executable, "-m", "fuzzer.cli", "--device", device, "replay", str(record.dir.resolve())]
@@ -109,11 +114,14 @@ def replay(record: FindingRecord, device: str, vllm_version: str, unavailable: d
                       f"(\"releases\": {{\"{release_of(vllm_version)}\": \"absent\"}}, \"status\": \"fixed\")",
         "fixed": f"fixed on vLLM {vllm_version}, stays fixed",
         "regressed": f"REGRESSION: a fixed bug is back on vLLM {vllm_version}: {record.title}",
-        "broken": f"the reproducer itself broke ({'timed out' if rc is None else f'exit {rc}'}), neither 0 nor 1",
+        "broken": f"BROKEN: the reproducer could not run its call ({'timed out' if rc is None else f'exit {rc}'}): "
+                  "it says nothing about the bug",
     }[outcome]
     if record.sanitizer and outcome == "now-passes":
         detail += f" (made under compute-sanitizer --tool {record.sanitizer}: run plainly it may not show)"
     tail = "\n".join(log.read_text(errors="replace").strip().splitlines()[-15:])
+    if outcome == "broken" and (why := [ln for ln in tail.splitlines() if ln.startswith("COULD NOT RUN")]):
+        detail += f"; {why[-1]}"
     return ReproResult(**base, expected="present" if expects else "absent", outcome=outcome, returncode=rc,
                        seconds=seconds, detail=detail, log=tail)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from dataclasses import replace
@@ -12,7 +13,8 @@ from fuzzer.artifacts.campaign_report import render, write_campaign
 from fuzzer.artifacts.repro import write_repro
 from fuzzer.env import STATE_DIR, host_info
 from fuzzer.errors import ExitCode, HarnessError, UsageError, WorkerError
-from fuzzer.mutants import MutantError, inject
+from fuzzer.mutants import MUTANTS, MutantError, inject
+from fuzzer.mutants import load as load_mutant
 from fuzzer.records import RunSummary
 from fuzzer.run import fleet
 from fuzzer.run.compute_sanitizer import SanitizerUnavailable, check_driver, find_compute_sanitizer
@@ -22,6 +24,7 @@ from fuzzer.run.worker import SANITIZED_RECYCLE_AFTER, WorkerExecutor, WorkerSpe
 from fuzzer.search.campaign import Campaign
 from fuzzer.search.database import example_database
 from fuzzer.search.progress import Progress
+from fuzzer.targets.registry import TARGETS
 from strategies.profiles import PROFILES
 
 
@@ -45,7 +48,8 @@ def add_parser(sub) -> None:
     r.add_argument("--json", type=Path, metavar="PATH", help="write a JSON summary here")
     r.add_argument("--out", type=Path, metavar="DIR", help="campaign directory: campaign.json (coverage, margins, "
                    "every case), its findings, report.md and report.html")
-    r.add_argument("--repros", type=Path, default=Path("repros"), help="where findings are saved")
+    r.add_argument("--repros", type=Path, default=None,
+                   help="where findings are saved (default .attnfuzz/findings; promote one into repros/ by hand)")
     r.add_argument("--quiet", action="store_true")
     r.add_argument("--isolation", choices=("worker", "none"), default="worker",
                    help="worker (default): cases run in a worker process that a crash or hang cannot take the "
@@ -68,33 +72,97 @@ def add_parser(sub) -> None:
                         "filesystem or a Redis server shares failures between workers and hosts")
 
 
-def main(args, device: str) -> int:
+MIN_CASE_TIMEOUT_S = 5.0  # below this every slow case (a first Triton compile, a big interpreted one) is a "hang"
 
-    if args.workers is not None:  # a fleet: this process runs none of the cases
-        return fleet.run_fleet(args, device)
-    import_vllm()
-    target = make_target(args.target, device)  # detects the release's API before any mutant patches it
-    if args.kv_cache_dtype:
-        if args.kv_cache_dtype not in target.kv_cache_dtypes:
-            raise UsageError(f"--kv-cache-dtype {args.kv_cache_dtype}: {target.name} takes "
-                             f"{', '.join(target.kv_cache_dtypes) or 'no kv cache'}")
-        target.kv_cache_dtypes = (args.kv_cache_dtype,)
-    label = None
-    if args.inject:
-        try:
-            label = inject(args.inject)
-        except (MutantError, RuntimeError) as e:
-            raise UsageError(str(e)) from e
-    profile_name = args.profile or ("gpu" if device == "cuda" else "cpu")
-    if profile_name not in PROFILES:
-        raise UsageError(f"unknown profile {profile_name!r}; known: {', '.join(PROFILES)}")
-    max_examples = args.max_examples if args.max_examples is not None or args.time_budget else 100
+
+def validate(args, device: str) -> None:
+    """Every argument and output location checked before vLLM is imported and before the first case runs."""
+    if args.target not in TARGETS:
+        raise UsageError(f"unknown target {args.target!r}; known: {', '.join(TARGETS)}")
+    cls = TARGETS[args.target]
+    if args.max_examples is not None and args.max_examples < 1:
+        raise UsageError(f"--max-examples {args.max_examples}: must be 1 or more (a run that tests nothing "
+                         f"cannot pass)")
+    if args.time_budget is not None and args.time_budget <= 0:
+        raise UsageError(f"--time-budget {args.time_budget:g}s: must be more than 0")
+    if args.reruns < 0:
+        raise UsageError(f"--reruns {args.reruns}: must be 0 or more")
     if args.max_findings is not None and args.max_findings < 1:
         raise UsageError(f"--max-findings {args.max_findings}: must be 1 or more")
+    if args.case_timeout < MIN_CASE_TIMEOUT_S:
+        raise UsageError(f"--case-timeout {args.case_timeout:g}s: at least {MIN_CASE_TIMEOUT_S:g}s (one case can "
+                         f"take that long; a shorter watchdog reports working cases as hangs)")
+    profile = args.profile or ("gpu" if device == "cuda" else "cpu")
+    if profile not in PROFILES:
+        raise UsageError(f"--profile {profile!r}: unknown; known: {', '.join(PROFILES)}")
+    if args.kv_cache_dtype and args.kv_cache_dtype not in cls.kv_cache_dtypes:
+        raise UsageError(f"--kv-cache-dtype {args.kv_cache_dtype}: {args.target} takes "
+                         f"{', '.join(cls.kv_cache_dtypes) or 'no kv cache'}")
+    if args.sanitizer and device != "cuda":
+        raise UsageError("--sanitizer needs a GPU (on CPU every interpreted load and store is bounds-checked)")
+    if args.inject:
+        if args.inject in MUTANTS:
+            meant_for = load_mutant(args.inject).TARGETS
+            # A target built on another (the DCP ranks on the emulated DCP step) runs the code its mutants break.
+            if not any(issubclass(cls, TARGETS[name]) for name in meant_for if name in TARGETS):
+                raise UsageError(f"--inject {args.inject}: the mutant breaks {', '.join(meant_for)}; on "
+                                 f"{args.target} it would change nothing")
+        elif not Path(args.inject).is_file():
+            raise UsageError(f"--inject {args.inject!r}: neither a built-in mutant ({', '.join(MUTANTS)}) nor a file")
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        raise UsageError(f"--out {args.out}: exists and is not a directory")
+    for option, where in (("--repros", args.repros), ("--out", args.out), ("--json", args.json and args.json.parent)):
+        if where is not None and (why := unwritable(Path(where))):
+            raise UsageError(f"{option} {where}: cannot write there ({why})")
+
+
+def unwritable(d: Path) -> str | None:
+    """Why nothing can be written into directory `d` (made if missing), or None."""
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        probe = d / f".attnfuzz-write-check-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        return e.strerror or type(e).__name__
+    return None
+
+
+def main(args, device: str) -> int:
+    if args.repros is None:  # a newcomer's findings stay out of repros/, the corpus the gate replays
+        args.repros = STATE_DIR / "findings"
+    validate(args, device)
+    if args.workers is not None:  # a fleet: this process runs none of the cases
+        return fleet.run_fleet(args, device)
+    in_process = args.isolation == "none" and not args.sanitizer
+    if in_process:  # the cases run here: vLLM loads here, once
+        import_vllm()
+        target = make_target(args.target, device)  # detects the release's API before any mutant patches it
+    else:  # the cases run in a worker: it imports vLLM, checks the target and reports its plan; this process never
+        target = TARGETS[args.target](device)
+    if args.kv_cache_dtype:
+        target.kv_cache_dtypes = (args.kv_cache_dtype,)  # this run's narrowing, on this instance only
+    label = None
+    if args.inject and in_process:
+        try:
+            label = inject(args.inject)
+        except MutantError as e:
+            raise UsageError(str(e)) from e
+    elif args.inject:  # applied in the worker; a file that raises is named there (a usage error, below)
+        label = args.inject if args.inject in MUTANTS else str(Path(args.inject))
+    executor = executor_for(args, target, device)
+    if not in_process:
+        try:
+            ready = executor.start()
+        except WorkerError as e:
+            raise UsageError(worker_failure(str(e))) from e
+        target.adopt(ready.get("plan", {}))
+    profile_name = args.profile or ("gpu" if device == "cuda" else "cpu")
+    max_examples = args.max_examples if args.max_examples is not None or args.time_budget else 100
     host = host_info(device)
-    campaign = Campaign(target, PROFILES[profile_name], host, executor=executor_for(args, target, device),
+    campaign = Campaign(target, PROFILES[profile_name], host, executor=executor,
                         seed=args.seed, max_examples=max_examples, time_budget=args.time_budget, inject=label,
-                        progress=Progress(target.name, args.quiet), pending=args.repros / ".pending",
+                        progress=Progress(target.name, args.quiet), pending=STATE_DIR / "pending" / target.name,
                         journal=STATE_DIR / "journal" / f"{target.name}.json", reruns=args.reruns,
                         shrink=not args.no_shrink, database=example_database(args.db),
                         max_findings=args.max_findings)
@@ -105,14 +173,54 @@ def main(args, device: str) -> int:
         return ExitCode.USAGE
     except WorkerError as e:
         raise UsageError(str(e)) from e
-    saved = [write_repro(f, target, args.repros) for f in result.findings]
-    campaign.clear_pending()
-    print_summary(result, saved, host)
+    result.startup_seconds = max(0.0, campaign.started_at - getattr(args, "started", campaign.started_at))
+    saved, unsaved = save_findings(result.findings, target, args.repros)
+    campaign.clear_pending([f for f, _ in saved])
+    print_summary(result, saved, unsaved, host, campaign)
+    findings = [f for f, _ in saved]
     if args.json:
         summary_of(args, result, saved, host, label, profile_name, target).write(args.json)
     if args.out:  # the campaign directory (campaign.json, findings) and its report.md / report.html
         write_campaign_dir(args, result, saved, host, label, profile_name, target, max_examples)
-    return ExitCode.FOUND if result.findings else ExitCode.CLEAN
+    if result.findings:
+        return ExitCode.FOUND
+    if result.interrupted:
+        return ExitCode.INTERRUPTED
+    if result.examples == 0:
+        print("attnfuzz: no case ran: nothing was tested", file=sys.stderr)
+        return ExitCode.USAGE
+    assert not findings
+    return ExitCode.CLEAN
+
+
+def worker_failure(message: str) -> str:
+    """A worker's start-up failure in one line: an unavailable target, an --inject file that raised (its file
+    and line), or where the worker's traceback ended."""
+    if "MutantError: " in message:
+        return message.rsplit("MutantError: ", 1)[1].strip().splitlines()[0]
+    if ": unavailable: " in message:
+        return message.replace(": unavailable: ", " is not available here: ")
+    return message
+
+
+def save_findings(findings, target, repros: Path) -> tuple[list, list]:
+    """Each finding's directory under `repros`, or under the state directory where `repros` cannot take it;
+    a finding neither can take stays pending (and is listed)."""
+    saved, unsaved = [], []
+    for f in findings:
+        for root in dict.fromkeys((Path(repros), STATE_DIR / "findings")):
+            try:
+                path = write_repro(f, target, root)
+            except OSError as e:
+                print(f"attnfuzz: cannot save {f.id} under {root}: {e.strerror or e}", file=sys.stderr)
+                continue
+            if root != Path(repros):
+                print(f"attnfuzz: {f.id} saved under {root} instead", file=sys.stderr)
+            saved.append((f, path))
+            break
+        else:
+            unsaved.append(f)
+    return saved, unsaved
 
 
 def executor_for(args, target, device: str):
@@ -141,8 +249,7 @@ def executor_for(args, target, device: str):
     return WorkerExecutor(spec, logs)
 
 
-def summary_of(args, result, saved, host, label, profile_name, target):
-
+def summary_of(args, result, saved, host, label, profile_name, target) -> RunSummary:
     return RunSummary(
         target=result.target, seed=args.seed, inject=label, profile=profile_name,
         kv_cache_dtypes=list(target.kv_cache_dtypes), examples=result.examples, seconds=round(result.seconds, 2),
@@ -152,32 +259,43 @@ def summary_of(args, result, saved, host, label, profile_name, target):
         host=dict(host.to_dict(), emulated_ops=sorted(result.cases.emulated)),
         emulated=dict(result.cases.emulated), real=dict(result.cases.real),
         allocator_poisoned=result.cases.allocator_poisoned,  # cases (ATTNFUZZ_POISON_ALLOCATOR=1, CUDA)
-        findings=[dict(f.to_dict(), path=str(p)) for f, p in zip(result.findings, saved)])
+        findings=[dict(f.to_dict(), path=str(p)) for f, p in saved],
+        interrupted=bool(result.interrupted), interrupted_by=result.interrupted, shrink_cases=result.shrink_cases,
+        rerun_cases=result.rerun_cases, startup_seconds=round(result.startup_seconds, 2))
 
 
-def print_summary(result, saved, host) -> None:
+def print_summary(result, saved, unsaved, host, campaign) -> None:
     from rich.console import Console
 
     console = Console()
-    console.print(f"{result.target}: {result.examples} cases in {result.seconds:.1f} s "
-                  f"({result.rate:.1f}/s) on {host.device}, vLLM {host.vllm}: {len(result.findings)} finding(s)")
-    for f, path in zip(result.findings, saved):
+    extra = ", ".join(f"{n} {what}" for n, what in ((result.shrink_cases, "shrinking"), (result.rerun_cases, "re-runs"))
+                      if n)
+    cut = f" [bold]INTERRUPTED[/] by {result.interrupted}: the search did not finish;" if result.interrupted else ""
+    console.print(f"{result.target}: {result.examples} cases{f' (+{extra})' if extra else ''} in {result.seconds:.1f} s "
+                  f"({result.rate:.1f}/s, start-up {result.startup_seconds:.1f} s) on {host.device}, vLLM {host.vllm}:"
+                  f"{cut} {len(result.findings)} finding(s)", highlight=False)
+    for f, path in saved:
         classes = ",".join(sorted({v.bug_class for v in f.verdicts if v.bug_class})) or "-"
         again = "" if f.reruns is None else (f", FLAKY: came back {f.reruns[0]} of {f.reruns[1]} re-runs" if f.flaky
                                              else f", reproduced {f.reruns[0]}/{f.reruns[1]}")
-        console.print(f"[bold red]FOUND[/] {path}  class {classes}, after {f.examples_to_find} cases "
-                      f"({f.seconds_to_find:.1f} s){again}\n  case: {f.case.summary()}\n  {f.title}", highlight=False)
+        case = "shrunk case" if f.shrunk else "case (as first found, not shrunk)"
+        injected = f", injected bug {f.inject}" if f.inject else ""
+        console.print(f"[bold red]FOUND[/] {path}  class {classes}{injected}, after {f.examples_to_find} cases "
+                      f"({f.seconds_to_find:.1f} s) on vLLM {f.host.vllm}{again}\n  {case}: {f.case.summary()}\n"
+                      f"  {f.title}", highlight=False)
+    for f in unsaved:
+        console.print(f"[bold red]FOUND, NOT SAVED[/] {f.id}: kept in {campaign.pending.dir} (the next run of "
+                      f"{result.target} takes it back)\n  {f.title}", highlight=False)
 
 
-def write_campaign_dir(args, result, saved: list[Path], host, inject: str | None, profile: str, target,
+def write_campaign_dir(args, result, saved: list, host, inject: str | None, profile: str, target,
                        max_examples: int | None) -> tuple[Path, Path]:
     """`attnfuzz run --out DIR`: the campaign directory, then its report (paths printed)."""
-
     options = {"max_examples": None if args.time_budget else max_examples, "time_budget": args.time_budget,
                "kv_cache_dtypes": list(target.kv_cache_dtypes), "isolation": args.isolation,
                "sanitizer": args.sanitizer, "reruns": args.reruns, "shrink": not args.no_shrink}
     write_campaign(args.out, result, host=host, seed=args.seed, inject=inject, profile=profile, options=options,
-                   findings_saved=saved)
+                   findings_saved=[p for _, p in saved], findings=[f for f, _ in saved])
     md, page = render(args.out)
     print(f"campaign directory {args.out}: {md.name}, {page.name}")
     return md, page

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import runpy
+import traceback
 from pathlib import Path
 from types import ModuleType
 
@@ -47,9 +48,14 @@ def inject(name_or_file: str) -> str:
     path = Path(name_or_file)
     if not path.is_file():
         raise MutantError(f"--inject {name_or_file!r}: neither a built-in mutant ({', '.join(MUTANTS)}) nor a file")
-    ns = runpy.run_path(str(path))
-    if callable(ns.get("apply")):
-        ns["apply"]()
+    try:
+        ns = runpy.run_path(str(path))
+        if callable(ns.get("apply")):
+            ns["apply"]()
+    except Exception as e:  # the user's file: where it raised, in one line
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if Path(f.filename).resolve() == path.resolve()]
+        where = f"{path}:{frames[-1].lineno}" if frames else str(path)
+        raise MutantError(f"--inject {where}: {type(e).__name__}: {e}") from e
     APPLIED.append(str(path.resolve()))
     return str(path)
 

@@ -27,6 +27,9 @@ class AutoSanitizedExecutor:
     def started(self) -> int:
         return self.native.started + self.sanitized.started
 
+    def start(self) -> dict:
+        return self.native.start()
+
     @staticmethod
     def path_of(case: Case, obs: Observation) -> tuple:
         route = obs.notes.get("route", {})

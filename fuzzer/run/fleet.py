@@ -57,6 +57,11 @@ class WorkerPlan:
         return self.dir / "repros"
 
     @property
+    def pending(self) -> Path:
+        """Where the worker's campaign keeps its pending findings (its state directory's pending/<target>/)."""
+        return self.dir / "pending"
+
+    @property
     def summary(self) -> Path:
         return self.dir / "summary.json"
 
@@ -149,8 +154,8 @@ class Candidate:
 
 def _candidates(plan: WorkerPlan) -> list[Candidate]:
     found = []
-    for pending, pattern in ((False, "*/finding.json"), (True, ".pending/*/finding.json")):
-        for path in sorted(plan.repros.glob(pattern)):
+    for pending, root, pattern in ((False, plan.repros, "*/finding.json"), (True, plan.pending, "*/*/finding.json")):
+        for path in sorted(root.glob(pattern)):
             try:
                 finding = read_finding(path).raw
                 case_json = (path.parent / "case.json").read_text()
@@ -167,7 +172,7 @@ def _candidates(plan: WorkerPlan) -> list[Candidate]:
 class Merged:
     saved: list[dict] = field(default_factory=list)  # new this run: saved under --repros
     known: list[dict] = field(default_factory=list)  # already in the signature index: counted, not saved
-    pending: list[dict] = field(default_factory=list)  # only in a killed worker's .pending: its next run saves it
+    pending: list[dict] = field(default_factory=list)  # only in a killed worker's pending findings: its next run saves them
     duplicates: int = 0
 
 
@@ -234,7 +239,7 @@ def _progress(target: str, plans: list[WorkerPlan], start: float) -> tuple[str, 
     parts, state = [], []
     for p in plans:
         cases = _log_cases(p.log)
-        found = len(list(p.repros.glob("*/finding.json"))) + len(list(p.repros.glob(".pending/*/finding.json")))
+        found = len(list(p.repros.glob("*/finding.json"))) + len(list(p.pending.glob("*/*/finding.json")))
         state.append((cases, found))
         parts.append(f"w{p.index} {'?' if cases is None else cases} cases {found} found")
     m, s = divmod(int(time.monotonic() - start), 60)
@@ -357,7 +362,14 @@ def _report(args, plans, procs, merged: Merged, db: str, seconds: float, interru
                    known=merged.known, pending=merged.pending).write(args.json)
     if merged.saved or merged.known or merged.pending:
         return ExitCode.FOUND
-    return ExitCode.USAGE if failed else ExitCode.CLEAN
+    if failed:
+        return ExitCode.USAGE
+    if interrupted:
+        return ExitCode.INTERRUPTED
+    if examples == 0:
+        print("attnfuzz fleet: no case ran: nothing was tested", file=sys.stderr)
+        return ExitCode.USAGE
+    return ExitCode.CLEAN
 
 
 def _dups(f: dict) -> str:

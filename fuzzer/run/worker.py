@@ -86,7 +86,7 @@ def serve(fd: int, spec: WorkerSpec) -> None:
     conn = Connection(fd)
     try:
 
-        import_vllm()  # once per worker, after prepare_process
+        vllm_version = import_vllm()  # once per worker, after prepare_process
 
         target = TARGETS[spec.target](spec.device)
         why = target.unavailable()
@@ -101,7 +101,8 @@ def serve(fd: int, spec: WorkerSpec) -> None:
     except Exception:
         conn.send(("failed", traceback.format_exc()))
         return
-    conn.send(("ready", os.getpid()))
+    # What the parent needs to plan the campaign without importing vLLM itself: the release and the target's plan.
+    conn.send(("ready", os.getpid(), {"vllm": vllm_version, "plan": target.plan_state()}))
     while True:
         try:
             msg = conn.recv()
@@ -177,6 +178,15 @@ class WorkerExecutor:
         self._offset = 0
         self._reports_printed = 0
         self._cases_this_worker = 0
+        self.ready: dict = {}  # what the last worker reported at start-up: vLLM's version, the target's plan
+
+    def start(self) -> dict:
+        """Start the worker now (the campaign would at its first case) and return what it reported."""
+        if self.proc is None or self.proc.poll() is not None:
+            self._kill()
+            self._start()
+            self._new_log()
+        return self.ready
 
     # worker life
     def _start(self) -> None:
@@ -213,6 +223,7 @@ class WorkerExecutor:
         if msg[0] != "ready":
             self._kill()
             raise WorkerError(f"worker for {self.spec.target}: {msg[0]}: {msg[1]}")
+        self.ready = msg[2] if len(msg) > 2 else {}
 
     def _kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -45,8 +45,12 @@ class CaseFailed(Exception):
 @dataclass
 class CampaignResult:
     target: str
-    examples: int = 0
+    examples: int = 0  # cases the search generated; with shrink_cases never more than max_examples
     seconds: float = 0.0
+    shrink_cases: int = 0  # cases run while shrinking a finding (on top of `examples`)
+    rerun_cases: int = 0  # findings' re-runs (--reruns)
+    interrupted: str | None = None  # the signal that cut the campaign short (SIGINT, SIGTERM)
+    startup_seconds: float = 0.0  # the command's start-up before the campaign (set by the command)
     findings: list[Finding] = field(default_factory=list)
     checks: dict[str, int] = field(default_factory=dict)
     workers_started: int = 0
@@ -54,8 +58,12 @@ class CampaignResult:
     cases: CaseLog = field(default_factory=CaseLog)  # coverage, error margins, per-case records (run --out)
 
     @property
+    def cases_run(self) -> int:
+        return self.examples + self.shrink_cases + self.rerun_cases
+
+    @property
     def rate(self) -> float:
-        return self.examples / self.seconds if self.seconds else 0.0
+        return self.cases_run / self.seconds if self.seconds else 0.0
 
 
 class Campaign:
@@ -86,18 +94,22 @@ class Campaign:
     def _out_of_time(self) -> bool:
         return self.time_budget is not None and time.monotonic() - self._start > self.time_budget
 
+    def _cases_spent(self) -> int:
+        """Cases that count against max_examples: searched and shrinking (a finding's re-runs come on top)."""
+        return self.result.examples + self.result.shrink_cases
+
     def _shrinking(self) -> bool:
         """This batch found a bug and Hypothesis shrinks it: its cases must run whatever the budget says."""
         return self.shrink and self._batch_failed
 
     def _spent(self) -> bool:
-        """No more cases to run: the campaign winds down, or its example count is reached outside a shrink.
+        """No more cases to run: the campaign winds down, or its example count (searched and shrinking) is reached.
         Once a batch has failed, Hypothesis replays the rest of the stored corpus (a fleet's shared database)
         whatever its max_examples says, so the campaign's own count is the stop."""
         if self._winding_down:
             return True
-        return (self.time_budget is None and self.max_examples is not None and not self._shrinking()
-                and self.result.examples >= self.max_examples)
+        return (self.time_budget is None and self.max_examples is not None
+                and self._cases_spent() >= self.max_examples)
 
     # -- one case -----------------------------------------------------------------------------------------
     def check(self, case: Case) -> tuple[Observation, list[Verdict]]:
@@ -121,12 +133,15 @@ class Campaign:
             return  # the budget is spent: let Hypothesis run out the batch without running cases
         obs, verdicts = self.check(case)
         r = self.result
-        r.examples += 1
+        if self._shrinking():
+            r.shrink_cases += 1
+        else:
+            r.examples += 1
         for v in verdicts:
             key = f"{v.check}:{'ok' if v.ok else 'FAIL'}"
             r.checks[key] = r.checks.get(key, 0) + 1
         failed = [v for v in verdicts if not v.ok]
-        self.progress.update(r.examples, len(self._failures), obs.seconds)
+        self.progress.update(r.cases_run, len(self._failures), obs.seconds)
         self._steer(case, obs, verdicts)
         if not failed:
             return
@@ -195,14 +210,19 @@ class Campaign:
         same = 0
         for _ in range(self.reruns):
             _, verdicts = self.check(finding.case)
+            self.result.rerun_cases += 1
             failed = [v for v in verdicts if not v.ok]
             same += bool(failed) and primary(failed).signature == finding.signature
         finding.reruns = (same, self.reruns)
 
-    def clear_pending(self) -> None:
-        """Called once the findings are saved for good."""
+    def clear_pending(self, saved: list[Finding]) -> None:
+        """Called once these findings are saved for good."""
         if self.pending is not None:
-            self.pending.clear(self.result.findings)
+            self.pending.clear(saved)
+
+    @property
+    def started_at(self) -> float:
+        return self._start
 
     def run(self) -> CampaignResult:
         self._start = time.monotonic()
@@ -215,13 +235,15 @@ class Campaign:
         import signal
         import threading
 
-        def wind_down(signum, frame):  # SIGTERM (a fleet's parent, a scheduler): stop searching, save the findings
+        def wind_down(signum, frame):  # SIGINT or SIGTERM (a user, a CI timeout, a fleet's parent): stop, save
             self.time_budget = 0.0
             self._winding_down = True  # a shrink in progress stops too: its best case so far is pending on disk
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one kills
+            self.result.interrupted = signal.Signals(signum).name
+            for s in (signal.SIGINT, signal.SIGTERM):  # a second one kills; what was found is pending on disk
+                signal.signal(s, signal.SIG_DFL)
 
         main = threading.current_thread() is threading.main_thread()
-        on_term = signal.signal(signal.SIGTERM, wind_down) if main else None
+        previous = {s: signal.signal(s, wind_down) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
         try:
             self._resume()
             strategy = self.target.cases(self.profile)
@@ -236,10 +258,11 @@ class Campaign:
                         break
                     n = 50  # batches, so that the budget is checked between them
                 else:
-                    n = self.max_examples - self.result.examples
+                    n = self.max_examples - self._cases_spent()
                     if n <= 0:
                         break
                 before = self.result.examples
+                shrinking_before = self.result.shrink_cases
                 self._batch_failed = False
                 # Batch k > 0 draws from a seed hashed from (seed, k), not seed + k: campaigns of adjacent seeds
                 # (a fleet's workers) would otherwise replay each other's batches.
@@ -250,13 +273,15 @@ class Campaign:
                     self._hypothesis(strategy, KeepStoredFailures(db) if self._settled else db, seed, n)
                 except _Stop:
                     break
+                for signature in set(self._failures) - self._settled:  # this batch's, shrunk to the end
+                    self._failures[signature].shrunk = self.shrink
                 # Hypothesis ends a batch at its first bug and shrinks it; the next batch goes on searching, and
                 # the bugs already shrunk no longer stop it (they are counted, not raised).
                 self._settled |= set(self._failures)
                 batch += 1
                 if self.max_findings is not None and len(self._failures) >= self.max_findings:
                     break
-                if self.result.examples == before:
+                if self.result.examples == before and self.result.shrink_cases == shrinking_before:
                     break  # nothing left to generate
             self.result.seconds = time.monotonic() - self._start
             self.result.findings = list(self._failures.values())
@@ -264,8 +289,8 @@ class Campaign:
                 if self.reruns:
                     self._rerun(finding)
         finally:
-            if on_term is not None:
-                signal.signal(signal.SIGTERM, on_term)
+            for s, handler in previous.items():
+                signal.signal(s, handler)
         self.result.workers_started = getattr(self.executor, "started", 0)
         self.progress.done(self.result)
         return self.result

@@ -1,4 +1,5 @@
-"""Campaign progress on stderr: a live line on a terminal, a line every 50 cases elsewhere (CI logs)."""
+"""Campaign progress on stderr: a live line on a terminal; elsewhere (CI logs, pipes) a line after the first
+case and then at most every PIPED_EVERY_S seconds."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import time
 
 from rich.console import Console
 
+PIPED_EVERY_S = 10.0
+
 
 class Progress:
     def __init__(self, label: str, quiet: bool = False) -> None:
@@ -14,21 +17,23 @@ class Progress:
         self.console = Console(stderr=True)
         self._status = None
         self._t0 = time.monotonic()
+        self._last_line: float | None = None
         self._case_seconds = 0.0
         if not quiet and self.console.is_terminal:
             self._status = self.console.status(f"{label}: starting")
             self._status.start()
 
-    def update(self, examples: int, findings: int, case_seconds: float) -> None:
+    def update(self, cases: int, findings: int, case_seconds: float) -> None:
         self._case_seconds += case_seconds
         if self.quiet:
             return
-        elapsed = time.monotonic() - self._t0
-        line = f"{self.label}: {examples} cases, {findings} finding(s), {examples / max(elapsed, 1e-9):.1f} cases/s"
+        now = time.monotonic()
+        line = f"{self.label}: {cases} cases, {findings} finding(s), {cases / max(now - self._t0, 1e-9):.1f} cases/s"
         if self._status is not None:
             self._status.update(line)
-        elif examples % 50 == 0:
+        elif self._last_line is None or now - self._last_line >= PIPED_EVERY_S:
             print(line, file=sys.stderr, flush=True)
+            self._last_line = now
 
     def done(self, result) -> None:
         if self._status is not None:

@@ -41,6 +41,17 @@ class Target(ABC):
     def prepare(self) -> None:
         """Detect what the installed vLLM offers; called once, before any mutant is injected."""
 
+    # The attributes prepare() sets that cases() reads: a campaign whose cases run in a worker process plans
+    # with what the worker's prepare() found, and never imports vLLM itself.
+    PLANNED: ClassVar[tuple[str, ...]] = ()
+
+    def plan_state(self) -> dict:
+        return {name: getattr(self, name) for name in self.PLANNED}
+
+    def adopt(self, plan: dict) -> None:
+        for name in self.PLANNED:
+            setattr(self, name, plan[name])
+
     @abstractmethod
     def cases(self, profile: Profile) -> SearchStrategy[Case]:
         """The cases this target takes on this vLLM release."""

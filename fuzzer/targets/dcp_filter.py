@@ -28,7 +28,7 @@ class DcpFilter(IndexRemap):  # the same kernel and oracle; another entry point 
     def cases(self, profile):
         # The filter has no prefill-workspace mode and its call sites always slice req_id like topk_indices.
         return index_cases(profile, IndexFeatures(
-            dcp=True, block_stride_rows=vllm_api.remap_api().dcp_has_block_stride_rows,
+            dcp=True, block_stride_rows=self.api.dcp_has_block_stride_rows,
             prefill_workspace=False, row_contract_breaks=False))
 
     def kwargs(self, case, a) -> dict:

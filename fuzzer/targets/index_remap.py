@@ -39,8 +39,10 @@ class IndexRemap(Target):
     def prepare(self) -> None:
         self.api = vllm_api.remap_api()
 
+    PLANNED = ("api",)
+
     def cases(self, profile):
-        api = vllm_api.remap_api()
+        api = self.api
         return index_cases(profile, IndexFeatures(block_stride_rows=api.has_block_stride_rows,
                                                   idx_mapping=api.has_idx_mapping))
 

@@ -17,7 +17,7 @@ from tests.conftest import ROOT
 
 ALL_SUPPORT = [m.name for m in pkgutil.walk_packages(fuzzer.support.__path__, "fuzzer.support.") if not m.ispkg]
 ATTNFUZZ = ("fuzzer", "oracles", "strategies")
-ALLOWED_IMPORTS = {"__future__", "contextlib", "dataclasses", "os", "sys", "tempfile", "types", "torch", "safetensors",
+ALLOWED_IMPORTS = {"__future__", "contextlib", "dataclasses", "os", "sys", "tempfile", "traceback", "types", "torch", "safetensors",
                    "vllm", "attnfuzz_support"}
 
 

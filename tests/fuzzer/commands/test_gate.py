@@ -103,10 +103,19 @@ def test_replay_runs_repro_py_in_its_own_process(tmp_path, status, rc, outcome):
         assert "NaN out" in r.detail and "BUG: x" in r.log
 
 
-def test_replay_skips_a_target_this_host_cannot_run(tmp_path):
-    rec = read_finding(_repro(tmp_path, rc=1))
+def test_replay_skips_what_this_host_cannot_run(tmp_path):
+    # No repro.py: attnfuzz replays it, so the target must run here.
+    rec = read_finding(_repro(tmp_path))
     r = replay(rec, "cpu", "0.33.0", {"vllm.index_remap": "no such kernel in 0.23.0"}, tmp_path / "logs", 5)
     assert r.outcome == "skipped" and "no such kernel" in r.detail
+    # A repro.py runs whatever the target detection says (a moved module must show as broken) ...
+    rec = read_finding(_repro(tmp_path, "r2", rc=1))
+    r = replay(rec, "cpu", "0.33.0", {"vllm.index_remap": "no such kernel in 0.23.0"}, tmp_path / "logs", 5)
+    assert r.outcome == "known"
+    # ... but not a GPU one on a CPU host.
+    rec = read_finding(_repro(tmp_path, "r3", rc=1, host={"vllm": "0.26.0", "device": "cuda"}))
+    r = replay(rec, "cpu", "0.33.0", {"vllm.index_remap": None}, tmp_path / "logs", 5)
+    assert r.outcome == "skipped" and "made on cuda" in r.detail
 
 
 # -- campaigns --------------------------------------------------------------------------------------------

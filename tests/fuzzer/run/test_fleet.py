@@ -31,7 +31,7 @@ def _worker_finding(plan: fleet.WorkerPlan, case: Case, signature: str, *, pendi
                     target: str = "vllm.index_remap") -> str:
     """What a worker leaves: repros/<id>/ once saved, repros/.pending/<hash>/ while (or if killed) running."""
     fid = f"{target.split('.')[-1]}-{abs(hash((signature, case.to_json(None)))) % 10**8:08d}"
-    d = plan.repros / (".pending" if pending else "") / fid
+    d = (plan.pending / target if pending else plan.repros) / fid
     d.mkdir(parents=True)
     (d / "case.json").write_text(case.to_json())
     (d / "finding.json").write_text(json.dumps({"id": fid, "target": target, "signature": signature,
@@ -152,7 +152,7 @@ def test_merge_keeps_the_smallest_case_and_counts_duplicates(tmp_path):
     by_sig = {f["signature"]: f for f in merged.saved}
     assert by_sig["memory:k"]["workers"] == [0, 1] and by_sig["memory:k"]["found_by"] == 1
     assert merged.duplicates == 1 and not (w0.repros / big).exists()  # the duplicate is gone
-    assert [f["id"] for f in merged.pending] == [left] and (w0.repros / ".pending" / left).exists()
+    assert [f["id"] for f in merged.pending] == [left] and (w0.pending / "vllm.index_remap" / left).exists()
 
     # A later run (or another host) finds the same bug again: counted, not saved again.
     again = _worker_finding(w0, _case(1, 1), "memory:k")

@@ -41,7 +41,7 @@ def test_a_crash_on_the_third_case_does_not_stop_the_campaign(tmp_path, fault, s
 
 
 def test_a_hang_is_killed_by_the_watchdog(tmp_path):
-    r = campaign(tmp_path, "hang:2", "--case-timeout", "3s", "--reruns", "0", max_examples=6)
+    r = campaign(tmp_path, "hang:2", "--case-timeout", "5s", "--reruns", "0", max_examples=6)
     assert r.returncode == 1, r.stderr[-2000:]
     s = json.loads((tmp_path / "summary.json").read_text())
     (finding,) = s["findings"]
@@ -57,7 +57,7 @@ def test_sigkill_of_the_campaign_loses_no_finding(tmp_path):
     while time.time() < deadline and not (counter.exists() and counter.read_text() == "6" and journal.exists()):
         time.sleep(0.5)
     assert journal.exists(), "the campaign never reached the hanging case"
-    pending = list((tmp_path / "repros" / ".pending").glob("*/finding.json"))
+    pending = list((tmp_path / "state" / "pending" / "selftest.fault").glob("*/finding.json"))
     assert len(pending) == 1  # the segfault finding is already on disk
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -68,7 +68,7 @@ def test_sigkill_of_the_campaign_loses_no_finding(tmp_path):
     s = json.loads((tmp_path / "summary.json").read_text())
     assert [f["signature"] for f in s["findings"]] == ["crash:killed-by-SIGSEGV"]
     assert not journal.exists()
-    assert not list((tmp_path / "repros" / ".pending").glob("*/finding.json"))
+    assert not list((tmp_path / "state" / "pending" / "selftest.fault").glob("*/finding.json"))
 
 
 def test_a_lost_device_replaces_the_worker_and_a_recycled_worker_is_replaced_too(tmp_path, monkeypatch):

@@ -1,0 +1,58 @@
+#!/usr/bin/env python3
+"""Re-render the reproducers of saved findings (repros/<id>/ by default) after the renderer changed: repro.py,
+attnfuzz_support.py and tensors.safetensors from each finding's case.json and finding.json, on the host the
+finding was made on (its inputs are drawn again from the case's seed). finding.json, case.json and report.md
+are kept; the id in repro.py stays the directory's. Check each afterwards on the releases its finding.json
+names (`python repro.py` exits 1 where "present", 0 where "absent").
+
+  .venv/bin/python scripts/rerender-repros.py [DIR ...]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from fuzzer.env import prepare_process  # noqa: E402
+
+
+def rerender(d: Path) -> None:
+    from fuzzer.artifacts.repro import SUPPORT_FILE, render
+    from fuzzer.observation import Observation
+    from fuzzer.records import Finding, read_finding
+    from fuzzer.run.host import make_target
+    from strategies.case import Case
+
+    record = read_finding(d)
+    case = Case.from_json((d / "case.json").read_text())
+    finding = Finding.from_record(record, case)
+    # What the renderer reads of the observation: whether the interpreter's bounds checks saw something.
+    finding.observation = Observation(record.target, finding.host.device, memory=list(record.raw.get("memory", [])))
+    target = make_target(record.target, finding.host.device)
+    spec = target.repro_spec(finding)
+    files = render(finding, spec)
+    files["repro.py"] = files["repro.py"].replace(finding.id, record.id)
+    for name, text in files.items():
+        (d / name).write_text(text)
+    if SUPPORT_FILE not in files:
+        (d / SUPPORT_FILE).unlink(missing_ok=True)
+    if spec.tensors:
+        from safetensors.torch import save_file
+
+        save_file({k: v.detach().cpu().contiguous() for k, v in spec.tensors.items()}, str(d / "tensors.safetensors"))
+    print(f"{d}: repro.py {len(files['repro.py'].splitlines())} lines")
+
+
+def main(argv: list[str]) -> int:
+    dirs = [Path(a) for a in argv] or sorted(p.parent for p in (ROOT / "repros").glob("*/finding.json"))
+    prepare_process("cpu")
+    for d in dirs:
+        rerender(d)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
