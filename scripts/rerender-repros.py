@@ -2,10 +2,11 @@
 """Re-render the reproducers of saved findings (repros/<id>/ by default) after the renderer changed: repro.py,
 attnfuzz_support.py and tensors.safetensors from each finding's case.json and finding.json, on the host the
 finding was made on (its inputs are drawn again from the case's seed). finding.json, case.json and report.md
-are kept; the id in repro.py stays the directory's. Check each afterwards on the releases its finding.json
-names (`python repro.py` exits 1 where "present", 0 where "absent").
+are kept; the id in repro.py stays the directory's. Run it in a venv of the release the finding was found on
+(finding.json's host.vllm): the call is rendered for the API the running vLLM has. Check each afterwards on
+the releases its finding.json names (`python repro.py` exits 1 where "present", 0 where "absent").
 
-  .venv/bin/python scripts/rerender-repros.py [DIR ...]
+  .venv-0.26.0/bin/python scripts/rerender-repros.py repros/<id> [...]
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ def rerender(d: Path) -> None:
     from strategies.case import Case
 
     record = read_finding(d)
+    import vllm
+
+    if record.host.get("vllm") and record.host["vllm"] != vllm.__version__:
+        print(f"{d}: found on vLLM {record.host['vllm']}, rendering with {vllm.__version__}: the call follows this "
+              f"release's API", file=sys.stderr)
     case = Case.from_json((d / "case.json").read_text())
     finding = Finding.from_record(record, case)
     # What the renderer reads of the observation: whether the interpreter's bounds checks saw something.
