@@ -45,7 +45,7 @@ class CaseFailed(Exception):
 @dataclass
 class CampaignResult:
     target: str
-    examples: int = 0  # cases the search generated; with shrink_cases never more than max_examples
+    examples: int = 0  # cases the search generated: never more than max_examples
     seconds: float = 0.0
     shrink_cases: int = 0  # cases run while shrinking a finding (on top of `examples`)
     rerun_cases: int = 0  # findings' re-runs (--reruns)
@@ -94,22 +94,19 @@ class Campaign:
     def _out_of_time(self) -> bool:
         return self.time_budget is not None and time.monotonic() - self._start > self.time_budget
 
-    def _cases_spent(self) -> int:
-        """Cases that count against max_examples: searched and shrinking (a finding's re-runs come on top)."""
-        return self.result.examples + self.result.shrink_cases
-
     def _shrinking(self) -> bool:
         """This batch found a bug and Hypothesis shrinks it: its cases must run whatever the budget says."""
         return self.shrink and self._batch_failed
 
     def _spent(self) -> bool:
-        """No more cases to run: the campaign winds down, or its example count (searched and shrinking) is reached.
+        """No more cases to run: the campaign winds down, or its searched cases reach max_examples outside a shrink
+        (shrinking runs on top, counted apart).
         Once a batch has failed, Hypothesis replays the rest of the stored corpus (a fleet's shared database)
         whatever its max_examples says, so the campaign's own count is the stop."""
         if self._winding_down:
             return True
-        return (self.time_budget is None and self.max_examples is not None
-                and self._cases_spent() >= self.max_examples)
+        return (self.time_budget is None and self.max_examples is not None and not self._shrinking()
+                and self.result.examples >= self.max_examples)
 
     # -- one case -----------------------------------------------------------------------------------------
     def check(self, case: Case) -> tuple[Observation, list[Verdict]]:
@@ -258,7 +255,7 @@ class Campaign:
                         break
                     n = 50  # batches, so that the budget is checked between them
                 else:
-                    n = self.max_examples - self._cases_spent()
+                    n = self.max_examples - self.result.examples
                     if n <= 0:
                         break
                 before = self.result.examples

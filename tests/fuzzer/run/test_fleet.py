@@ -181,7 +181,7 @@ def test_two_workers_dedup_and_a_second_run_replays_first(tmp_path):
                   wait=False)
     workers = tmp_path / "state" / "fleet" / "vllm.flashmla_sparse"
     deadline = time.time() + 300
-    while time.time() < deadline and not all(any((workers / w / "repros" / ".pending").glob("*/finding.json"))
+    while time.time() < deadline and not all(any((workers / w / "pending").glob("*/*/finding.json"))
                                              for w in ("w0", "w1")):
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.5)
