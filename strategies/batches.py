@@ -146,6 +146,12 @@ def index_calls(draw, f: IndexFeatures, case_has_decodes: bool, case_has_prefill
     return IndexCall(draw(st.booleans()), workspace, token_rows, req_id_rows)
 
 
+def _paged_batch(reqs, num_decodes: int, block_size: int, table, topk_width: int) -> dict:
+    """The Case fields every strategy draws the same way: the requests and their paged cache (draws nothing)."""
+    return dict(requests=reqs, num_decodes=num_decodes, block_size=block_size, block_table=table,
+                topk_width=topk_width)
+
+
 @st.composite
 def index_cases(draw, p: Profile, f: IndexFeatures) -> Case:
     # The profile's widths first (shrinking goes to 128), then any multiple of 128 up to 2048.
@@ -161,11 +167,7 @@ def index_cases(draw, p: Profile, f: IndexFeatures) -> Case:
     has_dec = any(r.query_len for r in reqs[:num_decodes])
     has_pre = any(r.query_len for r in reqs[num_decodes:])
     return Case(
-        requests=reqs,
-        num_decodes=num_decodes,
-        block_size=block_size,
-        block_table=table,
-        topk_width=topk_width,
+        **_paged_batch(reqs, num_decodes, block_size, table, topk_width),
         topk=tuple(draw(topk_specs(topk_width)) for _ in reqs),
         block_stride_rows=stride,
         idx_mapping=idx_mapping,
@@ -261,11 +263,7 @@ def attention_cases(draw, p: Profile, f: AttentionFeatures) -> Case:
     stride = block_size * draw(st.integers(2, 3)) if f.block_stride_rows and draw(st.booleans()) else 0
     kv_dtype = draw(st.sampled_from(f.kv_cache_dtypes))
     return Case(
-        requests=reqs,
-        num_decodes=num_decodes,
-        block_size=block_size,
-        block_table=table,
-        topk_width=topk_width,
+        **_paged_batch(reqs, num_decodes, block_size, table, topk_width),
         topk=tuple(draw(_indexer_full_spec(topk_width) if f.indexer_fills_short_seqs and r.seq_len <= topk_width
                         else attention_topk_specs(topk_width)) for r in reqs),
         block_stride_rows=stride,
