@@ -129,3 +129,29 @@ def test_a_reproducer_that_cannot_run_its_call_exits_2_and_the_gate_calls_it_bro
                        timeout=900)
     assert g.returncode == 1, g.stdout + g.stderr
     assert "repro index-remap-7e944ef6: broken" in g.stdout and "COULD NOT RUN" in g.stdout
+
+
+def test_a_finding_the_repros_directory_cannot_take_goes_to_the_state_directory(tmp_path, monkeypatch, capsys):
+    from fuzzer.commands import run
+    from fuzzer.env import HostInfo
+    from fuzzer.observation import Observation
+    from fuzzer.records import Finding
+    from oracles.verdict import Verdict
+    from tests.strategies.test_case import small_case
+
+    monkeypatch.setattr(run, "STATE_DIR", tmp_path / "state")
+    host = HostInfo("cpu", "x86_64", "0.33.0", "2.13", "3.9", "3.11", True)
+    finding = Finding("vllm.index_remap", "memory:k", small_case(), [Verdict("memory", False, "oob")],
+                      Observation("vllm.index_remap", "cpu"), host, None, 3, 1.0)
+    blocked = tmp_path / "afile"
+    blocked.write_text("")
+
+    class NoRepro:  # a target that renders no reproducer: the finding's record and case are still written
+        def repro_spec(self, finding):
+            return None
+
+    saved, unsaved = run.save_findings([finding], NoRepro(), blocked / "repros")
+    assert not unsaved and saved[0][1] == tmp_path / "state" / "findings" / finding.id
+    assert (saved[0][1] / "finding.json").is_file()
+    assert f"{finding.id} saved under {tmp_path / 'state' / 'findings'} instead" in capsys.readouterr().err
+
