@@ -87,8 +87,12 @@ def test_a_clean_run_counts_only_searched_cases_and_saves_findings_outside_the_c
 
 @pytest.mark.vllm
 def test_a_no_shrink_finding_is_not_called_shrunk(tmp_path):
-    r = attnfuzz(*RUN, "--inject", "remap-no-length-check", "--seed", "1", "--max-examples", "30", "--no-shrink",
-                 "--reruns", "0", "--repros", str(tmp_path / "r"), "--json", str(tmp_path / "s.json"))
+    # Its own state (example database): its unshrunk failure must not be what another test's campaign replays.
+    env = dict(os.environ, ATTNFUZZ_STATE=str(tmp_path / "state"))
+    r = subprocess.run([sys.executable, "-m", "fuzzer.cli", *RUN, "--inject", "remap-no-length-check", "--seed", "1",
+                        "--max-examples", "30", "--no-shrink", "--reruns", "0", "--repros", str(tmp_path / "r"),
+                        "--json", str(tmp_path / "s.json")], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
     assert r.returncode == 1, r.stderr[-2000:]
     assert "case (as first found, not shrunk)" in r.stdout and "shrunk case" not in r.stdout
     assert json.loads((tmp_path / "s.json").read_text())["findings"][0]["shrunk"] is False
