@@ -99,7 +99,7 @@ def prefill_outputs_under_initcheck(device: str) -> tuple[str, ...]:
 
     FlashMLA's SM90 kernels store their outputs through the TMA unit, which initcheck does not see: every later
     read of an output (vLLM's copy into its own buffer, the oracle's) was reported as uninitialized although
-    the values matched the fp32 reference (session 6, H200). A fill is a write initcheck sees; an element the
+    the values match the fp32 reference. A fill is a write initcheck sees; an element the
     kernel then leaves unwritten stays NaN, which the oracle reports natively (class H/I). Whether vLLM passes
     `out` or FlashMLA allocates it, the call FlashMLA gets is otherwise vLLM's."""
     if device != "cuda" or os.environ.get("ATTNFUZZ_SANITIZER") != "initcheck" or not _has_flashmla_kernels():
