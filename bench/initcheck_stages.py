@@ -64,7 +64,7 @@ def main() -> None:
     for cls, meth in ((builder, "__init__"), (builder, "build"), (impl, "__init__"), (impl, "forward_mqa"),
                       (Guards, "check"), (type(target), "step"), (type(target), "finish")):
         setattr(cls, meth, marked(f"{cls.__name__}.{meth}", getattr(cls, meth)))
-    strategy = target.cases(PROFILES["gpu" if device == "cuda" else "cpu"])
+    strategy = target.cases(PROFILES["gpu" if device == "cuda" else "cpu"]).strategy()
     for i in range(n):
         data = ConjectureData(random=random.Random(i))
         with BuildContext(data, is_final=False, wrapped_test=None):

@@ -1,14 +1,20 @@
 """Hypothesis strategies for the steps a sparse-MLA backend sees.
 
 Small composable pieces (requests, block tables, top-k rows, DCP splits, call sites) joined by
-`index_cases`. Every draw shrinks toward the plain case: fewer requests, shorter contexts, the first
-top-k width, block size 64, no DCP, a contiguous block table, the call vLLM makes today.
+`index_cases` and `attention_cases`. Every draw shrinks toward the plain case: fewer requests, shorter
+contexts, the first top-k width, block size 64, no DCP, a contiguous block table, the call vLLM makes today.
+
+Each piece takes an optional `Swarm` (strategies.swarm): under one, every knob it turns is pinned by the swarm
+or drawn uniformly over the knob's categories (boundaries included); without one it draws as it always has.
+A target hands the campaign a `CaseSpace`: the strategy for any swarm, and the knobs it turns.
 """
 
 from __future__ import annotations
 
 import functools
+import random
 from dataclasses import dataclass
+from typing import Callable
 
 from hypothesis import strategies as st
 
@@ -25,6 +31,33 @@ from strategies.case import (
     rank_owned_positions,
 )
 from strategies.profiles import Profile
+from strategies.swarm import KNOBS, Swarm, category
+
+
+def _flag(draw, swarm: Swarm | None, name: str, on: str) -> bool:
+    """A two-way knob: a boolean drawn as before without a swarm, the swarm's category with one."""
+    return draw(st.booleans()) if swarm is None else category(draw, swarm, name) == on
+
+
+@dataclass(frozen=True)
+class CaseSpace:
+    """A target's cases: the strategy under any swarm (None: the plain one) and the knobs it turns, each with the
+    categories this target and profile draw."""
+
+    draw: Callable[[Swarm | None], st.SearchStrategy[Case]]
+    knobs: dict[str, tuple[str, ...]]
+
+    def strategy(self, swarm: Swarm | None = None) -> st.SearchStrategy[Case]:
+        return self.draw(swarm)
+
+
+def _domains(names, **values) -> dict[str, tuple[str, ...]]:
+    return {n: tuple(values[n]) if n in values else KNOBS[n].values for n in names}
+
+
+_REQUEST_KNOBS = ("decodes", "decode_query_len", "decode_context", "padding_rows", "prefills", "prefill_len", "prefill_context",
+                  "block_edge", "table_layout", "table_last_column", "block_size", "topk_width", "topk_valid",
+                  "invalid_at", "past_table")
 
 
 @dataclass(frozen=True)
@@ -44,31 +77,47 @@ def _cdiv(a: int, b: int) -> int:
 
 @st.composite
 def requests(draw, p: Profile, topk_width: int, max_decode_query_len: int = MAX_DECODE_QUERY_LEN,
-             vllm_order: bool = False) -> tuple[tuple[Request, ...], int]:
+             vllm_order: bool = False, swarm: Swarm | None = None) -> tuple[tuple[Request, ...], int]:
     """Requests in vLLM's batch order (decodes, padding rows, extends/prefills) and the decode count.
 
     `vllm_order`: exactly as vLLM's model runner leaves a batch: `reorder_batch_to_split_decodes_and_prefills`
     puts prefills with cached context (extends, prefix-cache hits) before fresh ones, and zero-length padding
     rows come only with uniform decode batches (full CUDA graphs), never before prefills."""
-    n_dec = draw(st.integers(0, p.max_decodes))
-    q_dec = draw(st.integers(1, max_decode_query_len))
+    c = functools.partial(category, draw, swarm)
+    kind = c("decodes")
+    n_dec = draw(st.integers(0 if kind != "some" else min(1, p.max_decodes), p.max_decodes if kind != "none" else 0))
+    mtp = c("decode_query_len")
+    q_dec = draw(st.integers(1 if mtp != "mtp" else min(2, max_decode_query_len),
+                             max_decode_query_len if mtp != "one" else 1))
     budget = p.max_tokens
     reqs = []
     for _ in range(n_dec):
         if budget < q_dec:
             break
-        reqs.append(Request(q_dec, draw(st.integers(0, p.max_context))))
+        long = c("decode_context")
+        lo, hi = {None: (0, p.max_context), "short": (0, p.max_context // 8),
+                  "long": (-(-p.max_context // 2), p.max_context)}[long]
+        reqs.append(Request(q_dec, draw(st.integers(lo, hi))))
         budget -= q_dec
-    reqs += [Request(0, 0)] * draw(st.integers(0, 2 if reqs else 0))  # padded decode batch (class C/D)
+    pads = c("padding_rows")
+    reqs += [Request(0, 0)] * draw(st.integers(0 if pads != "some" or not reqs else 1,
+                                               2 if reqs and pads != "none" else 0))  # padded decode batch (C/D)
     num_decodes = len(reqs)
-    for _ in range(draw(st.integers(0 if reqs else 1, p.max_prefills))):
+    many = c("prefills")
+    lo, hi = (0 if reqs else 1), p.max_prefills
+    lo, hi = {None: (lo, hi), "none": (lo, lo), "one": (1, 1), "several": (min(2, hi), hi)}[many]
+    for _ in range(draw(st.integers(lo, hi))):
         if budget < 1:
             break
-        # Short prefills (seq_len <= topk) leave the MQA path for dense MHA: draw them often.
-        short = draw(st.booleans())
-        q = draw(st.integers(1, max(1, min(budget, topk_width if short else budget))))
-        ctx_cap = max(0, topk_width - q) if short else p.max_context
-        ctx = draw(st.integers(0, min(ctx_cap, p.max_context)))  # > 0: chunked context / prefix-cache hit
+        if swarm is None:
+            # Short prefills (seq_len <= topk) leave the MQA path for dense MHA: draw them often.
+            short = draw(st.booleans())
+            q = draw(st.integers(1, max(1, min(budget, topk_width if short else budget))))
+            ctx_cap = max(0, topk_width - q) if short else p.max_context
+            ctx = draw(st.integers(0, min(ctx_cap, p.max_context)))  # > 0: chunked context / prefix-cache hit
+        else:
+            q, ctx = _swarm_prefill(draw, c("prefill_len"), c("prefill_context"), budget, topk_width, p.max_context,
+                                    context_pinned=swarm.pinned("prefill_context") is not None)
         reqs.append(Request(q, ctx))
         budget -= q
     if vllm_order and len(reqs) > num_decodes:
@@ -80,18 +129,71 @@ def requests(draw, p: Profile, topk_width: int, max_decode_query_len: int = MAX_
     return tuple(reqs), num_decodes
 
 
+def _swarm_prefill(draw, length: str, context: str, budget: int, width: int, max_context: int,
+                   context_pinned: bool) -> tuple[int, int]:
+    """(query_len, context_len) of one prefill in the category asked for, where the budget allows: `threshold`
+    puts seq_len at topk - 1, topk or topk + 1, where the dense-MHA split sits. A length the budget cannot make
+    without cached context gets some, unless the swarm pinned the context to none."""
+    cached = context == "cached" or (not context_pinned and length != "short" and budget < width + 2)
+    if length == "threshold":
+        seq = width + draw(st.sampled_from((0, 1, -1)))
+        if not cached and seq <= budget:
+            return seq, 0
+        lo, hi = max(1, seq - max_context), min(budget, seq - 1)
+        if lo <= hi:
+            q = draw(st.integers(lo, hi))
+            return q, seq - q
+    if length == "long":
+        q = draw(st.integers(1, budget))
+        lo = max(1, width + 2 - q)
+        if not cached:
+            return q, 0
+        return q, draw(st.integers(lo if lo <= max_context else 1, max(1, max_context)))
+    q = draw(st.integers(1, max(1, min(budget, width - 2))))  # short (and what the budget leaves of the others)
+    cap = min(max_context, width - 2 - q)
+    return q, draw(st.integers(1, cap)) if cached and cap >= 1 else 0
+
+
+def _at_block_edges(draw, reqs: tuple[Request, ...], num_decodes: int, block_size: int, max_context: int,
+                    swarm: Swarm | None) -> tuple[Request, ...]:
+    """Under a swarm that asks for block edges: some requests' cached context, or whole sequence, ends exactly
+    on a block boundary. Fresh prefills keep no context (vLLM's batch order puts them last)."""
+    if category(draw, swarm, "block_edge") != "some":
+        return reqs
+    out = []
+    for i, r in enumerate(reqs):
+        if r.query_len and (i < num_decodes or r.context_len) and draw(st.booleans()):
+            if draw(st.booleans()):  # the context ends on the edge
+                ctx = max(block_size, r.context_len // block_size * block_size)
+            else:  # the sequence does
+                ctx = -(-r.seq_len // block_size) * block_size - r.query_len
+            if 0 < ctx <= max_context:
+                r = Request(r.query_len, ctx)
+        out.append(r)
+    return tuple(out)
+
+
 @st.composite
-def block_tables(draw, blocks_needed: list[int], allow_idx_mapping: bool, shareable: list[int] | None = None):
+def block_tables(draw, blocks_needed: list[int], allow_idx_mapping: bool, shareable: list[int] | None = None,
+                 swarm: Swarm | None = None, pool: int = 0):
     """Rows of physical block ids: contiguous, permuted, or sharing prefix blocks; 0 pads a row.
 
     `shareable`: per row, how many leading blocks may be shared (None: any). vLLM shares only full blocks of
-    cached tokens; a block a request writes its new tokens into is never another request's context."""
-    width = max(max(blocks_needed, default=0), 1) + draw(st.integers(0, 2))
+    cached tokens; a block a request writes its new tokens into is never another request's context.
+    `pool`: the ids lie anywhere in a cache of this many blocks (large-cache profiles), not from 1 up."""
+    last = category(draw, swarm, "table_last_column")
+    width = max(max(blocks_needed, default=0), 1) + draw(st.integers(0 if last != "spare" else 1,
+                                                                     2 if last != "used" else 0))
     total = sum(blocks_needed)
-    layout = draw(st.sampled_from(("arange", "permuted", "shared_prefix")))
-    ids = list(range(1, total + 1))
+    layout = category(draw, swarm, "table_layout") or draw(st.sampled_from(("arange", "permuted", "shared_prefix")))
+    # With a pool, the ids sit in its top eighth: the cache is then at least 7/8 of the pool.
+    base = draw(st.integers(max(1, pool - total - pool // 8), pool - total)) if pool > total + 1 else 1
+    ids = list(range(base, base + total))
     if layout == "permuted" and total > 1:
-        ids = [i + 1 for i in draw(st.permutations(range(total)))]
+        if pool:  # tens of thousands of blocks: a shuffle seeded by one draw (a drawn permutation overruns)
+            random.Random(draw(st.integers(0, 2**32 - 1))).shuffle(ids)
+        else:
+            ids = [i + 1 for i in draw(st.permutations(range(total)))]
     rows, k = [], 0
     for n in blocks_needed:
         rows.append(ids[k : k + n] + [0] * (width - n))
@@ -103,7 +205,7 @@ def block_tables(draw, blocks_needed: list[int], allow_idx_mapping: bool, sharea
                 shared = min(shared, shareable[0], shareable[i])
             row[:shared] = rows[0][:shared]
     idx_mapping = None
-    if allow_idx_mapping and draw(st.booleans()):
+    if allow_idx_mapping and _flag(draw, swarm, "idx_mapping", "on"):
         # A persistent block table: requests live in arbitrary rows, other rows hold stale ids.
         n_rows = len(rows) + draw(st.integers(0, 2))
         where = draw(st.permutations(range(n_rows)))[: len(rows)]
@@ -128,22 +230,56 @@ def topk_specs(width: int) -> st.SearchStrategy[TopkSpec]:
 
 
 @st.composite
-def dcp_splits(draw, p: Profile, block_size: int) -> Dcp:
-    size = draw(st.sampled_from(p.dcp_sizes))
+def swarm_topk_specs(draw, width: int, swarm: Swarm, past_seq: bool, past_table: int,
+                     valid: int | None = None) -> TopkSpec:
+    """One request's TopkSpec under a swarm: the valid count by category (0, 1, some, topk - 1, topk)."""
+    if valid is None:
+        v = category(draw, swarm, "topk_valid")
+        valid = {"zero": 0, "one": 1, "minus_one": width - 1, "full": width}.get(v)
+        valid = draw(st.integers(min(2, width), max(2, width - 2))) if valid is None else valid
+    invalid_at = category(draw, swarm, "invalid_at")
+    seq = draw(st.integers(1, 3)) if past_seq and category(draw, swarm, "past_seq") == "some" else 0
+    table = draw(st.integers(1, past_table)) if past_table and category(draw, swarm, "past_table") == "some" else 0
+    return TopkSpec(valid, invalid_at, seq, table)
+
+
+def _interleaves(block_size: int) -> list[int]:
+    return [1] + [i for i in (2, 4, 8, 16, 32, 64) if block_size % i == 0]
+
+
+def _swarm_dcp(draw, swarm: Swarm, size: int, interleaves: list[int], rank: bool) -> Dcp:
+    r = 0
+    if rank:
+        where = category(draw, swarm, "dcp_rank")
+        r = {"first": 0, "last": size - 1}.get(where)
+        r = (draw(st.integers(1, size - 2)) if size > 2 else 0) if r is None else r
+    many = category(draw, swarm, "dcp_interleave") == "many"
+    return Dcp(size, r, draw(st.sampled_from(interleaves[1:])) if many and len(interleaves) > 1 else 1)
+
+
+@st.composite
+def dcp_splits(draw, p: Profile, block_size: int, swarm: Swarm | None = None) -> Dcp:
+    pinned = category(draw, swarm, "dcp", tuple(map(str, p.dcp_sizes)))
+    size = int(pinned) if pinned else draw(st.sampled_from(p.dcp_sizes))
     if size == 1:
         return Dcp()
-    interleaves = [1] + [i for i in (2, 4, 8, 16, 32, 64) if block_size % i == 0]
+    interleaves = _interleaves(block_size)
+    if swarm is not None:
+        return _swarm_dcp(draw, swarm, size, interleaves, rank=True)
     return Dcp(size, draw(st.integers(0, size - 1)), draw(st.sampled_from(interleaves)))
 
 
 @st.composite
-def index_calls(draw, f: IndexFeatures, case_has_decodes: bool, case_has_prefills: bool, dcp: Dcp) -> IndexCall:
-    token_rows = "decodes" if case_has_decodes and draw(st.booleans()) else "all"
+def index_calls(draw, f: IndexFeatures, case_has_decodes: bool, case_has_prefills: bool, dcp: Dcp,
+                swarm: Swarm | None = None) -> IndexCall:
+    token_rows = "decodes" if case_has_decodes and _flag(draw, swarm, "token_rows", "decodes") else "all"
     req_id_rows = "match"
-    if f.row_contract_breaks and token_rows == "decodes" and case_has_prefills and draw(st.booleans()):
+    if (f.row_contract_breaks and token_rows == "decodes" and case_has_prefills
+            and _flag(draw, swarm, "req_id_rows", "full_batch")):
         req_id_rows = "full_batch"
-    workspace = f.prefill_workspace and dcp.size == 1 and case_has_prefills and draw(st.booleans())
-    return IndexCall(draw(st.booleans()), workspace, token_rows, req_id_rows)
+    workspace = (f.prefill_workspace and dcp.size == 1 and case_has_prefills
+                 and _flag(draw, swarm, "prefill_workspace", "on"))
+    return IndexCall(_flag(draw, swarm, "valid_counts", "on"), workspace, token_rows, req_id_rows)
 
 
 def _paged_batch(reqs, num_decodes: int, block_size: int, table, topk_width: int) -> dict:
@@ -152,27 +288,58 @@ def _paged_batch(reqs, num_decodes: int, block_size: int, table, topk_width: int
                 topk_width=topk_width)
 
 
+def index_knobs(p: Profile, f: IndexFeatures) -> dict[str, tuple[str, ...]]:
+    names = [*_REQUEST_KNOBS, "past_seq", "valid_counts", "token_rows"]
+    names += [n for n, on in (("idx_mapping", f.idx_mapping), ("block_stride", f.block_stride_rows),
+                              ("prefill_workspace", f.prefill_workspace), ("req_id_rows", f.row_contract_breaks))
+              if on]
+    if f.dcp:
+        names += ["dcp", "dcp_rank", "dcp_interleave"]
+    return _domains(names, block_size=map(str, p.block_sizes), topk_width=(*map(str, p.topk_widths), "other"),
+                    dcp=map(str, p.dcp_sizes))
+
+
+def index_space(p: Profile, f: IndexFeatures) -> CaseSpace:
+    return CaseSpace(lambda swarm: index_cases(p, f, swarm), index_knobs(p, f))
+
+
+def _widths(draw, swarm: Swarm | None, widths: tuple[int, ...], other: bool) -> int:
+    pin = category(draw, swarm, "topk_width", (*map(str, widths), *(("other",) if other else ())))
+    if pin is None:  # the profile's widths first (shrinking goes to 128), then any multiple of 128 up to 2048
+        return draw(st.one_of(st.sampled_from(widths), st.integers(1, 16).map(lambda k: 128 * k))) if other \
+            else draw(st.sampled_from(widths))
+    return int(pin) if pin != "other" else draw(st.integers(1, 16).map(lambda k: 128 * k).filter(lambda w: w not in widths))
+
+
+def _sampled(draw, swarm: Swarm | None, name: str, options: tuple):
+    pin = category(draw, swarm, name, tuple(map(str, options)))
+    return draw(st.sampled_from(options)) if pin is None else options[[str(o) for o in options].index(pin)]
+
+
 @st.composite
-def index_cases(draw, p: Profile, f: IndexFeatures) -> Case:
-    # The profile's widths first (shrinking goes to 128), then any multiple of 128 up to 2048.
-    topk_width = draw(st.one_of(st.sampled_from(p.topk_widths), st.integers(1, 16).map(lambda k: 128 * k)))
-    reqs, num_decodes = draw(requests(p, topk_width))
-    block_size = draw(st.sampled_from(p.block_sizes))
-    dcp = draw(dcp_splits(p, block_size)) if f.dcp else Dcp()
+def index_cases(draw, p: Profile, f: IndexFeatures, swarm: Swarm | None = None) -> Case:
+    topk_width = _widths(draw, swarm, p.topk_widths, other=True)
+    reqs, num_decodes = draw(requests(p, topk_width, swarm=swarm))
+    block_size = _sampled(draw, swarm, "block_size", p.block_sizes)
+    reqs = _at_block_edges(draw, reqs, num_decodes, block_size, p.max_context, swarm)
+    dcp = draw(dcp_splits(p, block_size, swarm)) if f.dcp else Dcp()
     local = [_local_len(r.seq_len, dcp) for r in reqs]
-    table, idx_mapping = draw(block_tables([_cdiv(n, block_size) for n in local], f.idx_mapping))
+    table, idx_mapping = draw(block_tables([_cdiv(n, block_size) for n in local], f.idx_mapping, swarm=swarm,
+                                           pool=p.block_pool))
     stride = 0
-    if f.block_stride_rows and draw(st.booleans()):
+    if f.block_stride_rows and _flag(draw, swarm, "block_stride", "on"):
         stride = block_size * draw(st.integers(2, 3))  # other layers' pages between this layer's blocks
     has_dec = any(r.query_len for r in reqs[:num_decodes])
     has_pre = any(r.query_len for r in reqs[num_decodes:])
+    specs = (topk_specs(topk_width) if swarm is None else swarm_topk_specs(topk_width, swarm, True, 3)
+             for _ in reqs)
     return Case(
         **_paged_batch(reqs, num_decodes, block_size, table, topk_width),
-        topk=tuple(draw(topk_specs(topk_width)) for _ in reqs),
+        topk=tuple(draw(s) for s in specs),
         block_stride_rows=stride,
         idx_mapping=idx_mapping,
         dcp=dcp,
-        call=draw(index_calls(f, has_dec, has_pre, dcp)),
+        call=draw(index_calls(f, has_dec, has_pre, dcp, swarm)),
         seed=draw(st.integers(0, 2**16)),
     ).validate()
 
@@ -214,17 +381,18 @@ TOTAL_HEADS = 128  # DeepSeek-V3.2's attention heads: heads per rank are 128 / T
 
 @st.composite
 def attention_dcp_splits(draw, p: Profile, block_size: int, heads: int, max_gathered_heads: int,
-                         only_sizes: tuple[int, ...] | None = None) -> Dcp:
+                         only_sizes: tuple[int, ...] | None = None, swarm: Swarm | None = None) -> Dcp:
     """A whole DCP group (every rank runs; `rank` stays 0): sizes 2 first (shrinking goes there), 1 as the
     no-DCP baseline, interleave 1 or any power of two dividing the block size. DCP reuses TP ranks, so its
     size divides TP = TOTAL_HEADS / heads (vLLM's ParallelConfig checks tp % dcp == 0)."""
     sizes = [n for n in (2, 1, 3, 4, 8) if n in (only_sizes or (1, *p.dcp_sizes)) and heads * n <= max_gathered_heads
              and (TOTAL_HEADS // heads) % n == 0]
-    size = draw(st.sampled_from(sizes))
+    size = _sampled(draw, swarm, "dcp", tuple(sizes))
     if size == 1:
         return Dcp()
-    interleaves = [1] + [i for i in (2, 4, 8, 16, 32, 64) if block_size % i == 0]
-    return Dcp(size, 0, draw(st.sampled_from(interleaves)))
+    if swarm is not None:
+        return _swarm_dcp(draw, swarm, size, _interleaves(block_size), rank=False)
+    return Dcp(size, 0, draw(st.sampled_from(_interleaves(block_size))))
 
 
 @functools.lru_cache(maxsize=None)
@@ -239,39 +407,77 @@ def _indexer_full_spec(width: int) -> st.SearchStrategy[TopkSpec]:
     return st.builds(TopkSpec, valid=st.just(width), invalid_at=st.sampled_from(INVALID_AT))
 
 
-@st.composite
-def attention_cases(draw, p: Profile, f: AttentionFeatures) -> Case:
-
-    p = p.for_attention()
-    outside = f.dcp and f.dcp_outside_envelope and draw(st.integers(0, 9)) == 0  # one case in ten
+def _attention_heads(p: Profile, f: AttentionFeatures, outside: bool) -> tuple[int, ...]:
     heads_choices = tuple(f.heads or p.attn_heads) + ((32,) if outside else ())
     if f.dcp and f.dcp_sizes:  # a fixed group size: only head counts whose TP it divides
         heads_choices = tuple(h for h in heads_choices if any(
             (TOTAL_HEADS // h) % n == 0 and (outside or h * n <= f.dcp_max_gathered_heads) for n in f.dcp_sizes))
-    heads = draw(st.sampled_from(heads_choices))
-    topk_width = draw(st.sampled_from(p.topk_widths))
-    block_size = draw(st.sampled_from(f.block_sizes or p.block_sizes))
+    return heads_choices
+
+
+def attention_knobs(p: Profile, f: AttentionFeatures) -> dict[str, tuple[str, ...]]:
+    p = p.for_attention()
+    names = [*_REQUEST_KNOBS, "heads", "kv_cache_dtype", "values"]
+    if "fp8_ds_mla" in f.kv_cache_dtypes:
+        names.append("fp8_scale")
+    if f.block_stride_rows:
+        names.append("block_stride")
+    domains = dict(block_size=map(str, f.block_sizes or p.block_sizes), topk_width=map(str, p.topk_widths),
+                   heads=map(str, _attention_heads(p, f, False)), kv_cache_dtype=f.kv_cache_dtypes)
+    if f.dcp:
+        names += ["dcp", "dcp_interleave"]
+        heads = _attention_heads(p, f, False)  # sizes some head count allows (TP % DCP == 0, the gathered bound)
+        domains["dcp"] = [str(n) for n in sorted({1, *(f.dcp_sizes or p.dcp_sizes)}) if any(
+            h * n <= f.dcp_max_gathered_heads and (TOTAL_HEADS // h) % n == 0 for h in heads)]
+    return _domains(names, **domains)
+
+
+def attention_space(p: Profile, f: AttentionFeatures) -> CaseSpace:
+    return CaseSpace(lambda swarm: attention_cases(p, f, swarm), attention_knobs(p, f))
+
+
+@st.composite
+def attention_cases(draw, p: Profile, f: AttentionFeatures, swarm: Swarm | None = None) -> Case:
+
+    p = p.for_attention()
+    outside = f.dcp and f.dcp_outside_envelope and draw(st.integers(0, 9)) == 0  # one case in ten
+    heads_choices = _attention_heads(p, f, outside)
+    if f.dcp and swarm is not None and swarm.pinned("dcp") and not outside:  # heads the pinned DCP size allows
+        n = int(swarm.pinned("dcp"))
+        heads_choices = tuple(h for h in heads_choices if h * n <= f.dcp_max_gathered_heads
+                              and (TOTAL_HEADS // h) % n == 0) or heads_choices
+    heads = _sampled(draw, swarm, "heads", heads_choices)
+    topk_width = _widths(draw, swarm, p.topk_widths, other=False)
+    block_size = _sampled(draw, swarm, "block_size", f.block_sizes or p.block_sizes)
     bound = 1024 if outside else f.dcp_max_gathered_heads
-    dcp = draw(attention_dcp_splits(p, block_size, heads, bound, f.dcp_sizes)) if f.dcp else Dcp()
+    dcp = draw(attention_dcp_splits(p, block_size, heads, bound, f.dcp_sizes, swarm)) if f.dcp else Dcp()
     # vLLM allows multi-token (MTP) decodes under DCP only with interleave 1 (supports_dcp_with_varlen).
     reqs, num_decodes = draw(requests(p, topk_width, 1 if dcp.interleave > 1 else MAX_DECODE_QUERY_LEN,
-                                      vllm_order=f.vllm_batch_order))
+                                      vllm_order=f.vllm_batch_order, swarm=swarm))
+    reqs = _at_block_edges(draw, reqs, num_decodes, block_size, p.max_context, swarm)
     # Under DCP a block id names one block on every rank: a "virtual" block of block_size x size tokens.
     virtual = block_size * dcp.size
     table, _ = draw(block_tables([_cdiv(r.seq_len, virtual) for r in reqs], False,
-                                 shareable=[r.context_len // virtual for r in reqs]))
-    stride = block_size * draw(st.integers(2, 3)) if f.block_stride_rows and draw(st.booleans()) else 0
-    kv_dtype = draw(st.sampled_from(f.kv_cache_dtypes))
+                                 shareable=[r.context_len // virtual for r in reqs], swarm=swarm, pool=p.block_pool))
+    stride = block_size * draw(st.integers(2, 3)) if f.block_stride_rows and _flag(draw, swarm, "block_stride", "on") \
+        else 0
+    kv_dtype = _sampled(draw, swarm, "kv_cache_dtype", f.kv_cache_dtypes)
+
+    def spec(r: Request):
+        full = f.indexer_fills_short_seqs and r.seq_len <= topk_width
+        if swarm is not None:
+            return swarm_topk_specs(topk_width, swarm, False, 2, valid=topk_width if full else None)
+        return _indexer_full_spec(topk_width) if full else attention_topk_specs(topk_width)
+
     return Case(
         **_paged_batch(reqs, num_decodes, block_size, table, topk_width),
-        topk=tuple(draw(_indexer_full_spec(topk_width) if f.indexer_fills_short_seqs and r.seq_len <= topk_width
-                        else attention_topk_specs(topk_width)) for r in reqs),
+        topk=tuple(draw(spec(r)) for r in reqs),
         block_stride_rows=stride,
         dcp=dcp,
         heads=heads,
         kv_cache_dtype=kv_dtype,
-        fp8_scale=draw(st.sampled_from(FP8_SCALES)) if kv_dtype == "fp8_ds_mla" else "pow2",
-        values=draw(st.sampled_from(VALUE_KINDS)),
+        fp8_scale=_sampled(draw, swarm, "fp8_scale", FP8_SCALES) if kv_dtype == "fp8_ds_mla" else "pow2",
+        values=_sampled(draw, swarm, "values", VALUE_KINDS),
         seed=draw(st.integers(0, 2**16)),
         padded_tokens=_graph_padding(reqs, num_decodes) if f.cudagraph_padding else 0,
     ).validate()

@@ -20,6 +20,9 @@ class Profile:
     attn_max_tokens: int = 512
     attn_topk_widths: tuple[int, ...] = (128, 256, 512, 1024, 2048)
     attn_heads: tuple[int, ...] = (16, 8, 32, 64, 128)
+    # Block ids anywhere in a cache of this many blocks (0: from 1 up, as many as the case needs): large caches
+    # without long steps, so that offsets past 2^31 bytes show (bug class L).
+    block_pool: int = 0
 
     def for_attention(self) -> "Profile":
         return replace(self, max_tokens=self.attn_max_tokens, topk_widths=self.attn_topk_widths,
@@ -33,6 +36,12 @@ PROFILES = {
     "gpu": Profile("gpu", max_decodes=12, max_prefills=4, max_tokens=512, max_context=4096,
                    topk_widths=(128, 256, 512, 1024, 2048, 2176), block_sizes=(64, 16, 32, 128)),
     # The throughput benchmark's envelope (issue 3): up to 16 requests, 4K context, top-k 512.
+    # Scale on purpose (the H200's memory): caches past 2 GiB (over 3.3M fp8_ds_mla slots: block ids up to 64,000
+    # blocks of 64), contexts up to 128K tokens, top-k 2048, block tables of thousands of blocks per request, so
+    # that 32-bit offset overflow (bug class L) can show. A few cases a minute.
+    "gpu-scale": Profile("gpu-scale", max_decodes=8, max_prefills=2, max_tokens=256, max_context=131072,
+                         topk_widths=(2048,), block_sizes=(64,), attn_max_tokens=256, attn_topk_widths=(2048,),
+                         block_pool=64_000),
     "gpu-bench": Profile("gpu-bench", max_decodes=12, max_prefills=4, max_tokens=512, max_context=4096,
                          topk_widths=(512,), block_sizes=(64,), attn_topk_widths=(512,)),
 }

@@ -13,14 +13,13 @@ from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from typing import Callable, ClassVar
 
-from hypothesis.strategies import SearchStrategy
-
 from fuzzer.errors import HarnessConfigError
 from fuzzer.observation import Observation
 from fuzzer.repro_spec import ReproSpec
 from fuzzer.support.interp.sanitizer import SANITIZER
 from fuzzer.targets.guards import poison_free_memory
 from oracles.verdict import Verdict
+from strategies.batches import CaseSpace
 from strategies.case import Case
 from strategies.profiles import Profile
 
@@ -53,8 +52,8 @@ class Target(ABC):
             setattr(self, name, plan[name])
 
     @abstractmethod
-    def cases(self, profile: Profile) -> SearchStrategy[Case]:
-        """The cases this target takes on this vLLM release."""
+    def cases(self, profile: Profile) -> CaseSpace:
+        """The cases this target takes on this vLLM release: a strategy per swarm, and the knobs it turns."""
 
     @abstractmethod
     def run(self, case: Case) -> Observation:

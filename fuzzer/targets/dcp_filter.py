@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from fuzzer.targets import vllm_api
 from fuzzer.targets.index_remap import IndexRemap
-from strategies.batches import IndexFeatures, index_cases
+from strategies.batches import IndexFeatures, index_space
 
 
 class DcpFilter(IndexRemap):  # the same kernel and oracle; another entry point and call site
@@ -27,7 +27,7 @@ class DcpFilter(IndexRemap):  # the same kernel and oracle; another entry point 
 
     def cases(self, profile):
         # The filter has no prefill-workspace mode and its call sites always slice req_id like topk_indices.
-        return index_cases(profile, IndexFeatures(
+        return index_space(profile, IndexFeatures(
             dcp=True, block_stride_rows=self.api.dcp_has_block_stride_rows,
             prefill_workspace=False, row_contract_breaks=False))
 

@@ -47,7 +47,7 @@ from fuzzer.targets.harness import (
 from fuzzer.targets.probes import observe_paths
 from oracles.attention_judge import attention_tolerance, judge_fp8_ds_mla_entries, reference_for
 from oracles.dcp import RANK_LSE_TOLERANCE, judge_dcp, owner_and_local, rank_slot_mapping, rank_slots, undivided
-from strategies.batches import AttentionFeatures, attention_cases
+from strategies.batches import AttentionFeatures, attention_space
 from strategies.tensors import HEAD_SIZE, ROPE_DIM, SM_SCALE, materialize_attention_inputs
 
 # Per-rank records of vLLM's DCP filter (the rank's local top-k, and the BLOCK_STRIDE_ROWS it was called
@@ -102,7 +102,7 @@ class FlashMLASparseDcp(FlashMLASparse):
 
     def cases(self, profile):
         # The mixed-batch path (< 32 heads per rank) with gathered heads inside one fp8 envelope (<= 64).
-        return attention_cases(profile, AttentionFeatures(kv_cache_dtypes=self.kv_cache_dtypes, heads=(8, 16),
+        return attention_space(profile, AttentionFeatures(kv_cache_dtypes=self.kv_cache_dtypes, heads=(8, 16),
                                                           block_sizes=(64, 128), dcp=True, block_stride_rows=True,
                                                           dcp_outside_envelope=True))
 

@@ -29,7 +29,7 @@ from fuzzer.mutants import APPLIED, inject
 from fuzzer.support.flashmla_runtime import vllm_runtime
 from fuzzer.targets.flashmla_dcp import DcpStep, FlashMLASparseDcp, RankResult
 from fuzzer.targets.probes import observe_paths
-from strategies.batches import AttentionFeatures, attention_cases
+from strategies.batches import AttentionFeatures, attention_space
 from strategies.case import Case
 
 # vLLM's direct (symmetric-memory) DCP paths would use NVLink multicast, which must stay off on shared hosts.
@@ -102,7 +102,7 @@ class FlashMLASparseDcpRanks(FlashMLASparseDcp):
             self.collectives = "; ".join(c for c in checks if c) or None
 
     def cases(self, profile):
-        return attention_cases(profile, AttentionFeatures(
+        return attention_space(profile, AttentionFeatures(
             kv_cache_dtypes=self.kv_cache_dtypes, heads=(8, 16), block_sizes=(64, 128), dcp=True,
             dcp_sizes=(self.world,), block_stride_rows=True, dcp_outside_envelope=True))
 

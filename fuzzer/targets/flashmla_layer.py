@@ -41,7 +41,7 @@ from fuzzer.targets.harness import common_attn_metadata, step_tensors, with_padd
 from fuzzer.targets.probes import observe_paths
 from fuzzer.targets.vllm_api import remap_api
 from oracles.attention_judge import judge_layer
-from strategies.batches import AttentionFeatures, attention_cases
+from strategies.batches import AttentionFeatures, attention_space
 from strategies.tensors import HEAD_SIZE, V_HEAD, materialize_layer_inputs
 
 
@@ -75,7 +75,7 @@ class FlashMLASparseLayer(FlashMLASparse):
 
     def cases(self, profile):
 
-        return attention_cases(profile, AttentionFeatures(kv_cache_dtypes=self.kv_cache_dtypes, block_sizes=(64, 128),
+        return attention_space(profile, AttentionFeatures(kv_cache_dtypes=self.kv_cache_dtypes, block_sizes=(64, 128),
                                                           block_stride_rows=remap_api().has_block_stride_rows,
                                                           indexer_fills_short_seqs=True,
                                                           vllm_batch_order=layer_api().relies_on_batch_order,

@@ -61,7 +61,7 @@ from oracles.attention_judge import (
     layer_tolerance,
     reference_for,
 )
-from strategies.batches import AttentionFeatures, attention_cases
+from strategies.batches import AttentionFeatures, attention_space
 from strategies.tensors import (
     HEAD_SIZE,
     KV_LORA_RANK,
@@ -117,7 +117,7 @@ class FlashMLASparse(Target):
     def cases(self, profile):
 
         # Releases before flat_kv_row_view (0.26 and older) view the cache as contiguous rows.
-        return attention_cases(profile, AttentionFeatures(kv_cache_dtypes=self.kv_cache_dtypes, block_sizes=(64, 128),
+        return attention_space(profile, AttentionFeatures(kv_cache_dtypes=self.kv_cache_dtypes, block_sizes=(64, 128),
                                                           block_stride_rows=remap_api().has_block_stride_rows,
                                                           cudagraph_padding=True))
 

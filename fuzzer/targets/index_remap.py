@@ -14,7 +14,7 @@ from fuzzer.targets import vllm_api
 from fuzzer.targets.base import Target
 from fuzzer.targets.probes import observe_paths
 from oracles.index import expected_remap, judge_remap, remap_args_for
-from strategies.batches import IndexFeatures, index_cases
+from strategies.batches import IndexFeatures, index_space
 from strategies.tensors import materialize_index_inputs
 
 # Tensors a reproducer defines under these names; other keyword arguments are written as literals.
@@ -43,7 +43,7 @@ class IndexRemap(Target):
 
     def cases(self, profile):
         api = self.api
-        return index_cases(profile, IndexFeatures(block_stride_rows=api.has_block_stride_rows,
+        return index_space(profile, IndexFeatures(block_stride_rows=api.has_block_stride_rows,
                                                   idx_mapping=api.has_idx_mapping))
 
     def kwargs(self, case, a) -> dict:

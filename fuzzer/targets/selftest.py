@@ -22,7 +22,7 @@ from pathlib import Path
 from fuzzer.env import STATE_DIR
 from fuzzer.targets.base import Target
 from oracles.verdict import Verdict, passed
-from strategies.batches import IndexFeatures, index_cases
+from strategies.batches import IndexFeatures, index_space
 
 FAULTS = ("illegal-address", "segfault", "abort", "hang", "oom", "device-lost")
 
@@ -57,7 +57,7 @@ class SelftestFault(Target):
         return None
 
     def cases(self, profile):
-        return index_cases(profile, IndexFeatures())
+        return index_space(profile, IndexFeatures())
 
     def _count(self) -> int:
 

@@ -23,7 +23,7 @@ from fuzzer.targets.guards import Guards
 from fuzzer.targets.probes import observe_paths
 from fuzzer.targets.vllm_api import remap_api
 from oracles.attention_judge import attention_tolerance, judge_attention, reference_for
-from strategies.batches import AttentionFeatures, attention_cases
+from strategies.batches import AttentionFeatures, attention_space
 from strategies.tensors import HEAD_SIZE, KV_LORA_RANK, SM_SCALE
 
 BACKEND_MODULE = "vllm.v1.attention.backends.mla.xpu_mla_sparse"
@@ -58,7 +58,7 @@ class TritonSparse(Target):
     def cases(self, profile):
 
         # Releases before flat_kv_row_view (0.26 and older) view the cache as contiguous rows.
-        return attention_cases(profile, AttentionFeatures(kv_cache_dtypes=self.kv_cache_dtypes,
+        return attention_space(profile, AttentionFeatures(kv_cache_dtypes=self.kv_cache_dtypes,
                                                           block_stride_rows=remap_api().has_block_stride_rows))
 
     def step(self, case, device, guards=None):

@@ -152,7 +152,7 @@ def test_cases_keep_vllm_batch_order_where_the_release_relies_on_it():
         pytest.skip("this release merges context per token, whatever the prefill order")
 
     @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-    @given(t.cases(PROFILES["cpu"]))
+    @given(t.cases(PROFILES["cpu"]).strategy())
     def check(case):
         prefills = case.requests[case.num_decodes:]
         with_context = [r.context_len > 0 for r in prefills]

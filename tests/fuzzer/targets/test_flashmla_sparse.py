@@ -92,13 +92,13 @@ def test_cuda_graph_padding_tokens(kv_cache_dtype, q):
 def test_generated_cases_pad_like_a_cuda_graph():
     from hypothesis import find
 
-    padded = find(FlashMLASparse("cpu").cases(PROFILES["cpu"]), lambda c: c.padded_tokens > 0,
+    padded = find(FlashMLASparse("cpu").cases(PROFILES["cpu"]).strategy(), lambda c: c.padded_tokens > 0,
                   settings=settings(max_examples=2000, database=None))
     assert padded.num_decodes == len(padded.requests) and padded.requests[-1].query_len == 0
 
 
 @settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
-@given(FlashMLASparse("cpu").cases(PROFILES["cpu"]))  # the strategy needs no vLLM
+@given(FlashMLASparse("cpu").cases(PROFILES["cpu"]).strategy())  # the strategy needs no vLLM
 def test_generated_cases_pass(case):
     check(case)
 

@@ -1,0 +1,215 @@
+"""Swarm testing (Groce et al., ISSTA 2012) and the knobs it turns.
+
+A knob is one named choice the case strategies make (how many decodes, MTP or not, padding rows, where the -1
+entries of a top-k row sit, the kv-cache dtype, ...), with a few categories: the values a swarm can pin and
+combination coverage counts. Boundaries the kernels care about are categories of their own (a valid count of
+0, 1, topk - 1 or topk; a prefill whose sequence ends at the dense-MHA threshold; a context ending on a block
+edge; a block table whose last column is used), so a swarm draws them as often as any other value.
+
+A `Swarm` pins some knobs for a batch of cases; the strategies draw every other knob uniformly over its
+categories. Without a swarm (`None`) the strategies draw exactly as they always have (the `plain` search).
+`case_features` reads the categories back from a case (plain data), so coverage is counted from what a case
+is, not from what its batch asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypothesis import strategies as st
+
+from strategies.case import FP8_SCALES, INVALID_AT, VALUE_KINDS, Case
+
+
+@dataclass(frozen=True)
+class Knob:
+    name: str
+    values: tuple[str, ...]  # the categories; the first is the plain one (a swarm's "off")
+    doc: str
+
+
+def _knobs(*knobs: Knob) -> dict[str, Knob]:
+    return {k.name: k for k in knobs}
+
+
+# Every knob any case strategy turns; a strategy says which of them it draws (`index_knobs`, `attention_knobs`
+# in strategies.batches), with the value sets of its profile and target.
+KNOBS = _knobs(
+    Knob("decodes", ("none", "some"), "decode requests in the step"),
+    Knob("decode_query_len", ("one", "mtp"), "decode query length 1, or 1 + draft tokens (MTP)"),
+    Knob("padding_rows", ("none", "some"), "zero-length rows after the decodes (CUDA-graph padding)"),
+    Knob("decode_context", ("short", "long"), "a decode's cached context: up to an eighth of the profile's, or past half"),
+    Knob("prefills", ("none", "one", "several"), "prefill and extend requests after the decodes"),
+    Knob("prefill_len", ("short", "threshold", "long"),
+         "a prefill's seq_len: below topk - 1 (dense MHA), within one of topk (the split), or past it"),
+    Knob("prefill_context", ("none", "cached"), "a prefill with tokens already cached (prefix hit, chunked)"),
+    Knob("block_edge", ("none", "some"), "a cached context or a sequence that ends exactly on a block boundary"),
+    Knob("table_layout", ("arange", "permuted", "shared_prefix"), "how physical block ids are laid out"),
+    Knob("table_last_column", ("spare", "used"), "a request's blocks fill the block table's last column"),
+    Knob("idx_mapping", ("off", "on"), "a persistent block table: requests in arbitrary rows"),
+    Knob("block_stride", ("off", "on"), "other layers' pages between this layer's blocks"),
+    Knob("block_size", (), "tokens per block (values: the profile's)"),
+    Knob("topk_width", (), "index_topk (values: the profile's widths, and any other multiple of 128)"),
+    Knob("topk_valid", ("zero", "one", "partial", "minus_one", "full"),
+         "valid entries a row asks for: 0, 1, some, topk - 1, topk"),
+    Knob("invalid_at", INVALID_AT, "where a row's -1 entries sit"),
+    Knob("past_seq", ("none", "some"), "entries past seq_len whose block is still in the table"),
+    Knob("past_table", ("none", "some"), "entries whose block lies past the block table"),
+    Knob("dcp", (), "DCP world size (values: the profile's)"),
+    Knob("dcp_rank", ("first", "middle", "last"), "the rank whose view an index call computes"),
+    Knob("dcp_interleave", ("one", "many"), "cp_kv_cache_interleave_size 1 or more"),
+    Knob("valid_counts", ("off", "on"), "return_valid_counts (and compaction where the release compacts)"),
+    Knob("prefill_workspace", ("off", "on"), "prefill rows map into a gathered workspace"),
+    Knob("token_rows", ("all", "decodes"), "the call site passes every top-k row or the decode rows only"),
+    Knob("req_id_rows", ("match", "full_batch"), "req_id_per_token sliced like topk_indices, or the whole batch's"),
+    Knob("heads", (), "query heads per rank (values: the target's)"),
+    Knob("kv_cache_dtype", (), "kv-cache dtype (values: the target's)"),
+    Knob("fp8_scale", FP8_SCALES, "fp8_ds_mla scale convention"),
+    Knob("values", VALUE_KINDS, "what the cache and queries hold"),
+)
+
+
+@dataclass(frozen=True)
+class Swarm:
+    """The knobs one batch of cases pins, each to one category."""
+
+    pins: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        for name, _ in self.pins:
+            if name not in KNOBS:
+                raise ValueError(f"swarm pins an unknown knob {name!r} (known: {', '.join(KNOBS)})")
+
+    def pinned(self, name: str) -> str | None:
+        return dict(self.pins).get(name)
+
+    def label(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.pins) or "-"
+
+
+def category(draw, swarm: Swarm | None, name: str, values: tuple[str, ...] | None = None) -> str | None:
+    """A knob's category for one draw: the swarm's pin, else one drawn uniformly; None without a swarm (the
+    caller then draws as the plain strategy always has)."""
+    if swarm is None:
+        return None
+    values = values or KNOBS[name].values
+    pin = swarm.pinned(name)
+    if pin is not None and pin in values:
+        return pin
+    return draw(st.sampled_from(values))
+
+
+# -- what a case is, knob by knob -------------------------------------------------------------------------
+def valid_category(valid: int, width: int) -> str:
+    return {0: "zero", 1: "one", width - 1: "minus_one", width: "full"}.get(valid, "partial")
+
+
+def prefill_len_category(seq_len: int, width: int) -> str:
+    return "short" if seq_len < width - 1 else "threshold" if seq_len <= width + 1 else "long"
+
+
+def dcp_rank_category(rank: int, size: int) -> str:
+    return "first" if rank == 0 else "last" if rank == size - 1 else "middle"
+
+
+def case_features(case: Case, domains: dict[str, tuple[str, ...]], max_context: int) -> dict[str, frozenset[str]]:
+    """The categories `case` takes for each knob of `domains` (a strategy's knobs and their values); a knob
+    that does not apply to the case (the decode query length of a step without decodes) is absent; `max_context`
+    is the profile's (what a long context is). Knobs
+    taken per request (top-k rows, prefills) may take several categories in one case."""
+    reqs, n_dec, bs = case.requests, case.num_decodes, case.block_size
+    decodes = [r for r in reqs[:n_dec] if r.query_len]
+    prefills = [(i, r) for i, r in enumerate(reqs) if i >= n_dec and r.query_len]
+    f: dict[str, set[str]] = {
+        "decodes": {"some" if decodes else "none"},
+        "padding_rows": {"some" if any(r.query_len == 0 for r in reqs) else "none"},
+        "prefills": {"none" if not prefills else "one" if len(prefills) == 1 else "several"},
+        "block_edge": {"some" if any(r.context_len and (r.context_len % bs == 0 or r.seq_len % bs == 0)
+                                     for r in reqs) else "none"},
+        "table_layout": {_table_layout(case)},
+        "table_last_column": {"used" if any(case.block_table[case.table_row(i)][-1] != 0 and r.seq_len
+                                            for i, r in enumerate(reqs)) else "spare"},
+        "idx_mapping": {"on" if case.idx_mapping is not None else "off"},
+        "block_stride": {"on" if case.block_stride_rows else "off"},
+        "block_size": {str(bs)},
+        "topk_width": {str(case.topk_width)},
+        "topk_valid": {valid_category(t.valid, case.topk_width) for t in case.topk},
+        "invalid_at": {t.invalid_at for t in case.topk},
+        "past_seq": {"some" if any(t.past_seq for t in case.topk) else "none"},
+        "past_table": {"some" if any(t.past_table for t in case.topk) else "none"},
+        "dcp": {str(case.dcp.size)},
+        "valid_counts": {"on" if case.call.valid_counts else "off"},
+        "prefill_workspace": {"on" if case.call.prefill_workspace else "off"},
+        "token_rows": {case.call.token_rows},
+        "req_id_rows": {case.call.req_id_rows},
+        "heads": {str(case.heads)},
+        "kv_cache_dtype": {case.kv_cache_dtype},
+        "values": {case.values},
+    }
+    if decodes:
+        f["decode_query_len"] = {"one" if decodes[0].query_len == 1 else "mtp"}
+        f["decode_context"] = {"long" if 2 * r.context_len >= max_context else "short" for r in decodes}
+    if prefills:
+        f["prefill_len"] = {prefill_len_category(r.seq_len, case.topk_width) for _, r in prefills}
+        f["prefill_context"] = {"cached" if r.context_len else "none" for _, r in prefills}
+    if case.dcp.size > 1:
+        f["dcp_rank"] = {dcp_rank_category(case.dcp.rank, case.dcp.size)}
+        f["dcp_interleave"] = {"one" if case.dcp.interleave == 1 else "many"}
+    if case.kv_cache_dtype == "fp8_ds_mla":
+        f["fp8_scale"] = {case.fp8_scale}
+    out = {}
+    for name, values in domains.items():
+        if name in f:  # a value outside the strategy's categories (a width past the profile's) counts as "other"
+            out[name] = frozenset(v if v in values else "other" for v in f[name])
+    return out
+
+
+def _table_layout(case: Case) -> str:
+    rows = [case.block_table[case.table_row(i)] for i in range(len(case.requests))]
+    ids = [b for row in rows for b in row if b]
+    if len(ids) != len(set(ids)):
+        return "shared_prefix"
+    return "arange" if ids == sorted(ids) else "permuted"
+
+
+
+# A pin that only means something with other knobs in some categories (a decode query length needs decodes):
+# a swarm that pins the first pins those too, or drops the first where one of them is pinned otherwise.
+_PREFILLS = ("prefills", ("one", "several"))
+REQUIRES: dict[tuple[str, str | None], tuple[tuple[str, tuple[str, ...] | None], ...]] = {
+    ("decode_query_len", None): (("decodes", ("some",)),),
+    ("decode_context", None): (("decodes", ("some",)),),
+    ("padding_rows", "some"): (("decodes", ("some",)),),
+    ("decodes", "none"): (_PREFILLS,),  # a step has at least one request with tokens
+    ("prefills", "none"): (("decodes", ("some",)),),
+    ("prefill_len", None): (_PREFILLS,),
+    ("prefill_context", None): (_PREFILLS,),
+    ("prefill_workspace", "on"): (_PREFILLS, ("dcp", ("1",))),
+    ("req_id_rows", "full_batch"): (("token_rows", ("decodes",)), _PREFILLS),
+    ("token_rows", "decodes"): (("decodes", ("some",)),),
+    ("table_layout", "shared_prefix"): (("decode_context", ("long",)),),  # whole cached blocks to share
+    ("dcp_rank", None): (("dcp", None),),  # None: any value but "1"
+    ("dcp_interleave", None): (("dcp", None),),
+    ("fp8_scale", None): (("kv_cache_dtype", ("fp8_ds_mla",)),),
+}
+
+
+def coherent(pins: dict[str, str], domains: dict[str, tuple[str, ...]], rng, keep: set[str] = frozenset()) -> Swarm:
+    """A swarm of `pins` whose requirements hold: each pin's requirement is pinned with it (a category `rng`
+    picks), and a pin whose requirement is pinned to something else is dropped, unless it is in `keep` (then the
+    other one goes)."""
+    pins = dict(pins)
+    for _ in range(3):  # requirements chain at most twice (req_id_rows -> token_rows -> decodes)
+        for name in list(pins):
+            needs = REQUIRES.get((name, pins.get(name))) or REQUIRES.get((name, None)) or ()
+            for other, allowed in needs:
+                if name not in pins or other not in domains:
+                    continue
+                allowed = tuple(v for v in domains[other] if (v in allowed if allowed else v != "1"))
+                if other in pins and pins[other] in allowed:
+                    continue
+                if allowed and (other not in pins or (name in keep and other not in keep)):
+                    pins[other] = rng.choice(allowed)
+                else:
+                    del pins[name]
+    return Swarm(tuple(sorted(pins.items())))
