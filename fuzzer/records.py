@@ -228,6 +228,10 @@ class RunSummary:
     shrink_cases: int = 0  # cases run while shrinking findings, on top of `examples`
     rerun_cases: int = 0  # findings' re-runs
     startup_seconds: float = 0.0  # from the command's start to the campaign's (imports, vLLM's set-up)
+    search: str = "swarm"  # swarm or plain (fuzzer/search/campaign.py)
+    # shares of the possible pairs and triples of knob categories the cases covered, vLLM paths seen, pairs of a
+    # path and a knob category (fuzzer/search/combinations.py); a fleet's merge: the lowest of its workers
+    coverage: dict = field(default_factory=dict)
     # a fleet's merge only (None elsewhere, and left out of the file):
     database: str | None = None
     workers: list[dict] | None = None  # per worker: seed, GPU, exit, cases, seconds, log

@@ -159,6 +159,7 @@ def render_markdown(doc: dict) -> str:
         out += ["", "Never taken here: " + ", ".join(f"`{p}`" for p in never)]
     out += ["", f"Distinct path sets: {len(doc['path_sets'])}. Most common:", "", "| cases | paths |", "|---:|---|"]
     out += [f"| {c} | {s} |" for s, c in list(doc["path_sets"].items())[:8]]
+    out += _combinations_markdown(doc)
     out += ["", "## Error margins", "", "Worst error / tolerance per case and check where the oracle measured one "
             "(<= 1 passes), in half-decade bins.", ""]
     margins = _margin_table(doc)
@@ -176,6 +177,20 @@ def render_markdown(doc: dict) -> str:
     out += [f"| {p} | CPU shim / interpreter correction | {c} |" for p, c in doc.get("shims", {}).items()]
     out.append("")
     return "\n".join(out)
+
+
+def _combinations_markdown(doc: dict) -> list[str]:
+    c = doc.get("combinations")
+    if not c:
+        return []
+    out = ["", "## Knob combinations", "",
+           f"Pairs of knob categories covered: {c['pairs']['covered']} of {c['pairs']['total']} "
+           f"({_pct(c['pairs']['covered'], c['pairs']['total'])}); triples: {c['triples']['covered']} of "
+           f"{c['triples']['total']} ({_pct(c['triples']['covered'], c['triples']['total'])}) (the totals count "
+           f"combinations the strategies cannot make); pairs of a vLLM path and a category: {c['path_pairs']}; "
+           f"batches under a swarm: {c['swarms']}.", "", "| knob | cases per category |", "|---|---|"]
+    out += [f"| `{k}` | " + ", ".join(f"{v} {n}" for v, n in cats.items()) + " |" for k, cats in c["knobs"].items()]
+    return out
 
 
 def _title(finding: dict) -> str:
@@ -349,6 +364,20 @@ def render_html(doc: dict) -> str:
     body += [f"<tr><td class=n>{c}</td><td><code>{_e(s)}</code></td></tr>" for s, c in list(doc["path_sets"].items())[:8]]
     body.append("</table>")
 
+    c = doc.get("combinations")
+    if c:
+        body += ["<h2>Knob combinations</h2>",
+                 f"<p>Pairs of knob categories covered: {c['pairs']['covered']} of {c['pairs']['total']} "
+                 f"{_hbar(c['pairs']['covered'] / max(1, c['pairs']['total']))} {_pct(c['pairs']['covered'], c['pairs']['total'])}; "
+                 f"triples: {c['triples']['covered']} of {c['triples']['total']} "
+                 f"{_hbar(c['triples']['covered'] / max(1, c['triples']['total']))} "
+                 f"{_pct(c['triples']['covered'], c['triples']['total'])}.</p>",
+                 f'<p class="muted">The totals count combinations the strategies cannot make. Pairs of a vLLM path and '
+                 f"a category: {c['path_pairs']}; batches under a swarm: {c['swarms']}.</p>",
+                 "<table><tr><th>knob</th><th>cases per category</th></tr>"]
+        body += [f"<tr><td><code>{_e(k)}</code></td><td>" + ", ".join(f"{_e(v)} {n}" for v, n in cats.items())
+                 + "</td></tr>" for k, cats in c["knobs"].items()]
+        body.append("</table>")
     body += ["<h2>Checks and error margins</h2>",
              '<p class="muted">Each check\'s verdicts, and the worst error / tolerance per case where the oracle '
              "measured one (&le; 1 passes), in half-decade bins.</p>", '<div class="charts"><table>',

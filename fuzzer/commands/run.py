@@ -21,7 +21,7 @@ from fuzzer.run.compute_sanitizer import SanitizerUnavailable, check_driver, fin
 from fuzzer.run.executors import AutoSanitizedExecutor, InProcessExecutor
 from fuzzer.run.host import import_vllm, make_target
 from fuzzer.run.worker import SANITIZED_RECYCLE_AFTER, WorkerExecutor, WorkerSpec
-from fuzzer.search.campaign import Campaign
+from fuzzer.search.campaign import SEARCHES, Campaign
 from fuzzer.search.database import example_database
 from fuzzer.search.progress import Progress
 from fuzzer.targets.registry import TARGETS
@@ -64,6 +64,9 @@ def add_parser(sub) -> None:
     r.add_argument("--reruns", type=int, default=3, help="re-runs of each finding to tell flaky ones (default 3)")
     r.add_argument("--max-findings", type=int, default=None, metavar="N",
                    help="stop searching once N distinct findings are made (a pre-merge check, a self-test)")
+    r.add_argument("--search", choices=SEARCHES, default="swarm",
+                   help="swarm (default): batches of cases, each under its own swarm of pinned knobs, steered to "
+                        "knob combinations not yet covered; plain: the target's strategy as it is, one batch")
     r.add_argument("--workers", type=fleet.parse_workers, default=None, metavar="N|auto",
                    help="run N campaigns (auto: one per GPU; 1 on a CPU) with seeds S, S+1, ... on one example "
                         "database, and merge their findings, deduplicated across workers, runs and hosts")
@@ -165,7 +168,7 @@ def main(args, device: str) -> int:
                         progress=Progress(target.name, args.quiet), pending=STATE_DIR / "pending" / target.name,
                         journal=STATE_DIR / "journal" / f"{target.name}.json", reruns=args.reruns,
                         shrink=not args.no_shrink, database=example_database(args.db),
-                        max_findings=args.max_findings)
+                        max_findings=args.max_findings, search=args.search)
     try:
         result = campaign.run()
     except HarnessError as e:
@@ -261,7 +264,16 @@ def summary_of(args, result, saved, host, label, profile_name, target) -> RunSum
         allocator_poisoned=result.cases.allocator_poisoned,  # cases (ATTNFUZZ_POISON_ALLOCATOR=1, CUDA)
         findings=[dict(f.to_dict(), path=str(p)) for f, p in saved],
         interrupted=bool(result.interrupted), interrupted_by=result.interrupted, shrink_cases=result.shrink_cases,
-        rerun_cases=result.rerun_cases, startup_seconds=round(result.startup_seconds, 2))
+        rerun_cases=result.rerun_cases, startup_seconds=round(result.startup_seconds, 2), search=args.search,
+        coverage=_coverage(result))
+
+
+def _coverage(result) -> dict:
+    combos = result.cases.combinations
+    if combos is None:
+        return {}
+    return {"pairs": round(combos.share(2), 4), "triples": round(combos.share(3), 4),
+            "paths": len(result.cases.coverage), "path_pairs": len(combos.path_pairs), "swarms": combos.swarms}
 
 
 def print_summary(result, saved, unsaved, host, campaign) -> None:
@@ -293,7 +305,7 @@ def write_campaign_dir(args, result, saved: list, host, inject: str | None, prof
     """`attnfuzz run --out DIR`: the campaign directory, then its report (paths printed)."""
     options = {"max_examples": None if args.time_budget else max_examples, "time_budget": args.time_budget,
                "kv_cache_dtypes": list(target.kv_cache_dtypes), "isolation": args.isolation,
-               "sanitizer": args.sanitizer, "reruns": args.reruns, "shrink": not args.no_shrink}
+               "sanitizer": args.sanitizer, "reruns": args.reruns, "shrink": not args.no_shrink, "search": args.search}
     write_campaign(args.out, result, host=host, seed=args.seed, inject=inject, profile=profile, options=options,
                    findings_saved=[p for _, p in saved], findings=[f for f, _ in saved])
     md, page = render(args.out)

@@ -4,11 +4,16 @@ signature is shrunk and saved as a reproducer.
 Hypothesis does the searching and the shrinking (its example database lives under `.attnfuzz/`, so a
 rerun replays earlier failures first). Each distinct failure signature raises its own exception type, so
 Hypothesis shrinks each bug separately instead of sliding from one to another.
+
+The `swarm` search (the default) runs Hypothesis in batches of SWARM_BATCH cases, each under its own swarm
+(fuzzer/search/combinations: one uncovered triple of knob categories pinned, other knobs pinned at random);
+the `plain` search runs the target's strategy as it is, in one batch.
 """
 
 from __future__ import annotations
 
 import hashlib
+import random
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -25,6 +30,7 @@ from fuzzer.errors import HarnessError, HarnessFailure
 from fuzzer.observation import Observation
 from fuzzer.records import Finding
 from fuzzer.search.caselog import CaseLog
+from fuzzer.search.combinations import Combinations
 from fuzzer.search.database import KeepStoredFailures
 from fuzzer.search.pending import Journal, Pending
 from fuzzer.search.progress import Progress
@@ -33,9 +39,12 @@ from fuzzer.targets.probes import rarity
 from oracles.verdict import Verdict, primary
 from strategies.case import Case
 from strategies.profiles import Profile
+from strategies.swarm import Swarm
 
 RARE_PATH_SCORE = 0.25  # a path, or the case's set of paths, seen at most four times so far
 CLIMB_MARGIN = 0.1  # an error within 10x of the tolerance (clean cases sit near 1e-3)
+SEARCHES = ("swarm", "plain")
+SWARM_BATCH = 20  # cases per swarm: enough for Hypothesis to explore one, few enough for many per campaign
 
 
 class CaseFailed(Exception):
@@ -71,7 +80,10 @@ class Campaign:
                  executor, max_examples: int | None = 100, time_budget: float | None = None,
                  inject: str | None = None, progress: Progress | None = None, pending: Path | None = None,
                  journal: Path | None = None, reruns: int = 3, shrink: bool = True,
-                 database=None, max_findings: int | None = None) -> None:
+                 database=None, max_findings: int | None = None, search: str = "swarm") -> None:
+        if search not in SEARCHES:
+            raise ValueError(f"search must be one of {SEARCHES}, got {search!r}")
+        self.search = search
         # Where cases run (fuzzer/run/executors): a worker process (crash isolation, sanitizers) or this process.
         self.executor = executor
         self.pending = Pending(pending, target.name) if pending is not None else None
@@ -242,12 +254,14 @@ class Campaign:
         main = threading.current_thread() is threading.main_thread()
         previous = {s: signal.signal(s, wind_down) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
         try:
+            space = self.target.cases(self.profile)
+            combos = self.result.cases.combinations = Combinations(space.knobs, self.profile.max_context)
+            rng = random.Random(f"swarm/{self.seed}")
             self._resume()
-            strategy = self.target.cases(self.profile)
             db = self.database
             if db is None:
                 db = DirectoryBasedExampleDatabase(str(STATE_DIR / "examples"))
-            batch = 0
+            batch, idle = 0, 0
             while True:
                 if self.time_budget is not None:
                     left = self.time_budget - (time.monotonic() - self._start)
@@ -258,6 +272,11 @@ class Campaign:
                     n = self.max_examples - self.result.examples
                     if n <= 0:
                         break
+                swarm = None
+                if self.search == "swarm":  # the first batch pins nothing; every knob is drawn over its categories
+                    swarm = Swarm() if batch == 0 else combos.next_swarm(rng)
+                    n = min(n, SWARM_BATCH)
+                self.result.cases.swarm = swarm.label() if swarm else None
                 before = self.result.examples
                 shrinking_before = self.result.shrink_cases
                 self._batch_failed = False
@@ -267,7 +286,10 @@ class Campaign:
                 seed = self.seed if batch == 0 else int(digest[:15], 16)
                 # Settled bugs no longer raise: Hypothesis would delete their stored examples as fixed.
                 try:
-                    self._hypothesis(strategy, KeepStoredFailures(db) if self._settled else db, seed, n)
+                    # Stored failures are replayed once, by the first batch (a later swarm would read them anew).
+                    # Under swarms the swarm steers; Hypothesis's optimiser would spend a batch on one case's variants.
+                    self._hypothesis(space.strategy(swarm), KeepStoredFailures(db) if self._settled else db, seed, n,
+                                     reuse=batch == 0 or swarm is None)
                 except _Stop:
                     break
                 for signature in set(self._failures) - self._settled:  # this batch's, shrunk to the end
@@ -278,8 +300,9 @@ class Campaign:
                 batch += 1
                 if self.max_findings is not None and len(self._failures) >= self.max_findings:
                     break
-                if self.result.examples == before and self.result.shrink_cases == shrinking_before:
-                    break  # nothing left to generate
+                idle = idle + 1 if self.result.examples == before and self.result.shrink_cases == shrinking_before else 0
+                if idle >= (3 if swarm is not None else 1):
+                    break  # nothing left to generate (under a swarm: three pinned spaces in a row exhausted)
             self.result.seconds = time.monotonic() - self._start
             self.result.findings = list(self._failures.values())
             for finding in self.result.findings:
@@ -292,10 +315,11 @@ class Campaign:
         self.progress.done(self.result)
         return self.result
 
-    def _hypothesis(self, strategy, db, seed: int, n: int) -> None:
+    def _hypothesis(self, strategy, db, seed: int, n: int, reuse: bool = True) -> None:
         @settings(max_examples=n, deadline=None, database=db, derandomize=False, print_blob=False,
                   suppress_health_check=list(HealthCheck), report_multiple_bugs=True,
-                  phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.target)
+                  phases=(Phase.explicit,) + ((Phase.reuse,) if reuse else ()) + (Phase.generate,)
+                  + ((Phase.target,) if self.search == "plain" else ())
                   + ((Phase.shrink,) if self.shrink else ()),
                   verbosity=Verbosity.quiet)
         @given(strategy)

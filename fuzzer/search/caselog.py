@@ -7,6 +7,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
+from fuzzer.search.combinations import Combinations
 from oracles.verdict import primary
 
 MAX_RECORDS = 20_000  # per-case records kept in campaign.json; counts and histograms cover every case
@@ -48,6 +49,8 @@ class CaseLog:
     allocator_poisoned: int = 0  # cases run with the caching allocator's free memory poisoned (fuzzer/targets/guards.py)
     records: list = field(default_factory=list)
     dropped: int = 0  # records past MAX_RECORDS (still counted above)
+    combinations: Combinations | None = None  # pairs and triples of knob categories covered (the campaign sets it)
+    swarm: str | None = None  # the pins of the batch now running ("-": none; None: the plain search)
 
     def add(self, case, obs, verdicts) -> dict:
         n = sum(self.verdicts.values()) + 1
@@ -73,6 +76,11 @@ class CaseLog:
                   "seconds": round(obs.seconds, 4), "paths": paths,
                   "margins": {k: (round(m, 6) if math.isfinite(m) else str(m)) for k, m in worst.items()},
                   "verdict": signature}
+        if self.combinations is not None:  # which knobs the case turned away from their plain category
+            features = self.combinations.add(case, paths)
+            knobs = self.combinations.knobs
+            record["on"] = sorted(f"{k}={v}" for k, vs in features.items() if k in knobs for v in vs if v != knobs[k][0])
+            record["swarm"] = self.swarm
         if len(self.records) < MAX_RECORDS:
             self.records.append(record)
         else:
@@ -84,4 +92,5 @@ class CaseLog:
                 "first_seen": self.first_seen, "margins": {k: dict(v) for k, v in self.margins.items()},
                 "verdicts": dict(self.verdicts.most_common()), "real": dict(self.real), "emulated": dict(self.emulated),
                 "shims": dict(self.shims), "allocator_poisoned": self.allocator_poisoned,
+                "combinations": self.combinations.summary() if self.combinations is not None else None,
                 "records_dropped": self.dropped, "cases": self.records}

@@ -13,6 +13,7 @@ from fuzzer.run.executors import InProcessExecutor
 from fuzzer.search.campaign import Campaign, _Stop
 from fuzzer.targets.base import Target
 from oracles.verdict import Verdict, passed
+from strategies.batches import CaseSpace
 from strategies.case import Case, Request, TopkSpec
 from strategies.profiles import PROFILES
 
@@ -38,7 +39,7 @@ class Counting(Target):
         return None
 
     def cases(self, profile):
-        return st.integers(0, 200).map(_case)
+        return CaseSpace(lambda swarm: st.integers(0, 200).map(_case), {})
 
     def run(self, case):
         self.ran += 1
