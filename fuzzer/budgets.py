@@ -42,6 +42,11 @@ CAMPAIGN_TIMEOUT_S = {"cpu": 600.0, "cuda": 300.0}
 REPRO_TIMEOUT_S = {"cpu": 300.0, "cuda": 180.0}
 
 GATE_SEED = 0
+# The least share of the possible pairs of knob categories (fuzzer/search/combinations.py, impossible pairs
+# counted) that each gate campaign's cases must cover; docs/benchmarks.md has what the gate's campaigns reach.
+GATE_MIN_PAIR_COVERAGE = 0.5
+# A mutant's self-test campaign stops at its first finding; this caps it where a narrow mutant is missed.
+SELFTEST_MUTANT_CAP = 300
 SELFTEST_SEED = 1
 NOT_FUZZED = ("selftest.fault",)  # the harness's own fault target: it fails on purpose
 

@@ -160,8 +160,11 @@ def gate_specs(device: str, unavailable: dict[str, str | None], kv_cache_dtypes:
     return specs, skipped
 
 
-def judge_campaign(o: CampaignOutcome, known: dict[tuple[str, str], str] | None = None) -> CampaignResult:
-    """`known`: (target, signature) -> id of a reproducer whose bug is expected present on this release."""
+def judge_campaign(o: CampaignOutcome, known: dict[tuple[str, str], str] | None = None,
+                   min_pairs: float = 0.0) -> CampaignResult:
+    """`known`: (target, signature) -> id of a reproducer whose bug is expected present on this release.
+    `min_pairs`: the share of pairs of knob categories the campaign's cases must cover (a campaign whose cases
+    stay in one corner of the space fails, however clean)."""
     known = known or {}
     s = o.summary or {}
     r = CampaignResult(o.spec.name, o.spec.target, o.spec.kv_cache_dtype, o.spec.max_examples, "passed",
@@ -183,6 +186,11 @@ def judge_campaign(o: CampaignOutcome, known: dict[tuple[str, str], str] | None 
                              for f in r.findings)
     elif r.known:
         r.reason = "known open bug(s) found again: " + ", ".join(r.known)
+    pairs = (s.get("coverage") or {}).get("pairs")
+    if min_pairs and (pairs is None or pairs < min_pairs):
+        r.outcome = "failed" if r.outcome == "passed" else r.outcome
+        r.reason = "; ".join(x for x in (r.reason, f"covered {pairs if pairs is not None else 'no'} of the pairs of knob "
+                                         f"categories, below --min-pair-coverage {min_pairs}") if x)
     return r
 
 
@@ -213,6 +221,9 @@ def add_parser(subparsers) -> None:
                    help="campaign summaries, logs and the findings' reproducers (default .attnfuzz/gate)")
     g.add_argument("--budget-scale", type=float, default=1.0, help="multiply every campaign's budget (fuzzer/budgets.py)")
     g.add_argument("--seed", type=int, default=budgets.GATE_SEED)
+    g.add_argument("--min-pair-coverage", type=float, default=budgets.GATE_MIN_PAIR_COVERAGE, metavar="F",
+                   help="fail a campaign whose cases cover less than this share of the pairs of knob categories "
+                        f"(default {budgets.GATE_MIN_PAIR_COVERAGE}; 0: no minimum)")
     g.add_argument("--jobs", type=int, default=None, help="campaigns at a time (default: 1 on CPU, 2 on a GPU)")
     g.add_argument("--targets", default=None, help="comma-separated: fuzz only these targets")
     g.add_argument("--no-repros", action="store_true", help="skip the replay step")
@@ -257,13 +268,13 @@ def main(args: argparse.Namespace, device: str) -> int:
         known = {(rec.target, rec.signature): rec.id for rec in records if rec.expects_bug(vllm_version)}
 
         def report(o: CampaignOutcome) -> None:
-            r = judge_campaign(o, known)
+            r = judge_campaign(o, known, args.min_pair_coverage)
             print(f"  campaign {r.name}: {r.outcome}, {r.examples} cases in {r.seconds:.1f} s "
                   f"({r.wall_seconds:.0f} s with start-up){': ' + r.reason if r.reason else ''}", flush=True)
 
         jobs = args.jobs or (2 if device == "cuda" else 1)
         outcomes = run_campaigns(specs, device, out / "campaigns", budgets.CAMPAIGN_TIMEOUT_S[device], jobs, report)
-        campaign_results = [judge_campaign(o, known) for o in outcomes] + skipped
+        campaign_results = [judge_campaign(o, known, args.min_pair_coverage) for o in outcomes] + skipped
 
     failed = [r for r in repro_results if r.outcome not in PASSING | {"skipped"}] + \
              [c for c in campaign_results if c.outcome in ("failed", "error")]

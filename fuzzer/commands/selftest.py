@@ -1,7 +1,8 @@
 """`attnfuzz selftest`: does attnfuzz still find the bugs it was built to find, and nothing else?
 
-Every built-in mutant (fuzzer/mutants/) runs on every one of its TARGETS that this host runs, one fixed-seed,
-fixed-budget campaign each (fuzzer/budgets.py; --reruns 1, --no-shrink); it is found when one of the campaign's findings carries the
+Every built-in mutant (fuzzer/mutants/) runs on every one of its TARGETS that this host runs, one fixed-seed
+campaign each that stops at its first finding (at most budgets.SELFTEST_MUTANT_CAP cases; --reruns 1,
+--no-shrink); it is found when one of the campaign's findings carries the
 mutant's BUG_CLASS. Then one clean campaign per target (every kv-cache dtype drawn) must find nothing.
 A mutant campaign whose findings carry other classes only is "found-as-other": the bug was detected (the clean
 run of that target, same seed and budget, finds nothing), but the oracle named its symptom differently from
@@ -111,8 +112,10 @@ def plan(device: str, unavailable: dict[str, str | None], seed: int, scale: floa
             if why:
                 skipped.append(SelftestRow(name, mod.BUG_CLASS, target, "skipped", reason=why))
             else:
-                spec = CampaignSpec(target, budgets.examples(device, target, "selftest", scale), seed, inject=name,
-                                    reruns=1, extra=NO_SHRINK + STOP_AT_FIRST)
+                # Stops at its first finding: the cap only costs where a mutant is missed.
+                cap = max(budgets.examples(device, target, "selftest", scale),
+                          max(1, round(budgets.SELFTEST_MUTANT_CAP * scale)))
+                spec = CampaignSpec(target, cap, seed, inject=name, reruns=1, extra=NO_SHRINK + STOP_AT_FIRST)
                 runs.append((name, mod.BUG_CLASS, spec))
     if clean:
         for target, why in unavailable.items():
