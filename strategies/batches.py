@@ -295,7 +295,8 @@ def index_knobs(p: Profile, f: IndexFeatures) -> dict[str, tuple[str, ...]]:
               if on]
     if f.dcp:
         names += ["dcp", "dcp_rank", "dcp_interleave"]
-    return _domains(names, block_size=map(str, p.block_sizes), topk_width=(*map(str, p.topk_widths), "other"),
+    return _domains(names, block_size=map(str, p.block_sizes),
+                    topk_width=_width_categories(p.topk_widths, True, p.edge_topk_widths),
                     dcp=map(str, p.dcp_sizes))
 
 
@@ -303,12 +304,18 @@ def index_space(p: Profile, f: IndexFeatures) -> CaseSpace:
     return CaseSpace(lambda swarm: index_cases(p, f, swarm), index_knobs(p, f))
 
 
-def _widths(draw, swarm: Swarm | None, widths: tuple[int, ...], other: bool) -> int:
-    pin = category(draw, swarm, "topk_width", (*map(str, widths), *(("other",) if other else ())))
+def _widths(draw, swarm: Swarm | None, widths: tuple[int, ...], other: bool, edge: tuple[int, ...] = ()) -> int:
+    pin = category(draw, swarm, "topk_width", _width_categories(widths, other, edge))
+    if pin == "tile_edge":
+        return draw(st.sampled_from(edge))
     if pin is None:  # the profile's widths first (shrinking goes to 128), then any multiple of 128 up to 2048
         return draw(st.one_of(st.sampled_from(widths), st.integers(1, 16).map(lambda k: 128 * k))) if other \
             else draw(st.sampled_from(widths))
     return int(pin) if pin != "other" else draw(st.integers(1, 16).map(lambda k: 128 * k).filter(lambda w: w not in widths))
+
+
+def _width_categories(widths: tuple[int, ...], other: bool, edge: tuple[int, ...]) -> tuple[str, ...]:
+    return (*map(str, widths), *(("other",) if other else ()), *(("tile_edge",) if edge else ()))
 
 
 def _sampled(draw, swarm: Swarm | None, name: str, options: tuple):
@@ -318,7 +325,7 @@ def _sampled(draw, swarm: Swarm | None, name: str, options: tuple):
 
 @st.composite
 def index_cases(draw, p: Profile, f: IndexFeatures, swarm: Swarm | None = None) -> Case:
-    topk_width = _widths(draw, swarm, p.topk_widths, other=True)
+    topk_width = _widths(draw, swarm, p.topk_widths, other=True, edge=p.edge_topk_widths)
     reqs, num_decodes = draw(requests(p, topk_width, swarm=swarm))
     block_size = _sampled(draw, swarm, "block_size", p.block_sizes)
     reqs = _at_block_edges(draw, reqs, num_decodes, block_size, p.max_context, swarm)

@@ -21,6 +21,9 @@ from hypothesis import strategies as st
 from strategies.case import FP8_SCALES, INVALID_AT, VALUE_KINDS, Case
 
 
+TILE_EDGE_WIDTH = 4096  # top-k widths from here up are the `tile_edge` category (Profile.edge_topk_widths)
+
+
 @dataclass(frozen=True)
 class Knob:
     name: str
@@ -49,7 +52,8 @@ KNOBS = _knobs(
     Knob("idx_mapping", ("off", "on"), "a persistent block table: requests in arbitrary rows"),
     Knob("block_stride", ("off", "on"), "other layers' pages between this layer's blocks"),
     Knob("block_size", (), "tokens per block (values: the profile's)"),
-    Knob("topk_width", (), "index_topk (values: the profile's widths, and any other multiple of 128)"),
+    Knob("topk_width", (), "index_topk (values: the profile's widths, any other multiple of 128 up to 2048, and "
+                           "`tile_edge`: where the index remap's tiling changes)"),
     Knob("topk_valid", ("zero", "one", "partial", "minus_one", "full"),
          "valid entries a row asks for: 0, 1, some, topk - 1, topk"),
     Knob("invalid_at", INVALID_AT, "where a row's -1 entries sit"),
@@ -132,7 +136,7 @@ def case_features(case: Case, domains: dict[str, tuple[str, ...]], max_context: 
         "idx_mapping": {"on" if case.idx_mapping is not None else "off"},
         "block_stride": {"on" if case.block_stride_rows else "off"},
         "block_size": {str(bs)},
-        "topk_width": {str(case.topk_width)},
+        "topk_width": {"tile_edge" if case.topk_width >= TILE_EDGE_WIDTH else str(case.topk_width)},
         "topk_valid": {valid_category(t.valid, case.topk_width) for t in case.topk},
         "invalid_at": {t.invalid_at for t in case.topk},
         "past_seq": {"some" if any(t.past_seq for t in case.topk) else "none"},

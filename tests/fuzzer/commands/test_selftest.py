@@ -63,7 +63,8 @@ def test_plan_runs_each_mutant_on_every_target_it_names_that_runs_here():
     assert [(m, c, s.target, s.inject) for m, c, s in runs] == [
         ("remap-count-past-table", "B", "vllm.index_remap", "remap-count-past-table"),
         (None, "", "vllm.index_remap", None)]  # the clean run; never one on selftest.fault
-    assert runs[0][2].max_examples == budgets.BUDGETS["cpu"]["vllm.index_remap"].selftest
+    assert runs[0][2].max_examples == budgets.SELFTEST_MUTANT_CAP  # it stops at its first finding
+    assert runs[1][2].max_examples == budgets.BUDGETS["cpu"]["vllm.index_remap"].selftest
     assert [(r.mutant, r.target, r.verdict) for r in skipped] == [
         ("remap-count-past-table", "vllm.dcp_filter", "skipped"), (None, "vllm.dcp_filter", "skipped")]
     assert all(r.ok for r in skipped)
@@ -100,7 +101,9 @@ def test_selftest_finds_a_fast_mutant_end_to_end(tmp_path):
                  "--junit", str(tmp_path / "s.xml"))
     assert r.returncode == 0, r.stdout + r.stderr
     (row,) = [x for x in json.loads((tmp_path / "s.json").read_text())["rows"] if x["verdict"] != "skipped"]
-    assert row["verdict"] == "found" and row["examples_to_find"] <= 10 and row["target"] == "vllm.dcp_filter"
+    # found under its class G, or first seen as the wrong slot's class B (docs/benchmarks.md lists both per seed)
+    assert row["verdict"] in ("found", "found-as-other") and row["examples_to_find"] <= 10
+    assert row["target"] == "vllm.dcp_filter"
     assert ET.parse(tmp_path / "s.xml").getroot().get("failures") == "0"
     assert "selftest PASSED" in r.stdout
     bad = attnfuzz("selftest", "--mutant", "no-such-mutant")
