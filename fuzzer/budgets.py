@@ -44,7 +44,7 @@ REPRO_TIMEOUT_S = {"cpu": 300.0, "cuda": 180.0}
 GATE_SEED = 0
 # The least share of the possible pairs of knob categories (fuzzer/search/combinations.py, impossible pairs
 # counted) that each gate campaign's cases must cover; docs/benchmarks.md has what the gate's campaigns reach.
-GATE_MIN_PAIR_COVERAGE = 0.5
+GATE_MIN_PAIR_COVERAGE = 0.7
 # A mutant's self-test campaign stops at its first finding; this caps it where a narrow mutant is missed.
 SELFTEST_MUTANT_CAP = 300
 SELFTEST_SEED = 1

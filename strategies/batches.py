@@ -332,7 +332,7 @@ def index_cases(draw, p: Profile, f: IndexFeatures, swarm: Swarm | None = None) 
     dcp = draw(dcp_splits(p, block_size, swarm)) if f.dcp else Dcp()
     local = [_local_len(r.seq_len, dcp) for r in reqs]
     table, idx_mapping = draw(block_tables([_cdiv(n, block_size) for n in local], f.idx_mapping, swarm=swarm,
-                                           pool=p.block_pool))
+                                           pool=p.slot_pool // block_size))
     stride = 0
     if f.block_stride_rows and _flag(draw, swarm, "block_stride", "on"):
         stride = block_size * draw(st.integers(2, 3))  # other layers' pages between this layer's blocks
@@ -465,7 +465,7 @@ def attention_cases(draw, p: Profile, f: AttentionFeatures, swarm: Swarm | None 
     # Under DCP a block id names one block on every rank: a "virtual" block of block_size x size tokens.
     virtual = block_size * dcp.size
     table, _ = draw(block_tables([_cdiv(r.seq_len, virtual) for r in reqs], False,
-                                 shareable=[r.context_len // virtual for r in reqs], swarm=swarm, pool=p.block_pool))
+                                 shareable=[r.context_len // virtual for r in reqs], swarm=swarm, pool=p.slot_pool // block_size))
     stride = block_size * draw(st.integers(2, 3)) if f.block_stride_rows and _flag(draw, swarm, "block_stride", "on") \
         else 0
     kv_dtype = _sampled(draw, swarm, "kv_cache_dtype", f.kv_cache_dtypes)

@@ -20,9 +20,9 @@ class Profile:
     attn_max_tokens: int = 512
     attn_topk_widths: tuple[int, ...] = (128, 256, 512, 1024, 2048)
     attn_heads: tuple[int, ...] = (16, 8, 32, 64, 128)
-    # Block ids anywhere in a cache of this many blocks (0: from 1 up, as many as the case needs): large caches
-    # without long steps, so that offsets past 2^31 bytes show (bug class L).
-    block_pool: int = 0
+    # Block ids anywhere in a cache of this many slots (0: from 1 up, as many blocks as the case needs): large
+    # caches without long steps, so that offsets past 2^31 bytes show (bug class L).
+    slot_pool: int = 0
     # Index top-k widths drawn only under a swarm, as the category `tile_edge`: where the index remap's tiling
     # changes (with valid counts one tile up to 4096 entries, 128-wide tiles and atomics past it: 4224).
     edge_topk_widths: tuple[int, ...] = ()
@@ -41,12 +41,12 @@ PROFILES = {
                    topk_widths=(128, 256, 512, 1024, 2048, 2176), block_sizes=(64, 16, 32, 128),
                    edge_topk_widths=(4096, 4224, 8320)),
     # The throughput benchmark's envelope (issue 3): up to 16 requests, 4K context, top-k 512.
-    # Scale on purpose (the H200's memory): caches past 2 GiB (over 3.3M fp8_ds_mla slots: block ids up to 64,000
-    # blocks of 64), contexts up to 128K tokens, top-k 2048, block tables of thousands of blocks per request, so
-    # that 32-bit offset overflow (bug class L) can show. A few cases a minute.
+    # Scale on purpose (the H200's memory): caches past 2 GiB (over 3.3M fp8_ds_mla slots: block ids in the top
+    # eighth of a 4.1M-slot pool, 64,000 blocks of 64), contexts up to 128K tokens, top-k 2048, block tables of
+    # thousands of blocks per request, so that 32-bit offset overflow (bug class L) can show.
     "gpu-scale": Profile("gpu-scale", max_decodes=8, max_prefills=2, max_tokens=256, max_context=131072,
                          topk_widths=(2048,), block_sizes=(64,), attn_max_tokens=256, attn_topk_widths=(2048,),
-                         block_pool=64_000),
+                         slot_pool=64_000 * 64),
     "gpu-bench": Profile("gpu-bench", max_decodes=12, max_prefills=4, max_tokens=512, max_context=4096,
                          topk_widths=(512,), block_sizes=(64,), attn_topk_widths=(512,)),
 }

@@ -25,6 +25,12 @@ MUTANTS: dict[str, str] = {
     "flashmla-topk-length-dropped": "fuzzer.mutants.flashmla_topk_length_dropped",
     "dcp-empty-shard-lse-zero": "fuzzer.mutants.dcp_empty_shard_lse_zero",
     "dcp-lse-base2-as-natural": "fuzzer.mutants.dcp_lse_base2_as_natural",
+    "remap-compact-gap-multitile": "fuzzer.mutants.remap_compact_gap_multitile",
+    "remap-stride-last-column": "fuzzer.mutants.remap_stride_last_column",
+    "remap-workspace-second-prefill": "fuzzer.mutants.remap_workspace_second_prefill",
+    "flashmla-mtp-padded-decode": "fuzzer.mutants.flashmla_mtp_padded_decode",
+    "flashmla-fp8-uncompacted-topk-length": "fuzzer.mutants.flashmla_fp8_uncompacted_topk_length",
+    "remap-full-batch-req-id-fp8-separate": "fuzzer.mutants.remap_full_batch_req_id_fp8_separate",
 }
 
 
