@@ -23,8 +23,9 @@ class Profile:
     # Block ids anywhere in a cache of this many slots (0: from 1 up, as many blocks as the case needs): large
     # caches without long steps, so that offsets past 2^31 bytes show (bug class L).
     slot_pool: int = 0
-    # Index top-k widths drawn only under a swarm, as the category `tile_edge`: where the index remap's tiling
-    # changes (with valid counts one tile up to 4096 entries, 128-wide tiles and atomics past it: 4224).
+    # Index top-k widths drawn only under a swarm, as the category `tile_edge`: just past where the index remap's
+    # tiling changes (with valid counts, one tile for powers of two and up to 4096 entries; 128-wide tiles and
+    # atomics for 4224, the first width past it).
     edge_topk_widths: tuple[int, ...] = ()
 
     def for_attention(self) -> "Profile":
@@ -36,10 +37,10 @@ PROFILES = {
     "cpu": Profile("cpu", max_decodes=4, max_prefills=3, max_tokens=72, max_context=1024,
                    topk_widths=(128, 256, 512, 1024, 2048, 2176), block_sizes=(64, 16, 32, 128),
                    attn_max_tokens=12, attn_topk_widths=(128, 256), attn_heads=(16, 8, 32),
-                   edge_topk_widths=(4096, 4224)),
+                   edge_topk_widths=(4224,)),
     "gpu": Profile("gpu", max_decodes=12, max_prefills=4, max_tokens=512, max_context=4096,
                    topk_widths=(128, 256, 512, 1024, 2048, 2176), block_sizes=(64, 16, 32, 128),
-                   edge_topk_widths=(4096, 4224, 8320)),
+                   edge_topk_widths=(4224, 8320)),
     # The throughput benchmark's envelope (issue 3): up to 16 requests, 4K context, top-k 512.
     # Scale on purpose (the H200's memory): caches past 2 GiB (over 3.3M fp8_ds_mla slots: block ids in the top
     # eighth of a 4.1M-slot pool, 64,000 blocks of 64), contexts up to 128K tokens, top-k 2048, block tables of

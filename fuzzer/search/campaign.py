@@ -44,7 +44,7 @@ from strategies.swarm import Swarm
 RARE_PATH_SCORE = 0.25  # a path, or the case's set of paths, seen at most four times so far
 CLIMB_MARGIN = 0.1  # an error within 10x of the tolerance (clean cases sit near 1e-3)
 SEARCHES = ("swarm", "plain")
-SWARM_BATCH = 20  # cases per swarm: enough for Hypothesis to explore one, few enough for many per campaign
+SWARM_BATCH = 16  # cases per swarm: enough for Hypothesis to explore one, few enough for many per campaign
 
 
 class CaseFailed(Exception):

@@ -4,7 +4,7 @@ Every case is read back as knob categories (strategies.swarm.case_features); the
 and triples of categories of different knobs its cases have covered, and which pairs of a vLLM path (the
 coverage probes' names) with a knob category. The next batch's swarm pins one triple no case has covered yet
 (the least tried first: a combination the strategies cannot make is tried twice, then left), and each other
-knob, with probability one half, to a random category (Groce et al.'s swarm testing: features switched off
+knob, with probability PIN_SHARE, to a random category (Groce et al.'s swarm testing: features switched off
 or pinned per batch, so that combinations rare under one distribution are common under some batch's).
 """
 
@@ -16,7 +16,7 @@ from collections import Counter
 
 from strategies.swarm import Swarm, case_features, coherent
 
-PIN_SHARE = 0.5  # a knob outside the steered triple is pinned in half the batches
+PIN_SHARE = 0.25  # a knob outside the steered triple is pinned in a quarter of the batches (more adds variance, not hits)
 GIVE_UP_AFTER = 2  # batches that pinned a triple without covering it: then it is taken as infeasible
 
 
