@@ -163,6 +163,16 @@ def test_a_known_open_bug_found_again_passes_and_is_reported(tmp_path):
     assert judge_campaign(_outcome(tmp_path, 1, [FINDING, other]), known).outcome == "failed"
 
 
+def test_a_clean_campaign_below_the_pair_coverage_minimum_fails(tmp_path):
+    o = _outcome(tmp_path, 0)
+    o.summary["coverage"] = {"pairs": 0.42, "triples": 0.1}
+    r = judge_campaign(o, min_pairs=0.7)
+    assert r.outcome == "failed" and "covered 0.42 of the pairs" in r.reason and "0.7" in r.reason
+    assert judge_campaign(o, min_pairs=0.4).outcome == "passed"
+    assert judge_campaign(_outcome(tmp_path, 0), min_pairs=0.7).outcome == "failed"  # no coverage recorded: not met
+    assert judge_campaign(_outcome(tmp_path, 0), min_pairs=0).outcome == "passed"
+
+
 def test_junit_of_a_failed_campaign_carries_title_and_repro_path(tmp_path):
     (repros, campaigns) = junit_suites([], [judge_campaign(_outcome(tmp_path, 1, [FINDING]))], {"vllm": "x"})
     (case,) = campaigns.cases
