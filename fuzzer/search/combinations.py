@@ -2,10 +2,14 @@
 
 Every case is read back as knob categories (strategies.swarm.case_features); the campaign counts which pairs
 and triples of categories of different knobs its cases have covered, and which pairs of a vLLM path (the
-coverage probes' names) with a knob category. The next batch's swarm pins one triple no case has covered yet
-(the least tried first: a combination the strategies cannot make is tried twice, then left), and each other
-knob, with probability PIN_SHARE, to a random category (Groce et al.'s swarm testing: features switched off
-or pinned per batch, so that combinations rare under one distribution are common under some batch's).
+coverage probes' names) with a knob category. Each batch's swarm is steered one of two ways:
+- one batch in three, to a combination of knob categories no case has covered: one triple pinned whole (the
+  least tried first; a combination the strategies cannot make is tried twice, then left);
+- the others, to vLLM's rarest pair of paths (two paths taken together, by the fewest cases so far): the categories its
+  cases share that are rare elsewhere (highest lift) are pinned, so the batch explores the region of the
+  input space where vLLM's rarely combined paths meet, which is where narrow bugs live;
+and each other knob is pinned, with probability PIN_SHARE, to a random category (Groce et al.'s swarm testing:
+features switched off or pinned per batch).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from strategies.swarm import Swarm, case_features, coherent
 
 PIN_SHARE = 0.25  # a knob outside the steered triple is pinned in a quarter of the batches (more adds variance, not hits)
 GIVE_UP_AFTER = 2  # batches that pinned a triple without covering it: then it is taken as infeasible
+PATH_PINS = 5  # categories pinned for a rare pair of paths
 
 
 def _esp(sizes: list[int], k: int) -> int:
@@ -37,6 +42,9 @@ class Combinations:
         self.triples: set[tuple] = set()
         self.path_pairs: set[tuple] = set()
         self.categories: Counter = Counter()  # (knob, category) -> cases that took it
+        self.cases = 0
+        self.path_combos: Counter = Counter()  # a pair of paths (or a path alone) -> cases that took it
+        self.path_categories: dict[tuple, Counter] = {}  # the same -> (knob, category) -> cases
         self.tried: Counter = Counter()  # steered triple -> batches that pinned it
         self.swarms = 0
 
@@ -61,7 +69,29 @@ class Combinations:
                 self.triples.add(t)
         for p in paths:
             self.path_pairs.update((p, it) for it in items)
+        self.cases += 1
+        paths = sorted(set(paths))
+        for key in [(p,) for p in paths] + list(itertools.combinations(paths, 2)):
+            self.path_combos[key] += 1
+            self.path_categories.setdefault(key, Counter()).update(items)
         return features
+
+    def rare_path_pins(self, rng: random.Random) -> dict[str, str]:
+        """Pins for the region of vLLM's rarest pair of paths (or path): the categories most of its cases share,
+        by lift over their share in all cases."""
+        if not self.path_combos:
+            return {}
+        least = min(self.path_combos.values())
+        key = rng.choice(sorted(k for k, n in self.path_combos.items() if n == least))
+        n, cats = self.path_combos[key], self.path_categories[key]
+        lift = {c: (k / n) / (self.categories[c] / self.cases) for c, k in cats.items() if k >= 0.8 * n}
+        pins: dict[str, str] = {}
+        for (name, value), _ in sorted(lift.items(), key=lambda kv: (-kv[1], kv[0])):
+            if name not in pins and lift[(name, value)] > 1.0:
+                pins[name] = value
+            if len(pins) == PATH_PINS:
+                break
+        return pins
 
     def uncovered_triple(self, rng: random.Random) -> tuple | None:
         best, least = [], GIVE_UP_AFTER
@@ -80,12 +110,13 @@ class Combinations:
         return rng.choice(best) if best else None
 
     def next_swarm(self, rng: random.Random) -> Swarm:
-        steer = self.uncovered_triple(rng)
-        pins = dict(steer or ())
+        steer = self.uncovered_triple(rng) if self.swarms % 3 == 0 else None
+        pins = dict(steer or ()) or self.rare_path_pins(rng)
+        steered = set(pins)
         for name, values in self.knobs.items():
             if name not in pins and rng.random() < PIN_SHARE:
                 pins[name] = rng.choice(values)
-        swarm = coherent(pins, self.knobs, rng, keep=set(dict(steer or ())))
+        swarm = coherent(pins, self.knobs, rng, keep=steered)
         if steer:
             self.tried[steer] += 1
         self.swarms += 1

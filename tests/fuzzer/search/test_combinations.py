@@ -41,8 +41,20 @@ def test_a_case_covers_its_pairs_and_triples_and_the_swarm_steers_to_what_is_lef
 
 def test_a_triple_pinned_in_vain_is_given_up():
     c = Combinations(KNOBS, 1024)
-    for _ in range(GIVE_UP_AFTER * c.total_triples):
+    for _ in range(3 * GIVE_UP_AFTER * c.total_triples):  # one batch in three steers to a triple
         c.next_swarm(random.Random(0))
     assert c.uncovered_triple(random.Random(0)) is None
     summary = c.summary()
-    assert summary["triples"] == {"covered": 0, "total": 12} and summary["swarms"] == GIVE_UP_AFTER * 12
+    assert summary["triples"] == {"covered": 0, "total": 12} and summary["swarms"] == 3 * GIVE_UP_AFTER * 12
+
+
+def test_the_rarest_pair_of_paths_pins_what_its_cases_share_and_the_others_lack():
+    c = Combinations(KNOBS, 1024)
+    for values in ("normal", "large", "tiny", "normal"):
+        c.add(case(kv_cache_dtype="bfloat16", values=values), paths=["mqa", "bf16"])
+    c.add(case(kv_cache_dtype="fp8_ds_mla", values="tiny"), paths=["mqa", "fp8.separate_prefill_decode"])
+    assert c.path_combos[("fp8.separate_prefill_decode", "mqa")] == 1
+    pins = c.rare_path_pins(random.Random(0))
+    assert pins == {"kv_cache_dtype": "fp8_ds_mla", "values": "tiny"}  # decodes=some is in every case: no lift
+    swarm = c.next_swarm(random.Random(0)) and c.next_swarm(random.Random(0))  # the second batch steers to paths
+    assert dict(swarm.pins)["kv_cache_dtype"] == "fp8_ds_mla"
