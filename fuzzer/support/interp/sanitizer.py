@@ -110,11 +110,12 @@ class InterpreterSanitizer:
         masked_load, masked_store = B.create_masked_load, B.create_masked_store
         atomic_rmw, atomic_cas = B.create_atomic_rmw, B.create_atomic_cas
 
-        def create_masked_load(b, ptrs, mask, other, cache_policy, is_volatile):
-            return masked_load(b, ptrs, san._check(b, "load", ptrs, mask), other, cache_policy, is_volatile)
+        # The policy arguments after the mask differ between Triton releases (3.6 passes one more than 3.9).
+        def create_masked_load(b, ptrs, mask, other, *policy):
+            return masked_load(b, ptrs, san._check(b, "load", ptrs, mask), other, *policy)
 
-        def create_masked_store(b, ptrs, value, mask, cache_policy):
-            return masked_store(b, ptrs, value, san._check(b, "store", ptrs, mask), cache_policy)
+        def create_masked_store(b, ptrs, value, mask, *policy):
+            return masked_store(b, ptrs, value, san._check(b, "store", ptrs, mask), *policy)
 
         def create_atomic_rmw(b, rmw_op, ptr, val, mask, sem, scope):
             return atomic_rmw(b, rmw_op, ptr, val, san._check(b, "atomic_rmw", ptr, mask), sem, scope)
