@@ -159,3 +159,24 @@ def test_a_finding_the_repros_directory_cannot_take_goes_to_the_state_directory(
     assert (saved[0][1] / "finding.json").is_file()
     assert f"{finding.id} saved under {tmp_path / 'state' / 'findings'} instead" in capsys.readouterr().err
 
+
+
+def test_a_reproducer_whose_bounds_checker_breaks_says_it_could_not_run():
+    """Triton 3.6's interpreter called the checker's masked load with one argument more than it took: the
+    InterpreterError that came of it is attnfuzz's failure, never the bug's answer."""
+    import ast
+    import traceback
+
+    source = (ROOT / "repros" / "index-remap-7e944ef6" / "repro.py").read_text()
+    fn = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "vllms_answer")
+    scope = {"traceback": traceback, "__file__": "repro.py"}
+    exec(compile(ast.Module([fn], []), "repro.py", "exec"), scope)
+    try:
+        raise RuntimeError("InterpreterError(\"TypeError('InterpreterSanitizer.install.<locals>.create_masked_load() "
+                           "takes 6 positional arguments but 7 were given')\")")
+    except RuntimeError as e:
+        assert scope["vllms_answer"](e) is False
+    try:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    except RuntimeError as e:
+        assert scope["vllms_answer"](e) is True
