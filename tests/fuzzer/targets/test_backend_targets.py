@@ -48,6 +48,7 @@ def test_fully_masked_tile_mutant_is_found_and_reproduced(tmp_path):
     if _xpu_kernel_masks_with_inf():
         pytest.skip("this release already has the bug the mutant injects")
     r = attnfuzz("run", "--target", "vllm.triton_sparse", "--inject", "softmax-masked-tile-nan", "--max-examples", "60",
+                 "--max-findings", "1",
                  "--json", str(tmp_path / "s.json"), "--repros", str(tmp_path / "repros"))
     assert r.returncode == 1, r.stdout + r.stderr
     (finding, *_) = json.loads((tmp_path / "s.json").read_text())["findings"]
@@ -69,7 +70,7 @@ def test_padded_heads_mutant_is_found_on_flashmla(tmp_path):
     if _try_import("vllm.v1.attention.backends.mla.index_group") is None:
         pytest.skip("the mutant edits 0.33's head slicing; older releases slice differently")
     r = attnfuzz("run", "--target", "vllm.flashmla_sparse", "--inject", "flashmla-padded-heads-out",
-                 "--max-examples", "20", "--reruns", "1", "--json", str(tmp_path / "s.json"), "--repros", str(tmp_path / "repros"))
+                 "--max-examples", "20", "--max-findings", "1", "--reruns", "1", "--json", str(tmp_path / "s.json"), "--repros", str(tmp_path / "repros"))
     assert r.returncode == 1, r.stdout + r.stderr
     (finding, *_) = json.loads((tmp_path / "s.json").read_text())["findings"]
     assert finding["bug_classes"] == ["J"]
