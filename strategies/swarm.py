@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 
 from strategies.case import FP8_SCALES, INVALID_AT, VALUE_KINDS, Case
 
-
 TILE_EDGE_WIDTH = 4224  # top-k widths from here up are the `tile_edge` category (Profile.edge_topk_widths)
 
 

@@ -43,8 +43,10 @@ def test_clean_campaign(target, tmp_path):
 
 
 def test_seed_bug_is_found_shrunk_and_reproduced(tmp_path):
+    # The plain search: shrinking and the reproducer are under test here (a swarm's wide cases shrink slower).
     r = attnfuzz("run", "--target", "vllm.index_remap", "--inject", "remap-no-length-check", "--seed", "1",
-                 "--max-examples", "300", "--max-findings", "1", "--json", str(tmp_path / "s.json"), "--repros", str(tmp_path / "repros"))
+                 "--max-examples", "300", "--max-findings", "1", "--search", "plain", "--json", str(tmp_path / "s.json"),
+                 "--repros", str(tmp_path / "repros"))
     assert r.returncode == 1, r.stdout + r.stderr
     (finding,) = _load(tmp_path / "s.json")["findings"]
     assert finding["bug_classes"] == ["A"]
