@@ -11,11 +11,7 @@ separate path); decode tokens (as vLLM splits the batch) and prefills in one ste
 (seq_len <= topk_width), so that the layer splits them off to dense MHA; and no prefill with cached context
 (context_len 0 for every prefill)."""
 
-import ast
-import inspect
-import textwrap
-
-from fuzzer.mutants._kernel_patch import patch_method
+from fuzzer.mutants._kernel_patch import converter_without_checks, patch_method
 
 BUG_CLASS = "A"
 TARGETS = ("vllm.flashmla_sparse.layer",)
@@ -24,17 +20,8 @@ TARGETS = ("vllm.flashmla_sparse.layer",)
 def apply():
     from vllm.v1.attention.backends.mla import flashmla_sparse, index_group, sparse_utils
 
-    fn = sparse_utils.triton_convert_req_index_to_global_index
-    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-    row_checks = {"req_id.shape[0]==token_indices.shape[0]", "valid_counts_out.shape==(num_tokens,)"}
-
-    class DropRowCheck(ast.NodeTransformer):
-        def visit_Assert(self, node):
-            return None if ast.unparse(node.test).replace(" ", "") in row_checks else node
-
-    scope = dict(vars(sparse_utils))  # only the index group gets the check-free converter
-    exec(compile(ast.fix_missing_locations(DropRowCheck().visit(tree)), inspect.getsourcefile(fn), "exec"), scope)
-    index_group.triton_convert_req_index_to_global_index = scope[fn.__name__]
+    # only the index group gets the converter without 0.33's row checks
+    index_group.triton_convert_req_index_to_global_index = converter_without_checks(scope=dict(vars(sparse_utils)))
     sliced = ("topk_indices, topk_length = self._convert_logical_to_physical_topk(topk_indices, attn_metadata, "
               "block_stride_rows=block_stride_rows, return_valid_counts=True)")
     full_batch = ("topk_indices, topk_length = self.index_group._convert_once(self.index_group_index, topk_indices, "
