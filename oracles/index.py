@@ -40,8 +40,10 @@ class RemapArgs:
     dcp_interleave: int = 1
 
 
-def expected_remap(a: RemapArgs) -> torch.Tensor:
-    """Expected out[t, j] (int64 [T, K]) for a call whose req_id and token_indices cover the same tokens."""
+def expected_remap(a: RemapArgs, any_owner: bool = False) -> torch.Tensor:
+    """Expected out[t, j] (int64 [T, K]) for a call whose req_id and token_indices cover the same tokens.
+
+    any_owner keeps other DCP ranks' tokens, at the local slots the kernel computes for them."""
     tok = a.token_indices.long()
     n, inter = a.dcp_size, a.dcp_interleave
     invalid = tok < 0
@@ -54,7 +56,8 @@ def expected_remap(a: RemapArgs) -> torch.Tensor:
     is_prefill = torch.zeros_like(tok, dtype=torch.bool)
     if a.prefill_request_id is not None:
         is_prefill = (a.prefill_request_id.long() >= 0)[:, None].expand_as(tok)
-    invalid |= (owner != a.dcp_rank) & ~is_prefill
+    if not any_owner:
+        invalid |= (owner != a.dcp_rank) & ~is_prefill
     row = a.req_id.long()
     if a.idx_mapping is not None:
         row = a.idx_mapping.long()[row].clamp(min=0)
@@ -72,15 +75,29 @@ def expected_remap(a: RemapArgs) -> torch.Tensor:
 @dataclass(frozen=True)
 class RemapMismatch:
     row: int
-    what: str  # "values", "count", "set", "layout"
+    what: str  # "values", "count", "set", "layout", "owner"
     detail: str
 
 
+def _foreign(out_row: torch.Tensor, want: list[int], blind_row: torch.Tensor | None) -> list[int]:
+    """Entries of a wrong row that are another DCP rank's tokens: what the row would hold had ownership been
+    ignored, and not what it should hold. Naming them points the mismatch at the DCP filter (class G)."""
+    if blind_row is None:
+        return []
+    foreign = set(blind_row[blind_row >= 0].tolist()) - set(want)
+    return sorted(foreign & set(out_row[out_row >= 0].tolist()))
+
+
 def compare_remap(
-    out: torch.Tensor, counts: torch.Tensor | None, expected: torch.Tensor, compacted: bool, limit: int = 5
+    out: torch.Tensor, counts: torch.Tensor | None, expected: torch.Tensor, compacted: bool, limit: int = 5,
+    owner_blind: torch.Tensor | None = None,
 ) -> list[RemapMismatch]:
-    """Row-wise comparison of a remap result with `expected_remap`; empty when correct."""
+    """Row-wise comparison of a remap result with `expected_remap`; empty when correct.
+
+    `owner_blind` (expected_remap of the same call on every rank's tokens) lets a compacted row's mismatch be
+    named "owner" when the row holds tokens another DCP rank owns."""
     out, expected = out.long().cpu(), expected.long().cpu()
+    owner_blind = None if owner_blind is None else owner_blind.long().cpu()
     exp_counts = (expected >= 0).sum(1)
     bad: list[RemapMismatch] = []
     if out.shape != expected.shape:
@@ -89,8 +106,12 @@ def compare_remap(
         if len(bad) >= limit:
             break
         e_row, o_row = expected[r], out[r]
+        blind = None if owner_blind is None else owner_blind[r]
         if counts is not None and int(counts[r]) != int(exp_counts[r]):
-            bad.append(RemapMismatch(r, "count", f"valid count {int(counts[r])}, expected {int(exp_counts[r])}"))
+            foreign = _foreign(o_row[:max(int(counts[r]), 0)], e_row[e_row >= 0].tolist(), blind)
+            bad.append(RemapMismatch(r, "owner" if foreign else "count",
+                                     f"valid count {int(counts[r])}, expected {int(exp_counts[r])}"
+                                     + (f"; holds other ranks' tokens as slots {foreign[:4]}" if foreign else "")))
             continue
         if not compacted:
             diff = (e_row != o_row).nonzero().flatten()
@@ -104,7 +125,10 @@ def compare_remap(
         if got != want:
             missing = sorted(set(want) - set(got))[:4]
             extra = sorted(set(got) - set(want))[:4]
-            bad.append(RemapMismatch(r, "set", f"valid prefix of {n} differs: missing {missing}, unexpected {extra}"))
+            foreign = _foreign(o_row[:n], want, blind)
+            bad.append(RemapMismatch(r, "owner" if foreign else "set",
+                                     f"valid prefix of {n} differs: missing {missing}, unexpected {extra}"
+                                     + (" (other ranks' tokens)" if foreign else "")))
         elif (o_row[n:] != -1).any():
             j = n + int((o_row[n:] != -1).nonzero()[0])
             bad.append(RemapMismatch(r, "layout", f"entry {j} past the valid prefix is {int(o_row[j])}, expected -1"))
@@ -166,9 +190,11 @@ def judge_remap(case, obs) -> list:
         return verdicts
     expected = expected_remap(args)
     counts = obs.outputs.get("valid_counts")
-    for m in compare_remap(obs.outputs["out"], counts, expected, obs.notes.get("compacted", False)):
+    # Under DCP, every rank's tokens at this rank's local slots: a wrong row holding some names the filter.
+    blind = expected_remap(args, any_owner=True) if args.dcp_size > 1 else None
+    for m in compare_remap(obs.outputs["out"], counts, expected, obs.notes.get("compacted", False), owner_blind=blind):
         kind = "token" if m.row < 0 else ("decode" if m.row < case.num_decode_tokens else "prefill")
-        bug = {"count": "B", "set": "B", "layout": "B"}.get(m.what, "C" if case.dcp.size == 1 else "G")
+        bug = {"count": "B", "set": "B", "layout": "B", "owner": "G"}.get(m.what, "C" if case.dcp.size == 1 else "G")
         verdicts.append(Verdict(m.what, False, f"row {m.row} ({kind}): {m.detail}", bug))
     if not verdicts:
         verdicts.append(passed("values", f"{n_tok} rows exact"))

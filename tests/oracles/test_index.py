@@ -118,3 +118,18 @@ def test_topk_rows_truncate_at_the_width():
         case = Case((Request(2, 128), Request(3, 1)), 0, 64, ((1, 2, 3, 0), (4, 0, 0, 0)), 128,
                     (TopkSpec(128, at, 3, 3), TopkSpec(2, at, 1, 2)), seed=5).validate()
         _rows_are_as_specified(case)
+
+
+def test_a_compacted_row_holding_another_ranks_tokens_is_named_owner():
+    # DCP 2, interleave 2, rank 0: tokens 0,1 are rank 0's, 2,3 rank 1's; local slot = t // 4 * 2 + t % 2.
+    a = RemapArgs(req_id=torch.tensor([0], dtype=torch.int32), block_table=torch.tensor([[0]], dtype=torch.int32),
+                  token_indices=torch.tensor([[0, 2, 3, -1]], dtype=torch.int32), block_size=64, block_stride_rows=64,
+                  dcp_size=2, dcp_rank=0, dcp_interleave=2)
+    exp, blind = expected_remap(a), expected_remap(a, any_owner=True)
+    assert exp.tolist() == [[0, -1, -1, -1]] and blind.tolist() == [[0, 0, 1, -1]]
+    # Round-robin ownership (interleave ignored) keeps token 2 as well: slot 0 again, then token 3's slot 1.
+    (m,) = compare_remap(torch.tensor([[0, 1, -1, -1]]), torch.tensor([2]), exp, compacted=True, owner_blind=blind)
+    assert m.what == "owner" and "slots [1]" in m.detail
+    # A wrong count with nothing foreign in the row stays a count mismatch.
+    (m,) = compare_remap(torch.tensor([[0, -1, -1, -1]]), torch.tensor([2]), exp, compacted=True, owner_blind=blind)
+    assert m.what == "count"
