@@ -17,6 +17,7 @@ class Notes(TypedDict, total=False):
     guard: list[str]  # guard-region bytes a call overwrote (fuzzer/targets/guards.py)
     buffer_overrun: list[str]  # writes past the index group's persistent buffers
     cache_changed: str  # rows of the KV cache an attention call changed (it must write none)
+    rerun_differs: str  # the last step run again on the same metadata gave other bits (nondeterminism)
     dcp_filter_call: dict[str, Any]  # how vLLM called the DCP filter (its block stride)
     # what the harness and the reports read
     paths: list[str]  # vLLM's paths the case took (fuzzer/targets/probes.py)
@@ -48,6 +49,9 @@ class Observation:
     emulated: tuple[str, ...] = ()  # compiled ops replaced by attnfuzz stand-ins (must be reported)
     seconds: float = 0.0
     notes: Notes = field(default_factory=dict)  # type: ignore[assignment]
+    # A trace's earlier steps, oldest first, each observed as this one is; this observation is the last step
+    # that ran (a step that failed ends the trace, so it may be an earlier step of the case).
+    steps: list["Observation"] = field(default_factory=list)
 
 
 NOTE_KEYS = frozenset(Notes.__annotations__)

@@ -28,6 +28,8 @@ CHECKS: dict[str, str] = {
     "output": "attention output outside the tolerance of the fp32 reference",
     "lse": "LSE outside the tolerance of the fp32 reference",
     "dcp_rank_out": "a rank's partial output over its own share is off",
+    "stateful": "a step that fails after the steps before it passes alone on a fresh engine (state a step left)",
+    "rerun": "a step run again on the same metadata gave other bits (nondeterminism, state a call leaves behind)",
     "shape": "an output of the wrong shape",
     "selftest": "the harness's own fault target (not vLLM)",
 }
@@ -42,6 +44,7 @@ class Verdict:
     bug_class: str = ""  # the letter of ../shared/docs/bug-classes.md this symptom points at, if any
     margin: float | None = None  # error / tolerance (<= 1 passes), where the check is numeric
     where: str = ""  # a stable location for deduplication (kernel+argument, row kind, ...)
+    step: int = 0  # which step of a trace it judged, from 1 (0: a single-step case)
 
     @property
     def signature(self) -> str:

@@ -11,6 +11,7 @@ A target hands the campaign a `CaseSpace`: the strategy for any swarm, and the k
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from strategies.case import (
 )
 from strategies.profiles import Profile
 from strategies.swarm import KNOBS, Swarm, category
+from strategies.traces import earlier_steps
 
 
 def _flag(draw, swarm: Swarm | None, name: str, on: str) -> bool:
@@ -381,6 +383,9 @@ class AttentionFeatures:
     # Padding rows come with their padded tokens (Case.padded_tokens), as vLLM's runner makes them under full
     # CUDA graphs. Targets that feed those rows to vLLM set it; the others keep padding rows of no tokens.
     cudagraph_padding: bool = False
+    # Cases may be traces: steps one engine ran before them (strategies.traces), for targets that keep their
+    # builder, impl, cache and buffers across steps as vLLM's model runner does.
+    traces: bool = False
 
 
 TOTAL_HEADS = 128  # DeepSeek-V3.2's attention heads: heads per rank are 128 / TP
@@ -429,6 +434,8 @@ def attention_knobs(p: Profile, f: AttentionFeatures) -> dict[str, tuple[str, ..
         names.append("fp8_scale")
     if f.block_stride_rows:
         names.append("block_stride")
+    if f.traces and p.max_steps > 1:
+        names.append("trace")
     domains = dict(block_size=map(str, f.block_sizes or p.block_sizes), topk_width=map(str, p.topk_widths),
                    heads=map(str, _attention_heads(p, f, False)), kv_cache_dtype=f.kv_cache_dtypes)
     if f.dcp:
@@ -476,7 +483,7 @@ def attention_cases(draw, p: Profile, f: AttentionFeatures, swarm: Swarm | None 
             return swarm_topk_specs(topk_width, swarm, False, 2, valid=topk_width if full else None)
         return _indexer_full_spec(topk_width) if full else attention_topk_specs(topk_width)
 
-    return Case(
+    case = Case(
         **_paged_batch(reqs, num_decodes, block_size, table, topk_width),
         topk=tuple(draw(spec(r)) for r in reqs),
         block_stride_rows=stride,
@@ -488,6 +495,12 @@ def attention_cases(draw, p: Profile, f: AttentionFeatures, swarm: Swarm | None 
         seed=draw(st.integers(0, 2**16)),
         padded_tokens=_graph_padding(reqs, num_decodes) if f.cudagraph_padding else 0,
     ).validate()
+    if not f.traces or p.max_steps < 2:
+        return case
+    # Drawn last: shrinking the earlier steps away leaves the case as it was.
+    earlier = draw(earlier_steps(case, spec, swarm, 1 if dcp.interleave > 1 else MAX_DECODE_QUERY_LEN,
+                                 max_earlier=p.max_steps - 1))
+    return dataclasses.replace(case, earlier=earlier).validate() if earlier else case
 
 
 def _graph_padding(reqs: tuple[Request, ...], num_decodes: int) -> int:

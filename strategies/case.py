@@ -1,13 +1,20 @@
-"""The case: one step of a sparse-MLA backend, as plain data.
+"""The case: one step of a sparse-MLA backend, as plain data, with the steps one engine ran before it.
 
 A case says what the backend sees (requests in vLLM's batch order, the block table, how each query row
 picks its top-k, dtypes, DCP split) and, for kernel targets, how the call site calls the kernel. It holds
 no tensors: `strategies.tensors` builds them from it deterministically, on any device. Cases are frozen,
 compare by value and round-trip through JSON; `Case.from_dict` names the field that is wrong.
+
+A trace is a case whose `earlier` holds the steps the same engine ran before it, oldest first: one builder,
+one impl, one KV cache and one set of persistent buffers across them, as vLLM's model runner keeps them. An
+earlier step is a case of its own (same engine fields, no `earlier` of its own); `Case.steps` gives every
+step with its history, and `strategies.tensors` gives each the cache contents its history wrote. A case
+without earlier steps is one fresh step, as before.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
@@ -88,6 +95,7 @@ class Case:
     # gives each padding row (query_len 0) the decode query length in tokens that belong to no request,
     # counts them in num_actual_tokens, gives them slot -1 and its indexer no valid index.
     padded_tokens: int = 0
+    earlier: tuple["Case", ...] = ()  # steps the same engine ran before this one, oldest first (a trace)
     schema: int = SCHEMA
 
     # -- derived ---------------------------------------------------------------------------------------
@@ -112,6 +120,16 @@ class Case:
     def num_blocks(self) -> int:
         return 1 + max((b for row in self.block_table for b in row), default=0)
 
+    @property
+    def steps(self) -> tuple["Case", ...]:
+        """Every step of the trace, oldest first, each holding the steps before it; the last is this case."""
+        return (*(dataclasses.replace(e, earlier=self.earlier[:k]) for k, e in enumerate(self.earlier)), self)
+
+    @property
+    def pool_blocks(self) -> int:
+        """Blocks of the KV cache the whole trace uses (the cache is allocated once for every step)."""
+        return max(c.num_blocks for c in (*self.earlier, self))
+
     def token_start(self, req: int) -> int:
         """Index of request `req`'s first query token in the batch."""
         return sum(r.query_len for r in self.requests[:req])
@@ -132,6 +150,8 @@ class Case:
             extra.append(f"call={_nondefault(self.call)}")
         if self.padded_tokens:
             extra.append(f"padded_tokens={self.padded_tokens}")
+        if self.earlier:
+            extra.append(f"after {len(self.earlier)} earlier step(s) of {'/'.join(str(e.num_tokens) for e in self.earlier)} tokens")
         return f"[{reqs}] topk={self.topk_width} block={self.block_size} {' '.join(extra)}".strip()
 
     # -- validation ------------------------------------------------------------------------------------
@@ -198,6 +218,16 @@ class Case:
             _check(self.num_decodes == n and pads and pads[0] == n - len(pads) and self.padded_tokens == want,
                    "padded_tokens", f"a full CUDA graph pads only a decode batch whose last requests are padding rows, "
                    f"by decode query_len tokens each ({want} here), got {self.padded_tokens}")
+        for k, e in enumerate(self.earlier):
+            _check(isinstance(e, Case), f"earlier[{k}]", "expected a case")
+            _check(not e.earlier, f"earlier[{k}].earlier", "an earlier step has no steps of its own (list them in order here)")
+            for name in ENGINE_FIELDS:
+                _check(getattr(e, name) == getattr(self, name), f"earlier[{k}].{name}",
+                       f"one engine runs the trace: must equal this step's ({getattr(self, name)!r}), got {getattr(e, name)!r}")
+            try:
+                e.validate()
+            except CaseError as err:
+                raise CaseError(str(err).replace("case.", f"case.earlier[{k}].", 1)) from None
         return self
 
     # -- JSON ------------------------------------------------------------------------------------------
@@ -218,6 +248,11 @@ class Case:
         except json.JSONDecodeError as e:
             raise CaseError(f"case: not JSON ({e})") from None
         return cls.from_dict(data)
+
+
+# What one engine fixes for the life of a trace: every step shares them.
+ENGINE_FIELDS = ("block_size", "block_stride_rows", "topk_width", "heads", "kv_cache_dtype", "fp8_scale", "values",
+                 "dcp", "call")
 
 
 def rank_owned_positions(seq_len: int, dcp_size: int, rank: int, interleave: int) -> int:
@@ -260,6 +295,10 @@ def _build(cls, data: Any, path: str):
             value = tuple(_build(_NESTED[name], v, f"{where}[{i}]") for i, v in enumerate(value))
         elif name in ("dcp", "call"):
             value = _build(_NESTED[name], value, where)
+        elif name == "earlier":
+            if not isinstance(value, (list, tuple)):
+                raise CaseError(f"{where}: expected a list of cases")
+            value = tuple(_build(Case, v, f"{where}[{i}]") for i, v in enumerate(value))
         elif name == "block_table":
             if not isinstance(value, (list, tuple)) or not all(isinstance(r, (list, tuple)) for r in value):
                 raise CaseError(f"{where}: expected a list of lists of ints")

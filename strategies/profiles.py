@@ -27,6 +27,9 @@ class Profile:
     # tiling changes (with valid counts, one tile for powers of two and up to 4096 entries; 128-wide tiles and
     # atomics for 4224, the first width past it).
     edge_topk_widths: tuple[int, ...] = ()
+    # Steps per case for targets that run traces (strategies.traces), the case's own included: 1 is single
+    # fresh steps only (`attnfuzz run --max-steps`).
+    max_steps: int = 4
 
     def for_attention(self) -> "Profile":
         return replace(self, max_tokens=self.attn_max_tokens, topk_widths=self.attn_topk_widths,

@@ -69,6 +69,8 @@ KNOBS = _knobs(
     Knob("kv_cache_dtype", (), "kv-cache dtype (values: the target's)"),
     Knob("fp8_scale", FP8_SCALES, "fp8_ds_mla scale convention"),
     Knob("values", VALUE_KINDS, "what the cache and queries hold"),
+    Knob("trace", ("single", "short", "long"),
+         "steps one engine ran before the case: none, one, or two to three (strategies.traces)"),
 )
 
 
@@ -149,6 +151,7 @@ def case_features(case: Case, domains: dict[str, tuple[str, ...]], max_context: 
         "heads": {str(case.heads)},
         "kv_cache_dtype": {case.kv_cache_dtype},
         "values": {case.values},
+        "trace": {"single" if not case.earlier else "short" if len(case.earlier) == 1 else "long"},
     }
     if decodes:
         f["decode_query_len"] = {"one" if decodes[0].query_len == 1 else "mtp"}

@@ -7,6 +7,7 @@ prefill-workspace rows, and (for DCP) the rank-local view. No vLLM import: oracl
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -146,8 +147,29 @@ class AttentionInputs:
     num_slots: int  # num_blocks * block_size (logical slots; the cache may space blocks further apart)
 
 
+def _slots(case: Case, positions) -> torch.Tensor:
+    """Physical slots of the given (request, range of positions) pairs, unique, int64."""
+    out = [torch.tensor(case.block_table[case.table_row(r)], dtype=torch.int64)[p // case.block_size] * case.block_size
+           + p % case.block_size for r, p in positions]
+    return torch.unique(torch.cat(out)) if out else torch.zeros(0, dtype=torch.int64)
+
+
+def written_slots(case: Case) -> torch.Tensor:
+    """The slots written before this step's attention call, int64: its new tokens' (the layer writes them),
+    and any context slot no earlier step of the trace wrote (the cache as steps before the trace left it:
+    prefix-cache hits, earlier chunks). For a single step: every slot its requests hold."""
+    new = _slots(case, [(r, torch.arange(q.context_len, q.seq_len)) for r, q in enumerate(case.requests)])
+    context = _slots(case, [(r, torch.arange(q.context_len)) for r, q in enumerate(case.requests)])
+    if case.earlier:
+        before = torch.cat([written_slots(s) for s in case.steps[:-1]])
+        context = context[~torch.isin(context, before)]
+    return torch.unique(torch.cat([new, context]))
+
+
 def materialize_attention_inputs(case: Case, device: str | torch.device = "cpu") -> AttentionInputs:
-    """Values live per physical slot, so requests that share prefix blocks see the same K/V there.
+    """Values live per physical slot, so requests that share prefix blocks see the same K/V there. In a
+    trace each step draws its own values and writes them to the slots it writes (`written_slots`): a step's
+    K/V are, slot by slot, what the last step that wrote the slot wrote.
 
     Values are drawn on `device` by its own generator (tens of millions of them for a 4K-context batch: a
     CPU draw would cost more than the attention call), so a case holds the same values wherever it runs on
@@ -158,6 +180,25 @@ def materialize_attention_inputs(case: Case, device: str | torch.device = "cpu")
 
 @functools.lru_cache(maxsize=2)
 def _attention_inputs(case: Case, device: str) -> AttentionInputs:
+    if not case.earlier:
+        return _step_values(case, device)
+    own = _step_values(dataclasses.replace(case, earlier=()), device)
+    # Slot by slot, the step that wrote it last (-1: never written; nothing reads such a slot).
+    writer = torch.full((own.num_slots,), -1, dtype=torch.int64)
+    steps = case.steps
+    for k, step in enumerate(steps):
+        w = written_slots(step)
+        writer[w[w < own.num_slots]] = k
+    kv_c, k_pe = own.kv_c.clone(), own.k_pe.clone()
+    for k, step in enumerate(steps[:-1]):
+        mine = (writer == k).nonzero().flatten()
+        if len(mine):
+            theirs = _step_values(dataclasses.replace(step, earlier=()), device)
+            kv_c[mine.to(device)], k_pe[mine.to(device)] = theirs.kv_c[mine.to(device)], theirs.k_pe[mine.to(device)]
+    return dataclasses.replace(own, kv_c=kv_c, k_pe=k_pe)
+
+
+def _step_values(case: Case, device: str) -> AttentionInputs:
     index = materialize_index_inputs(case, device)
     g = torch.Generator(device=device).manual_seed(case.seed + 1)
     scale = _VALUE_SCALE[case.values]
@@ -210,4 +251,6 @@ def _layer_inputs(case: Case, device: str) -> LayerInputs:
     # W entries ~ 1/sqrt(128): the absorbed q keeps q's scale (the latent q of the MQA targets).
     w = torch.randn(case.heads * (QK_NOPE + V_HEAD), KV_LORA_RANK, generator=g, device=device) * QK_NOPE**-0.5
     q = torch.randn(case.num_tokens, case.heads, QK_NOPE + ROPE_DIM, generator=g, device=device) * 0.25
+    if case.earlier:  # one layer runs the trace: its kv_b_proj weight is the first step's
+        w = _layer_inputs(case.steps[0], device).kv_b_weight
     return LayerInputs(attention, q.to(torch.bfloat16), w.to(torch.bfloat16))

@@ -45,6 +45,9 @@ def add_parser(sub) -> None:
     r.add_argument("--inject", metavar="NAME_OR_FILE", help="a built-in mutant or a Python file to run first")
     r.add_argument("--kv-cache-dtype", default=None, help="draw only this kv_cache_dtype (backend targets)")
     r.add_argument("--profile", default=None, help="case sizes: cpu or gpu (default: the device's)")
+    r.add_argument("--max-steps", type=int, default=None, metavar="N",
+                   help="steps per case for targets that run traces, the case's own included (default: the "
+                        "profile's, 4; 1: single fresh steps only)")
     r.add_argument("--json", type=Path, metavar="PATH", help="write a JSON summary here")
     r.add_argument("--out", type=Path, metavar="DIR", help="campaign directory: campaign.json (coverage, margins, "
                    "every case), its findings, report.md and report.html")
@@ -98,6 +101,8 @@ def validate(args, device: str) -> None:
     profile = args.profile or ("gpu" if device == "cuda" else "cpu")
     if profile not in PROFILES:
         raise UsageError(f"--profile {profile!r}: unknown; known: {', '.join(PROFILES)}")
+    if args.max_steps is not None and args.max_steps < 1:
+        raise UsageError(f"--max-steps {args.max_steps}: a case has at least its own step (1)")
     if args.kv_cache_dtype and args.kv_cache_dtype not in cls.kv_cache_dtypes:
         raise UsageError(f"--kv-cache-dtype {args.kv_cache_dtype}: {args.target} takes "
                          f"{', '.join(cls.kv_cache_dtypes) or 'no kv cache'}")
@@ -163,7 +168,10 @@ def main(args, device: str) -> int:
     profile_name = args.profile or ("gpu" if device == "cuda" else "cpu")
     max_examples = args.max_examples if args.max_examples is not None or args.time_budget else 100
     host = host_info(device)
-    campaign = Campaign(target, PROFILES[profile_name], host, executor=executor,
+    profile = PROFILES[profile_name]
+    if args.max_steps is not None:
+        profile = replace(profile, max_steps=args.max_steps)
+    campaign = Campaign(target, profile, host, executor=executor,
                         seed=args.seed, max_examples=max_examples, time_budget=args.time_budget, inject=label,
                         progress=Progress(target.name, args.quiet), pending=STATE_DIR / "pending" / target.name,
                         journal=STATE_DIR / "journal" / f"{target.name}.json", reruns=args.reruns,

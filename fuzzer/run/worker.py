@@ -131,6 +131,8 @@ def serve(fd: int, spec: WorkerSpec) -> None:
         if late and not obs.notes.get("device_lost"):
             _lost(spec, conn, late)
         obs.outputs = {}  # tensors stay here: findings keep verdicts and notes
+        for step in obs.steps:
+            step.outputs = {}
         if spec.device == "cuda" and n % MEMORY_EVERY == 0:
             _log_device_memory(n)
         conn.send(("result", obs, verdicts))

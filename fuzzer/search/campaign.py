@@ -12,6 +12,7 @@ the `plain` search runs the target's strategy as it is, in one batch.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 import time
@@ -224,6 +225,24 @@ class Campaign:
             same += bool(failed) and primary(failed).signature == finding.signature
         finding.reruns = (same, self.reruns)
 
+    def _isolate(self, finding: Finding) -> None:
+        """A trace's finding whose first failing step is not its first: that step run alone, on a fresh engine.
+        Passing there, the bug needs state the steps before it left (class H): the finding says so."""
+        k = min((v.step for v in finding.verdicts if v.step), default=0)
+        if k < 2:
+            return
+        alone = dataclasses.replace(finding.case.steps[k - 1], earlier=())
+        try:
+            _, verdicts = self.check(alone)
+        except HarnessError:
+            return  # the finding stands as it is
+        self.result.rerun_cases += 1
+        if all(v.ok for v in verdicts):
+            finding.verdicts.append(Verdict(
+                "stateful", False, f"step {k} fails after the {k - 1} step(s) before it, and passes run alone on a "
+                f"fresh builder, impl, cache and buffers: it reads state an earlier step left", "H", where="stateful",
+                step=k))
+
     def clear_pending(self, saved: list[Finding]) -> None:
         """Called once these findings are saved for good."""
         if self.pending is not None:
@@ -306,6 +325,7 @@ class Campaign:
             self.result.seconds = time.monotonic() - self._start
             self.result.findings = list(self._failures.values())
             for finding in self.result.findings:
+                self._isolate(finding)
                 if self.reruns:
                     self._rerun(finding)
         finally:

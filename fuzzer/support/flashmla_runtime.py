@@ -396,18 +396,21 @@ def record_routes(impl, route: dict) -> None:
 INDEX_GROUP_POISON = 0  # slot 0 of the null block: never a converted index (tables hold blocks >= 1)
 
 
-def guard_index_group(impl):
+def guard_index_group(impl, poison: bool = True):
     """Poison the index group's persistent physical top-k buffer; returns check(rows_converted) -> messages
     naming rows past the conversion's own that a call wrote (an overrun that stays inside vLLM's
-    allocation, invisible to any memory checker)."""
+    allocation, invisible to any memory checker). poison=False (a later step of a trace, on the buffer as
+    earlier steps left it): rows past the conversion's that the call changed."""
     group = getattr(impl, "index_group", None)
     buffer = getattr(group, "physical_topk_indices", None)
     if buffer is None:
         return lambda rows: []
-    buffer.fill_(INDEX_GROUP_POISON)
+    if poison:
+        buffer.fill_(INDEX_GROUP_POISON)
+    before = buffer.clone()
 
     def check(rows: int) -> list[str]:
-        written = (buffer[rows:] != INDEX_GROUP_POISON).any(dim=-1).nonzero()
+        written = (buffer[rows:] != before[rows:]).any(dim=-1).nonzero()
         if not len(written):
             return []
         return [f"index group physical_topk_indices: rows {rows + int(written[0])}..{rows + int(written[-1])} written by a "

@@ -28,28 +28,26 @@ from fuzzer.support import flashmla_runtime
 from fuzzer.support.flashmla_runtime import (
     BACKEND_MODULE,
     LAYER,
-    configure,
     guard_index_group,
     install_layer_standins,
     layer_api,
     mla_layer,
     record_routes,
 )
-from fuzzer.targets.flashmla_sparse import FlashMLASparse, flashmla_repro
-from fuzzer.targets.guards import Guards
-from fuzzer.targets.harness import common_attn_metadata, step_tensors, with_padded_tokens
-from fuzzer.targets.probes import observe_paths
+from fuzzer.targets.flashmla_sparse import FlashMLASparse, StepContext, flashmla_repro
+from fuzzer.targets.harness import common_attn_metadata, with_padded_tokens
 from fuzzer.targets.vllm_api import remap_api
 from oracles.attention_judge import judge_layer
+from oracles.steps import judge_steps
 from strategies.batches import AttentionFeatures, attention_space
-from strategies.tensors import HEAD_SIZE, V_HEAD, materialize_layer_inputs
+from strategies.tensors import V_HEAD, materialize_layer_inputs
 
 
 class FlashMLASparseLayer(FlashMLASparse):
     name = "vllm.flashmla_sparse.layer"
     summary = "MLAAttention on FLASHMLA_SPARSE: decode -> forward_mqa, short prefill -> dense MHA + chunked context"
     bug_classes = "A B C E F H I J K"
-    oracle = staticmethod(judge_layer)
+    oracle = staticmethod(judge_steps(judge_layer))
     real_parts = ("MLAAttention.forward_impl (the decode/MHA split, W_UK/W_UV)", "FlashMLASparseMetadataBuilder",
                   "FlashMLASparseImpl.forward_mqa / forward_mha", "chunked-context metadata",
                   "CPU_SDPA_MLA prefill backend", "SparseMLAIndexGroup", "the index-remap Triton kernel",
@@ -79,62 +77,66 @@ class FlashMLASparseLayer(FlashMLASparse):
                                                           block_stride_rows=remap_api().has_block_stride_rows,
                                                           indexer_fills_short_seqs=True,
                                                           vllm_batch_order=layer_api().relies_on_batch_order,
-                                                          cudagraph_padding=True))
+                                                          cudagraph_padding=True, traces=True))
 
     @staticmethod
     def backend():
         return importlib.import_module(BACKEND_MODULE).FlashMLASparseBackend
 
     def run(self, case):
-        from vllm.config import set_current_vllm_config
-        from vllm.v1.kv_cache_interface import MLAAttentionSpec
-
-        dev = self.device
-        inputs = materialize_layer_inputs(case, dev)
-        guards = Guards()
-        inp, slots, topk_buffer = step_tensors(case, dev, inputs.attention, guards)
-        cache = self.cache(case, dev, guards)
-        write, write_emulated = self.writer(case)
-        cfg = configure(self.cfg, case, max_num_batched_tokens=topk_buffer.shape[0])
-        spec = MLAAttentionSpec(block_size=case.block_size, num_kv_heads=1, head_size=HEAD_SIZE, dtype=torch.bfloat16,
-                                cache_dtype_str=case.kv_cache_dtype)
-        # The step's own tokens, in batch order: what the layer receives as kv_c_normed / k_pe.
-        new = [inp.slot_of[r][req.context_len:] for r, req in enumerate(case.requests)]
-        new_slots = (torch.cat(new) if new else torch.zeros(0, dtype=torch.int64)).to(dev)
-        route: dict = {"mqa_tokens": 0, "mha_tokens": 0}
-        before, overruns, gathers = [], [], []
-
-        def call():
-            write(inp.kv_c[slots], inp.k_pe[slots], cache, slots)  # the cache as the layer leaves it
-            before.append(cache.clone())
-            with set_current_vllm_config(cfg), torch.inference_mode():
-                layer = mla_layer(cfg, case.heads, inputs.kv_b_weight, topk_buffer, dev)
-                builder = self.backend().get_builder_cls()(spec, [LAYER], cfg, torch.device(dev))
-                metadata = builder.build(0, common_attn_metadata(case, inp.index, dev))
-                prefill = getattr(metadata, "prefill", None)  # 0.23's sparse metadata has no dense-MHA part
-                route.update(chunked_context=prefill is not None and prefill.chunked_context is not None,
-                             fp8_mixed_batch=bool(getattr(metadata, "fp8_use_mixed_batch", False)))
-                record_routes(layer.impl, route)
-                check_overrun = guard_index_group(layer.impl)
-                rows = case.num_actual_tokens  # the step's tokens and any CUDA-graph padding tokens
-                output = guards.empty("output", rows * case.heads * V_HEAD, torch.bfloat16, dev).view(
-                    rows, case.heads * V_HEAD).fill_(float("nan"))
-                flashmla_runtime.GATHER_LOG = gathers
-                try:
-                    layer.forward_impl(with_padded_tokens(case, inputs.q), with_padded_tokens(case, inp.kv_c[new_slots]),
-                                       with_padded_tokens(case, inp.k_pe[new_slots]).unsqueeze(1), cache, metadata, output)
-                finally:
-                    flashmla_runtime.GATHER_LOG = None
-                overruns.extend(check_overrun(route["mqa_tokens"]))
-            return {"out": output}
-
-        obs = self.finish(observe_paths(self.observe, call), case, slots, cache, before, write_emulated, overruns, guards)
-        obs.notes["route"] = dict(route)
-        obs.notes["layer_routes"] = self.routes  # what this release's forward_impl offers a sparse impl
-        if gathers:  # the context rows the dense-MHA path gathered, with the cache slots they came from
-            obs.outputs["gathered_slots"] = torch.cat([s for s, _ in gathers])
-            obs.outputs["gathered_rows"] = torch.cat([r for _, r in gathers])
+        obs = self.run_steps(case, self.layer_step)
+        for o in (*obs.steps, obs):
+            o.notes["layer_routes"] = self.routes  # what this release's forward_impl offers a sparse impl
         return obs
+
+    def step_inputs(self, step):
+        return materialize_layer_inputs(step, self.device)
+
+    def layer_step(self, ctx: StepContext, step, inputs):
+        """One step through MLAAttention.forward_impl (vLLM's decode/MHA split), on the engine's layer and builder."""
+        dev, inp, engine = self.device, inputs.attention, ctx.engine
+        if not engine:
+            engine["layer"] = layer = mla_layer(ctx.cfg, step.heads, inputs.kv_b_weight, ctx.topk_buffer, dev)
+            engine["builder"] = self.backend().get_builder_cls()(ctx.spec, [LAYER], ctx.cfg, torch.device(dev))
+            engine["route"] = {}
+            record_routes(layer.impl, engine["route"])
+        layer, route = engine["layer"], engine["route"]
+        route.clear()
+        route.update(mqa_tokens=0, mha_tokens=0)
+        # The step's own tokens, in batch order: what the layer receives as kv_c_normed / k_pe.
+        new = [inp.slot_of[r][req.context_len:] for r, req in enumerate(step.requests)]
+        new_slots = (torch.cat(new) if new else torch.zeros(0, dtype=torch.int64)).to(dev)
+        metadata = engine["builder"].build(0, common_attn_metadata(step, inp.index, dev))
+        prefill = getattr(metadata, "prefill", None)  # 0.23's sparse metadata has no dense-MHA part
+        route.update(chunked_context=prefill is not None and prefill.chunked_context is not None,
+                     fp8_mixed_batch=bool(getattr(metadata, "fp8_use_mixed_batch", False)))
+        check_overrun = guard_index_group(layer.impl, poison=ctx.first)
+        rows = step.num_actual_tokens  # the step's tokens and any CUDA-graph padding tokens
+        args = (with_padded_tokens(step, inputs.q), with_padded_tokens(step, inp.kv_c[new_slots]),
+                with_padded_tokens(step, inp.k_pe[new_slots]).unsqueeze(1), ctx.cache, metadata)
+        gathers: list = []
+
+        def forward(name: str):
+            output = torch.full((rows, step.heads * V_HEAD), float("nan"), dtype=torch.bfloat16, device=dev)
+            if name == "output":  # the judged call's output sits in a guard region
+                output = ctx.guards.empty("output", rows * step.heads * V_HEAD, torch.bfloat16, dev).view(
+                    rows, step.heads * V_HEAD).fill_(float("nan"))
+            flashmla_runtime.GATHER_LOG = gathers if name == "output" else None
+            try:
+                layer.forward_impl(*args, output)
+            finally:
+                flashmla_runtime.GATHER_LOG = None
+            return output
+
+        outputs = {"out": forward("output")}
+        ctx.overruns.extend(check_overrun(route["mqa_tokens"]))
+        ctx.notes["route"] = dict(route)  # (the rerun below counts its tokens again; the step's are these)
+        if gathers:  # the context rows the dense-MHA path gathered, with the cache slots they came from
+            outputs["gathered_slots"] = torch.cat([s for s, _ in gathers])
+            outputs["gathered_rows"] = torch.cat([r for _, r in gathers])
+        if ctx.rerun:  # the same step again, on the same metadata and buffers
+            outputs["out_again"] = forward("again")
+        return outputs
 
     def repro_spec(self, finding):
         return flashmla_repro(self, finding, layer=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,12 +44,15 @@ from fuzzer.targets.harness import (
     REPRO_METADATA,
     cache_writer,
     common_attn_metadata,
+    fill_topk,
     note_guards_and_cache,
     paged_cache,
     repro_case,
     repro_constants,
     repro_step,
+    step_slots,
     step_tensors,
+    topk_buffer_for,
     with_padded_tokens,
 )
 from fuzzer.targets.probes import observe_paths
@@ -61,6 +65,7 @@ from oracles.attention_judge import (
     layer_tolerance,
     reference_for,
 )
+from oracles.steps import judge_steps
 from strategies.batches import AttentionFeatures, attention_space
 from strategies.tensors import (
     HEAD_SIZE,
@@ -69,14 +74,32 @@ from strategies.tensors import (
     SM_SCALE,
     materialize_attention_inputs,
     materialize_layer_inputs,
+    written_slots,
 )
+
+
+@dataclass
+class StepContext:
+    """What one step of a trace runs on: the engine's objects (builder, impl or layer, built in the first step),
+    its config, cache and persistent top-k buffer, and what the step's call reports back."""
+
+    engine: dict
+    cfg: object
+    spec: object
+    cache: torch.Tensor
+    topk_buffer: torch.Tensor
+    guards: Guards
+    first: bool  # the trace's first step (the engine is built in it)
+    rerun: bool  # run the step a second time on the same metadata (the determinism check)
+    overruns: list = field(default_factory=list)
+    notes: dict = field(default_factory=dict)
 
 
 class FlashMLASparse(Target):
     name = "vllm.flashmla_sparse"
     summary = "FlashMLA sparse-MLA backend (FLASHMLA_SPARSE): builder + impl.forward_mqa, bf16 and fp8_ds_mla"
     bug_classes = "B C D G H I J K"
-    oracle = staticmethod(judge_attention)
+    oracle = staticmethod(judge_steps(judge_attention))
     real_parts = ("FlashMLASparseMetadataBuilder", "FlashMLASparseImpl.forward_mqa", "SparseMLAIndexGroup",
                   "the index-remap Triton kernel")
     kv_cache_dtypes = ("bfloat16", "fp8_ds_mla")
@@ -119,7 +142,7 @@ class FlashMLASparse(Target):
         # Releases before flat_kv_row_view (0.26 and older) view the cache as contiguous rows.
         return attention_space(profile, AttentionFeatures(kv_cache_dtypes=self.kv_cache_dtypes, block_sizes=(64, 128),
                                                           block_stride_rows=remap_api().has_block_stride_rows,
-                                                          cudagraph_padding=True))
+                                                          cudagraph_padding=True, traces=True))
 
     def step(self, case, device, guards=None):
         """Inputs, poisoned cache, top-k buffer, new-token slots for `case` on `device`."""
@@ -146,40 +169,85 @@ class FlashMLASparse(Target):
         return (lambda kv_c, k_pe, cache, slots: concat_and_cache_mla(kv_c, k_pe, cache, slots, "fp8_ds_mla", None, convention)), "concat_and_cache_mla"
 
     def run(self, case):
+        return self.run_steps(case, self.mqa_step)
+
+    def run_steps(self, case, step_call):
+        """Every step of `case` (one, or a trace's) on ONE builder, impl, cache and top-k buffer, as vLLM's model
+        runner keeps them for the life of the engine. Before each step's call the cache holds what the layer
+        leaves there (`written_slots`: its new tokens; in a first step every slot its requests hold) and the
+        top-k buffer the indexer's rows; each step is observed on its own (`Observation.steps`) and the trace
+        ends at the first step that fails. The last step of a trace runs twice on the same metadata: a
+        deterministic backend gives the same bits (`out_again`)."""
         from vllm.config import set_current_vllm_config
         from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
         dev = self.device
-        backend = importlib.import_module(BACKEND_MODULE).FlashMLASparseBackend
         guards = Guards()
-        inp, slots, cache, topk_buffer = self.step(case, dev, guards)
+        cache = self.cache(case, dev, guards)
+        topk_buffer = topk_buffer_for(case, dev, guards)
         write, write_emulated = self.writer(case)
         cfg = configure(self.cfg, case, max_num_batched_tokens=topk_buffer.shape[0])
         spec = MLAAttentionSpec(block_size=case.block_size, num_kv_heads=1, head_size=HEAD_SIZE, dtype=torch.bfloat16,
                                 cache_dtype_str=case.kv_cache_dtype)
-        before, overruns = [], []
+        engine: dict = {}  # what the runner keeps across steps: built in the first step's call
+        observed = []
+        steps = case.steps
+        for k, step in enumerate(steps):
+            inputs = self.step_inputs(step)
+            inp = getattr(inputs, "attention", inputs)
+            fill_topk(topk_buffer, step, inp.index)
+            written = written_slots(step).to(dev)
+            ctx = StepContext(engine, cfg, spec, cache, topk_buffer, guards, first=k == 0,
+                              rerun=bool(case.earlier) and k == len(steps) - 1)
+            before: list = []
 
-        def call():
-            # The cache as the layer leaves it before attention; every other row stays poisoned.
-            write(inp.kv_c[slots], inp.k_pe[slots], cache, slots)
-            before.append(cache.clone())
-            with set_current_vllm_config(cfg), torch.inference_mode():
-                builder = backend.get_builder_cls()(spec, [LAYER], cfg, torch.device(dev))
-                metadata = builder.build(0, common_attn_metadata(case, inp.index, dev))
-                # topk_indices_buffer= with indexer=None: the index group orders on the compute stream.
-                impl = backend.get_impl_cls()(
-                    case.heads, HEAD_SIZE, SM_SCALE, 1, None, None, case.kv_cache_dtype, None, "decoder", None,
-                    **impl_topk_kwargs(backend.get_impl_cls(), topk_buffer), q_lora_rank=None, kv_lora_rank=KV_LORA_RANK,
-                    qk_nope_head_dim=128, qk_rope_head_dim=ROPE_DIM, qk_head_dim=128 + ROPE_DIM, v_head_dim=128,
-                    kv_b_proj=None)
-                q = with_padded_tokens(case, inp.q)
-                q = (q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:])  # (ql_nope, q_pe), as the layer passes it
-                check_overrun = guard_index_group(impl)
-                out, lse = impl.forward_mqa(q, cache, metadata, None)
-                overruns.extend(check_overrun(case.num_actual_tokens))
-            return {"out": out, "lse": lse}
+            def call(step=step, inputs=inputs, inp=inp, written=written, before=before, ctx=ctx):
+                write(inp.kv_c[written], inp.k_pe[written], cache, written)
+                before.append(cache.clone())
+                with set_current_vllm_config(cfg), torch.inference_mode():
+                    out = step_call(ctx, step, inputs)
+                # A later step may reuse the buffers this one's outputs live in: keep them as they were.
+                return {name: t.clone() for name, t in out.items() if t is not None} if len(steps) > 1 else out
 
-        return self.finish(observe_paths(self.observe, call), case, slots, cache, before, write_emulated, overruns, guards)
+            obs = self.finish(observe_paths(self.observe, call), step, step_slots(inp, dev), cache, before,
+                              write_emulated, ctx.overruns, guards)
+            obs.notes.update(ctx.notes)
+            observed.append(obs)
+            if obs.error_type or obs.memory or obs.notes.get("guard"):
+                break
+        last = observed[-1]
+        last.steps = observed[:-1]
+        if last.steps:  # the trace's paths, every step's
+            last.notes["paths"] = sorted({p for o in observed for p in o.notes.get("paths", ())})
+        return last
+
+    def step_inputs(self, step):
+        return materialize_attention_inputs(step, self.device)
+
+    def mqa_step(self, ctx: "StepContext", step, inp):
+        """One step through FlashMLASparseImpl.forward_mqa (every token), on the engine's builder and impl."""
+        dev, engine = self.device, ctx.engine
+        if not engine:
+            backend = importlib.import_module(BACKEND_MODULE).FlashMLASparseBackend
+            engine["builder"] = backend.get_builder_cls()(ctx.spec, [LAYER], ctx.cfg, torch.device(dev))
+            # topk_indices_buffer= with indexer=None: the index group orders on the compute stream.
+            engine["impl"] = backend.get_impl_cls()(
+                step.heads, HEAD_SIZE, SM_SCALE, 1, None, None, step.kv_cache_dtype, None, "decoder", None,
+                **impl_topk_kwargs(backend.get_impl_cls(), ctx.topk_buffer), q_lora_rank=None,
+                kv_lora_rank=KV_LORA_RANK, qk_nope_head_dim=128, qk_rope_head_dim=ROPE_DIM, qk_head_dim=128 + ROPE_DIM,
+                v_head_dim=128, kv_b_proj=None)
+        impl = engine["impl"]
+        metadata = engine["builder"].build(0, common_attn_metadata(step, inp.index, dev))
+        q = with_padded_tokens(step, inp.q)
+        q = (q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:])  # (ql_nope, q_pe), as the layer passes it
+        check_overrun = guard_index_group(impl, poison=ctx.first)
+        out, lse = impl.forward_mqa(q, ctx.cache, metadata, None)
+        ctx.overruns.extend(check_overrun(step.num_actual_tokens))
+        outputs = {"out": out, "lse": lse}
+        if ctx.rerun:  # the same step again, on the same metadata and buffers
+            outputs["out"] = out.clone()
+            outputs["out_again"] = impl.forward_mqa(q, ctx.cache, metadata, None)[0]
+        return outputs
 
     def finish(self, obs, case, slots, cache, before, write_emulated, overruns, guards):
         """What both FlashMLA targets add to an observation after the call: the fp8 entries written (for the
@@ -208,6 +276,8 @@ def flashmla_repro(target, finding, layer: bool) -> ReproSpec:
     buffer, the metadata's inputs, for the layer kv_b_proj's weight and the new tokens' latents), the call the
     target makes on it (`forward_mqa`, or the layer's `forward_impl`), judged against the fp32 reference."""
 
+    if finding.case.earlier:
+        return flashmla_trace_repro(target, finding, layer)
     case, dev = finding.case, finding.host.device
     cpu = dev == "cpu"
     inputs = materialize_layer_inputs(case, dev) if layer else None
@@ -252,6 +322,142 @@ def flashmla_repro(target, finding, layer: bool) -> ReproSpec:
         # the 0-d masks the bare interpreter rejects ("mask has unsupported dtype", Trap 4, hit by the remap
         # kernel on FlashMLA's fp8 separate path).
         bounds_checked=cpu)
+
+
+def flashmla_trace_repro(target, finding, layer: bool) -> ReproSpec:
+    """A trace's reproducer: its steps up to the first failing one, on one builder and impl (or layer), one
+    cache and one top-k buffer, as the target ran them. Per step it loads what the layer writes to the cache
+    (the rows at the step's written slots, as the cache writer wrote them), the indexer's rows and the
+    metadata's inputs; the last step is judged against the fp32 reference."""
+    case, dev = finding.case, finding.host.device
+    cpu = dev == "cpu"
+    failing = min((v.step for v in finding.verdicts if v.step), default=len(case.steps))
+    steps = case.steps[:failing]
+    scratch = target.cache(case, dev)  # the cache as the steps leave it, to read back what each wrote
+    write = target.writer(case)[0]
+    tensors, constants = {}, []
+    for k, step in enumerate(steps, start=1):
+        inputs = target.step_inputs(step)
+        inp = getattr(inputs, "attention", inputs)
+        written = written_slots(step).to(dev)
+        write(inp.kv_c[written], inp.k_pe[written], scratch, written)
+        step_t = repro_step(step, inp.index, None, inp.index.topk_indices, dev)
+        step_t.pop("topk_indices_buffer")
+        step_t.update(topk_indices=inp.index.topk_indices, written_slots=written,
+                      written_rows=scratch[written // case.block_size, written % case.block_size])
+        if layer:
+            new = [inp.slot_of[r][req.context_len:] for r, req in enumerate(step.requests)]
+            new_slots = (torch.cat(new) if new else torch.zeros(0, dtype=torch.int64)).to(dev)
+            step_t.update(q=with_padded_tokens(step, inputs.q), kv_c_normed=with_padded_tokens(step, inp.kv_c[new_slots]),
+                          k_pe=with_padded_tokens(step, inp.k_pe[new_slots]).unsqueeze(1))
+        else:
+            step_t["q"] = with_padded_tokens(step, inp.q)
+        tensors.update({f"s{k}.{name}": t for name, t in step_t.items()})
+        constants.append({name: value for name, value in repro_constants(step).items()
+                          if name in ("NUM_REQS", "NUM_TOKENS", "MAX_QUERY_LEN", "MAX_SEQ_LEN")})
+    last = steps[-1]
+    inputs = target.step_inputs(last)
+    inp = getattr(inputs, "attention", inputs)
+    slots = step_slots(inp, dev)
+    slot_values = None
+    if case.kv_cache_dtype == "fp8_ds_mla":  # the oracle reads what the fp8 entries hold
+        slot_values, _ = judge_fp8_ds_mla_entries(last, inp, slots, scratch[slots // case.block_size, slots % case.block_size])
+    if layer:
+        mha_tokens = int(finding.observation.notes.get("route", {}).get("mha_tokens", 0))
+        expected, _ = layer_reference_for(last, inputs, dev, slot_values, mha_tokens)
+        atol, rtol = layer_tolerance(last, inputs)
+        tensors["kv_b_weight"] = inputs.kv_b_weight
+    else:
+        expected = reference_for(last, inp, dev, slot_values)[0]
+        atol, rtol = attention_tolerance(last, inp)
+    tensors["expected_out"] = expected
+    return ReproSpec(
+        about=f"Shrunk trace of {len(case.steps)} steps, run here up to step {failing}, whose output is judged: "
+              + "; ".join(f"step {k}: {s.summary()}" for k, s in enumerate(steps, start=1))
+              + f".\n{case.heads} heads, kv_cache_dtype {case.kv_cache_dtype}, values {case.values}. One builder and "
+              + ("one layer" if layer else "one impl") + " run every step, on one cache and one top-k buffer, as vLLM's "
+              "model runner keeps them.\nInputs per step in tensors.safetensors beside this file; the expected output "
+              "is attnfuzz's " + ("fp32 oracle (after W_UV)." if layer else "fp32 oracle (latent, 512 wide)."),
+        imports=("import dataclasses", "import tempfile", "from types import SimpleNamespace"),
+        constants=dict(BLOCK_SIZE=case.block_size, BLOCK_STRIDE_ROWS=case.stride_rows, NUM_BLOCKS=case.pool_blocks,
+                       FP8_POISON=case.kv_cache_dtype == "fp8_ds_mla", TOPK_ROWS=max(s.num_actual_tokens for s in steps) + 8, STEPS=constants,
+                       ATOL=atol, RTOL=rtol),
+        tensors=tensors,
+        support={"runtime": "fuzzer.support.flashmla_runtime", **(REPRO_CPU_SUPPORT if cpu else {})},
+        prepare=(REPRO_CPU_PREPARE + "runtime.cpu_shims()  # no streams on a CPU\n" if cpu else "")
+        + ("emulated = tuple(dict.fromkeys(runtime.install_standins(DEVICE) + runtime.install_layer_standins(DEVICE)))\n" if layer
+           else "emulated = runtime.install_standins(DEVICE)\n"),
+        setup=REPRO_SETUP + repro_case(case) + _TRACE_CONFIG + ("route = {}\n" if layer else ""),
+        call=_TRACE_CALL.format(engine=_TRACE_LAYER_ENGINE if layer else _TRACE_MQA_ENGINE,
+                                forward=_TRACE_LAYER_FORWARD if layer else _TRACE_MQA_FORWARD),
+        judge=Judge("attention", dict(out="out", expected='T["expected_out"]', cache="cache", before="before",
+                                      atol="ATOL", rtol="RTOL")),
+        report=('print("routes of the last step:", route, "| stand-ins for ops this host lacks:", ", ".join(emulated) or "none")\n'
+                if layer else 'print("stand-ins for ops this host lacks:", ", ".join(emulated) or "none")\n'),
+        bounds_checked=cpu)
+
+
+_TRACE_CONFIG = """\
+cfg = runtime.configure(runtime.vllm_runtime(DEVICE, tempfile.mkdtemp()), case, max_num_batched_tokens=TOPK_ROWS)
+spec = MLAAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=576, dtype=torch.bfloat16,
+                        cache_dtype_str=case.kv_cache_dtype)
+width = T["s1.written_rows"].shape[-1]
+# Every row poisoned, as the fuzzer's cache: NaN for bf16, 0xFF bytes (fp8 NaN codes, NaN scales) for fp8_ds_mla.
+rows = torch.full((NUM_BLOCKS * BLOCK_STRIDE_ROWS, width), 255 if FP8_POISON else float("nan"),
+                  dtype=T["s1.written_rows"].dtype, device=DEVICE)
+cache = rows.as_strided((NUM_BLOCKS, BLOCK_SIZE, width), (BLOCK_STRIDE_ROWS * width, width, 1))
+topk_indices_buffer = torch.full((TOPK_ROWS, case.topk_width), 2**30 - 1, dtype=torch.int32, device=DEVICE)
+fields = {f.name for f in dataclasses.fields(CommonAttentionMetadata)}
+"""
+
+_TRACE_CALL = """\
+with set_current_vllm_config(cfg), torch.inference_mode():
+{engine}    builder = Backend.get_builder_cls()(spec, [runtime.LAYER], cfg, torch.device(DEVICE))
+    for k, step in enumerate(STEPS, start=1):
+        S = {{name.split(".", 1)[1]: t for name, t in T.items() if name.startswith(f"s{{k}}.")}}
+        # The layer's cache write: this step's rows, as vLLM's cache writer wrote them.
+        slots = S["written_slots"]
+        rows[slots // BLOCK_SIZE * BLOCK_STRIDE_ROWS + slots % BLOCK_SIZE] = S["written_rows"]
+        # The indexer's rows; its rows past this step's tokens keep what earlier steps left.
+        n = S["topk_indices"].shape[0]
+        topk_indices_buffer[:n] = S["topk_indices"]
+        topk_indices_buffer[n : step["NUM_TOKENS"]] = -1
+        before = cache.clone()
+        cam = CommonAttentionMetadata(**{{name: v for name, v in dict(
+            query_start_loc=S["query_start_loc"], query_start_loc_cpu=S["query_start_loc"].cpu(),
+            seq_lens=S["seq_lens"], seq_lens_cpu=S["seq_lens"].cpu(), seq_lens_cpu_upper_bound=S["seq_lens"].cpu(),
+            num_computed_tokens_cpu=S["num_computed_tokens"].cpu(), num_reqs=step["NUM_REQS"],
+            num_actual_tokens=step["NUM_TOKENS"], max_query_len=step["MAX_QUERY_LEN"], max_seq_len=step["MAX_SEQ_LEN"],
+            block_table_tensor=S["block_table"], slot_mapping=S["slot_mapping"]).items() if name in fields}})
+        metadata = builder.build(0, cam)
+{forward}"""
+
+_TRACE_MQA_ENGINE = """\
+    # topk_indices_buffer= with indexer=None: the index group orders on the compute stream.
+    impl = Backend.get_impl_cls()(
+        case.heads, 576, runtime.SM_SCALE, 1, None, None, case.kv_cache_dtype, None, "decoder", None,
+        **runtime.impl_topk_kwargs(Backend.get_impl_cls(), topk_indices_buffer),
+        q_lora_rank=None, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, qk_head_dim=192, v_head_dim=128, kv_b_proj=None)
+"""
+_TRACE_MQA_FORWARD = """\
+        check_overrun = runtime.guard_index_group(impl, poison=k == 1)
+        q = S["q"]  # (ql_nope | q_pe), as the layer hands it to forward_mqa
+        out, _lse = impl.forward_mqa((q[..., :512], q[..., 512:]), cache, metadata, None)
+        found += [f"step {k}: {m}" for m in check_overrun(step["NUM_TOKENS"])]
+"""
+_TRACE_LAYER_ENGINE = """\
+    layer = runtime.mla_layer(cfg, case.heads, T["kv_b_weight"], topk_indices_buffer, DEVICE)
+    runtime.record_routes(layer.impl, route)
+"""
+_TRACE_LAYER_FORWARD = """\
+        route.clear()
+        check_overrun = runtime.guard_index_group(layer.impl, poison=k == 1)
+        out = torch.full((step["NUM_TOKENS"], case.heads * 128), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        # Decode tokens go to forward_mqa, short prefills to dense MHA: vLLM's own split.
+        layer.forward_impl(S["q"], S["kv_c_normed"], S["k_pe"], cache, metadata, out)
+        found += [f"step {k}: {m}" for m in check_overrun(route.get("mqa_tokens", 0))]
+"""
 
 
 # What every FlashMLA reproducer sets up (the DCP one too): vLLM's imports, the config the target builds.

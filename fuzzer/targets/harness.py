@@ -45,13 +45,13 @@ def paged_cache(case, device, dtype=torch.bfloat16, width: int = HEAD_SIZE, pois
                 name: str = "kv_cache") -> torch.Tensor:
     """[num_blocks, block_size, width], blocks `block_stride_rows` rows apart (other layers' pages in
     between), every row poisoned so that a read of a slot no request owns shows up; inside guard regions."""
-    rows = case.stride_rows
+    rows, blocks = case.stride_rows, case.pool_blocks  # a trace's steps share one cache
     if guards is not None:
-        storage = guards.empty(name, case.num_blocks * rows * width, dtype, device).view(-1, width)
+        storage = guards.empty(name, blocks * rows * width, dtype, device).view(-1, width)
         storage.fill_(poison)
     else:
-        storage = torch.full((case.num_blocks * rows, width), poison, dtype=dtype, device=device)
-    return storage.as_strided((case.num_blocks, case.block_size, width), (rows * width, width, 1))
+        storage = torch.full((blocks * rows, width), poison, dtype=dtype, device=device)
+    return storage.as_strided((blocks, case.block_size, width), (rows * width, width, 1))
 
 
 def cache_writer():
@@ -72,16 +72,30 @@ def step_tensors(case, device, inputs=None, guards=None):
     `device`. The buffer has spare rows, poisoned, as the indexer's persistent buffer has."""
 
     inp = inputs if inputs is not None else materialize_attention_inputs(case, device)
-    slots = (torch.unique(torch.cat(inp.slot_of)) if inp.slot_of else torch.zeros(0, dtype=torch.int64)).to(device)
-    shape = (case.num_actual_tokens + 8, case.topk_width)
+    topk_buffer = topk_buffer_for(case, device, guards)
+    fill_topk(topk_buffer, case, inp.index)
+    return inp, step_slots(inp, device), topk_buffer
+
+
+def step_slots(inp, device) -> torch.Tensor:
+    """Every physical slot the step's requests hold (context and new tokens), unique, on `device`."""
+    return (torch.unique(torch.cat(inp.slot_of)) if inp.slot_of else torch.zeros(0, dtype=torch.int64)).to(device)
+
+
+def topk_buffer_for(case, device, guards=None) -> torch.Tensor:
+    """The indexer's persistent top-k buffer, poisoned: rows for the largest step of the trace, and spare ones."""
+    shape = (max(s.num_actual_tokens for s in case.steps) + 8, case.topk_width)
     if guards is not None:
         topk_buffer = guards.empty("topk_indices_buffer", shape[0] * shape[1], torch.int32, device).view(shape)
-        topk_buffer.fill_(TOPK_POISON)
-    else:
-        topk_buffer = torch.full(shape, TOPK_POISON, dtype=torch.int32, device=device)
-    topk_buffer[: case.num_tokens] = inp.index.topk_indices
-    topk_buffer[case.num_tokens : case.num_actual_tokens] = -1  # padding tokens: the indexer finds no request
-    return inp, slots, topk_buffer
+        return topk_buffer.fill_(TOPK_POISON)
+    return torch.full(shape, TOPK_POISON, dtype=torch.int32, device=device)
+
+
+def fill_topk(topk_buffer, case, index) -> None:
+    """What the indexer writes for one step: its tokens' rows, -1 for padding tokens (no request); rows past
+    them keep what earlier steps left there, as in vLLM's persistent buffer."""
+    topk_buffer[: case.num_tokens] = index.topk_indices
+    topk_buffer[case.num_tokens : case.num_actual_tokens] = -1
 
 
 def with_padded_tokens(case, rows: torch.Tensor) -> torch.Tensor:

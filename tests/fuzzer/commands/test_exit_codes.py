@@ -74,7 +74,8 @@ def test_a_clean_run_counts_only_searched_cases_and_saves_findings_outside_the_c
     env = dict(os.environ, ATTNFUZZ_STATE=str(tmp_path / "state"))
     # The plain search: what is counted and where it is saved, not the search (a swarm's wide cases shrink slower).
     r = subprocess.run([sys.executable, "-m", "fuzzer.cli", *RUN, "--inject", "remap-no-length-check", "--seed", "1",
-                        "--max-examples", "40", "--reruns", "1", "--search", "plain", "--json", str(tmp_path / "s.json")],
+                        "--max-examples", "40", "--max-findings", "1", "--reruns", "1", "--search", "plain",
+                        "--json", str(tmp_path / "s.json")],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 1, r.stderr[-2000:]
     s = json.loads((tmp_path / "s.json").read_text())
@@ -91,7 +92,8 @@ def test_a_no_shrink_finding_is_not_called_shrunk(tmp_path):
     # Its own state (example database): its unshrunk failure must not be what another test's campaign replays.
     env = dict(os.environ, ATTNFUZZ_STATE=str(tmp_path / "state"))
     r = subprocess.run([sys.executable, "-m", "fuzzer.cli", *RUN, "--inject", "remap-no-length-check", "--seed", "1",
-                        "--max-examples", "30", "--no-shrink", "--reruns", "0", "--repros", str(tmp_path / "r"),
+                        "--max-examples", "30", "--max-findings", "1", "--no-shrink", "--reruns", "0",
+                        "--repros", str(tmp_path / "r"),
                         "--json", str(tmp_path / "s.json")], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 1, r.stderr[-2000:]

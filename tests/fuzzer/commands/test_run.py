@@ -79,8 +79,9 @@ def test_seed_bug_is_found_shrunk_and_reproduced(tmp_path):
 def test_mutant_is_found_by_a_default_campaign(target, mutant, bug_class, tmp_path):
     if target == "vllm.dcp_filter" and not _api().has_dcp_filter:
         pytest.skip("this vLLM release has no DCP filter")
-    # Found, not shrunk (shrinking is the seed bug's test): the search runs its 40 cases, every finding kept.
-    r = attnfuzz("run", "--target", target, "--inject", mutant, "--max-examples", "40", "--no-shrink", "--reruns", "0",
+    # Found within 40 cases, not shrunk (shrinking is the seed bug's test); the search stops at its first finding.
+    r = attnfuzz("run", "--target", target, "--inject", mutant, "--max-examples", "40", "--max-findings", "1",
+                 "--no-shrink", "--reruns", "0",
                  "--json", str(tmp_path / "s.json"), "--repros", str(tmp_path / "repros"))
     assert r.returncode == 1, r.stdout + r.stderr
     classes = {c for f in _load(tmp_path / "s.json")["findings"] for c in f["bug_classes"]}

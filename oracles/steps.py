@@ -1,0 +1,55 @@
+"""A trace's verdicts: a step judge on every step that ran, and the last step run twice.
+
+Each step is judged as a case of its own (`Case.steps` gives it its history, so its reference reads the K/V
+its earlier steps wrote), with what the target observed of it (`Observation.steps`). An earlier step's
+failures are reported with the step named; its passes are not repeated. The last step of a trace is run a
+second time on the same metadata and buffers (`out_again`): FlashMLA's sparse kernels are deterministic, so
+any other bits mean nondeterminism or state the first call left behind (what a CUDA-graph replay would read).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+from oracles.verdict import Verdict
+
+
+def judge_steps(judge: Callable[..., list[Verdict]]) -> Callable[..., list[Verdict]]:
+    def judged(case, obs) -> list[Verdict]:
+        observed = [*obs.steps, obs]
+        if len(observed) == 1 and not case.earlier:
+            return judge(case, obs)
+        steps = case.steps[: len(observed)]
+        verdicts: list[Verdict] = []
+        for k, (step, o) in enumerate(zip(steps, observed)):
+            last = k == len(steps) - 1
+            for v in judge(step, o):
+                if last or not v.ok:
+                    verdicts.append(dataclasses.replace(v, detail=f"step {k + 1} of {len(case.steps)}: {v.detail}",
+                                                        step=k + 1))
+        return verdicts + rerun_verdicts(obs)
+
+    judged.__doc__ = f"{judge.__name__} on every step of a trace, and the last step's rerun"
+    judged.__name__ = judge.__name__
+    return judged
+
+
+def rerun_verdicts(obs) -> list[Verdict]:
+    again, out = obs.outputs.get("out_again"), obs.outputs.get("out")
+    if again is None or out is None:
+        return []
+    again = again[: out.shape[0]]
+    same = again.shape == out.shape and torch.equal(_bits(again), _bits(out))
+    if same:
+        return [Verdict("rerun", True, "the last step run again gave the same bits")]
+    rows = (_bits(again).view(out.shape[0], -1) != _bits(out).view(out.shape[0], -1)).any(dim=1).nonzero().flatten()
+    return [Verdict("rerun", False, f"the last step run again on the same metadata gave other bits in {len(rows)} of "
+                    f"{out.shape[0]} rows (first row {int(rows[0]) if len(rows) else '-'})", where="rerun",
+                    step=len(obs.steps) + 1)]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)

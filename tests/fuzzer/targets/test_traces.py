@@ -1,0 +1,38 @@
+"""Traces on the FlashMLA targets: one builder, impl, cache and top-k buffer across steps, through the CLI."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import attnfuzz
+
+pytestmark = pytest.mark.vllm
+
+
+def _findings(path):
+    return json.loads(path.read_text())["findings"]
+
+
+def test_a_stale_persistent_buffer_is_found_by_traces_and_not_by_single_steps(tmp_path):
+    from fuzzer.support.flashmla_runtime import _try_import
+
+    if _try_import("vllm.v1.attention.backends.mla.index_group") is None:
+        pytest.skip("the mutant patches 0.33's sparse-MLA builder")
+    run = ("run", "--target", "vllm.flashmla_sparse", "--inject", "flashmla-req-id-buffer-grow-only", "--seed", "1",
+           "--max-examples", "30", "--no-shrink", "--reruns", "0", "--db", str(tmp_path / "examples"))
+    r = attnfuzz(*run, "--max-findings", "1", "--json", str(tmp_path / "t.json"), "--repros", str(tmp_path / "repros"))
+    assert r.returncode == 1, r.stdout + r.stderr
+    (finding,) = _findings(tmp_path / "t.json")
+    assert "H" in finding["bug_classes"] and "earlier step" in finding["summary"]
+    assert any(v["check"] == "stateful" for v in finding["verdicts"])  # the failing step passes alone
+    # Its reproducer runs the trace's steps on one builder and impl, and shows the bug without attnfuzz.
+    repro = subprocess.run([sys.executable, "repro.py"], cwd=tmp_path / "repros" / finding["id"], capture_output=True,
+                           text=True, timeout=300)
+    assert repro.returncode == 1, repro.stdout + repro.stderr
+    assert "BUG:" in repro.stdout
+    # The same campaign on single fresh steps: nothing to find.
+    r = attnfuzz(*run, "--max-steps", "1", "--json", str(tmp_path / "s.json"), "--repros", str(tmp_path / "single"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert _findings(tmp_path / "s.json") == []
