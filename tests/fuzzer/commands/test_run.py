@@ -107,7 +107,7 @@ def test_topk_length_mutant_is_found_on_the_flashmla_layer(tmp_path):
                  "--kv-cache-dtype", "bfloat16", "--max-examples", "10", "--reruns", "0",
                  "--json", str(tmp_path / "s.json"), "--repros", str(tmp_path / "repros"))
     assert r.returncode == 1, r.stdout + r.stderr
-    (finding,) = _load(tmp_path / "s.json")["findings"]
+    finding, *_ = _load(tmp_path / "s.json")["findings"]  # (a trace may show it under more than one signature)
     assert finding["examples_to_find"] <= 10 and finding["inject"] == "flashmla-topk-length-dropped"
     assert (tmp_path / "repros" / finding["id"] / "repro.py").exists()
 
