@@ -2,7 +2,7 @@
 """Time to find: every built-in mutant on every target it names, over several seeds, per search.
 
   .venv/bin/python bench/time_to_find.py --device cpu --out /tmp/ttf [--seeds 5] [--cap 300] [--search swarm,plain]
-                                         [--mutants A,B] [--jobs 2]
+                                         [--mutants A,B] [--jobs 2] [--max-steps N]
 
 Each (mutant, target) runs in a process of its own (a mutant patches vLLM for the process's life): vLLM is
 imported once, the mutant applied, and then one campaign per search and seed runs in that process (cases in
@@ -18,6 +18,7 @@ and OUT/time_to_find.json (every campaign).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -31,7 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def one(device: str, mutant: str | None, target_name: str, seeds: list[int], searches: list[str], cap: int) -> list[dict]:
+def one(device: str, mutant: str | None, target_name: str, seeds: list[int], searches: list[str], cap: int,
+        max_steps: int | None = None) -> list[dict]:
     """Run in a child process: the campaigns of one (mutant, target)."""
     from fuzzer.env import prepare_process
 
@@ -53,10 +55,13 @@ def one(device: str, mutant: str | None, target_name: str, seeds: list[int], sea
     if mutant:
         inject(mutant)
     host = host_info(device)
+    profile = PROFILES["gpu" if device == "cuda" else "cpu"]
+    if max_steps is not None:
+        profile = dataclasses.replace(profile, max_steps=max_steps)
     rows = []
     for search in searches:
         for seed in seeds:
-            c = Campaign(target, PROFILES["gpu" if device == "cuda" else "cpu"], host, seed=seed,
+            c = Campaign(target, profile, host, seed=seed,
                          executor=InProcessExecutor(target), max_examples=cap, inject=mutant, reruns=0, shrink=False,
                          max_findings=1 if mutant else None, database=InMemoryExampleDatabase(), search=search,
                          progress=Progress(target_name, quiet=True))
@@ -123,13 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--targets", default=None, help="comma-separated: only these targets")
     p.add_argument("--clean", type=int, default=0, metavar="N", help="also a clean campaign of N cases per target")
     p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--max-steps", type=int, default=None, help="steps per trace case (1: single fresh steps only)")
     p.add_argument("--one", nargs=2, metavar=("MUTANT", "TARGET"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     searches = [s.strip() for s in args.search.split(",")]
     seeds = list(range(args.seeds))
     if args.one:
         mutant = None if args.one[0] == "-" else args.one[0]
-        rows = one(args.device, mutant, args.one[1], seeds, searches, args.cap)
+        rows = one(args.device, mutant, args.one[1], seeds, searches, args.cap, args.max_steps)
         (args.out).write_text(json.dumps(rows))
         return 0
 
@@ -151,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         path = args.out / f"{m}--{t}.json"
         cap = args.clean if m == "-" else args.cap
         argv = [sys.executable, __file__, "--device", args.device, "--out", str(path), "--seeds",
-                str(1 if m == "-" else args.seeds), "--cap", str(cap), "--search", args.search, "--one", m, t]
+                str(1 if m == "-" else args.seeds), "--cap", str(cap), "--search", args.search, "--one", m, t,
+                *(["--max-steps", str(args.max_steps)] if args.max_steps is not None else [])]
         log = args.out / f"{m}--{t}.log"
         with log.open("w") as fh:
             rc = subprocess.run(argv, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT).returncode
