@@ -38,8 +38,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def attnfuzz(*args: str, cwd: Path | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
-    """Run the CLI in a fresh process (mutants patch vLLM process-wide)."""
-    env = dict(os.environ)
+def attnfuzz(*args: str, cwd: Path | None = None, timeout: int = 900, state: Path | None = None) -> subprocess.CompletedProcess:
+    """Run the CLI in a fresh process (mutants patch vLLM process-wide); `state`: a state directory of its own
+    (journal, pending findings, example database), none shared with other tests."""
+    env = dict(os.environ, **({"ATTNFUZZ_STATE": str(state)} if state is not None else {}))
     return subprocess.run([sys.executable, "-m", "fuzzer.cli", *args], cwd=cwd or ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)

@@ -87,7 +87,7 @@ class Campaign:
         self.search = search
         # Where cases run (fuzzer/run/executors): a worker process (crash isolation, sanitizers) or this process.
         self.executor = executor
-        self.pending = Pending(pending, target.name) if pending is not None else None
+        self.pending = Pending(pending, target.name, inject) if pending is not None else None
         self.journal = Journal(journal) if journal is not None else None
         self.reruns, self.shrink = reruns, shrink
         self.max_findings = max_findings  # stop searching once this many distinct findings are made

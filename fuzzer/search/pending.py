@@ -14,14 +14,15 @@ from strategies.case import Case, CaseError
 
 
 class Pending:
-    """`<dir>/<hash of target and signature>/`: case.json and finding.json of one finding, rewritten as it
-    shrinks."""
+    """`<dir>/<hash of target, injected bug and signature>/`: case.json and finding.json of one finding,
+    rewritten as it shrinks. A campaign takes back only its own kind's: same target, same injected bug (a
+    campaign of another mutant on the same target leaves them for their own campaign's next run)."""
 
-    def __init__(self, directory: Path, target: str) -> None:
-        self.dir, self.target = Path(directory), target
+    def __init__(self, directory: Path, target: str, inject: str | None = None) -> None:
+        self.dir, self.target, self.inject = Path(directory), target, inject
 
     def _path(self, signature: str) -> Path:
-        return self.dir / hashlib.sha1(f"{self.target}|{signature}".encode()).hexdigest()[:12]
+        return self.dir / hashlib.sha1(f"{self.target}|{self.inject or ''}|{signature}".encode()).hexdigest()[:12]
 
     def save(self, finding: Finding) -> Path:
         d = self._path(finding.signature)
@@ -39,7 +40,7 @@ class Pending:
                 case = Case.from_json((path.parent / "case.json").read_text())
             except (RecordError, CaseError, OSError, ValueError):
                 continue  # half-written when the campaign died
-            if record.target == self.target:
+            if record.target == self.target and (record.inject or None) == (self.inject or None):
                 found.append(Finding.from_record(record, case))
         return found
 

@@ -69,8 +69,10 @@ def test_padded_heads_mutant_is_found_on_flashmla(tmp_path):
 
     if _try_import("vllm.v1.attention.backends.mla.index_group") is None:
         pytest.skip("the mutant edits 0.33's head slicing; older releases slice differently")
+    # Single fresh steps (--max-steps 1): the head envelope needs no earlier step, and a step shrinks faster.
     r = attnfuzz("run", "--target", "vllm.flashmla_sparse", "--inject", "flashmla-padded-heads-out",
-                 "--max-examples", "20", "--max-findings", "1", "--reruns", "1", "--json", str(tmp_path / "s.json"), "--repros", str(tmp_path / "repros"))
+                 "--max-examples", "20", "--max-findings", "1", "--reruns", "1", "--max-steps", "1",
+                 "--json", str(tmp_path / "s.json"), "--repros", str(tmp_path / "repros"))
     assert r.returncode == 1, r.stdout + r.stderr
     (finding, *_) = json.loads((tmp_path / "s.json").read_text())["findings"]
     assert finding["bug_classes"] == ["J"]

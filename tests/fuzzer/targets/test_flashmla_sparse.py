@@ -136,7 +136,7 @@ def test_a_mutant_finding_gets_a_standalone_reproducer(tmp_path):
     from tests.conftest import attnfuzz
 
     run = attnfuzz("--device", "cpu", "run", "--target", "vllm.flashmla_sparse", "--inject", "flashmla-padded-heads-out",
-                   "--max-examples", "5", "--reruns", "0", "--quiet", "--repros", str(tmp_path / "repros"),
+                   "--max-examples", "5", "--reruns", "0", "--max-steps", "1", "--quiet", "--repros", str(tmp_path / "repros"),
                    "--json", str(tmp_path / "run.json"))
     if run.returncode == 2 and "not found in this vLLM" in run.stderr:
         pytest.skip("the mutant patches 0.33's padded-heads slice; this release has none to patch")

@@ -21,8 +21,9 @@ def test_a_stale_persistent_buffer_is_found_by_traces_and_not_by_single_steps(tm
     if _try_import("vllm.v1.attention.backends.mla.index_group") is None:
         pytest.skip("the mutant patches 0.33's sparse-MLA builder")
     run = ("run", "--target", "vllm.flashmla_sparse", "--inject", "flashmla-req-id-buffer-grow-only", "--seed", "1",
-           "--max-examples", "30", "--no-shrink", "--reruns", "0", "--db", str(tmp_path / "examples"))
-    r = attnfuzz(*run, "--max-findings", "1", "--json", str(tmp_path / "t.json"), "--repros", str(tmp_path / "repros"))
+           "--no-shrink", "--reruns", "0")
+    r = attnfuzz(*run, "--max-examples", "30", "--max-findings", "1", "--json", str(tmp_path / "t.json"), "--repros", str(tmp_path / "repros"),
+                 state=tmp_path / "state")
     assert r.returncode == 1, r.stdout + r.stderr
     (finding,) = _findings(tmp_path / "t.json")
     assert "H" in finding["bug_classes"] and "earlier step" in finding["summary"]
@@ -33,6 +34,8 @@ def test_a_stale_persistent_buffer_is_found_by_traces_and_not_by_single_steps(tm
     assert repro.returncode == 1, repro.stdout + repro.stderr
     assert "BUG:" in repro.stdout
     # The same campaign on single fresh steps: nothing to find.
-    r = attnfuzz(*run, "--max-steps", "1", "--json", str(tmp_path / "s.json"), "--repros", str(tmp_path / "single"))
+    r = attnfuzz(*run, "--max-examples", "20", "--max-steps", "1", "--json", str(tmp_path / "s.json"),
+                 "--repros", str(tmp_path / "single"),
+                 state=tmp_path / "state-single")
     assert r.returncode == 0, r.stdout + r.stderr
     assert _findings(tmp_path / "s.json") == []
