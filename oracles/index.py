@@ -75,7 +75,7 @@ def expected_remap(a: RemapArgs, any_owner: bool = False) -> torch.Tensor:
 @dataclass(frozen=True)
 class RemapMismatch:
     row: int
-    what: str  # "values", "count", "set", "layout", "owner"
+    what: str  # "values", "count", "set", "slot", "layout", "owner"
     detail: str
 
 
@@ -126,8 +126,9 @@ def compare_remap(
             missing = sorted(set(want) - set(got))[:4]
             extra = sorted(set(got) - set(want))[:4]
             foreign = _foreign(o_row[:n], want, blind)
-            bad.append(RemapMismatch(r, "owner" if foreign else "set",
-                                     f"valid prefix of {n} differs: missing {missing}, unexpected {extra}"
+            # A hole (-1) in the prefix is the compaction's fault; a slot no entry maps to, the address's.
+            what = "owner" if foreign else "slot" if any(x >= 0 for x in extra) else "set"
+            bad.append(RemapMismatch(r, what, f"valid prefix of {n} differs: missing {missing}, unexpected {extra}"
                                      + (" (other ranks' tokens)" if foreign else "")))
         elif (o_row[n:] != -1).any():
             j = n + int((o_row[n:] != -1).nonzero()[0])
@@ -194,6 +195,8 @@ def judge_remap(case, obs) -> list:
     blind = expected_remap(args, any_owner=True) if args.dcp_size > 1 else None
     for m in compare_remap(obs.outputs["out"], counts, expected, obs.notes.get("compacted", False), owner_blind=blind):
         kind = "token" if m.row < 0 else ("decode" if m.row < case.num_decode_tokens else "prefill")
+        # Counts, holes and what lies past the prefix are the valid-count contract's (B); wrong slots, as wrong
+        # values, the address's: the block table (C) or, under DCP, the rank's share (G).
         bug = {"count": "B", "set": "B", "layout": "B", "owner": "G"}.get(m.what, "C" if case.dcp.size == 1 else "G")
         verdicts.append(Verdict(m.what, False, f"row {m.row} ({kind}): {m.detail}", bug))
     if not verdicts:

@@ -60,8 +60,10 @@ def test_compare_remap_sees_each_kind_of_error():
     assert compare_remap(compacted, torch.tensor([3, 2]), exp, compacted=True)[0].what == "count"
     stray = compacted.clone(); stray[1, 3] = 9
     assert compare_remap(stray, counts, exp, compacted=True)[0].what == "layout"
-    swapped = compacted.clone(); swapped[0, 0] = 6
-    assert compare_remap(swapped, counts, exp, compacted=True)[0].what == "set"
+    swapped = compacted.clone(); swapped[0, 0] = 6  # a slot no entry maps to: the address is wrong
+    assert compare_remap(swapped, counts, exp, compacted=True)[0].what == "slot"
+    holed = compacted.clone(); holed[0, 0] = -1  # a hole in the valid prefix: the compaction is wrong
+    assert compare_remap(holed, counts, exp, compacted=True)[0].what == "set"
 
 
 def _row_is_as_specified(row: list[int], spec, visible: int, seq_len: int, table_tokens: int, width: int) -> None:
