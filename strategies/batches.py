@@ -499,7 +499,7 @@ def attention_cases(draw, p: Profile, f: AttentionFeatures, swarm: Swarm | None 
         return case
     # Drawn last: shrinking the earlier steps away leaves the case as it was.
     earlier = draw(earlier_steps(case, spec, swarm, 1 if dcp.interleave > 1 else MAX_DECODE_QUERY_LEN,
-                                 max_earlier=p.max_steps - 1))
+                                 max_earlier=p.max_steps - 1, max_tokens=p.max_tokens))
     return dataclasses.replace(case, earlier=earlier).validate() if earlier else case
 
 

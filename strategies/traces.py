@@ -34,8 +34,9 @@ def _cdiv(a: int, b: int) -> int:
 @st.composite
 def earlier_steps(draw, case: Case, spec: Callable[[Request], st.SearchStrategy[TopkSpec]],
                   swarm: Swarm | None = None, max_decode_query_len: int = MAX_DECODE_QUERY_LEN,
-                  max_earlier: int = MAX_EARLIER) -> tuple[Case, ...]:
-    """Up to `max_earlier` steps before `case`, oldest first; `spec` draws a request's TopkSpec as the case's do."""
+                  max_earlier: int = MAX_EARLIER, max_tokens: int = CHUNK) -> tuple[Case, ...]:
+    """Up to `max_earlier` steps before `case`, oldest first, each of at most `max_tokens` query tokens (the
+    profile's step size); `spec` draws a request's TopkSpec as the case's do."""
     kind = category(draw, swarm, "trace")
     if kind is None:  # the plain search: any length, shrinking to a single step
         n = draw(st.integers(0, max_earlier))
@@ -45,7 +46,8 @@ def earlier_steps(draw, case: Case, spec: Callable[[Request], st.SearchStrategy[
     steps: list[Case] = []
     later = case
     for k in range(n):
-        step = draw(step_before(later, spec, max_decode_query_len, seed=case.seed + 1_000_003 * (k + 1)))
+        step = draw(step_before(later, spec, max_decode_query_len, seed=case.seed + 1_000_003 * (k + 1),
+                                max_tokens=max_tokens))
         if step is None:
             break
         steps.insert(0, step)
@@ -54,37 +56,45 @@ def earlier_steps(draw, case: Case, spec: Callable[[Request], st.SearchStrategy[
 
 
 @st.composite
-def step_before(draw, later: Case, spec, max_decode_query_len: int, seed: int) -> Case | None:
-    """The step the engine ran before `later`; None when nothing of `later` could have run before it."""
+def step_before(draw, later: Case, spec, max_decode_query_len: int, seed: int, max_tokens: int = CHUNK) -> Case | None:
+    """The step the engine ran before `later`, of at most `max_tokens` query tokens; None when nothing of
+    `later` could have run before it."""
     virtual = later.block_size * later.dcp.size  # tokens one block id names (a block on every DCP rank)
     width = len(later.block_table[0])
-    q_dec = draw(st.integers(1, max_decode_query_len))  # this step's decode query length (1, or MTP 1 + k)
+    q_dec = draw(st.integers(1, max(1, min(max_decode_query_len, max_tokens))))  # decode query length (1, or MTP)
+    budget = max_tokens
     decodes, prefills = [], []  # (Request, block-table row)
     for r, req in enumerate(later.requests):
-        if not req.query_len or not req.context_len or draw(st.integers(0, 3)) == 0:
+        if not req.query_len or not req.context_len or budget < 1 or draw(st.integers(0, 3)) == 0:
             continue  # padding rows and fresh prefills were not in the step before; some requests arrive now
         row = later.block_table[later.table_row(r)]
-        if req.context_len >= q_dec and draw(st.booleans()):
+        if req.context_len >= q_dec and budget >= q_dec and draw(st.booleans()):
             decodes.append((Request(q_dec, req.context_len - q_dec), row))
+            budget -= q_dec
         else:  # the prefill chunk that wrote its last context tokens
-            q = draw(st.integers(1, min(req.context_len, CHUNK)))
+            q = draw(st.integers(1, min(req.context_len, CHUNK, budget)))
             prefills.append((Request(q, req.context_len - q), row))
+            budget -= q
     # Requests that finished since: their blocks are free now, and `later`'s requests may hold them for the
     # tokens they write (a block that is context in `later` was not free in between).
     context = {later.block_table[later.table_row(r)][p // virtual]
                for r, req in enumerate(later.requests) for p in range(0, req.context_len, virtual)}
     used = sorted({b for row in later.block_table for b in row if b} - context)
     for _ in range(draw(st.integers(0 if decodes or prefills else 1, 2))):
+        if budget < 1:
+            break
         blocks = draw(st.integers(1, min(width, 4)))
         reuse = draw(st.booleans()) and len(used) >= blocks
         ids = draw(st.permutations(used))[:blocks] if reuse else [later.num_blocks + 1 + i for i in range(blocks)]
         seq = draw(st.integers(1, blocks * virtual))
         row = tuple(ids) + (0,) * (width - blocks)
-        if seq > q_dec and draw(st.booleans()):
+        if seq > q_dec and budget >= q_dec and draw(st.booleans()):
             decodes.append((Request(q_dec, seq - q_dec), row))
+            budget -= q_dec
         else:
-            q = draw(st.integers(1, min(seq, CHUNK)))
+            q = draw(st.integers(1, min(seq, CHUNK, budget)))
             prefills.append((Request(q, seq - q), row))
+            budget -= q
     batch = decodes + prefills
     if not batch:
         return None

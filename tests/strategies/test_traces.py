@@ -55,6 +55,7 @@ def test_drawn_traces_are_valid_cases_of_one_engine(case):
     for step in case.earlier:
         assert all(getattr(step, f) == getattr(case, f) for f in ENGINE_FIELDS)
         assert not step.earlier
+        assert step.num_tokens <= PROFILES["cpu"].for_attention().max_tokens  # the profile's step size
     # Every context slot a step reads was written by it or by an earlier step.
     done = set()
     for step in case.steps:
