@@ -23,6 +23,7 @@ from strategies.case import (
     FP8_SCALES,
     INVALID_AT,
     MAX_DECODE_QUERY_LEN,
+    TOPK_PICKS,
     VALUE_KINDS,
     Case,
     Dcp,
@@ -59,7 +60,7 @@ def _domains(names, **values) -> dict[str, tuple[str, ...]]:
 
 _REQUEST_KNOBS = ("decodes", "decode_query_len", "decode_context", "padding_rows", "prefills", "prefill_len", "prefill_context",
                   "block_edge", "table_layout", "table_last_column", "block_size", "topk_width", "topk_valid",
-                  "invalid_at", "past_table")
+                  "invalid_at", "topk_pick", "past_table")
 
 
 @dataclass(frozen=True)
@@ -228,6 +229,7 @@ def topk_specs(width: int) -> st.SearchStrategy[TopkSpec]:
         invalid_at=st.sampled_from(INVALID_AT),
         past_seq=st.integers(0, 3),
         past_table=st.integers(0, 3),
+        pick=st.sampled_from(TOPK_PICKS),
     )
 
 
@@ -242,7 +244,8 @@ def swarm_topk_specs(draw, width: int, swarm: Swarm, past_seq: bool, past_table:
     invalid_at = category(draw, swarm, "invalid_at")
     seq = draw(st.integers(1, 3)) if past_seq and category(draw, swarm, "past_seq") == "some" else 0
     table = draw(st.integers(1, past_table)) if past_table and category(draw, swarm, "past_table") == "some" else 0
-    return TopkSpec(valid, invalid_at, seq, table)
+    pick = category(draw, swarm, "topk_pick")
+    return TopkSpec(valid, invalid_at, seq, table, pick)
 
 
 def _interleaves(block_size: int) -> list[int]:
@@ -411,7 +414,7 @@ def attention_dcp_splits(draw, p: Profile, block_size: int, heads: int, max_gath
 def attention_topk_specs(width: int) -> st.SearchStrategy[TopkSpec]:
     # The indexer only emits positions < seq_len: no `past_seq` (its slots hold other data by design).
     return st.builds(TopkSpec, valid=st.integers(0, width), invalid_at=st.sampled_from(INVALID_AT),
-                     past_table=st.integers(0, 2))
+                     past_table=st.integers(0, 2), pick=st.sampled_from(TOPK_PICKS))
 
 
 @functools.lru_cache(maxsize=None)

@@ -24,6 +24,9 @@ KV_CACHE_DTYPES = ("bfloat16", "fp8_ds_mla")
 FP8_SCALES = ("pow2", "arbitrary", "e8m0_trunc")  # writer/reader scale conventions (bug class K)
 VALUE_KINDS = ("normal", "large", "tiny", "zero_tiles")
 INVALID_AT = ("tail", "head", "scattered", "leading_tiles")
+# Which visible positions a row's valid entries are: any (spread), or the newest ones, as an indexer that
+# favours the local window picks them (recent: every row then selects the last slots of its block table).
+TOPK_PICKS = ("spread", "recent")
 TOKEN_ROWS = ("all", "decodes")  # which rows of topk_indices the call site passes
 REQ_ID_ROWS = ("match", "full_batch")  # req_id_per_token sliced like topk_indices, or the whole batch's
 MAX_DECODE_QUERY_LEN = 4  # uniform decodes incl. MTP (1 + up to 3 draft tokens)
@@ -51,6 +54,7 @@ class TopkSpec:
     invalid_at: str = "tail"  # where the -1 entries sit: tail, head, scattered, or whole leading 16-wide tiles
     past_seq: int = 0  # entries >= seq_len whose block is still inside the block table
     past_table: int = 0  # entries whose block lies beyond the block table's width
+    pick: str = "spread"  # which visible positions the valid entries are (TOPK_PICKS)
 
 
 @dataclass(frozen=True)
@@ -197,6 +201,7 @@ class Case:
                 v = getattr(t, name)
                 _check(0 <= v <= self.topk_width, f"topk[{i}].{name}", f"must be in [0, topk_width], got {v}")
             _check(t.invalid_at in INVALID_AT, f"topk[{i}].invalid_at", f"one of {INVALID_AT}, got {t.invalid_at!r}")
+            _check(t.pick in TOPK_PICKS, f"topk[{i}].pick", f"one of {TOPK_PICKS}, got {t.pick!r}")
         d = self.dcp
         _check(1 <= d.size <= 64, "dcp.size", f"must be in [1, 64], got {d.size}")
         _check(0 <= d.rank < d.size, "dcp.rank", f"must be in [0, {d.size}), got {d.rank}")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from hypothesis import strategies as st
 
-from strategies.case import FP8_SCALES, INVALID_AT, VALUE_KINDS, Case
+from strategies.case import FP8_SCALES, INVALID_AT, TOPK_PICKS, VALUE_KINDS, Case
 
 TILE_EDGE_WIDTH = 4224  # top-k widths from here up are the `tile_edge` category (Profile.edge_topk_widths)
 
@@ -56,6 +56,7 @@ KNOBS = _knobs(
     Knob("topk_valid", ("zero", "one", "partial", "minus_one", "full"),
          "valid entries a row asks for: 0, 1, some, topk - 1, topk"),
     Knob("invalid_at", INVALID_AT, "where a row's -1 entries sit"),
+    Knob("topk_pick", TOPK_PICKS, "which visible positions a row selects: any, or the newest (its last slots)"),
     Knob("past_seq", ("none", "some"), "entries past seq_len whose block is still in the table"),
     Knob("past_table", ("none", "some"), "entries whose block lies past the block table"),
     Knob("dcp", (), "DCP world size (values: the profile's)"),
@@ -141,6 +142,7 @@ def case_features(case: Case, domains: dict[str, tuple[str, ...]], max_context: 
         "topk_width": {"tile_edge" if case.topk_width >= TILE_EDGE_WIDTH else str(case.topk_width)},
         "topk_valid": {valid_category(t.valid, case.topk_width) for t in case.topk},
         "invalid_at": {t.invalid_at for t in case.topk},
+        "topk_pick": {t.pick for t in case.topk},
         "past_seq": {"some" if any(t.past_seq for t in case.topk) else "none"},
         "past_table": {"some" if any(t.past_table for t in case.topk) else "none"},
         "dcp": {str(case.dcp.size)},

@@ -34,7 +34,8 @@ def _topk_indices(case: Case, table_tokens: int, g: torch.Generator) -> torch.Te
     """int64 [num_tokens, topk_width], every query row at once. A row of request r holds `valid` distinct
     visible positions (capped by what is visible and by the width), then `past_seq` entries past the sequence
     but inside the block table, then `past_table` entries just past the block table (the last one far past it,
-    a wrapped/garbage index), truncated to the width; the rest are -1, placed as `invalid_at` says.
+    a wrapped/garbage index), truncated to the width; the rest are -1, placed as `invalid_at` says. The valid
+    positions are a random choice of the visible ones, or (pick "recent") the newest.
 
     Only the random permutations are drawn row by row: torch has no batched randperm, and a randperm per row
     (a shuffle in C, O(visible)) costs less on a CPU than top-k or a sort over random keys for every visible
@@ -70,6 +71,9 @@ def _topk_indices(case: Case, table_tokens: int, g: torch.Generator) -> torch.Te
                      + [torch.zeros(k, dtype=torch.int64)])
     m = torch.arange(k)
     valid = flat.take((permuted.cumsum(0) - permuted)[:, None] + m)
+    # recent: the newest n_valid visible positions, newest first (the last slots of the row's sequence).
+    recent = per_token([s.pick == "recent" for s in specs]).bool()
+    valid = torch.where(recent[:, None], (visible[:, None] - 1 - m).clamp(min=0), valid)
     topk.scatter_(1, torch.where(m < n_valid[:, None], lead[:, None] + m, width), valid)
     # Then past_seq entries (past the sequence, inside the block table), then past_table ones (just past the
     # table; the last of several far past it: a wrapped/garbage index).

@@ -27,6 +27,7 @@ def test_json_round_trip():
     ({"topk_width": 100}, "case.topk_width"),
     ({"bogus": 1}, "case.bogus: unknown field"),
     ({"topk": [{"valid": "x"}, {"valid": 1}]}, "case.topk[0].valid"),
+    ({"topk": [{"valid": 1}, {"valid": 1, "pick": "oldest"}]}, "case.topk[1].pick"),
     ({"block_table": [[1], [2, 3]]}, "case.block_table[1]"),
     ({"kv_cache_dtype": "fp4"}, "case.kv_cache_dtype"),
     ({"num_decodes": 3}, "case.num_decodes"),
@@ -74,3 +75,13 @@ def test_padded_tokens_follow_the_runners_rule():
     for wrong in (3, 2):
         with pytest.raises(CaseError, match="padded_tokens.*4 here"):
             Case(**base, padded_tokens=wrong).validate()
+
+
+def test_recent_rows_select_the_newest_visible_positions():
+    """pick=recent: each query row's valid entries are the newest positions it sees (the end of its last block)."""
+    from strategies.tensors import materialize_index_inputs
+
+    c = small_case(topk=(TopkSpec(3, pick="recent"), TopkSpec(2, pick="recent")))
+    rows = materialize_index_inputs(c).topk_indices
+    assert rows[0, :3].tolist() == [10, 9, 8]  # the decode at position 10 (context 10)
+    assert [r[:2].tolist() for r in rows[1:]] == [[0, -1], [1, 0], [2, 1], [3, 2], [4, 3]]  # causal: row i sees 0..i
