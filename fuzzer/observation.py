@@ -23,6 +23,7 @@ class Notes(TypedDict, total=False):
     paths: list[str]  # vLLM's paths the case took (fuzzer/targets/probes.py)
     layer_routes: dict[str, Any]  # what this release's forward_impl offers a sparse impl
     padded_tokens: int  # CUDA-graph padding tokens the case carried (their rows are not judged)
+    cudagraph: dict[str, Any]  # a full-graph engine's captured sizes, the tokens a step replayed, emulated or not
     shims: tuple[str, ...]  # CPU shims and interpreter corrections in force
     allocator_poisoned: bool  # the caching allocator's free memory was poisoned before the call
     traceback: str  # where the code under test raised

@@ -5,6 +5,8 @@ its earlier steps wrote), with what the target observed of it (`Observation.step
 failures are reported with the step named; its passes are not repeated. The last step of a trace is run a
 second time on the same metadata and buffers (`out_again`): FlashMLA's sparse kernels are deterministic, so
 any other bits mean nondeterminism or state the first call left behind (what a CUDA-graph replay would read).
+A step a full-graph engine replayed is also run eagerly on the same metadata (`out_eager`): the replay must
+give the same bits (the same kernels on the same inputs), or it read tensors the step no longer fills.
 """
 
 from __future__ import annotations
@@ -21,12 +23,12 @@ def judge_steps(judge: Callable[..., list[Verdict]]) -> Callable[..., list[Verdi
     def judged(case, obs) -> list[Verdict]:
         observed = [*obs.steps, obs]
         if len(observed) == 1 and not case.earlier:
-            return judge(case, obs)
+            return judge(case, obs) + graph_verdicts(obs)
         steps = case.steps[: len(observed)]
         verdicts: list[Verdict] = []
         for k, (step, o) in enumerate(zip(steps, observed)):
             last = k == len(steps) - 1
-            for v in judge(step, o):
+            for v in judge(step, o) + graph_verdicts(o):
                 if last or not v.ok:
                     verdicts.append(dataclasses.replace(v, detail=f"step {k + 1} of {len(case.steps)}: {v.detail}",
                                                         step=k + 1))
@@ -35,6 +37,20 @@ def judge_steps(judge: Callable[..., list[Verdict]]) -> Callable[..., list[Verdi
     judged.__doc__ = f"{judge.__name__} on every step of a trace, and the last step's rerun"
     judged.__name__ = judge.__name__
     return judged
+
+
+def graph_verdicts(obs) -> list[Verdict]:
+    eager, out = obs.outputs.get("out_eager"), obs.outputs.get("out")
+    if eager is None or out is None:
+        return []
+    eager = eager[: out.shape[0]]
+    if eager.shape == out.shape and torch.equal(_bits(eager), _bits(out)):
+        return [Verdict("graph", True, "the step replayed from its CUDA graph gave the bits of the step run eagerly")]
+    n = out.shape[0]
+    rows = (_bits(eager).view(n, -1) != _bits(out).view(n, -1)).any(dim=1).nonzero().flatten() if n else []
+    return [Verdict("graph", False, f"the step replayed from its captured CUDA graph differs from the same step run "
+                    f"eagerly on the same metadata in {len(rows)} of {n} rows (first row {int(rows[0]) if len(rows) else '-'}): "
+                    "the replay read tensors the step's metadata no longer fills", "M", where="graph")]
 
 
 def rerun_verdicts(obs) -> list[Verdict]:

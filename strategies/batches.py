@@ -20,6 +20,7 @@ from typing import Callable
 from hypothesis import strategies as st
 
 from strategies.case import (
+    CUDAGRAPH_MODES,
     FP8_SCALES,
     INVALID_AT,
     MAX_DECODE_QUERY_LEN,
@@ -389,6 +390,8 @@ class AttentionFeatures:
     # Cases may be traces: steps one engine ran before them (strategies.traces), for targets that keep their
     # builder, impl, cache and buffers across steps as vLLM's model runner does.
     traces: bool = False
+    # The engine may run full CUDA graphs (Case.cudagraph): targets that capture and replay decode steps.
+    cudagraphs: bool = False
 
 
 TOTAL_HEADS = 128  # DeepSeek-V3.2's attention heads: heads per rank are 128 / TP
@@ -439,6 +442,8 @@ def attention_knobs(p: Profile, f: AttentionFeatures) -> dict[str, tuple[str, ..
         names.append("block_stride")
     if f.traces and p.max_steps > 1:
         names.append("trace")
+    if f.cudagraphs:
+        names.append("cudagraph")
     domains = dict(block_size=map(str, f.block_sizes or p.block_sizes), topk_width=map(str, p.topk_widths),
                    heads=map(str, _attention_heads(p, f, False)), kv_cache_dtype=f.kv_cache_dtypes)
     if f.dcp:
@@ -497,6 +502,7 @@ def attention_cases(draw, p: Profile, f: AttentionFeatures, swarm: Swarm | None 
         values=_sampled(draw, swarm, "values", VALUE_KINDS),
         seed=draw(st.integers(0, 2**16)),
         padded_tokens=_graph_padding(reqs, num_decodes) if f.cudagraph_padding else 0,
+        cudagraph=_sampled(draw, swarm, "cudagraph", CUDAGRAPH_MODES) if f.cudagraphs else "none",
     ).validate()
     if not f.traces or p.max_steps < 2:
         return case

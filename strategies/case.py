@@ -27,6 +27,7 @@ INVALID_AT = ("tail", "head", "scattered", "leading_tiles")
 # Which visible positions a row's valid entries are: any (spread), or the newest ones, as an indexer that
 # favours the local window picks them (recent: every row then selects the last slots of its block table).
 TOPK_PICKS = ("spread", "recent")
+CUDAGRAPH_MODES = ("none", "full")  # vLLM's CUDAGraphMode for the attention: NONE (eager) or FULL
 TOKEN_ROWS = ("all", "decodes")  # which rows of topk_indices the call site passes
 REQ_ID_ROWS = ("match", "full_batch")  # req_id_per_token sliced like topk_indices, or the whole batch's
 MAX_DECODE_QUERY_LEN = 4  # uniform decodes incl. MTP (1 + up to 3 draft tokens)
@@ -100,6 +101,9 @@ class Case:
     # counts them in num_actual_tokens, gives them slot -1 and its indexer no valid index.
     padded_tokens: int = 0
     earlier: tuple["Case", ...] = ()  # steps the same engine ran before this one, oldest first (a trace)
+    # The engine's CUDA-graph mode (vLLM's CUDAGraphMode): "full" captures the decode forward at start-up and
+    # replays it for every uniform decode step (`replays_graph`); other steps run eagerly.
+    cudagraph: str = "none"
     schema: int = SCHEMA
 
     # -- derived ---------------------------------------------------------------------------------------
@@ -134,6 +138,14 @@ class Case:
         """Blocks of the KV cache the whole trace uses (the cache is allocated once for every step)."""
         return max(c.num_blocks for c in (*self.earlier, self))
 
+    @property
+    def replays_graph(self) -> bool:
+        """Whether a full-graph engine replays this step: a uniform decode batch (every request with tokens a
+        decode of one query length, padding rows after them), which vLLM's dispatcher sends to a FULL graph for
+        a builder of UNIFORM_BATCH support; the graph's size is num_actual_tokens."""
+        return (self.cudagraph == "full" and self.num_decodes == len(self.requests) and self.num_tokens > 0
+                and len({r.query_len for r in self.requests if r.query_len}) == 1)
+
     def token_start(self, req: int) -> int:
         """Index of request `req`'s first query token in the batch."""
         return sum(r.query_len for r in self.requests[:req])
@@ -154,6 +166,8 @@ class Case:
             extra.append(f"call={_nondefault(self.call)}")
         if self.padded_tokens:
             extra.append(f"padded_tokens={self.padded_tokens}")
+        if self.cudagraph != "none":
+            extra.append(f"cudagraph={self.cudagraph}{' (replayed)' if self.replays_graph else ''}")
         if self.earlier:
             extra.append(f"after {len(self.earlier)} earlier step(s) of {'/'.join(str(e.num_tokens) for e in self.earlier)} tokens")
         return f"[{reqs}] topk={self.topk_width} block={self.block_size} {' '.join(extra)}".strip()
@@ -217,6 +231,10 @@ class Case:
         _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         _check(self.fp8_scale in FP8_SCALES, "fp8_scale", f"one of {FP8_SCALES}, got {self.fp8_scale!r}")
         _check(self.values in VALUE_KINDS, "values", f"one of {VALUE_KINDS}, got {self.values!r}")
+        _check(self.cudagraph in CUDAGRAPH_MODES, "cudagraph", f"one of {CUDAGRAPH_MODES}, got {self.cudagraph!r}")
+        if self.cudagraph == "full":  # the runner's block table has one width for the engine's life
+            width = {len(row) for s in (*self.earlier, self) for row in s.block_table}
+            _check(len(width) <= 1, "block_table", f"a full-graph engine's steps share one table width, got {sorted(width)}")
         if self.padded_tokens:
             pads = [i for i, r in enumerate(self.requests) if r.query_len == 0]
             want = len(pads) * max(dq, default=0)
@@ -257,7 +275,7 @@ class Case:
 
 # What one engine fixes for the life of a trace: every step shares them.
 ENGINE_FIELDS = ("block_size", "block_stride_rows", "topk_width", "heads", "kv_cache_dtype", "fp8_scale", "values",
-                 "dcp", "call")
+                 "dcp", "call", "cudagraph")
 
 
 def rank_owned_positions(seq_len: int, dcp_size: int, rank: int, interleave: int) -> int:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from hypothesis import strategies as st
 
-from strategies.case import FP8_SCALES, INVALID_AT, TOPK_PICKS, VALUE_KINDS, Case
+from strategies.case import CUDAGRAPH_MODES, FP8_SCALES, INVALID_AT, TOPK_PICKS, VALUE_KINDS, Case
 
 TILE_EDGE_WIDTH = 4224  # top-k widths from here up are the `tile_edge` category (Profile.edge_topk_widths)
 
@@ -70,6 +70,7 @@ KNOBS = _knobs(
     Knob("kv_cache_dtype", (), "kv-cache dtype (values: the target's)"),
     Knob("fp8_scale", FP8_SCALES, "fp8_ds_mla scale convention"),
     Knob("values", VALUE_KINDS, "what the cache and queries hold"),
+    Knob("cudagraph", CUDAGRAPH_MODES, "the engine replays uniform decode steps from full CUDA graphs (or runs eagerly)"),
     Knob("trace", ("single", "short", "long"),
          "steps one engine ran before the case: none, one, or two to three (strategies.traces)"),
 )
@@ -153,6 +154,7 @@ def case_features(case: Case, domains: dict[str, tuple[str, ...]], max_context: 
         "heads": {str(case.heads)},
         "kv_cache_dtype": {case.kv_cache_dtype},
         "values": {case.values},
+        "cudagraph": {case.cudagraph},
         "trace": {"single" if not case.earlier else "short" if len(case.earlier) == 1 else "long"},
     }
     if decodes:

@@ -32,6 +32,7 @@ MUTANTS: dict[str, str] = {
     "flashmla-fp8-uncompacted-topk-length": "fuzzer.mutants.flashmla_fp8_uncompacted_topk_length",
     "remap-full-batch-req-id-fp8-separate": "fuzzer.mutants.remap_full_batch_req_id_fp8_separate",
     "flashmla-req-id-buffer-grow-only": "fuzzer.mutants.flashmla_req_id_buffer_grow_only",
+    "flashmla-graph-block-table-copied": "fuzzer.mutants.flashmla_graph_block_table_copied",
 }
 
 

@@ -17,10 +17,12 @@ import torch
 
 from fuzzer.env import STATE_DIR
 from fuzzer.repro_spec import Judge, ReproSpec
+from fuzzer.support.cudagraphs import EMULATED as EMULATED_GRAPHS
 from fuzzer.support.flashmla_runtime import (
     BACKEND_MODULE,
     FP8_ENTRY_BYTES,
     LAYER,
+    MAX_MODEL_LEN,
     _try_import,
     configure,
     cpu_shims,
@@ -42,6 +44,7 @@ from fuzzer.targets.harness import (
     REPRO_CPU_PREPARE,
     REPRO_CPU_SUPPORT,
     REPRO_METADATA,
+    DecodeGraphs,
     cache_writer,
     common_attn_metadata,
     fill_topk,
@@ -91,6 +94,7 @@ class StepContext:
     guards: Guards
     first: bool  # the trace's first step (the engine is built in it)
     rerun: bool  # run the step a second time on the same metadata (the determinism check)
+    graphs: DecodeGraphs | None = None  # a full-graph engine's runner buffers and captured graphs
     overruns: list = field(default_factory=list)
     notes: dict = field(default_factory=dict)
 
@@ -142,7 +146,7 @@ class FlashMLASparse(Target):
         # Releases before flat_kv_row_view (0.26 and older) view the cache as contiguous rows.
         return attention_space(profile, AttentionFeatures(kv_cache_dtypes=self.kv_cache_dtypes, block_sizes=(64, 128),
                                                           block_stride_rows=remap_api().has_block_stride_rows,
-                                                          cudagraph_padding=True, traces=True))
+                                                          cudagraph_padding=True, traces=True, cudagraphs=True))
 
     def step(self, case, device, guards=None):
         """Inputs, poisoned cache, top-k buffer, new-token slots for `case` on `device`."""
@@ -190,6 +194,7 @@ class FlashMLASparse(Target):
         spec = MLAAttentionSpec(block_size=case.block_size, num_kv_heads=1, head_size=HEAD_SIZE, dtype=torch.bfloat16,
                                 cache_dtype_str=case.kv_cache_dtype)
         engine: dict = {}  # what the runner keeps across steps: built in the first step's call
+        graphs = DecodeGraphs(case, dev, MAX_MODEL_LEN) if case.cudagraph == "full" else None
         observed = []
         steps = case.steps
         for k, step in enumerate(steps):
@@ -198,7 +203,7 @@ class FlashMLASparse(Target):
             fill_topk(topk_buffer, step, inp.index)
             written = written_slots(step).to(dev)
             ctx = StepContext(engine, cfg, spec, cache, topk_buffer, guards, first=k == 0,
-                              rerun=bool(case.earlier) and k == len(steps) - 1)
+                              rerun=bool(case.earlier) and k == len(steps) - 1, graphs=graphs)
             before: list = []
 
             def call(step=step, inputs=inputs, inp=inp, written=written, before=before, ctx=ctx):
@@ -212,6 +217,8 @@ class FlashMLASparse(Target):
             obs = self.finish(observe_paths(self.observe, call), step, step_slots(inp, dev), cache, before,
                               write_emulated, ctx.overruns, guards)
             obs.notes.update(ctx.notes)
+            if graphs is not None and graphs.emulated:
+                obs.emulated = (*obs.emulated, EMULATED_GRAPHS)
             observed.append(obs)
             if obs.error_type or obs.memory or obs.notes.get("guard"):
                 break
@@ -225,7 +232,9 @@ class FlashMLASparse(Target):
         return materialize_attention_inputs(step, self.device)
 
     def mqa_step(self, ctx: "StepContext", step, inp):
-        """One step through FlashMLASparseImpl.forward_mqa (every token), on the engine's builder and impl."""
+        """One step through FlashMLASparseImpl.forward_mqa (every token), on the engine's builder and impl; in a
+        full-graph engine a uniform decode step is replayed from the graph captured at start-up, and run
+        eagerly on the same metadata too (`out_eager`)."""
         dev, engine = self.device, ctx.engine
         if not engine:
             backend = importlib.import_module(BACKEND_MODULE).FlashMLASparseBackend
@@ -236,17 +245,33 @@ class FlashMLASparse(Target):
                 **impl_topk_kwargs(backend.get_impl_cls(), ctx.topk_buffer), q_lora_rank=None,
                 kv_lora_rank=KV_LORA_RANK, qk_nope_head_dim=128, qk_rope_head_dim=ROPE_DIM, qk_head_dim=128 + ROPE_DIM,
                 v_head_dim=128, kv_b_proj=None)
-        impl = engine["impl"]
-        metadata = engine["builder"].build(0, common_attn_metadata(step, inp.index, dev))
+        impl, builder = engine["impl"], engine["builder"]
+
+        def forward(q, metadata):  # (ql_nope, q_pe), as the layer passes it
+            out, lse = impl.forward_mqa((q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:]), ctx.cache, metadata, None)
+            return {"out": out, "lse": lse}
+
+        graphs = ctx.graphs
+        if graphs is not None and ctx.first and graphs.sizes:  # the runner captures before its first step
+            graphs.capture(builder, forward, (step.heads, HEAD_SIZE), inp.q.dtype, ctx.topk_buffer)
+            ctx.notes["cudagraph"] = {"captured": [list(s) for s in graphs.sizes], "emulated": graphs.emulated}
+        cam = graphs.stage(step, inp.index) if graphs is not None else common_attn_metadata(step, inp.index, dev)
+        metadata = builder.build(0, cam)
         q = with_padded_tokens(step, inp.q)
-        q = (q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:])  # (ql_nope, q_pe), as the layer passes it
         check_overrun = guard_index_group(impl, poison=ctx.first)
-        out, lse = impl.forward_mqa(q, ctx.cache, metadata, None)
+        if step.replays_graph:
+            outputs = graphs.replay(step, q)
+            ctx.overruns.extend(check_overrun(step.num_actual_tokens))
+            outputs["out_eager"] = forward(q, metadata)["out"]  # the same step, eagerly: the bits a replay must give
+            if ctx.rerun:
+                outputs["out_again"] = graphs.replay(step, q)["out"]
+            ctx.notes.setdefault("cudagraph", {"emulated": graphs.emulated})["replayed"] = step.num_actual_tokens
+            return outputs
+        outputs = forward(q, metadata)
         ctx.overruns.extend(check_overrun(step.num_actual_tokens))
-        outputs = {"out": out, "lse": lse}
         if ctx.rerun:  # the same step again, on the same metadata and buffers
-            outputs["out"] = out.clone()
-            outputs["out_again"] = impl.forward_mqa(q, ctx.cache, metadata, None)[0]
+            outputs["out"] = outputs["out"].clone()
+            outputs["out_again"] = forward(q, metadata)["out"]
         return outputs
 
     def finish(self, obs, case, slots, cache, before, write_emulated, overruns, guards):
@@ -276,7 +301,7 @@ def flashmla_repro(target, finding, layer: bool) -> ReproSpec:
     buffer, the metadata's inputs, for the layer kv_b_proj's weight and the new tokens' latents), the call the
     target makes on it (`forward_mqa`, or the layer's `forward_impl`), judged against the fp32 reference."""
 
-    if finding.case.earlier:
+    if finding.case.earlier or finding.case.cudagraph == "full":
         return flashmla_trace_repro(target, finding, layer)
     case, dev = finding.case, finding.host.device
     cpu = dev == "cpu"
@@ -355,6 +380,8 @@ def flashmla_trace_repro(target, finding, layer: bool) -> ReproSpec:
         tensors.update({f"s{k}.{name}": t for name, t in step_t.items()})
         constants.append({name: value for name, value in repro_constants(step).items()
                           if name in ("NUM_REQS", "NUM_TOKENS", "MAX_QUERY_LEN", "MAX_SEQ_LEN")})
+        if case.cudagraph == "full":
+            constants[-1]["REPLAY"] = step.replays_graph
     last = steps[-1]
     inputs = target.step_inputs(last)
     inp = getattr(inputs, "attention", inputs)
@@ -371,25 +398,33 @@ def flashmla_trace_repro(target, finding, layer: bool) -> ReproSpec:
         expected = reference_for(last, inp, dev, slot_values)[0]
         atol, rtol = attention_tolerance(last, inp)
     tensors["expected_out"] = expected
+    graphs = DecodeGraphs(case, dev, MAX_MODEL_LEN) if case.cudagraph == "full" and not layer else None
+    graph_constants = dict(GRAPH_SIZES=[list(s) for s in graphs.sizes], MAX_REQS=graphs.buffers.seq_lens.shape[0],
+                           TABLE_WIDTH=len(case.block_table[0])) if graphs else {}
     return ReproSpec(
         about=f"Shrunk trace of {len(case.steps)} steps, run here up to step {failing}, whose output is judged: "
               + "; ".join(f"step {k}: {s.summary()}" for k, s in enumerate(steps, start=1))
               + f".\n{case.heads} heads, kv_cache_dtype {case.kv_cache_dtype}, values {case.values}. One builder and "
               + ("one layer" if layer else "one impl") + " run every step, on one cache and one top-k buffer, as vLLM's "
-              "model runner keeps them.\nInputs per step in tensors.safetensors beside this file; the expected output "
+              "model runner keeps them." + (" The engine runs full CUDA graphs: captured at start-up from dummy decode "
+                                           "batches, replayed for every uniform decode step (REPLAY)." if graphs else "")
+              + "\nInputs per step in tensors.safetensors beside this file; the expected output "
               "is attnfuzz's " + ("fp32 oracle (after W_UV)." if layer else "fp32 oracle (latent, 512 wide)."),
         imports=("import dataclasses", "import tempfile", "from types import SimpleNamespace"),
         constants=dict(BLOCK_SIZE=case.block_size, BLOCK_STRIDE_ROWS=case.stride_rows, NUM_BLOCKS=case.pool_blocks,
-                       FP8_POISON=case.kv_cache_dtype == "fp8_ds_mla", TOPK_ROWS=max(s.num_actual_tokens for s in steps) + 8, STEPS=constants,
-                       ATOL=atol, RTOL=rtol),
+                       FP8_POISON=case.kv_cache_dtype == "fp8_ds_mla", TOPK_ROWS=max(s.num_actual_tokens for s in case.steps) + 8,
+                       **graph_constants, STEPS=constants, ATOL=atol, RTOL=rtol),
         tensors=tensors,
-        support={"runtime": "fuzzer.support.flashmla_runtime", **(REPRO_CPU_SUPPORT if cpu else {})},
+        support={"runtime": "fuzzer.support.flashmla_runtime", **({"cudagraphs": "fuzzer.support.cudagraphs"} if graphs else {}),
+                 **(REPRO_CPU_SUPPORT if cpu else {})},
         prepare=(REPRO_CPU_PREPARE + "runtime.cpu_shims()  # no streams on a CPU\n" if cpu else "")
         + ("emulated = tuple(dict.fromkeys(runtime.install_standins(DEVICE) + runtime.install_layer_standins(DEVICE)))\n" if layer
            else "emulated = runtime.install_standins(DEVICE)\n"),
         setup=REPRO_SETUP + repro_case(case) + _TRACE_CONFIG + ("route = {}\n" if layer else ""),
         call=_TRACE_CALL.format(engine=_TRACE_LAYER_ENGINE if layer else _TRACE_MQA_ENGINE,
-                                forward=_TRACE_LAYER_FORWARD if layer else _TRACE_MQA_FORWARD),
+                                capture=_GRAPH_CAPTURE if graphs else "",
+                                metadata=_GRAPH_METADATA if graphs else _TRACE_METADATA,
+                                forward=_TRACE_LAYER_FORWARD if layer else _GRAPH_FORWARD if graphs else _TRACE_MQA_FORWARD),
         judge=Judge("attention", dict(out="out", expected='T["expected_out"]', cache="cache", before="before",
                                       atol="ATOL", rtol="RTOL")),
         report=('print("routes of the last step:", route, "| stand-ins for ops this host lacks:", ", ".join(emulated) or "none")\n'
@@ -413,7 +448,7 @@ fields = {f.name for f in dataclasses.fields(CommonAttentionMetadata)}
 _TRACE_CALL = """\
 with set_current_vllm_config(cfg), torch.inference_mode():
 {engine}    builder = Backend.get_builder_cls()(spec, [runtime.LAYER], cfg, torch.device(DEVICE))
-    for k, step in enumerate(STEPS, start=1):
+{capture}    for k, step in enumerate(STEPS, start=1):
         S = {{name.split(".", 1)[1]: t for name, t in T.items() if name.startswith(f"s{{k}}.")}}
         # The layer's cache write: this step's rows, as vLLM's cache writer wrote them.
         slots = S["written_slots"]
@@ -423,14 +458,55 @@ with set_current_vllm_config(cfg), torch.inference_mode():
         topk_indices_buffer[:n] = S["topk_indices"]
         topk_indices_buffer[n : step["NUM_TOKENS"]] = -1
         before = cache.clone()
-        cam = CommonAttentionMetadata(**{{name: v for name, v in dict(
+{metadata}        metadata = builder.build(0, cam)
+{forward}"""
+
+_TRACE_METADATA = """\
+        cam = CommonAttentionMetadata(**{name: v for name, v in dict(
             query_start_loc=S["query_start_loc"], query_start_loc_cpu=S["query_start_loc"].cpu(),
             seq_lens=S["seq_lens"], seq_lens_cpu=S["seq_lens"].cpu(), seq_lens_cpu_upper_bound=S["seq_lens"].cpu(),
             num_computed_tokens_cpu=S["num_computed_tokens"].cpu(), num_reqs=step["NUM_REQS"],
             num_actual_tokens=step["NUM_TOKENS"], max_query_len=step["MAX_QUERY_LEN"], max_seq_len=step["MAX_SEQ_LEN"],
-            block_table_tensor=S["block_table"], slot_mapping=S["slot_mapping"]).items() if name in fields}})
-        metadata = builder.build(0, cam)
-{forward}"""
+            block_table_tensor=S["block_table"], slot_mapping=S["slot_mapping"]).items() if name in fields})
+"""
+# A full-graph engine: every step's inputs go into the runner's persistent buffers, which its metadata views.
+_GRAPH_METADATA = """\
+        cam = runner.stage(S["query_start_loc"], S["seq_lens"], S["block_table"], S["slot_mapping"],
+                           S["num_computed_tokens"], step["NUM_TOKENS"], step["MAX_QUERY_LEN"], step["MAX_SEQ_LEN"])
+"""
+_GRAPH_CAPTURE = """\
+    # vLLM's runner: persistent step inputs, and a full CUDA graph per uniform decode size, captured before the
+    # first step from a dummy batch (null-block rows, slots -1) with build_for_cudagraph_capture's metadata.
+    runner = cudagraphs.RunnerBuffers(MAX_REQS, TOPK_ROWS, TABLE_WIDTH, DEVICE)
+
+    def forward(q, metadata):  # (ql_nope | q_pe), as the layer hands it to forward_mqa
+        out, lse = impl.forward_mqa((q[..., :512], q[..., 512:]), cache, metadata, None)
+        return {"out": out, "lse": lse}
+
+    graphs = {}
+    for tokens, query_len in GRAPH_SIZES:
+        capture = builder.build_for_cudagraph_capture(runner.stage_capture(tokens, query_len, runtime.MAX_MODEL_LEN))
+        static_q = torch.zeros((tokens, case.heads, 576), dtype=torch.bfloat16, device=DEVICE)
+        topk_indices_buffer[:tokens] = -1  # the dummy batch's indexer rows
+        graphs[tokens, query_len] = cudagraphs.FullGraph(lambda md, q=static_q: forward(q, md), capture, DEVICE), static_q
+    topk_indices_buffer.fill_(2**30 - 1)
+    if any(graph.emulated for graph, _ in graphs.values()):
+        emulated = (*emulated, cudagraphs.EMULATED)
+"""
+_GRAPH_FORWARD = """\
+        check_overrun = runtime.guard_index_group(impl, poison=k == 1)
+        if step["REPLAY"]:  # a uniform decode step: its graph replayed, and the same step eagerly for comparison
+            graph, static_q = graphs[step["NUM_TOKENS"], step["MAX_QUERY_LEN"]]
+            static_q.copy_(S["q"])
+            out = graph.replay()["out"]
+            eager = forward(S["q"], metadata)["out"]
+            if not torch.equal(out.view(torch.uint8), eager.view(torch.uint8)):
+                found.append(f"step {k}: replayed from its CUDA graph, it differs from the step run eagerly in "
+                             f"{int((out != eager).any(dim=-1).any(dim=-1).sum())} of {out.shape[0]} tokens")
+        else:
+            out = forward(S["q"], metadata)["out"]
+        found += [f"step {k}: {m}" for m in check_overrun(step["NUM_TOKENS"])]
+"""
 
 _TRACE_MQA_ENGINE = """\
     # topk_indices_buffer= with indexer=None: the index group orders on the compute stream.

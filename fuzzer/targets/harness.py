@@ -12,8 +12,20 @@ import dataclasses
 
 import torch
 
+from fuzzer.support.cudagraphs import FullGraph, RunnerBuffers
 from fuzzer.support.standins.cache_ops import concat_and_cache_mla
 from strategies.tensors import HEAD_SIZE, materialize_attention_inputs
+
+
+def new_token_slots(case) -> torch.Tensor:
+    """int64 [num_actual_tokens]: the cache slot of each new token (the layer writes them this step); -1 for a
+    CUDA-graph padding token (the runner gives it none)."""
+    slots = []
+    for r, req in enumerate(case.requests):
+        row = case.block_table[case.table_row(r)]
+        for pos in range(req.context_len, req.seq_len):
+            slots.append(row[pos // case.block_size] * case.block_size + pos % case.block_size)
+    return torch.tensor(slots + [-1] * case.padded_tokens, dtype=torch.int64)
 
 
 def common_attn_metadata(case, index, device):
@@ -21,12 +33,6 @@ def common_attn_metadata(case, index, device):
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
     qsl = index.query_start_loc
-    slots = []  # the new tokens' cache slots (the layer writes them this step)
-    for r, req in enumerate(case.requests):
-        row = case.block_table[case.table_row(r)]
-        for pos in range(req.context_len, req.seq_len):
-            slots.append(row[pos // case.block_size] * case.block_size + pos % case.block_size)
-    slots += [-1] * case.padded_tokens  # the runner's slot for a CUDA-graph padding token: none
     seq_lens = index.seq_lens
     values = dict(
         query_start_loc=qsl.to(device), query_start_loc_cpu=qsl.cpu(), seq_lens=seq_lens.to(device),
@@ -35,10 +41,56 @@ def common_attn_metadata(case, index, device):
         max_query_len=max((r.query_len for r in case.requests), default=0),
         max_seq_len=max((r.seq_len for r in case.requests), default=0),
         block_table_tensor=index.block_table.to(device),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        slot_mapping=new_token_slots(case).to(device),
     )
     names = {f.name for f in dataclasses.fields(CommonAttentionMetadata)}
     return CommonAttentionMetadata(**{k: v for k, v in values.items() if k in names})
+
+
+class DecodeGraphs:
+    """A full-graph engine (Case.cudagraph "full"): the runner's persistent inputs, which every step's metadata
+    views, and one captured decode forward per (tokens, query_len) the trace replays, captured at start-up
+    from dummy batches, largest first, as vLLM's runner captures its sizes."""
+
+    def __init__(self, case, device, max_model_len: int):
+        steps = case.steps
+        sizes = {(s.num_actual_tokens, max(r.query_len for r in s.requests)) for s in steps if s.replays_graph}
+        self.sizes = sorted(sizes, reverse=True)
+        self.device, self.max_model_len = device, max_model_len
+        max_reqs = max([len(s.requests) for s in steps] + [t // q for t, q in self.sizes])
+        max_tokens = max([s.num_actual_tokens for s in steps] + [t for t, _ in self.sizes])
+        self.buffers = RunnerBuffers(max_reqs, max_tokens, len(case.block_table[0]), device)
+        self.graphs: dict[tuple[int, int], tuple[FullGraph, torch.Tensor]] = {}
+
+    def stage(self, step, index):
+        """The step's CommonAttentionMetadata, its inputs copied into the runner's buffers."""
+        d = self.device
+        return self.buffers.stage(
+            index.query_start_loc.to(d), index.seq_lens.to(d), index.block_table.to(d), new_token_slots(step).to(d),
+            torch.tensor([r.context_len for r in step.requests], dtype=torch.int32), step.num_actual_tokens,
+            max((r.query_len for r in step.requests), default=0), max((r.seq_len for r in step.requests), default=0))
+
+    def capture(self, builder, forward, q_shape, q_dtype, topk_buffer) -> None:
+        """Capture `forward(q, metadata) -> {name: tensor}` for every size, on a static q per graph. The
+        indexer's rows for a dummy batch are -1 while capturing; the buffer is poisoned again after."""
+        before = topk_buffer.clone()
+        for tokens, query_len in self.sizes:
+            metadata = builder.build_for_cudagraph_capture(self.buffers.stage_capture(tokens, query_len, self.max_model_len))
+            static_q = torch.zeros((tokens, *q_shape), dtype=q_dtype, device=self.device)
+            topk_buffer[:tokens] = -1
+            graph = FullGraph(lambda md, q=static_q: forward(q, md), metadata, self.device)
+            self.graphs[(tokens, query_len)] = (graph, static_q)
+        topk_buffer.copy_(before)
+
+    def replay(self, step, q) -> dict[str, torch.Tensor]:
+        """The step's forward replayed from its graph, on `q` copied into the graph's static input."""
+        graph, static_q = self.graphs[(step.num_actual_tokens, max(r.query_len for r in step.requests))]
+        static_q.copy_(q)
+        return graph.replay()
+
+    @property
+    def emulated(self) -> bool:
+        return any(g.emulated for g, _ in self.graphs.values())
 
 
 def paged_cache(case, device, dtype=torch.bfloat16, width: int = HEAD_SIZE, poison=float("nan"), guards=None,

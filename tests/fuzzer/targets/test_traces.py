@@ -39,3 +39,25 @@ def test_a_stale_persistent_buffer_is_found_by_traces_and_not_by_single_steps(tm
                  state=tmp_path / "state-single")
     assert r.returncode == 0, r.stdout + r.stderr
     assert _findings(tmp_path / "s.json") == []
+
+
+def test_metadata_rebuilt_out_of_place_is_found_by_graph_replay(tmp_path):
+    """A builder that copies the block table each step is right eagerly; a full-graph engine replays the copy
+    its capture made. Found as class M (replay against the same step run eagerly); the reproducer captures and
+    replays. On a CPU the replay is emulated, and every result says so."""
+    from fuzzer.support.flashmla_runtime import _try_import
+
+    if _try_import("vllm.model_executor.layers.attention.sparse_mla_attention") is None:
+        pytest.skip("the mutant patches 0.33's sparse-MLA builder")
+    run = ("run", "--target", "vllm.flashmla_sparse", "--inject", "flashmla-graph-block-table-copied", "--seed", "0",
+           "--no-shrink", "--reruns", "0", "--max-steps", "1", "--max-findings", "1")
+    r = attnfuzz(*run, "--max-examples", "40", "--json", str(tmp_path / "t.json"), "--repros", str(tmp_path / "repros"),
+                 state=tmp_path / "state")
+    assert r.returncode == 1, r.stdout + r.stderr
+    (finding,) = _findings(tmp_path / "t.json")
+    assert "M" in finding["bug_classes"] and any(v["check"] == "graph" for v in finding["verdicts"])
+    assert any("CUDA graph" in e for e in finding["emulated"])
+    repro = subprocess.run([sys.executable, "repro.py"], cwd=tmp_path / "repros" / finding["id"], capture_output=True,
+                           text=True, timeout=300)
+    assert repro.returncode == 1, repro.stdout + repro.stderr
+    assert "replayed from its CUDA graph" in repro.stdout and "CUDA graph capture/replay" in repro.stdout
