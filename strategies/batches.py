@@ -20,7 +20,6 @@ from typing import Callable
 from hypothesis import strategies as st
 
 from strategies.case import (
-    CUDAGRAPH_MODES,
     FP8_SCALES,
     INVALID_AT,
     MAX_DECODE_QUERY_LEN,
@@ -81,8 +80,10 @@ def _cdiv(a: int, b: int) -> int:
 
 @st.composite
 def requests(draw, p: Profile, topk_width: int, max_decode_query_len: int = MAX_DECODE_QUERY_LEN,
-             vllm_order: bool = False, swarm: Swarm | None = None) -> tuple[tuple[Request, ...], int]:
+             vllm_order: bool = False, swarm: Swarm | None = None,
+             decode_only: bool = False) -> tuple[tuple[Request, ...], int]:
     """Requests in vLLM's batch order (decodes, padding rows, extends/prefills) and the decode count.
+    `decode_only`: no prefills after decodes (a steady-state decode step, what full CUDA graphs replay).
 
     `vllm_order`: exactly as vLLM's model runner leaves a batch: `reorder_batch_to_split_decodes_and_prefills`
     puts prefills with cached context (extends, prefix-cache hits) before fresh ones, and zero-length padding
@@ -108,6 +109,8 @@ def requests(draw, p: Profile, topk_width: int, max_decode_query_len: int = MAX_
                                                2 if reqs and pads != "none" else 0))  # padded decode batch (C/D)
     num_decodes = len(reqs)
     many = c("prefills")
+    if decode_only and reqs:
+        many = "none"
     lo, hi = (0 if reqs else 1), p.max_prefills
     lo, hi = {None: (lo, hi), "none": (lo, lo), "one": (1, 1), "several": (min(2, hi), hi)}[many]
     for _ in range(draw(st.integers(lo, hi))):
@@ -390,8 +393,8 @@ class AttentionFeatures:
     # Cases may be traces: steps one engine ran before them (strategies.traces), for targets that keep their
     # builder, impl, cache and buffers across steps as vLLM's model runner does.
     traces: bool = False
-    # The engine may run full CUDA graphs (Case.cudagraph): targets that capture and replay decode steps.
-    cudagraphs: bool = False
+    # The engine's CUDA-graph modes to draw (Case.cudagraph): "full" for targets that capture and replay decode steps.
+    cudagraph_modes: tuple[str, ...] = ("none",)
 
 
 TOTAL_HEADS = 128  # DeepSeek-V3.2's attention heads: heads per rank are 128 / TP
@@ -442,10 +445,11 @@ def attention_knobs(p: Profile, f: AttentionFeatures) -> dict[str, tuple[str, ..
         names.append("block_stride")
     if f.traces and p.max_steps > 1:
         names.append("trace")
-    if f.cudagraphs:
+    if len(f.cudagraph_modes) > 1:
         names.append("cudagraph")
     domains = dict(block_size=map(str, f.block_sizes or p.block_sizes), topk_width=map(str, p.topk_widths),
-                   heads=map(str, _attention_heads(p, f, False)), kv_cache_dtype=f.kv_cache_dtypes)
+                   heads=map(str, _attention_heads(p, f, False)), kv_cache_dtype=f.kv_cache_dtypes,
+                   cudagraph=f.cudagraph_modes)
     if f.dcp:
         names += ["dcp", "dcp_interleave"]
         heads = _attention_heads(p, f, False)  # sizes some head count allows (TP % DCP == 0, the gathered bound)
@@ -473,9 +477,12 @@ def attention_cases(draw, p: Profile, f: AttentionFeatures, swarm: Swarm | None 
     block_size = _sampled(draw, swarm, "block_size", f.block_sizes or p.block_sizes)
     bound = 1024 if outside else f.dcp_max_gathered_heads
     dcp = draw(attention_dcp_splits(p, block_size, heads, bound, f.dcp_sizes, swarm)) if f.dcp else Dcp()
+    cudagraph = _sampled(draw, swarm, "cudagraph", f.cudagraph_modes)
+    # A full-graph engine's step is a steady-state decode step half the time (what its graphs replay).
+    steady = cudagraph == "full" and (swarm is None or swarm.pinned("prefills") is None) and draw(st.booleans())
     # vLLM allows multi-token (MTP) decodes under DCP only with interleave 1 (supports_dcp_with_varlen).
     reqs, num_decodes = draw(requests(p, topk_width, 1 if dcp.interleave > 1 else MAX_DECODE_QUERY_LEN,
-                                      vllm_order=f.vllm_batch_order, swarm=swarm))
+                                      vllm_order=f.vllm_batch_order, swarm=swarm, decode_only=steady))
     reqs = _at_block_edges(draw, reqs, num_decodes, block_size, p.max_context, swarm)
     # Under DCP a block id names one block on every rank: a "virtual" block of block_size x size tokens.
     virtual = block_size * dcp.size
@@ -502,7 +509,7 @@ def attention_cases(draw, p: Profile, f: AttentionFeatures, swarm: Swarm | None 
         values=_sampled(draw, swarm, "values", VALUE_KINDS),
         seed=draw(st.integers(0, 2**16)),
         padded_tokens=_graph_padding(reqs, num_decodes) if f.cudagraph_padding else 0,
-        cudagraph=_sampled(draw, swarm, "cudagraph", CUDAGRAPH_MODES) if f.cudagraphs else "none",
+        cudagraph=cudagraph,
     ).validate()
     if not f.traces or p.max_steps < 2:
         return case

@@ -44,6 +44,8 @@ def add_parser(sub) -> None:
     g.add_argument("--time-budget", type=duration, default=None, metavar="D")
     r.add_argument("--inject", metavar="NAME_OR_FILE", help="a built-in mutant or a Python file to run first")
     r.add_argument("--kv-cache-dtype", default=None, help="draw only this kv_cache_dtype (backend targets)")
+    r.add_argument("--cudagraph", default=None, metavar="MODE",
+                   help="draw only engines of this CUDA-graph mode: none (eager) or full (targets that replay graphs)")
     r.add_argument("--profile", default=None, help="case sizes: cpu or gpu (default: the device's)")
     r.add_argument("--max-steps", type=int, default=None, metavar="N",
                    help="steps per case for targets that run traces, the case's own included (default: the "
@@ -106,6 +108,8 @@ def validate(args, device: str) -> None:
     if args.kv_cache_dtype and args.kv_cache_dtype not in cls.kv_cache_dtypes:
         raise UsageError(f"--kv-cache-dtype {args.kv_cache_dtype}: {args.target} takes "
                          f"{', '.join(cls.kv_cache_dtypes) or 'no kv cache'}")
+    if args.cudagraph and args.cudagraph not in cls.cudagraph_modes:
+        raise UsageError(f"--cudagraph {args.cudagraph}: {args.target} takes {', '.join(cls.cudagraph_modes)}")
     if args.sanitizer and device != "cuda":
         raise UsageError("--sanitizer needs a GPU (on CPU every interpreted load and store is bounds-checked)")
     if args.inject:
@@ -150,6 +154,8 @@ def main(args, device: str) -> int:
         target = TARGETS[args.target](device)
     if args.kv_cache_dtype:
         target.kv_cache_dtypes = (args.kv_cache_dtype,)  # this run's narrowing, on this instance only
+    if args.cudagraph:
+        target.cudagraph_modes = (args.cudagraph,)
     label = None
     if args.inject and in_process:
         try:
@@ -249,6 +255,7 @@ def executor_for(args, target, device: str):
     elif args.isolation == "none":
         return InProcessExecutor(target)
     spec = WorkerSpec(target.name, device, inject=args.inject, kv_cache_dtypes=tuple(target.kv_cache_dtypes) or None,
+                      cudagraph_modes=tuple(target.cudagraph_modes),
                       sanitizer=None if args.sanitizer == "auto" else args.sanitizer, case_timeout=args.case_timeout,
                       recycle_after=SANITIZED_RECYCLE_AFTER if args.sanitizer not in (None, "auto") else 0)
     logs = STATE_DIR / "workers" / target.name

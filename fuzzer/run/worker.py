@@ -46,6 +46,7 @@ class WorkerSpec:
     device: str
     inject: str | None = None
     kv_cache_dtypes: tuple[str, ...] | None = None
+    cudagraph_modes: tuple[str, ...] | None = None
     sanitizer: str | None = None  # a compute-sanitizer tool, or None for a native worker
     case_timeout: float = 300.0  # seconds for one case before the worker counts as hung
     startup_timeout: float = 900.0  # vLLM import, target set-up and (sanitized) tool start
@@ -96,6 +97,8 @@ def serve(fd: int, spec: WorkerSpec) -> None:
         target.prepare()
         if spec.kv_cache_dtypes:
             target.kv_cache_dtypes = tuple(spec.kv_cache_dtypes)
+        if spec.cudagraph_modes:
+            target.cudagraph_modes = tuple(spec.cudagraph_modes)
         if spec.inject:
             inject(spec.inject)
     except Exception:

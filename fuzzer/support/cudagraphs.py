@@ -74,24 +74,28 @@ class RunnerBuffers:
 
 class FullGraph:
     """One captured forward: `forward(metadata) -> {name: tensor}` over static inputs the caller refills in
-    place before each `replay()`. On a GPU a torch.cuda.CUDAGraph, captured after one warm-up call on a side
-    stream (as vLLM's CUDAGraphWrapper warms up and captures); on a CPU the capture-time call made again."""
+    place before each `replay()`, on metadata from `build()` (the capture batch's). On a GPU a
+    torch.cuda.CUDAGraph, captured after a warm-up call on a side stream, each on metadata built for it (as
+    vLLM's runner warms up and captures with dummy runs of their own: what a metadata object computes lazily
+    on its first call, FlashMLA's tile scheduler, is then computed inside the graph); on a CPU the capture-time
+    call made again."""
 
-    def __init__(self, forward, metadata, device):
+    def __init__(self, forward, build, device):
         self.emulated = torch.device(device).type != "cuda"
-        self.metadata = metadata  # kept alive: the graph reads its tensors
         if self.emulated:
             self._forward = forward
-            self.outputs = forward(metadata)
+            self.metadata = build()
+            self.outputs = forward(self.metadata)
             return
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            forward(metadata)  # warm-up: Triton compiles, lazy buffers are allocated outside the capture
+            forward(build())  # warm-up: Triton compiles, lazy buffers are allocated outside the capture
         torch.cuda.current_stream().wait_stream(side)
+        self.metadata = build()  # kept alive: the graph reads its tensors
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.outputs = forward(metadata)
+            self.outputs = forward(self.metadata)
 
     def replay(self) -> dict[str, torch.Tensor]:
         """Run the captured forward on what the static inputs and captured tensors hold now; copies of its outputs."""

@@ -105,6 +105,7 @@ class Target(ABC):
     real_parts: ClassVar[tuple[str, ...]] = ()
     outputs_stay_on_device: ClassVar[bool] = False  # its oracle takes device tensors (no copy to the CPU per case)
     kv_cache_dtypes: tuple[str, ...] = ()  # the cache dtypes its cases draw; `run --kv-cache-dtype` narrows it
+    cudagraph_modes: tuple[str, ...] = ("none",)  # the engines' CUDA-graph modes its cases draw; `run --cudagraph` narrows it
 
 
 

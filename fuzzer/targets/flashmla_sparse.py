@@ -107,6 +107,7 @@ class FlashMLASparse(Target):
     real_parts = ("FlashMLASparseMetadataBuilder", "FlashMLASparseImpl.forward_mqa", "SparseMLAIndexGroup",
                   "the index-remap Triton kernel")
     kv_cache_dtypes = ("bfloat16", "fp8_ds_mla")
+    cudagraph_modes = ("none", "full")
     outputs_stay_on_device = True  # the attention oracles judge on the device (oracles/attention_judge.py)
 
     def unavailable(self) -> str | None:
@@ -146,7 +147,8 @@ class FlashMLASparse(Target):
         # Releases before flat_kv_row_view (0.26 and older) view the cache as contiguous rows.
         return attention_space(profile, AttentionFeatures(kv_cache_dtypes=self.kv_cache_dtypes, block_sizes=(64, 128),
                                                           block_stride_rows=remap_api().has_block_stride_rows,
-                                                          cudagraph_padding=True, traces=True, cudagraphs=True))
+                                                          cudagraph_padding=True, traces=True,
+                                                          cudagraph_modes=self.cudagraph_modes))
 
     def step(self, case, device, guards=None):
         """Inputs, poisoned cache, top-k buffer, new-token slots for `case` on `device`."""
@@ -485,10 +487,13 @@ _GRAPH_CAPTURE = """\
 
     graphs = {}
     for tokens, query_len in GRAPH_SIZES:
-        capture = builder.build_for_cudagraph_capture(runner.stage_capture(tokens, query_len, runtime.MAX_MODEL_LEN))
+        def capture_metadata(tokens=tokens, query_len=query_len):
+            return builder.build_for_cudagraph_capture(runner.stage_capture(tokens, query_len, runtime.MAX_MODEL_LEN))
+
         static_q = torch.zeros((tokens, case.heads, 576), dtype=torch.bfloat16, device=DEVICE)
         topk_indices_buffer[:tokens] = -1  # the dummy batch's indexer rows
-        graphs[tokens, query_len] = cudagraphs.FullGraph(lambda md, q=static_q: forward(q, md), capture, DEVICE), static_q
+        graph = cudagraphs.FullGraph(lambda md, q=static_q: forward(q, md), capture_metadata, DEVICE)
+        graphs[tokens, query_len] = graph, static_q
     topk_indices_buffer.fill_(2**30 - 1)
     if any(graph.emulated for graph, _ in graphs.values()):
         emulated = (*emulated, cudagraphs.EMULATED)

@@ -75,10 +75,12 @@ class DecodeGraphs:
         indexer's rows for a dummy batch are -1 while capturing; the buffer is poisoned again after."""
         before = topk_buffer.clone()
         for tokens, query_len in self.sizes:
-            metadata = builder.build_for_cudagraph_capture(self.buffers.stage_capture(tokens, query_len, self.max_model_len))
+            def build(tokens=tokens, query_len=query_len):
+                return builder.build_for_cudagraph_capture(self.buffers.stage_capture(tokens, query_len, self.max_model_len))
+
             static_q = torch.zeros((tokens, *q_shape), dtype=q_dtype, device=self.device)
             topk_buffer[:tokens] = -1
-            graph = FullGraph(lambda md, q=static_q: forward(q, md), metadata, self.device)
+            graph = FullGraph(lambda md, q=static_q: forward(q, md), build, self.device)
             self.graphs[(tokens, query_len)] = (graph, static_q)
         topk_buffer.copy_(before)
 
