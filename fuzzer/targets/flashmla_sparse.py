@@ -102,7 +102,7 @@ class StepContext:
 class FlashMLASparse(Target):
     name = "vllm.flashmla_sparse"
     summary = "FlashMLA sparse-MLA backend (FLASHMLA_SPARSE): builder + impl.forward_mqa, bf16 and fp8_ds_mla"
-    bug_classes = "B C D G H I J K"
+    bug_classes = "B C D G H I J K M"
     oracle = staticmethod(judge_steps(judge_attention))
     real_parts = ("FlashMLASparseMetadataBuilder", "FlashMLASparseImpl.forward_mqa", "SparseMLAIndexGroup",
                   "the index-remap Triton kernel")
