@@ -40,6 +40,7 @@ from fuzzer.targets.vllm_api import remap_api
 from oracles.attention_judge import judge_layer
 from oracles.steps import judge_steps
 from strategies.batches import AttentionFeatures, attention_space
+from strategies.case import CaseError
 from strategies.tensors import V_HEAD, materialize_layer_inputs
 
 
@@ -52,6 +53,7 @@ class FlashMLASparseLayer(FlashMLASparse):
                   "FlashMLASparseImpl.forward_mqa / forward_mha", "chunked-context metadata",
                   "CPU_SDPA_MLA prefill backend", "SparseMLAIndexGroup", "the index-remap Triton kernel",
                   "merge_attn_states")
+    cudagraph_modes = ("none",)  # eager engines: full graphs are captured on vllm.flashmla_sparse's forward_mqa
 
     def prepare(self) -> None:
         super().prepare()
@@ -84,6 +86,9 @@ class FlashMLASparseLayer(FlashMLASparse):
         return importlib.import_module(BACKEND_MODULE).FlashMLASparseBackend
 
     def run(self, case):
+        if case.cudagraph != "none":
+            raise CaseError(f"case.cudagraph: {self.name} runs eager engines only (full CUDA graphs: vllm.flashmla_sparse), "
+                            f"got {case.cudagraph!r}")
         obs = self.run_steps(case, self.layer_step)
         for o in (*obs.steps, obs):
             o.notes["layer_routes"] = self.routes  # what this release's forward_impl offers a sparse impl
