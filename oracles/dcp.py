@@ -15,7 +15,7 @@ import dataclasses
 import torch
 
 from oracles.attention import error_margin
-from oracles.attention_judge import attention_judgement, attention_tolerance, reference_for
+from oracles.attention_judge import attention_judgement, attention_tolerance, judge_layer, reference_for
 from oracles.index import RemapArgs, compare_remap, expected_remap
 from oracles.verdict import Verdict
 from strategies.case import Case, Dcp
@@ -89,6 +89,16 @@ def judge_dcp(case: Case, obs) -> list[Verdict]:
         verdicts = [dataclasses.replace(v, detail=f"{v.detail}; heads of rank(s) {ranks} differ", bug_class=v.bug_class or "G")
                     if v in failed_output else v for v in verdicts]
     return verdicts
+
+
+def judge_layer_dcp(case, obs):
+    """The ranks' heads, in rank order, as the layer's output over the undivided context; as `judge_dcp` does,
+    a wrong merged output under DCP (size > 1) points at the split and merge (class G) unless it names another."""
+    verdicts = judge_layer(undivided(case), obs)
+    if case.dcp.size == 1:
+        return verdicts
+    return [dataclasses.replace(v, bug_class=v.bug_class or "G")
+            if not v.ok and v.check in ("output", "nan", "empty_row") else v for v in verdicts]
 
 
 def _rank_verdicts(case: Case, whole: Case, inputs, slot_values, obs) -> list[Verdict]:

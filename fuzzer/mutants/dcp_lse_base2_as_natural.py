@@ -5,7 +5,7 @@
 from fuzzer.mutants._kernel_patch import patch_method
 
 BUG_CLASS = "G"
-TARGETS = ("vllm.flashmla_sparse.dcp",)
+TARGETS = ("vllm.flashmla_sparse.dcp", "vllm.flashmla_sparse.layer.dcp")
 
 
 def apply():

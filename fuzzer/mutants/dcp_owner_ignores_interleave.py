@@ -5,7 +5,7 @@ tokens it does."""
 from fuzzer.mutants._kernel_patch import patch_remap_kernel
 
 BUG_CLASS = "G"
-TARGETS = ("vllm.dcp_filter", "vllm.flashmla_sparse.dcp")
+TARGETS = ("vllm.dcp_filter", "vllm.flashmla_sparse.dcp", "vllm.flashmla_sparse.layer.dcp")
 
 
 def apply():

@@ -106,6 +106,11 @@ class EmulatedDcpGroup:
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         return torch.cat(self.ranks.exchange(input_), dim=dim)
 
+    def all_gather_into_tensor(self, output: torch.Tensor, input_: torch.Tensor) -> None:
+        """torch.distributed.all_gather_into_tensor over the group: every rank's rows, concatenated, into `output`
+        (what MLADCPManager's chunked-context KV gather calls on the group's device_group)."""
+        output.copy_(torch.cat(self.ranks.exchange(input_), dim=0))
+
     def reduce_scatter(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         total = torch.stack([t.float() for t in self.ranks.exchange(input_)]).sum(0).to(input_.dtype)
         return total.chunk(self.world_size, dim=dim)[self.rank_in_group].contiguous()

@@ -86,13 +86,15 @@ class FlashMLASparseDcp(FlashMLASparse):
     kv_cache_dtypes = ("fp8_ds_mla",)  # vLLM runs FlashMLA sparse under DCP on an fp8_ds_mla cache only
 
     def unavailable(self) -> str | None:
-        why = super().unavailable()
-        if why is None:
-            try:
-                importlib.import_module("vllm.v1.attention.ops.dcp").MLADCPManager  # noqa: B018
-            except (ImportError, AttributeError) as e:
-                why = f"this vLLM has no MLADCPManager (vllm.v1.attention.ops.dcp): {e}"
-        return why
+        return super().unavailable() or self.needs_dcp_manager()
+
+    @staticmethod
+    def needs_dcp_manager() -> str | None:
+        try:
+            importlib.import_module("vllm.v1.attention.ops.dcp").MLADCPManager  # noqa: B018
+        except (ImportError, AttributeError) as e:
+            return f"this vLLM has no MLADCPManager (vllm.v1.attention.ops.dcp): {e}"
+        return None
 
     def prepare(self) -> None:
         # vLLM's direct (symmetric-memory, multicast) DCP paths need a real process group; keep them off.

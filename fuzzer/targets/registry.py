@@ -7,6 +7,7 @@ from fuzzer.targets.dcp_filter import DcpFilter
 from fuzzer.targets.flashmla_dcp import FlashMLASparseDcp
 from fuzzer.targets.flashmla_dcp_ranks import FlashMLASparseDcpRanks
 from fuzzer.targets.flashmla_layer import FlashMLASparseLayer
+from fuzzer.targets.flashmla_layer_dcp import FlashMLASparseLayerDcp
 from fuzzer.targets.flashmla_sparse import FlashMLASparse
 from fuzzer.targets.index_remap import IndexRemap
 from fuzzer.targets.selftest import SelftestFault
@@ -20,6 +21,7 @@ TARGETS: dict[str, type[Target]] = {
     FlashMLASparseLayer.name: FlashMLASparseLayer,
     FlashMLASparseDcp.name: FlashMLASparseDcp,
     FlashMLASparseDcpRanks.name: FlashMLASparseDcpRanks,
+    FlashMLASparseLayerDcp.name: FlashMLASparseLayerDcp,
     SelftestFault.name: SelftestFault,  # harness self-test, not vLLM
 }
 
