@@ -53,7 +53,8 @@ class FlashMLASparseLayerDcp(FlashMLASparseLayer):
     def prepare(self) -> None:
         import os
 
-        os.environ.setdefault("VLLM_USE_DIRECT_DCP_Q_GATHER", "0")  # no symmetric memory over emulated ranks
+        for name in ("VLLM_USE_DIRECT_DCP_Q_GATHER", "VLLM_USE_DIRECT_DCP_KV_GATHER", "VLLM_USE_DIRECT_DCP_A2A"):
+            os.environ.setdefault(name, "0")  # no symmetric memory over emulated ranks (CUDA would probe for it)
         super().prepare()
         self.real_parts = (*self.real_parts, "MLADCPManager (query gather, LSE combine, context gather)")
 
