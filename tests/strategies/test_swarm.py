@@ -50,7 +50,9 @@ def test_a_pinned_category_shows_in_the_cases(kind):
             # where the knob applies (a prefill's length, in a case whose token budget left room for a prefill)
             seen = [f[name] for f in (case_features(c, space.knobs, P.max_context) for c in cases) if name in f]
             share = sum(value in s for s in seen) / max(1, len(seen))
-            assert share >= (0.3 if name in LOOSE else 0.9), (kind, name, value, share)
+            # a permuted table of one or two blocks often comes out in order, and reads as arange
+            floor = 0.1 if name == "table_layout" else 0.3 if name in LOOSE else 0.9
+            assert share >= floor, (kind, name, value, share)
 
 
 def test_requirements_are_pinned_with_the_knob_or_the_knob_is_dropped():
