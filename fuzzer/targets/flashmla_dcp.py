@@ -109,16 +109,7 @@ class FlashMLASparseDcp(FlashMLASparse):
                                                           dcp_outside_envelope=True))
 
     def run(self, case):
-        step = DcpStep(self, case)
-        ranks = LockstepRanks(case.dcp.size)
-
-        def call():
-            with installed_dcp_group(EmulatedDcpGroup(ranks)):
-                return step.outputs(ranks.run(step.run_rank))
-
-        obs = observe_paths(self.observe, call, notes={
-            "dcp": f"{case.dcp.size} ranks emulated in one process, interleave {case.dcp.interleave}"})
-        return step.finish(obs, "DCP collectives (attnfuzz's in-process group)")
+        return run_emulated_ranks(self, DcpStep(self, case))
 
     def repro_spec(self, finding) -> ReproSpec:
         """Every rank of the step in one process, as `run` emulates them: each rank's cache as its writer left
@@ -206,6 +197,19 @@ with dcp.installed_dcp_group(dcp.EmulatedDcpGroup(ranks)):
 """
 
 
+def run_emulated_ranks(target, step: "DcpStep"):
+    """Every rank of `step` in this process, over attnfuzz's in-process DCP group; its observation."""
+    case, ranks = step.case, LockstepRanks(step.case.dcp.size)
+
+    def call():
+        with installed_dcp_group(EmulatedDcpGroup(ranks)):
+            return step.outputs(ranks.run(step.run_rank))
+
+    obs = observe_paths(target.observe, call, notes={
+        "dcp": f"{case.dcp.size} ranks emulated in one process, interleave {case.dcp.interleave}"})
+    return step.finish(obs, "DCP collectives (attnfuzz's in-process group)")
+
+
 @dataclasses.dataclass
 class RankResult:
     """What one rank's step leaves, as plain CPU tensors (a real rank sends it to rank 0)."""
@@ -227,12 +231,13 @@ class DcpStep:
     fp8 mixed-batch path filters the global top-k to the rank's slots and returns its LSE), LSE combine.
     vLLM's DCP group (real, or emulated) is whatever `parallel_state._DCP` holds when `run_rank` runs."""
 
-    def __init__(self, target: FlashMLASparseDcp, case) -> None:
+    def __init__(self, target: FlashMLASparseDcp, case, inputs=None) -> None:
+        """`inputs`: the undivided case's attention inputs, if the caller has them (the layer's)."""
         from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
         self.target, self.case, dev = target, case, target.device
         self.whole = undivided(case)
-        self.inputs = materialize_attention_inputs(self.whole, dev)
+        self.inputs = inputs if inputs is not None else materialize_attention_inputs(self.whole, dev)
         _, self.slots, self.topk_buffer = step_tensors(self.whole, dev, inputs=self.inputs)
         self.write, self.write_emulated = target.writer(case)
         self.cfg = configure(target.cfg, case, max_num_batched_tokens=self.topk_buffer.shape[0])

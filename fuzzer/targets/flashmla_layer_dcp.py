@@ -20,23 +20,19 @@ import importlib
 import torch
 
 from fuzzer.support import flashmla_runtime
-from fuzzer.support.dcp_group import EmulatedDcpGroup, LockstepRanks, installed_dcp_group
 from fuzzer.support.flashmla_runtime import (
     BACKEND_MODULE,
     LAYER,
-    configure,
     guard_index_group,
     mla_layer,
     record_routes,
 )
-from fuzzer.targets.flashmla_dcp import DcpStep, FlashMLASparseDcp, RankResult
+from fuzzer.targets.flashmla_dcp import DcpStep, FlashMLASparseDcp, RankResult, run_emulated_ranks
 from fuzzer.targets.flashmla_layer import FlashMLASparseLayer
 from fuzzer.targets.guards import Guards
-from fuzzer.targets.harness import common_attn_metadata, step_tensors
-from fuzzer.targets.probes import observe_paths
 from oracles.dcp import judge_layer_dcp, rank_slot_mapping, rank_slots, undivided
 from strategies.batches import AttentionFeatures, attention_space
-from strategies.tensors import HEAD_SIZE, QK_NOPE, V_HEAD, materialize_layer_inputs
+from strategies.tensors import QK_NOPE, V_HEAD, materialize_layer_inputs
 
 
 class FlashMLASparseLayerDcp(FlashMLASparseLayer):
@@ -66,17 +62,9 @@ class FlashMLASparseLayerDcp(FlashMLASparseLayer):
 
     def run(self, case):
         step = LayerDcpStep(self, case)
-        ranks = LockstepRanks(case.dcp.size)
-
-        def call():
-            with installed_dcp_group(EmulatedDcpGroup(ranks)):
-                return step.outputs(ranks.run(step.run_rank))
-
-        obs = observe_paths(self.observe, call, notes={
-            "dcp": f"{case.dcp.size} ranks emulated in one process, interleave {case.dcp.interleave}"})
-        obs.notes["route"] = step.route
-        obs.notes["layer_routes"] = self.routes
-        return step.finish(obs, "DCP collectives (attnfuzz's in-process group)")
+        obs = run_emulated_ranks(self, step)
+        obs.notes.update(route=step.route, layer_routes=self.routes)
+        return obs
 
     def repro_spec(self, finding):
         return None  # the campaign keeps the finding (case.json, finding.json); no standalone script yet
@@ -86,25 +74,13 @@ class LayerDcpStep(DcpStep):
     """One case under DCP at the layer: the undivided layer inputs every rank shares, and one rank's step."""
 
     def __init__(self, target: FlashMLASparseLayerDcp, case) -> None:
-        from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens
-        from vllm.v1.kv_cache_interface import MLAAttentionSpec
-
-        self.target, self.case, dev = target, case, target.device
-        self.whole = undivided(case)
-        self.layer_inputs = materialize_layer_inputs(self.whole, dev)
-        self.inputs = self.layer_inputs.attention
-        _, self.slots, self.topk_buffer = step_tensors(self.whole, dev, inputs=self.inputs)
-        self.write, self.write_emulated = target.writer(case)
-        self.cfg = configure(target.cfg, case, max_num_batched_tokens=self.topk_buffer.shape[0])
-        self.spec = MLAAttentionSpec(block_size=case.block_size, num_kv_heads=1, head_size=HEAD_SIZE,
-                                     dtype=torch.bfloat16, cache_dtype_str=case.kv_cache_dtype)
-        self.metadata_in = common_attn_metadata(self.whole, self.inputs.index, dev)  # slot_mapping: undivided
-        self.local_seq_lens = get_dcp_local_seq_lens
-        self.results: list[RankResult] = []
+        self.layer_inputs = materialize_layer_inputs(undivided(case), target.device)
+        super().__init__(target, case, self.layer_inputs.attention)
         self.route: dict = {}
 
     def run_rank(self, r: int) -> RankResult:
         from vllm.config import set_current_vllm_config
+        from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens
 
         case, inp, cfg, dev, heads = self.case, self.inputs, self.cfg, self.target.device, self.case.heads
         res, guards = RankResult(), Guards()
@@ -132,7 +108,7 @@ class LayerDcpStep(DcpStep):
                 # the emulated group has none of: the same collective over the emulated ranks.
                 manager._kv_gather = manager.group.all_gather_into_tensor
             m = self.metadata_in
-            local = self.local_seq_lens(m.seq_lens, case.dcp.size, r, case.dcp.interleave)
+            local = get_dcp_local_seq_lens(m.seq_lens, case.dcp.size, r, case.dcp.interleave)
             extra = {k: v for k, v in dict(dcp_local_seq_lens=local, dcp_local_seq_lens_cpu_upper_bound=local.cpu()).items()
                      if hasattr(m, k)}
             metadata = builder.build(0, dataclasses.replace(
