@@ -6,7 +6,9 @@ failures are reported with the step named; its passes are not repeated. The last
 second time on the same metadata and buffers (`out_again`): FlashMLA's sparse kernels are deterministic, so
 any other bits mean nondeterminism or state the first call left behind (what a CUDA-graph replay would read).
 A step a full-graph engine replayed is also run eagerly on the same metadata (`out_eager`): the replay must
-give the same bits (the same kernels on the same inputs), or it read tensors the step no longer fills.
+give the same bits (the same kernels on the same inputs), or it read tensors the step no longer fills. An MTP
+draft step, run on the step before's metadata updated in place, is also run on metadata built for it
+(`out_rebuilt`): the speculator's in-place update promises what a build gives.
 """
 
 from __future__ import annotations
@@ -40,17 +42,28 @@ def judge_steps(judge: Callable[..., list[Verdict]]) -> Callable[..., list[Verdi
 
 
 def graph_verdicts(obs) -> list[Verdict]:
-    eager, out = obs.outputs.get("out_eager"), obs.outputs.get("out")
-    if eager is None or out is None:
+    """A replayed step against the same step run eagerly (`out_eager`), and an MTP draft step on metadata
+    updated in place against the same step on metadata built for it (`out_rebuilt`): the same bits, or class M."""
+    return [*_same_bits(obs, "out_eager", "graph", "the step replayed from its CUDA graph gave the bits of the step "
+                        "run eagerly", "the step replayed from its captured CUDA graph differs from the same step run "
+                        "eagerly on the same metadata", "the replay read tensors the step's metadata no longer fills"),
+            *_same_bits(obs, "out_rebuilt", "draft", "the MTP draft step on metadata updated in place gave the bits of "
+                        "the step on metadata built for it", "the MTP draft step on the step before's metadata, updated "
+                        "in place (update_draft_decode_metadata), differs from the same step on metadata built for it",
+                        "the in-place update left the metadata other than a build makes it")]
+
+
+def _same_bits(obs, name: str, check: str, same: str, differs: str, why: str) -> list[Verdict]:
+    other, out = obs.outputs.get(name), obs.outputs.get("out")
+    if other is None or out is None:
         return []
-    eager = eager[: out.shape[0]]
-    if eager.shape == out.shape and torch.equal(_bits(eager), _bits(out)):
-        return [Verdict("graph", True, "the step replayed from its CUDA graph gave the bits of the step run eagerly")]
+    other = other[: out.shape[0]]
+    if other.shape == out.shape and torch.equal(_bits(other), _bits(out)):
+        return [Verdict(check, True, same)]
     n = out.shape[0]
-    rows = (_bits(eager).view(n, -1) != _bits(out).view(n, -1)).any(dim=1).nonzero().flatten() if n else []
-    return [Verdict("graph", False, f"the step replayed from its captured CUDA graph differs from the same step run "
-                    f"eagerly on the same metadata in {len(rows)} of {n} rows (first row {int(rows[0]) if len(rows) else '-'}): "
-                    "the replay read tensors the step's metadata no longer fills", "M", where="graph")]
+    rows = (_bits(other).view(n, -1) != _bits(out).view(n, -1)).any(dim=1).nonzero().flatten() if n else []
+    return [Verdict(check, False, f"{differs} in {len(rows)} of {n} rows (first row "
+                    f"{int(rows[0]) if len(rows) else '-'}): {why}", "M", where=check)]
 
 
 def rerun_verdicts(obs) -> list[Verdict]:

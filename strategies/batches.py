@@ -393,6 +393,8 @@ class AttentionFeatures:
     # Cases may be traces: steps one engine ran before them (strategies.traces), for targets that keep their
     # builder, impl, cache and buffers across steps as vLLM's model runner does.
     traces: bool = False
+    # Traces may hold MTP draft steps (the step before's metadata updated in place), for targets that run them.
+    mtp_draft: bool = False
     # The engine's CUDA-graph modes to draw (Case.cudagraph): "full" for targets that capture and replay decode steps.
     cudagraph_modes: tuple[str, ...] = ("none",)
 
@@ -445,6 +447,8 @@ def attention_knobs(p: Profile, f: AttentionFeatures) -> dict[str, tuple[str, ..
         names.append("block_stride")
     if f.traces and p.max_steps > 1:
         names.append("trace")
+        if f.mtp_draft:
+            names.append("mtp_draft")
     if len(f.cudagraph_modes) > 1:
         names.append("cudagraph")
     domains = dict(block_size=map(str, f.block_sizes or p.block_sizes), topk_width=map(str, p.topk_widths),
@@ -515,7 +519,7 @@ def attention_cases(draw, p: Profile, f: AttentionFeatures, swarm: Swarm | None 
         return case
     # Drawn last: shrinking the earlier steps away leaves the case as it was.
     earlier = draw(earlier_steps(case, spec, swarm, 1 if dcp.interleave > 1 else MAX_DECODE_QUERY_LEN,
-                                 max_earlier=p.max_steps - 1, max_tokens=p.max_tokens))
+                                 max_earlier=p.max_steps - 1, max_tokens=p.max_tokens, mtp_draft=f.mtp_draft))
     return dataclasses.replace(case, earlier=earlier).validate() if earlier else case
 
 

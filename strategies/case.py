@@ -104,6 +104,11 @@ class Case:
     # The engine's CUDA-graph mode (vLLM's CUDAGraphMode): "full" captures the decode forward at start-up and
     # replays it for every uniform decode step (`replays_graph`); other steps run eagerly.
     cudagraph: str = "none"
+    # An MTP draft step (vLLM's speculator, fused multi-step decode): the engine ran it on the step before's
+    # metadata, its runner inputs advanced in place (each request one position on: seq_lens + 1, its new slot)
+    # and the builder's `update_draft_decode_metadata` (or, for a builder without it, a rebuild). The step
+    # before is a decode of one token per request; this one holds the same requests one token later.
+    mtp_draft: bool = False
     schema: int = SCHEMA
 
     # -- derived ---------------------------------------------------------------------------------------
@@ -168,6 +173,8 @@ class Case:
             extra.append(f"padded_tokens={self.padded_tokens}")
         if self.cudagraph != "none":
             extra.append(f"cudagraph={self.cudagraph}{' (replayed)' if self.replays_graph else ''}")
+        if self.mtp_draft:
+            extra.append("mtp_draft")
         if self.earlier:
             extra.append(f"after {len(self.earlier)} earlier step(s) of {'/'.join(str(e.num_tokens) for e in self.earlier)} tokens")
         return f"[{reqs}] topk={self.topk_width} block={self.block_size} {' '.join(extra)}".strip()
@@ -248,9 +255,16 @@ class Case:
                 _check(getattr(e, name) == getattr(self, name), f"earlier[{k}].{name}",
                        f"one engine runs the trace: must equal this step's ({getattr(self, name)!r}), got {getattr(e, name)!r}")
             try:
-                e.validate()
+                dataclasses.replace(e, mtp_draft=False).validate()  # a draft step is checked against its step before below
             except CaseError as err:
                 raise CaseError(str(err).replace("case.", f"case.earlier[{k}].", 1)) from None
+        steps = (*self.earlier, self)
+        for k, step in enumerate(steps):
+            if step.mtp_draft:
+                where = f"earlier[{k}].mtp_draft" if k < len(self.earlier) else "mtp_draft"
+                _check(k > 0 and draft_follows(steps[k - 1], step), where,
+                       "an MTP draft step follows a decode of one token per request and holds the same requests, "
+                       "each one token on (same block table, no padding, an eager engine)")
         return self
 
     # -- JSON ------------------------------------------------------------------------------------------
@@ -274,6 +288,19 @@ class Case:
 
 
 # What one engine fixes for the life of a trace: every step shares them.
+def draft_follows(before: "Case", draft: "Case") -> bool:
+    """Whether `draft` can be an MTP draft step of `before`: both decodes of one token per request, the same
+    requests and block table, each request one token on, no CUDA-graph padding, eager (the speculator's
+    in-place update; a full-graph engine replays its draft steps from a graph instead)."""
+    def one_token_decodes(c: "Case") -> bool:
+        return (c.num_decodes == len(c.requests) > 0 and all(r.query_len == 1 for r in c.requests)
+                and not c.padded_tokens and c.cudagraph == "none")
+
+    return (one_token_decodes(before) and one_token_decodes(draft) and len(before.requests) == len(draft.requests)
+            and before.block_table == draft.block_table and before.idx_mapping == draft.idx_mapping
+            and all(d.context_len == b.context_len + 1 for b, d in zip(before.requests, draft.requests)))
+
+
 ENGINE_FIELDS = ("block_size", "block_stride_rows", "topk_width", "heads", "kv_cache_dtype", "fp8_scale", "values",
                  "dcp", "call", "cudagraph")
 

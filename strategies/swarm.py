@@ -73,6 +73,8 @@ KNOBS = _knobs(
     Knob("cudagraph", CUDAGRAPH_MODES, "the engine replays uniform decode steps from full CUDA graphs (or runs eagerly)"),
     Knob("trace", ("single", "short", "long"),
          "steps one engine ran before the case: none, one, or two to three (strategies.traces)"),
+    Knob("mtp_draft", ("off", "on"), "the steps before the case include an MTP draft step: the step before's "
+                                     "metadata updated in place (strategies.traces.draft_pair)"),
 )
 
 
@@ -156,6 +158,7 @@ def case_features(case: Case, domains: dict[str, tuple[str, ...]], max_context: 
         "values": {case.values},
         "cudagraph": {case.cudagraph},
         "trace": {"single" if not case.earlier else "short" if len(case.earlier) == 1 else "long"},
+        "mtp_draft": {"on" if any(s.mtp_draft for s in case.steps) else "off"},
     }
     if decodes:
         f["decode_query_len"] = {"one" if decodes[0].query_len == 1 else "mtp"}

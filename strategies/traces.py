@@ -34,9 +34,10 @@ def _cdiv(a: int, b: int) -> int:
 @st.composite
 def earlier_steps(draw, case: Case, spec: Callable[[Request], st.SearchStrategy[TopkSpec]],
                   swarm: Swarm | None = None, max_decode_query_len: int = MAX_DECODE_QUERY_LEN,
-                  max_earlier: int = MAX_EARLIER, max_tokens: int = CHUNK) -> tuple[Case, ...]:
+                  max_earlier: int = MAX_EARLIER, max_tokens: int = CHUNK, mtp_draft: bool = False) -> tuple[Case, ...]:
     """Up to `max_earlier` steps before `case`, oldest first, each of at most `max_tokens` query tokens (the
-    profile's step size); `spec` draws a request's TopkSpec as the case's do."""
+    profile's step size); `spec` draws a request's TopkSpec as the case's do; `mtp_draft`: the two steps
+    before the case may be MTP draft steps (`draft_pair`)."""
     kind = category(draw, swarm, "trace")
     if kind is None:  # the plain search: any length, shrinking to a single step
         n = draw(st.integers(0, max_earlier))
@@ -45,6 +46,13 @@ def earlier_steps(draw, case: Case, spec: Callable[[Request], st.SearchStrategy[
     n = min(n, max_earlier)
     steps: list[Case] = []
     later = case
+    # MTP draft steps: the two steps before the case are the draft model's fused multi-step decode (a first
+    # draft step of one token per request, then a step on its metadata updated in place, one token on).
+    mtp = category(draw, swarm, "mtp_draft") if mtp_draft else "off"
+    if (mtp == "on" or (mtp is None and draw(st.integers(0, 3)) == 0)) and max_earlier >= 2 and n:
+        pair = draft_pair(draw, case, spec, seed=case.seed + 7_000_003)
+        if pair is not None:
+            steps, later, n = list(pair), pair[0], max(0, max(n, 2) - 2)
     for k in range(n):
         step = draw(step_before(later, spec, max_decode_query_len, seed=case.seed + 1_000_003 * (k + 1),
                                 max_tokens=max_tokens))
@@ -53,6 +61,26 @@ def earlier_steps(draw, case: Case, spec: Callable[[Request], st.SearchStrategy[
         steps.insert(0, step)
         later = step
     return tuple(steps)
+
+
+def draft_pair(draw, later: Case, spec, seed: int) -> tuple[Case, Case] | None:
+    """(the first draft step, the draft step after it on the same metadata) that ran before `later`: each of
+    `later`'s requests with at least 3 cached tokens, one token per step, in `later`'s block-table rows."""
+    rows = [(req, later.block_table[later.table_row(r)]) for r, req in enumerate(later.requests)
+            if req.query_len and req.context_len >= 3]
+    if not rows:
+        return None
+    table = tuple(row for _, row in rows)
+
+    def step(back: int, k: int) -> Case:
+        reqs = tuple(Request(1, req.context_len - back) for req, _ in rows)
+        return dataclasses.replace(later, requests=reqs, num_decodes=len(reqs), block_table=table, idx_mapping=None,
+                                   topk=tuple(draw(spec(r)) for r in reqs), seed=(seed + k) % 2**31,
+                                   padded_tokens=0, cudagraph="none", earlier=(), mtp_draft=k == 1)
+
+    if later.cudagraph != "none":  # a full-graph engine replays its draft steps from a graph: not this path
+        return None
+    return step(2, 0), step(1, 1)
 
 
 @st.composite

@@ -33,6 +33,7 @@ MUTANTS: dict[str, str] = {
     "remap-full-batch-req-id-fp8-separate": "fuzzer.mutants.remap_full_batch_req_id_fp8_separate",
     "flashmla-req-id-buffer-grow-only": "fuzzer.mutants.flashmla_req_id_buffer_grow_only",
     "flashmla-graph-block-table-copied": "fuzzer.mutants.flashmla_graph_block_table_copied",
+    "flashattn-draft-update-last-token": "fuzzer.mutants.flashattn_draft_update_last_token",
 }
 
 

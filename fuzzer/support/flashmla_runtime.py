@@ -75,6 +75,44 @@ def install_standins(device: str = "cuda") -> tuple[str, ...]:
     return tuple(bound)
 
 
+FLASH_ATTN_SPARSE_MODULE = "vllm.v1.attention.backends.mla.flashattn_mla_sparse"
+FLASH_ATTN_INTERFACE = "vllm.vllm_flash_attn.flash_attn_interface"
+
+
+@functools.cache
+def sparse_backend(name: str, device: str = "cuda"):
+    """(vLLM's backend class for `name`, the stand-ins bound for it): FLASHMLA_SPARSE, or FLASH_ATTN_MLA_SPARSE,
+    whose module imports FA3's `flash_attn_varlen_func` from vllm_flash_attn at import time. On a host whose
+    vllm_flash_attn cannot load its compiled extension (any CPU; a GPU without it), or with tensors on the CPU,
+    the module is imported with attnfuzz's stand-in in that import's place: only for that import, so that
+    nothing else of vLLM sees a flash-attention it does not have."""
+    if name == "FLASHMLA_SPARSE":
+        return importlib.import_module(BACKEND_MODULE).FlashMLASparseBackend, install_standins(device)
+    if name != "FLASH_ATTN_MLA_SPARSE":
+        raise ValueError(f"unknown sparse-MLA backend {name!r}")
+    if device != "cpu":
+        with contextlib.suppress(ImportError):
+            return importlib.import_module(FLASH_ATTN_SPARSE_MODULE).FlashAttnMLASparseBackend, ()
+    import sys
+    import types
+
+    package, interface = types.ModuleType(FLASH_ATTN_INTERFACE.rsplit(".", 1)[0]), types.ModuleType(FLASH_ATTN_INTERFACE)
+    package.__path__ = []
+    interface.flash_attn_varlen_func = flash_attn_varlen_func
+    saved = {m.__name__: sys.modules.get(m.__name__) for m in (package, interface)}
+    sys.modules.pop(FLASH_ATTN_SPARSE_MODULE, None)  # a failed import above leaves nothing, but be sure
+    sys.modules.update({m.__name__: m for m in (package, interface)})
+    try:
+        module = importlib.import_module(FLASH_ATTN_SPARSE_MODULE)
+    finally:
+        for mod_name, before in saved.items():
+            if before is None:
+                sys.modules.pop(mod_name, None)
+            else:
+                sys.modules[mod_name] = before
+    return module.FlashAttnMLASparseBackend, ("flash_attn_varlen_func",)
+
+
 def prefilled_out(fn, out_shape):
     """`fn` (a FlashMLA entry point with an `out` parameter), its `out` filled with NaN first: vLLM's buffer if
     vLLM passes one, else one of `out_shape(arguments)` in q's dtype."""

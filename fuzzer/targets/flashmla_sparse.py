@@ -9,8 +9,6 @@ CPU), torch stand-ins from `fuzzer.support.standins.flashmla_ops` are bound wher
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 from dataclasses import dataclass, field
 
 import torch
@@ -30,8 +28,8 @@ from fuzzer.support.flashmla_runtime import (
     guard_index_group,
     has_cache_op,
     impl_topk_kwargs,
-    install_standins,
     prefill_outputs_under_initcheck,
+    sparse_backend,
     vllm_runtime,
 )
 from fuzzer.support.interp.corrections import CORRECTIONS, install_corrections
@@ -109,12 +107,16 @@ class FlashMLASparse(Target):
     kv_cache_dtypes = ("bfloat16", "fp8_ds_mla")
     cudagraph_modes = ("none", "full")
     outputs_stay_on_device = True  # the attention oracles judge on the device (oracles/attention_judge.py)
+    vllm_backend = "FLASHMLA_SPARSE"  # vLLM's name for the backend whose builder and impl every step runs
+    # Traces with MTP draft steps (Case.mtp_draft): for a builder that updates draft metadata in place.
+    # FlashMLA's cannot (vLLM rebuilds it, an ordinary step), so its traces draw none.
+    mtp_draft = False
 
     def unavailable(self) -> str | None:
         try:
-            importlib.import_module(BACKEND_MODULE)
+            sparse_backend(self.vllm_backend, self.device)
         except Exception as e:
-            return f"cannot import {BACKEND_MODULE}: {type(e).__name__}: {e}"
+            return f"cannot import vLLM's {self.vllm_backend} backend: {type(e).__name__}: {e}"
         return None
 
     def prepare(self) -> None:
@@ -124,7 +126,7 @@ class FlashMLASparse(Target):
 
             install_corrections()
             self.shims += [*install_cpu_shims(), *cpu_shims(), *(f"interpreter correction: {c}" for c in CORRECTIONS)]
-        self.emulated = install_standins(self.device)
+        self.backend, self.emulated = sparse_backend(self.vllm_backend, self.device)
         self.shims += prefill_outputs_under_initcheck(self.device)
         self.real_parts = self.real_parts_here()
         self.cfg = self.runtime(str(STATE_DIR))
@@ -148,7 +150,8 @@ class FlashMLASparse(Target):
         return attention_space(profile, AttentionFeatures(kv_cache_dtypes=self.kv_cache_dtypes, block_sizes=(64, 128),
                                                           block_stride_rows=remap_api().has_block_stride_rows,
                                                           cudagraph_padding=True, traces=True,
-                                                          cudagraph_modes=self.cudagraph_modes))
+                                                          cudagraph_modes=self.cudagraph_modes,
+                                                          mtp_draft=self.mtp_draft))
 
     def step(self, case, device, guards=None):
         """Inputs, poisoned cache, top-k buffer, new-token slots for `case` on `device`."""
@@ -239,7 +242,7 @@ class FlashMLASparse(Target):
         eagerly on the same metadata too (`out_eager`)."""
         dev, engine = self.device, ctx.engine
         if not engine:
-            backend = importlib.import_module(BACKEND_MODULE).FlashMLASparseBackend
+            backend = self.backend
             engine["builder"] = backend.get_builder_cls()(ctx.spec, [LAYER], ctx.cfg, torch.device(dev))
             # topk_indices_buffer= with indexer=None: the index group orders on the compute stream.
             engine["impl"] = backend.get_impl_cls()(
@@ -257,8 +260,12 @@ class FlashMLASparse(Target):
         if graphs is not None and ctx.first and graphs.sizes:  # the runner captures before its first step
             graphs.capture(builder, forward, (step.heads, HEAD_SIZE), inp.q.dtype, ctx.topk_buffer)
             ctx.notes["cudagraph"] = {"captured": [list(s) for s in graphs.sizes], "emulated": graphs.emulated}
-        cam = graphs.stage(step, inp.index) if graphs is not None else common_attn_metadata(step, inp.index, dev)
-        metadata = builder.build(0, cam)
+        if step.mtp_draft:
+            metadata = self.draft_metadata(ctx, step, inp)
+        else:
+            cam = graphs.stage(step, inp.index) if graphs is not None else common_attn_metadata(step, inp.index, dev)
+            metadata = builder.build(0, cam)
+            engine["cam"], engine["metadata"] = cam, metadata
         q = with_padded_tokens(step, inp.q)
         check_overrun = guard_index_group(impl, poison=ctx.first)
         if step.replays_graph:
@@ -271,10 +278,31 @@ class FlashMLASparse(Target):
             return outputs
         outputs = forward(q, metadata)
         ctx.overruns.extend(check_overrun(step.num_actual_tokens))
+        if ctx.notes.get("mtp_draft") == "update_draft_decode_metadata":  # the bits a build gives the same step
+            outputs["out"] = outputs["out"].clone()
+            outputs["out_rebuilt"] = forward(q, builder.build(0, common_attn_metadata(step, inp.index, dev)))["out"]
         if ctx.rerun:  # the same step again, on the same metadata and buffers
             outputs["out"] = outputs["out"].clone()
             outputs["out_again"] = forward(q, metadata)["out"]
         return outputs
+
+    def draft_metadata(self, ctx: "StepContext", step, inp):
+        """An MTP draft step's metadata as vLLM's speculator makes it (fused multi-step decode): the step
+        before's, its runner inputs advanced in place (`seq_lens` + 1 and the new tokens' `slot_mapping`; the
+        block table and `query_start_loc` stay), then the builder's `update_draft_decode_metadata`; a builder
+        that cannot (`supports_draft_decode_metadata_update` false) is rebuilt, as the speculator falls back."""
+        engine = ctx.engine
+        cam, builder = engine["cam"], engine["builder"]
+        advanced = common_attn_metadata(step, inp.index, self.device)
+        cam.seq_lens.copy_(advanced.seq_lens)
+        cam.slot_mapping.copy_(advanced.slot_mapping)
+        if getattr(builder, "supports_draft_decode_metadata_update", False):
+            builder.update_draft_decode_metadata(engine["metadata"])
+            ctx.notes["mtp_draft"] = "update_draft_decode_metadata"
+            return engine["metadata"]
+        ctx.notes["mtp_draft"] = "rebuilt"
+        engine["cam"], engine["metadata"] = advanced, builder.build(0, advanced)
+        return engine["metadata"]
 
     def finish(self, obs, case, slots, cache, before, write_emulated, overruns, guards):
         """What both FlashMLA targets add to an observation after the call: the fp8 entries written (for the
@@ -337,9 +365,8 @@ def flashmla_repro(target, finding, layer: bool) -> ReproSpec:
         constants=dict(**repro_constants(case), ATOL=atol, RTOL=rtol), tensors=tensors,
         support={"runtime": "fuzzer.support.flashmla_runtime", **(REPRO_CPU_SUPPORT if cpu else {})},
         prepare=(REPRO_CPU_PREPARE + "runtime.cpu_shims()  # no streams on a CPU\n" if cpu else "")
-        + ("emulated = tuple(dict.fromkeys(runtime.install_standins(DEVICE) + runtime.install_layer_standins(DEVICE)))\n" if layer
-           else "emulated = runtime.install_standins(DEVICE)\n"),
-        setup=REPRO_SETUP + repro_case(case) + REPRO_CONFIG + REPRO_CACHE + REPRO_METADATA + ("route = {}\n" if layer else ""),
+        + repro_backend(target, layer),
+        setup=REPRO_SETUP_ANY + repro_case(case) + REPRO_CONFIG + REPRO_CACHE + REPRO_METADATA + ("route = {}\n" if layer else ""),
         call=_LAYER_CALL if layer else _MQA_CALL,
         judge=Judge("attention", dict(out="out", expected='T["expected_out"]', cache="cache", before="before",
                                       atol="ATOL", rtol="RTOL")),
@@ -384,6 +411,8 @@ def flashmla_trace_repro(target, finding, layer: bool) -> ReproSpec:
                           if name in ("NUM_REQS", "NUM_TOKENS", "MAX_QUERY_LEN", "MAX_SEQ_LEN")})
         if case.cudagraph == "full":
             constants[-1]["REPLAY"] = step.replays_graph
+        if step.mtp_draft:
+            constants[-1]["DRAFT"] = True
     last = steps[-1]
     inputs = target.step_inputs(last)
     inp = getattr(inputs, "attention", inputs)
@@ -401,6 +430,7 @@ def flashmla_trace_repro(target, finding, layer: bool) -> ReproSpec:
         atol, rtol = attention_tolerance(last, inp)
     tensors["expected_out"] = expected
     graphs = DecodeGraphs(case, dev, MAX_MODEL_LEN) if case.cudagraph == "full" and not layer else None
+    drafts = any(s.mtp_draft for s in steps) and not layer
     graph_constants = dict(GRAPH_SIZES=[list(s) for s in graphs.sizes], MAX_REQS=graphs.buffers.seq_lens.shape[0],
                            TABLE_WIDTH=len(case.block_table[0])) if graphs else {}
     return ReproSpec(
@@ -410,6 +440,9 @@ def flashmla_trace_repro(target, finding, layer: bool) -> ReproSpec:
               + ("one layer" if layer else "one impl") + " run every step, on one cache and one top-k buffer, as vLLM's "
               "model runner keeps them." + (" The engine runs full CUDA graphs: captured at start-up from dummy decode "
                                            "batches, replayed for every uniform decode step (REPLAY)." if graphs else "")
+              + (" Steps marked DRAFT are MTP draft steps, as vLLM's speculator runs them: on the step before's "
+                 "metadata, its inputs advanced in place, then the builder's update_draft_decode_metadata; each is "
+                 "also run on metadata built for it." if drafts else "")
               + "\nInputs per step in tensors.safetensors beside this file; the expected output "
               "is attnfuzz's " + ("fp32 oracle (after W_UV)." if layer else "fp32 oracle (latent, 512 wide)."),
         imports=("import dataclasses", "import tempfile", "from types import SimpleNamespace"),
@@ -420,13 +453,13 @@ def flashmla_trace_repro(target, finding, layer: bool) -> ReproSpec:
         support={"runtime": "fuzzer.support.flashmla_runtime", **({"cudagraphs": "fuzzer.support.cudagraphs"} if graphs else {}),
                  **(REPRO_CPU_SUPPORT if cpu else {})},
         prepare=(REPRO_CPU_PREPARE + "runtime.cpu_shims()  # no streams on a CPU\n" if cpu else "")
-        + ("emulated = tuple(dict.fromkeys(runtime.install_standins(DEVICE) + runtime.install_layer_standins(DEVICE)))\n" if layer
-           else "emulated = runtime.install_standins(DEVICE)\n"),
-        setup=REPRO_SETUP + repro_case(case) + _TRACE_CONFIG + ("route = {}\n" if layer else ""),
+        + repro_backend(target, layer),
+        setup=REPRO_SETUP_ANY + repro_case(case) + _TRACE_CONFIG + ("route = {}\n" if layer else ""),
         call=_TRACE_CALL.format(engine=_TRACE_LAYER_ENGINE if layer else _TRACE_MQA_ENGINE,
                                 capture=_GRAPH_CAPTURE if graphs else "",
-                                metadata=_GRAPH_METADATA if graphs else _TRACE_METADATA,
-                                forward=_TRACE_LAYER_FORWARD if layer else _GRAPH_FORWARD if graphs else _TRACE_MQA_FORWARD),
+                                metadata=_GRAPH_METADATA if graphs else _DRAFT_METADATA if drafts else _TRACE_METADATA,
+                                forward=_TRACE_LAYER_FORWARD if layer else _GRAPH_FORWARD if graphs
+                                else _DRAFT_FORWARD if drafts else _TRACE_MQA_FORWARD),
         judge=Judge("attention", dict(out="out", expected='T["expected_out"]', cache="cache", before="before",
                                       atol="ATOL", rtol="RTOL")),
         report=('print("routes of the last step:", route, "| stand-ins for ops this host lacks:", ", ".join(emulated) or "none")\n'
@@ -460,8 +493,7 @@ with set_current_vllm_config(cfg), torch.inference_mode():
         topk_indices_buffer[:n] = S["topk_indices"]
         topk_indices_buffer[n : step["NUM_TOKENS"]] = -1
         before = cache.clone()
-{metadata}        metadata = builder.build(0, cam)
-{forward}"""
+{metadata}{forward}"""
 
 _TRACE_METADATA = """\
         cam = CommonAttentionMetadata(**{name: v for name, v in dict(
@@ -470,11 +502,23 @@ _TRACE_METADATA = """\
             num_computed_tokens_cpu=S["num_computed_tokens"].cpu(), num_reqs=step["NUM_REQS"],
             num_actual_tokens=step["NUM_TOKENS"], max_query_len=step["MAX_QUERY_LEN"], max_seq_len=step["MAX_SEQ_LEN"],
             block_table_tensor=S["block_table"], slot_mapping=S["slot_mapping"]).items() if name in fields})
+        metadata = builder.build(0, cam)
 """
+# A trace with MTP draft steps (DRAFT): a draft step runs on the step before's metadata, the runner's inputs
+# advanced in place and the builder's update_draft_decode_metadata, as vLLM's speculator runs its drafts.
+_DRAFT_METADATA = _TRACE_METADATA.replace("        cam = ", "        fresh = ").replace("""        metadata = builder.build(0, cam)
+""", """        if step.get("DRAFT"):
+            cam.seq_lens.copy_(fresh.seq_lens)
+            cam.slot_mapping.copy_(fresh.slot_mapping)
+            builder.update_draft_decode_metadata(metadata)
+        else:
+            cam, metadata = fresh, builder.build(0, fresh)
+""")
 # A full-graph engine: every step's inputs go into the runner's persistent buffers, which its metadata views.
 _GRAPH_METADATA = """\
         cam = runner.stage(S["query_start_loc"], S["seq_lens"], S["block_table"], S["slot_mapping"],
                            S["num_computed_tokens"], step["NUM_TOKENS"], step["MAX_QUERY_LEN"], step["MAX_SEQ_LEN"])
+        metadata = builder.build(0, cam)
 """
 _GRAPH_CAPTURE = """\
     # vLLM's runner: persistent step inputs, and a full CUDA graph per uniform decode size, captured before the
@@ -527,6 +571,15 @@ _TRACE_MQA_FORWARD = """\
         out, _lse = impl.forward_mqa((q[..., :512], q[..., 512:]), cache, metadata, None)
         found += [f"step {k}: {m}" for m in check_overrun(step["NUM_TOKENS"])]
 """
+_DRAFT_FORWARD = _TRACE_MQA_FORWARD + """\
+        if step.get("DRAFT"):  # the same step on metadata built for it: the bits the in-place update promises
+            out = out.clone()
+            rebuilt, _lse = impl.forward_mqa((q[..., :512], q[..., 512:]), cache, builder.build(0, fresh), None)
+            if not torch.equal(out.view(torch.uint8), rebuilt.view(torch.uint8)):
+                found.append(f"step {k}: the MTP draft step on metadata updated in place (update_draft_decode_metadata) "
+                             f"differs from the same step on metadata built for it in "
+                             f"{int((out != rebuilt).any(dim=-1).any(dim=-1).sum())} of {out.shape[0]} tokens")
+"""
 _TRACE_LAYER_ENGINE = """\
     layer = runtime.mla_layer(cfg, case.heads, T["kv_b_weight"], topk_indices_buffer, DEVICE)
     runtime.record_routes(layer.impl, route)
@@ -541,14 +594,24 @@ _TRACE_LAYER_FORWARD = """\
 """
 
 
-# What every FlashMLA reproducer sets up (the DCP one too): vLLM's imports, the config the target builds.
-REPRO_SETUP = f"""\
+def repro_backend(target, layer: bool) -> str:
+    """A reproducer's line that gets vLLM's backend class (`Backend`) and binds the stand-ins it needs here."""
+    if layer:
+        return ("Backend, emulated = runtime.sparse_backend(\"FLASHMLA_SPARSE\", DEVICE)\n"
+                "emulated = tuple(dict.fromkeys(emulated + runtime.install_layer_standins(DEVICE)))\n")
+    return f"Backend, emulated = runtime.sparse_backend({target.vllm_backend!r}, DEVICE)\n"
+
+
+# What every FlashMLA reproducer sets up: vLLM's imports, the config the target builds (`Backend` comes from
+# `repro_backend`; the DCP reproducer imports FlashMLA's itself).
+REPRO_SETUP_ANY = """\
 from vllm.config import set_current_vllm_config
 from vllm.v1.attention.backend import CommonAttentionMetadata
-from {BACKEND_MODULE} import FlashMLASparseBackend as Backend
 from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
 """
+REPRO_SETUP = REPRO_SETUP_ANY.replace("from vllm.v1.kv_cache_interface", f"from {BACKEND_MODULE} import "
+                                      "FlashMLASparseBackend as Backend\nfrom vllm.v1.kv_cache_interface")
 REPRO_CONFIG = """\
 cfg = runtime.configure(runtime.vllm_runtime(DEVICE, tempfile.mkdtemp()), case,
                         max_num_batched_tokens=T["topk_indices_buffer"].shape[0])

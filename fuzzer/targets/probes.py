@@ -31,6 +31,7 @@ _current: set[str] | None = None  # the running case's paths; None: not recordin
 
 FLASHMLA = "vllm.v1.attention.backends.mla.flashmla_sparse"
 XPU = "vllm.v1.attention.backends.mla.xpu_mla_sparse"
+FLASHATTN = "vllm.v1.attention.backends.mla.flashattn_mla_sparse"
 SPARSE_UTILS = "vllm.v1.attention.backends.mla.sparse_utils"
 INDEX_GROUP = "vllm.v1.attention.backends.mla.index_group"
 SPARSE_MLA = "vllm.model_executor.layers.attention.sparse_mla_attention"
@@ -137,6 +138,8 @@ PROBES: tuple[Probe, ...] = (
     Probe(FLASHMLA, "FlashMLASparseImpl._forward_bf16_kv", "bf16"),
     Probe(FLASHMLA, "FlashMLASparseImpl._forward_fp8_kv_mixed_batch", "fp8.mixed_batch"),
     Probe(FLASHMLA, "FlashMLASparseImpl._forward_fp8_kv_separate_prefill_decode", "fp8.separate_prefill_decode"),
+    Probe(FLASHATTN, "FlashAttnMLASparseImpl._forward_mqa_kernel", "kernel.fa3_sparse"),
+    Probe(FLASHATTN, "FlashAttnMLASparseMetadataBuilder.update_draft_decode_metadata", "mtp_draft.update"),
     Probe(FLASHMLA, "FlashMLASparseImpl._bf16_flash_mla_kernel", "kernel.bf16_sparse", before=_bf16_kernel_heads),
     Probe(FLASHMLA, "FlashMLASparseImpl._fp8_flash_mla_kernel", "kernel.fp8_decode", before=_fp8_kernel_heads),
     # the top-k index conversion, wherever it is looked up

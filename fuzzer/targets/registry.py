@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fuzzer.targets.base import Target
 from fuzzer.targets.dcp_filter import DcpFilter
+from fuzzer.targets.flashattn_sparse import FlashAttnMLASparse
 from fuzzer.targets.flashmla_dcp import FlashMLASparseDcp
 from fuzzer.targets.flashmla_dcp_ranks import FlashMLASparseDcpRanks
 from fuzzer.targets.flashmla_layer import FlashMLASparseLayer
@@ -22,6 +23,7 @@ TARGETS: dict[str, type[Target]] = {
     FlashMLASparseDcp.name: FlashMLASparseDcp,
     FlashMLASparseDcpRanks.name: FlashMLASparseDcpRanks,
     FlashMLASparseLayerDcp.name: FlashMLASparseLayerDcp,
+    FlashAttnMLASparse.name: FlashAttnMLASparse,
     SelftestFault.name: SelftestFault,  # harness self-test, not vLLM
 }
 

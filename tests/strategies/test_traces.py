@@ -92,3 +92,35 @@ def test_an_earlier_step_of_another_engine_is_refused_by_name(field, value):
         bad.validate()
     with pytest.raises(CaseError, match=r"case.earlier\[0\].requests\[0\].query_len"):
         Case.from_dict({**TRACE.to_dict(), "earlier": [{**FIRST.to_dict(), "requests": [{"query_len": -1, "context_len": 0}]}]})
+
+
+# -- MTP draft steps -------------------------------------------------------------------------------------------
+
+DRAFT_SPACE = attention_space(PROFILES["cpu"], AttentionFeatures(kv_cache_dtypes=("bfloat16",), traces=True,
+                                                                 mtp_draft=True))
+
+
+@FAST
+@given(DRAFT_SPACE.strategy(Swarm((("mtp_draft", "on"), ("trace", "long")))))
+def test_a_draft_step_holds_the_step_before_s_requests_one_token_on(case):
+    """Pinned on, the two steps before the case are the draft model's: a first draft step and one on its
+    metadata (Case.mtp_draft), each a decode of one token per request in the case's own block-table rows."""
+    assert Case.from_json(case.to_json()) == case
+    drafts = [k for k, s in enumerate(case.steps) if s.mtp_draft]
+    if not drafts:  # no request of the case has 3 cached tokens: nothing could have drafted before it
+        assert all(r.context_len < 3 or not r.query_len for r in case.requests)
+        return
+    assert drafts == [len(case.steps) - 2] and case_features(case, DRAFT_SPACE.knobs, 1)["mtp_draft"] == {"on"}
+    base, draft = case.steps[-3], case.steps[-2]
+    assert [r.query_len for r in draft.requests] == [1] * len(draft.requests) and base.block_table == draft.block_table
+    assert [r.context_len for r in draft.requests] == [r.context_len + 1 for r in base.requests]
+
+
+def test_a_draft_step_that_does_not_follow_its_step_before_names_the_field():
+    base = _step([Request(1, 20), Request(1, 5)], ((1, 2), (3, 4)), seed=1, num_decodes=2)
+    draft = dataclasses.replace(base, requests=(Request(1, 21), Request(1, 6)), mtp_draft=True)
+    dataclasses.replace(draft, earlier=(base,)).validate()  # one token on, same rows: a draft step
+    with pytest.raises(CaseError, match="mtp_draft"):
+        dataclasses.replace(draft, requests=(Request(1, 22), Request(1, 6)), earlier=(base,)).validate()
+    with pytest.raises(CaseError, match="mtp_draft"):  # a single step has no step before it
+        draft.validate()

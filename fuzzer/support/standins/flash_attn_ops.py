@@ -10,6 +10,13 @@ or, as upstream flash_attn's `return_attn_probs` gives it (what vLLM's backend a
 i + sk - sq); natural-log LSE [H, total_q] in fp32. A query row with no key to attend to (an empty context chunk)
 is left as the kernel leaves it, undefined: NaN output, LSE -inf (vLLM's `mask_empty_context` neutralizes both).
 Rows past cu_seqlens_q[-1] are not written. An offset past q or k is a memory violation, recorded and skipped.
+
+The paged form FA3 takes from vLLM's FLASH_ATTN_MLA_SPARSE backend (`block_table=` with `seqused_k=`, and
+`q_v=`) is `_paged_qv`: k and v are [num_pages, page_size, H_k, D] pages, batch b's key j is in page
+block_table[b, j // page_size] at offset j % page_size, for j < seqused_k[b]; with q_v the score is
+q.k + q_v.v (FA3's QV path). A batch with no key gets what FA3's epilogue stores for it (`store_zero`): output 0,
+LSE -inf. A page id outside k's pages, or a table entry read past block_table's end, is a memory violation,
+recorded; that key is skipped.
 """
 
 from __future__ import annotations
@@ -36,8 +43,12 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
                            output_scale: torch.Tensor | None = None, fa_version: int | None = None, **unused):
     if output_scale is not None:
         raise NotImplementedError(f"attnfuzz's {OP} stand-in writes no quantized output (output_scale)")
-    if unused.get("seqused_k") is not None or unused.get("block_table") is not None:
-        raise NotImplementedError(f"attnfuzz's {OP} stand-in takes contiguous varlen keys only")
+    if unused.get("block_table") is not None:
+        return _paged_qv(q, k, v, cu_seqlens_q, unused["seqused_k"], unused["block_table"], unused.get("q_v"),
+                         q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale, causal, out,
+                         return_softmax_lse or return_attn_probs)
+    if unused.get("seqused_k") is not None or unused.get("q_v") is not None:
+        raise NotImplementedError(f"attnfuzz's {OP} stand-in takes seqused_k and q_v only with a block_table")
     assert cu_seqlens_k is not None, "varlen keys need cu_seqlens_k"
     heads, d_v = q.shape[1], v.shape[-1]
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
@@ -77,3 +88,66 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
     if return_attn_probs:  # upstream flash_attn's form (vLLM uses it off CUDA/XPU): (out, softmax_lse, S_dmask)
         return out, lse, None
     return (out, lse) if return_softmax_lse else out
+
+
+KEY_CHUNK_BYTES = 64 << 20  # fp32 keys gathered at once (tokens x keys x width): bounds the stand-in's memory
+
+
+def _paged_qv(q, k, v, cu_seqlens_q, seqused_k, block_table, q_v, scale, causal, out, with_lse):
+    """FA3 over a page table (see the module docstring), every query token at once, in fp32."""
+    total_q, heads, d_v = q.shape[0], q.shape[1], v.shape[-1]
+    num_pages, page_size, kv_heads = k.shape[0], k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    if out is None:
+        out = torch.empty(total_q, heads, d_v, dtype=q.dtype, device=q.device)
+    lse = torch.full((heads, total_q), float("-inf"), dtype=torch.float32, device=q.device)
+    cq = cu_seqlens_q.long()
+    batches = cq.numel() - 1
+    dev = q.device
+    n_q = int(cq[-1])
+    if n_q > total_q:
+        _violation("q", n_q * heads * q.shape[-1] - 1, q.numel(), q.element_size())
+        n_q = total_q
+    if n_q == 0:
+        return (out, lse) if with_lse else out
+    tokens = torch.arange(n_q, device=dev)
+    batch = torch.searchsorted(cq[1:], tokens, right=True)  # the batch of each query token
+    sq = (cq[1:] - cq[:-1])[batch]
+    sk = seqused_k.long()[batch]
+    # Causal: query i of sq sees keys j <= i + sk - sq (bottom-right aligned).
+    visible = (sk - (sq - 1 - (tokens - cq[batch]))).clamp(min=0) if causal else sk
+    k_flat, v_flat = k.reshape(num_pages * page_size, kv_heads, -1), v.reshape(num_pages * page_size, kv_heads, -1)
+    table = block_table.reshape(-1).long()
+    width = block_table.shape[1] if block_table.dim() == 2 else block_table.numel() // max(batches, 1)
+    max_keys = int(visible.max())
+    chunk = max(1, KEY_CHUNK_BYTES // max(1, max_keys * (k.shape[-1] + d_v) * 4))
+    for t0 in range(0, n_q, chunk):
+        t1 = min(n_q, t0 + chunk)
+        j = torch.arange(max_keys, device=dev)[None, :]
+        live = j < visible[t0:t1, None]
+        entry = batch[t0:t1, None] * width + j // page_size  # the table entry FA3 reads for key j
+        past_table = live & (entry >= table.numel())
+        if past_table.any():
+            _violation("block_table", int(entry[past_table].max()), table.numel(), block_table.element_size())
+        page = table[entry.clamp(max=table.numel() - 1)]
+        outside = live & ~past_table & ((page < 0) | (page >= num_pages))
+        if outside.any():
+            bad = int(page[outside][0])
+            _violation("k", (bad * page_size + page_size) * kv_heads * k.shape[-1] - 1, k.numel(), k.element_size())
+        live &= ~past_table & ~outside
+        row = (page.clamp(0, num_pages - 1) * page_size + j % page_size)  # [t, keys]
+        # [t, keys, H_k, D]: query heads in groups of H / H_k. Keys FA3 does not read are zero here, not the
+        # (poisoned) row a clamped index points at: 0 x NaN would leak into the output.
+        kt = k_flat[row].float().masked_fill(~live[..., None, None], 0.0)
+        vt = v_flat[row].float().masked_fill(~live[..., None, None], 0.0)
+        qg = q[t0:t1].float().view(t1 - t0, kv_heads, group, -1)
+        s = torch.einsum("tgzd,tkgd->tgzk", qg, kt)
+        if q_v is not None:
+            s = s + torch.einsum("tgzd,tkgd->tgzk", q_v[t0:t1].float().view(t1 - t0, kv_heads, group, -1), vt)
+        s = (s.reshape(t1 - t0, heads, -1) * scale).masked_fill(~live[:, None, :], float("-inf"))
+        row_lse = torch.logsumexp(s, dim=-1)  # [t, H]
+        p = torch.exp(s - row_lse[..., None]).nan_to_num(0.0)  # a row with no key: 0 (FA3's store_zero)
+        o = torch.einsum("tgzk,tkgd->tgzd", p.view(t1 - t0, kv_heads, group, -1), vt)
+        out[t0:t1] = o.reshape(t1 - t0, heads, d_v).to(out.dtype)
+        lse[:, t0:t1] = row_lse.transpose(0, 1)
+    return (out, lse) if with_lse else out

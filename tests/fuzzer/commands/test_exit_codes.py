@@ -4,6 +4,7 @@ findings, 2 when attnfuzz could not test (arguments, environment, outputs, a rep
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -131,7 +132,9 @@ def test_a_reproducer_that_cannot_run_its_call_exits_2_and_the_gate_calls_it_bro
     r = subprocess.run([sys.executable, "repro.py"], cwd=repro, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "COULD NOT RUN (the call): ModuleNotFoundError" in r.stdout, r.stdout + r.stderr
     assert "no bug: fixed" not in r.stdout
-    g = subprocess.run([sys.executable, "-m", "fuzzer.cli", "gate", "--no-campaigns", "--repros", str(ROOT / "repros"),
+    corpus = tmp_path / "repros"  # the gate over this reproducer alone (the whole corpus is test_gate's)
+    shutil.copytree(repro, corpus / repro.name)
+    g = subprocess.run([sys.executable, "-m", "fuzzer.cli", "gate", "--no-campaigns", "--repros", str(corpus),
                         "--out", str(tmp_path / "gate")], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=900)
     assert g.returncode == 1, g.stdout + g.stderr

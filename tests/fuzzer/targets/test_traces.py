@@ -34,7 +34,7 @@ def test_a_stale_persistent_buffer_is_found_by_traces_and_not_by_single_steps(tm
     assert repro.returncode == 1, repro.stdout + repro.stderr
     assert "BUG:" in repro.stdout
     # The same campaign on single fresh steps: nothing to find.
-    r = attnfuzz(*run, "--max-examples", "20", "--max-steps", "1", "--json", str(tmp_path / "s.json"),
+    r = attnfuzz(*run, "--max-examples", "12", "--max-steps", "1", "--json", str(tmp_path / "s.json"),
                  "--repros", str(tmp_path / "single"),
                  state=tmp_path / "state-single")
     assert r.returncode == 0, r.stdout + r.stderr
