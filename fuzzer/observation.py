@@ -24,6 +24,7 @@ class Notes(TypedDict, total=False):
     layer_routes: dict[str, Any]  # what this release's forward_impl offers a sparse impl
     padded_tokens: int  # CUDA-graph padding tokens the case carried (their rows are not judged)
     cudagraph: dict[str, Any]  # a full-graph engine's captured sizes, the tokens a step replayed, emulated or not
+    mtp_draft: str  # an MTP draft step's metadata: "update_draft_decode_metadata" (in place) or "rebuilt"
     shims: tuple[str, ...]  # CPU shims and interpreter corrections in force
     allocator_poisoned: bool  # the caching allocator's free memory was poisoned before the call
     traceback: str  # where the code under test raised

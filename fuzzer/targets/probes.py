@@ -155,7 +155,7 @@ KNOWN_PATHS: tuple[str, ...] = (
     "mha.masked.chunked_context", "bf16", "fp8.mixed_batch", "fp8.separate_prefill_decode", "kernel.bf16_sparse",
     "kernel.bf16_sparse.padded_heads", "kernel.fp8_decode", "kernel.fp8_decode.padded_heads", "index_group.convert",
     "remap", "remap.workspace", "remap.valid_counts", "remap.idx_mapping", "remap.in_place", "remap.block_stride",
-    "dcp.filter", "dcp.filter.compacted", "dcp.filter.in_place",
+    "dcp.filter", "dcp.filter.compacted", "dcp.filter.in_place", "kernel.fa3_sparse", "mtp_draft.update",
 )
 
 

@@ -71,38 +71,6 @@ def test_an_inject_file_that_raises_names_its_file_and_line(tmp_path):
 
 
 @pytest.mark.vllm
-def test_a_clean_run_counts_only_searched_cases_and_saves_findings_outside_the_corpus(tmp_path):
-    env = dict(os.environ, ATTNFUZZ_STATE=str(tmp_path / "state"))
-    # The plain search: what is counted and where it is saved, not the search (a swarm's wide cases shrink slower).
-    r = subprocess.run([sys.executable, "-m", "fuzzer.cli", *RUN, "--inject", "remap-no-length-check", "--seed", "1",
-                        "--max-examples", "40", "--max-findings", "1", "--reruns", "1", "--search", "plain",
-                        "--json", str(tmp_path / "s.json")],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 1, r.stderr[-2000:]
-    s = json.loads((tmp_path / "s.json").read_text())
-    assert s["examples"] <= 40 and s["shrink_cases"] > 0  # the budget holds; shrinking is counted apart
-    assert s["rerun_cases"] == len(s["findings"]) and s["startup_seconds"] > 0
-    (finding,) = s["findings"]
-    assert Path(finding["path"]).parent == tmp_path / "state" / "findings"  # not repros/, the gate's corpus
-    assert finding["shrunk"] is True and finding["inject"] == "remap-no-length-check"
-    assert "shrunk case:" in r.stdout and "injected bug remap-no-length-check" in r.stdout
-
-
-@pytest.mark.vllm
-def test_a_no_shrink_finding_is_not_called_shrunk(tmp_path):
-    # Its own state (example database): its unshrunk failure must not be what another test's campaign replays.
-    env = dict(os.environ, ATTNFUZZ_STATE=str(tmp_path / "state"))
-    r = subprocess.run([sys.executable, "-m", "fuzzer.cli", *RUN, "--inject", "remap-no-length-check", "--seed", "1",
-                        "--max-examples", "30", "--max-findings", "1", "--no-shrink", "--reruns", "0",
-                        "--repros", str(tmp_path / "r"),
-                        "--json", str(tmp_path / "s.json")], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 1, r.stderr[-2000:]
-    assert "case (as first found, not shrunk)" in r.stdout and "shrunk case" not in r.stdout
-    assert json.loads((tmp_path / "s.json").read_text())["findings"][0]["shrunk"] is False
-
-
-@pytest.mark.vllm
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_ends_the_run_interrupted_and_says_so(tmp_path, sig):
     env = dict(os.environ, ATTNFUZZ_STATE=str(tmp_path / "state"))

@@ -6,6 +6,7 @@ Each campaign runs in a fresh process: mutants patch vLLM process-wide.
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -30,7 +31,7 @@ def test_clean_campaign(target, tmp_path):
         r = attnfuzz("run", "--target", target, "--max-examples", "5")
         assert r.returncode == 2 and "not available" in r.stderr
         return
-    r = attnfuzz("run", "--target", target, "--seed", "3", "--max-examples", "15", "--json", str(tmp_path / "s.json"),
+    r = attnfuzz("run", "--target", target, "--seed", "1", "--max-examples", "15", "--json", str(tmp_path / "s.json"),
                  "--repros", str(tmp_path / "repros"))
     summary = _load(tmp_path / "s.json")
     assert summary["examples"] >= 15
@@ -44,26 +45,34 @@ def test_clean_campaign(target, tmp_path):
 
 def test_seed_bug_is_found_shrunk_and_reproduced(tmp_path):
     # The plain search: shrinking and the reproducer are under test here (a swarm's wide cases shrink slower).
+    # No --repros: a finding is saved under the state directory, not in repros/ (the gate's corpus).
     r = attnfuzz("run", "--target", "vllm.index_remap", "--inject", "remap-no-length-check", "--seed", "1",
-                 "--max-examples", "300", "--max-findings", "1", "--search", "plain", "--json", str(tmp_path / "s.json"),
-                 "--repros", str(tmp_path / "repros"))
+                 "--max-examples", "300", "--max-findings", "1", "--reruns", "1", "--search", "plain",
+                 "--json", str(tmp_path / "s.json"), state=tmp_path / "state")
     assert r.returncode == 1, r.stdout + r.stderr
-    (finding,) = _load(tmp_path / "s.json")["findings"]
+    summary = _load(tmp_path / "s.json")
+    (finding,) = summary["findings"]
+    # What is counted: the budget holds for searched cases; shrinking and re-runs are counted apart.
+    assert summary["examples"] <= 300 and summary["shrink_cases"] > 0 and summary["startup_seconds"] > 0
+    assert summary["rerun_cases"] == 1 and finding["shrunk"] is True and finding["inject"] == "remap-no-length-check"
+    assert "shrunk case:" in r.stdout and "injected bug remap-no-length-check" in r.stdout
+    repros = tmp_path / "state" / "findings"
+    assert Path(finding["path"]).parent == repros
     assert finding["bug_classes"] == ["A"]
     assert finding["verdicts"][0]["check"] == "memory"
     assert any("out-of-bounds store" in m for m in finding["memory"])
-    case = _load(tmp_path / "repros" / finding["id"] / "case.json")
+    case = _load(repros / finding["id"] / "case.json")
     # Shrunk, though not always to the 2-request minimum: the interpreter's bounds checker sees a store only
     # where it leaves every argument's allocation, so whether the smallest batches show the overrun depends on
     # where the allocator put the arguments (seen: 3 requests, and 5 once the example database was live).
     assert len(case["requests"]) <= 6 and sum(r["query_len"] for r in case["requests"]) <= 8
-    repro = subprocess.run([sys.executable, "repro.py"], cwd=tmp_path / "repros" / finding["id"],
+    repro = subprocess.run([sys.executable, "repro.py"], cwd=repros / finding["id"],
                            capture_output=True, text=True, timeout=300)
     assert repro.returncode == 1, repro.stdout + repro.stderr
     assert "BUG: out-of-bounds store" in repro.stdout
-    assert "attnfuzz" not in "".join(l for l in (tmp_path / "repros" / finding["id"] / "repro.py").read_text().splitlines()
+    assert "attnfuzz" not in "".join(l for l in (repros / finding["id"] / "repro.py").read_text().splitlines()
                                      if l.startswith(("import", "from")))
-    replay = attnfuzz("replay", str(tmp_path / "repros" / finding["id"]), "--save-repro", str(tmp_path / "here"))
+    replay = attnfuzz("replay", str(repros / finding["id"]), "--save-repro", str(tmp_path / "here"))
     assert replay.returncode == 1 and "still failing" in replay.stdout
     # The same finding's reproducer for the host that replayed it (how a CPU finding gets a GPU repro.py).
     (ported,) = (tmp_path / "here").iterdir()
@@ -80,21 +89,17 @@ def test_mutant_is_found_by_a_default_campaign(target, mutant, bug_class, tmp_pa
     if target == "vllm.dcp_filter" and not _api().has_dcp_filter:
         pytest.skip("this vLLM release has no DCP filter")
     # Found within 40 cases, not shrunk (shrinking is the seed bug's test); the search stops at its first finding.
+    # Its own state (example database): an unshrunk failure must not be what another test's campaign replays.
     r = attnfuzz("run", "--target", target, "--inject", mutant, "--max-examples", "40", "--max-findings", "1",
                  "--no-shrink", "--reruns", "0",
-                 "--json", str(tmp_path / "s.json"), "--repros", str(tmp_path / "repros"))
-    assert r.returncode == 1, r.stdout + r.stderr
-    classes = {c for f in _load(tmp_path / "s.json")["findings"] for c in f["bug_classes"]}
-    assert bug_class in classes
-
-
-def test_max_findings_stops_the_search_at_the_first_finding(tmp_path):
-    r = attnfuzz("run", "--target", "vllm.index_remap", "--inject", "remap-count-past-table", "--max-examples", "400",
-                 "--max-findings", "1", "--no-shrink", "--reruns", "0", "--json", str(tmp_path / "s.json"),
-                 "--repros", str(tmp_path / "repros"))
+                 "--json", str(tmp_path / "s.json"), "--repros", str(tmp_path / "repros"), state=tmp_path / "state")
     assert r.returncode == 1, r.stdout + r.stderr
     summary = _load(tmp_path / "s.json")
-    assert len(summary["findings"]) == 1 and summary["examples"] < 400
+    (finding,) = summary["findings"]  # --max-findings 1: the search stopped at it
+    assert bug_class in finding["bug_classes"] and summary["examples"] < 40
+    # A finding kept as first found is not called shrunk.
+    assert finding["shrunk"] is False
+    assert "case (as first found, not shrunk)" in r.stdout and "shrunk case" not in r.stdout
 
 
 def test_topk_length_mutant_is_found_on_the_flashmla_layer(tmp_path):

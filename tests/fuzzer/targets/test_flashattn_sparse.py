@@ -50,14 +50,14 @@ def test_a_page_outside_the_cache_is_a_memory_violation():
 
 
 @pytest.mark.vllm
-def test_a_draft_update_bug_is_found_by_mtp_draft_steps_and_not_by_single_steps(tmp_path):
+def test_a_draft_update_bug_is_found_by_mtp_draft_steps_and_reproduced(tmp_path):
     """The builder's in-place update for MTP draft steps, broken: found (class M, the `draft` check: the draft
     step on updated metadata against the same step on metadata built for it) by a default campaign, whose
-    traces hold draft steps; its reproducer runs the draft step as the speculator does. Single steps: nothing."""
-    run = ("run", "--target", "vllm.flashattn_sparse", "--inject", "flashattn-draft-update-last-token", "--seed", "0",
-           "--no-shrink", "--reruns", "0")
-    r = attnfuzz(*run, "--max-examples", "60", "--max-findings", "1", "--json", str(tmp_path / "t.json"),
-                 "--repros", str(tmp_path / "repros"), state=tmp_path / "state")
+    traces hold draft steps; its reproducer runs the draft step as the speculator does. (With single steps,
+    `--max-steps 1`, nothing finds it: docs/benchmarks.md, "MTP draft steps".)"""
+    r = attnfuzz("run", "--target", "vllm.flashattn_sparse", "--inject", "flashattn-draft-update-last-token",
+                 "--seed", "1", "--no-shrink", "--reruns", "0", "--max-examples", "40", "--max-findings", "1",
+                 "--json", str(tmp_path / "t.json"), "--repros", str(tmp_path / "repros"), state=tmp_path / "state")
     assert r.returncode == 1, r.stdout + r.stderr
     (finding, *_) = json.loads((tmp_path / "t.json").read_text())["findings"]
     assert "M" in finding["bug_classes"] and any(v["check"] == "draft" for v in finding["verdicts"])
@@ -65,6 +65,3 @@ def test_a_draft_update_bug_is_found_by_mtp_draft_steps_and_not_by_single_steps(
     repro = subprocess.run([sys.executable, "repro.py"], cwd=tmp_path / "repros" / finding["id"], capture_output=True,
                            text=True, timeout=300)
     assert repro.returncode == 1 and "update_draft_decode_metadata" in repro.stdout, repro.stdout + repro.stderr
-    r = attnfuzz(*run, "--max-examples", "15", "--max-steps", "1", "--json", str(tmp_path / "s.json"),
-                 "--repros", str(tmp_path / "single"), state=tmp_path / "state-single")
-    assert r.returncode == 0 and json.loads((tmp_path / "s.json").read_text())["findings"] == [], r.stdout + r.stderr
