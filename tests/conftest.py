@@ -40,7 +40,11 @@ def pytest_collection_modifyitems(config, items):
 
 def attnfuzz(*args: str, cwd: Path | None = None, timeout: int = 900, state: Path | None = None) -> subprocess.CompletedProcess:
     """Run the CLI in a fresh process (mutants patch vLLM process-wide); `state`: a state directory of its own
-    (journal, pending findings, example database), none shared with other tests."""
+    (journal, pending findings, example database), none shared with other tests. A campaign runs its cases in
+    the CLI's own process (`--isolation none`) unless the call says otherwise: a worker process would import
+    vLLM a second time for nothing a test looks at here (the worker is tests/fuzzer/run/test_worker.py's)."""
     env = dict(os.environ, **({"ATTNFUZZ_STATE": str(state)} if state is not None else {}))
+    if args and args[0] == "run" and not {"--isolation", "--workers", "--sanitizer"} & set(args):
+        args = (*args, "--isolation", "none")
     return subprocess.run([sys.executable, "-m", "fuzzer.cli", *args], cwd=cwd or ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)

@@ -147,7 +147,7 @@ def test_report_errors_name_the_file_and_field(tmp_path):
 @pytest.mark.vllm
 def test_run_out_then_report_end_to_end(tmp_path):
     out = tmp_path / "c"
-    r = attnfuzz("run", "--target", "vllm.index_remap", "--seed", "2", "--max-examples", "6", "--isolation", "none",
+    r = attnfuzz("run", "--target", "vllm.index_remap", "--seed", "1", "--max-examples", "6", "--isolation", "none",
                  "--repros", str(tmp_path / "repros"), "--out", str(out), "--quiet")
     assert r.returncode == 0, r.stdout + r.stderr
     doc = json.loads((out / "campaign.json").read_text())
