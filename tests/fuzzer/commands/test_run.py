@@ -46,7 +46,7 @@ def test_clean_campaign(target, tmp_path):
 def test_seed_bug_is_found_shrunk_and_reproduced(tmp_path):
     # The plain search: shrinking and the reproducer are under test here (a swarm's wide cases shrink slower).
     # No --repros: a finding is saved under the state directory, not in repros/ (the gate's corpus).
-    r = attnfuzz("run", "--target", "vllm.index_remap", "--inject", "remap-no-length-check", "--seed", "1",
+    r = attnfuzz("run", "--target", "vllm.index_remap", "--inject", "remap-no-length-check", "--seed", "5",
                  "--max-examples", "300", "--max-findings", "1", "--reruns", "1", "--search", "plain",
                  "--json", str(tmp_path / "s.json"), state=tmp_path / "state")
     assert r.returncode == 1, r.stdout + r.stderr
