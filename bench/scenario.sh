@@ -30,7 +30,7 @@
 #
 # Results, in WORK/results: host.txt; per run NAME.log (the end of its output, then exit= and wall_s=),
 # NAME.json (attnfuzz's --json summary), NAME.xml (JUnit), NAME.md (selftest's table), up to three
-# NAME-<id>.finding.json; runs.tsv and summary.md (bench/summarize.py: one row per run).
+# NAME-<id>.finding.json with its NAME-<id>.case.json (in a folder of both, `attnfuzz replay` re-runs it); runs.tsv and summary.md (bench/summarize.py: one row per run).
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -187,7 +187,9 @@ one_run() {
   printf 'exit=%s\nwall_s=%s\n' "$rc" "$wall" >> "$R/$name.log"
   printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$wall" "${env[*]} ${cmd[*]}" >> "$R/runs.tsv"
   find "$WORK/repros/$name" -path '*/.*' -prune -o -name finding.json -size -1000k -print 2>/dev/null | sort | head -3 | while read -r f; do
-    cp "$f" "$R/$name-$(basename "$(dirname "$f")").finding.json"; done
+    local id; id=$(basename "$(dirname "$f")")
+    cp "$f" "$R/$name-$id.finding.json"
+    [ -f "$(dirname "$f")/case.json" ] && cp "$(dirname "$f")/case.json" "$R/$name-$id.case.json"; done
   echo "-- $name: exit $rc, $wall s"
 }
 

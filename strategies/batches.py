@@ -375,8 +375,10 @@ class AttentionFeatures:
     # Rows of a request whose whole sequence fits in top-k select every visible position, as vLLM's indexer
     # does. Layer-level targets need it: the dense-MHA route attends to all of them, by design.
     indexer_fills_short_seqs: bool = False
-    # Batches only in the order vLLM's model runner makes (see `requests`): for releases whose chunked-context
-    # metadata relies on it (0.26 counts the prefill tokens with context as a prefix of the prefills).
+    # Batches only in the order vLLM's model runner makes (see `requests`): for the layer targets, which run
+    # vLLM's whole forward as the runner calls it (0.26's chunked-context metadata even counts the prefill tokens
+    # with context as a prefix of the prefills; 0.33's DCP context metadata mis-merges a short prefill's context
+    # when a zero-length row precedes the prefills, which the runner never makes).
     vllm_batch_order: bool = False
     # DCP splits (decode context parallelism): `heads` is then per rank before the query all-gather, and a
     # split is drawn only where the gathered heads (heads x size) stay within this bound (FlashMLA's fp8

@@ -11,7 +11,6 @@ import importlib
 import inspect
 import json
 import os
-import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -37,7 +36,15 @@ HF_CONFIG = dict(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_
                  max_position_embeddings=MAX_MODEL_LEN, torch_dtype="bfloat16")
 
 
+def standins_forced() -> bool:
+    """ATTNFUZZ_STANDIN_OPS=1: attnfuzz's stand-ins in place of every compiled op even where the host has the op
+    (triage: does a GPU-only finding follow vLLM's kernel or its Python?). Every result lists them as emulated."""
+    return os.environ.get("ATTNFUZZ_STANDIN_OPS", "0") == "1"
+
+
 def _has_flashmla_kernels() -> bool:
+    if standins_forced():
+        return False
     return importlib.import_module("vllm.v1.attention.ops.flashmla")._is_flashmla_available()[0]
 
 
@@ -50,6 +57,8 @@ def _has_op(namespace: str, name: str) -> bool:
 
 
 def has_cache_op(name: str) -> bool:
+    if standins_forced():
+        return False
     return _has_op("_C_cache_ops", name)
 
 
@@ -371,12 +380,7 @@ def layer_api() -> SimpleNamespace:
     params = inspect.signature(MLAAttention.__init__).parameters
     dense_mha = "topk_tokens" in inspect.getsource(MLAAttention.forward_impl)  # the short-prefill test
     chosen = "prefill_backend_cls" in params and _try_import(CPU_SDPA_PREFILL_MODULE) is not None
-    mla_source = inspect.getsource(importlib.import_module(MLA_MODULE))
     return SimpleNamespace(
-        # 0.23/0.26 merge the context into only the first qsl[num_prefills_with_context] prefill tokens: they rely
-        # on vLLM's batch order (prefills with context first), which their model runner guarantees.
-        relies_on_batch_order=bool(re.search(r"prefill_tokens_with_context\s*=\s*prefill_query_start_loc_cpu\[",
-                                             mla_source)),
         prefill_backend="CPU_SDPA_MLA" if chosen else "FLASH_ATTN",  # FLASH_ATTN: the layer's own pick on a CPU
         pass_prefill_backend=chosen,
         topk_buffer_arg="topk_indices_buffer" in params,

@@ -11,6 +11,7 @@ lacks vllm_flash_attn's compiled FA3 (any CPU, the GPU bundle), the kernel is at
 
 from __future__ import annotations
 
+from fuzzer.errors import HarnessError
 from fuzzer.targets.flashmla_sparse import FlashMLASparse
 
 
@@ -28,3 +29,16 @@ class FlashAttnMLASparse(FlashMLASparse):
         if self.device == "cuda" and "flash_attn_varlen_func" not in self.emulated:
             return (*type(self).real_parts, "FA3's CUDA kernel (vllm_flash_attn)")
         return type(self).real_parts
+
+    def prepare(self) -> None:
+        super().prepare()
+        if self.device == "cuda" and "flash_attn_varlen_func" in self.emulated:
+            # FA3's stand-in walks its page table on the host, which a CUDA graph cannot capture: on a GPU without
+            # FA3's extension, eager engines only. (On a CPU every graph replay is emulated eagerly.)
+            self.cudagraph_modes = ("none",)
+
+    def run(self, case):
+        if case.cudagraph != "none" and self.device == "cuda" and "flash_attn_varlen_func" in self.emulated:
+            raise HarnessError(f"case.cudagraph {case.cudagraph!r}: {self.name} cannot capture FA3's stand-in in a CUDA "
+                               "graph on this host (no vllm_flash_attn extension); run it where FA3 is installed")
+        return super().run(case)

@@ -78,7 +78,7 @@ class FlashMLASparseLayer(FlashMLASparse):
         return attention_space(profile, AttentionFeatures(kv_cache_dtypes=self.kv_cache_dtypes, block_sizes=(64, 128),
                                                           block_stride_rows=remap_api().has_block_stride_rows,
                                                           indexer_fills_short_seqs=True,
-                                                          vllm_batch_order=layer_api().relies_on_batch_order,
+                                                          vllm_batch_order=True,
                                                           cudagraph_padding=True, traces=True))
 
     @staticmethod

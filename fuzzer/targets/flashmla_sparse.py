@@ -168,9 +168,9 @@ class FlashMLASparse(Target):
     def writer(self, case):
         """(write(kv_c, k_pe, cache, slots), emulated op name or None): vLLM's cache writer or the stand-in."""
         if case.kv_cache_dtype != "fp8_ds_mla":
-            write, emulated = cache_writer()
+            write, emulated = cache_writer(self.device)
             return (lambda kv_c, k_pe, cache, slots: write(kv_c, k_pe, cache, slots, "auto", torch.ones((), device=cache.device))), emulated
-        if has_cache_op("concat_and_cache_mla"):
+        if self.device != "cpu" and has_cache_op("concat_and_cache_mla"):
             op = torch.ops._C_cache_ops.concat_and_cache_mla
             return (lambda kv_c, k_pe, cache, slots: op(kv_c, k_pe, cache, slots, "fp8_ds_mla", torch.ones((), device=cache.device))), None
 

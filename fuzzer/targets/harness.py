@@ -13,6 +13,7 @@ import dataclasses
 import torch
 
 from fuzzer.support.cudagraphs import FullGraph, RunnerBuffers
+from fuzzer.support.flashmla_runtime import has_cache_op
 from fuzzer.support.standins.cache_ops import concat_and_cache_mla
 from strategies.tensors import HEAD_SIZE, materialize_attention_inputs
 
@@ -108,14 +109,13 @@ def paged_cache(case, device, dtype=torch.bfloat16, width: int = HEAD_SIZE, pois
     return storage.as_strided((blocks, case.block_size, width), (rows * width, width, 1))
 
 
-def cache_writer():
-    """vLLM's compiled `concat_and_cache_mla` where this host has it, else attnfuzz's stand-in."""
-    try:
+def cache_writer(device: str):
+    """vLLM's compiled `concat_and_cache_mla` where this host has it and the tensors are on its GPU, else
+    attnfuzz's stand-in (a CPU run on a GPU host with the compiled ops: the CUDA op cannot take CPU tensors)."""
+    if device != "cpu" and has_cache_op("concat_and_cache_mla"):
         op = torch.ops._C_cache_ops.concat_and_cache_mla
         return (lambda kv_c, k_pe, cache, slots, dtype, scale: op(kv_c, k_pe, cache, slots, dtype, scale)), None
-    except (AttributeError, RuntimeError):
-
-        return concat_and_cache_mla, "concat_and_cache_mla"
+    return concat_and_cache_mla, "concat_and_cache_mla"
 
 
 TOPK_POISON = 2**30 - 1  # rows of the top-k buffer past this step's tokens: must never be read

@@ -73,7 +73,7 @@ class TritonSparse(Target):
         backend = self.backend_module().XPUMLASparseBackend
         from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
-        write, emulated = harness.cache_writer()
+        write, emulated = harness.cache_writer(self.device)
         cfg = model_namespace(case, max_num_batched_tokens=topk_buffer.shape[0])
         spec = MLAAttentionSpec(block_size=case.block_size, num_kv_heads=1, head_size=HEAD_SIZE, dtype=torch.bfloat16)
         before = []
@@ -110,7 +110,7 @@ class TritonSparse(Target):
         case, dev = finding.case, finding.host.device
         cpu = dev == "cpu"
         inp, slots, cache, topk_buffer = self.step(case, dev)
-        write, _ = harness.cache_writer()
+        write, _ = harness.cache_writer(dev)
         write(inp.kv_c[slots], inp.k_pe[slots], cache, slots, "auto", torch.ones((), device=dev))
         tensors = harness.repro_step(case, inp.index, cache, topk_buffer, dev)
         tensors.update(q=harness.with_padded_tokens(case, inp.q), expected_out=reference_for(case, inp, dev)[0])

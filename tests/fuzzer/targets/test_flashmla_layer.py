@@ -138,18 +138,16 @@ def test_flash_attn_varlen_standin_matches_dense_attention():
     assert out3[:2].isnan().all() and (lse3[:, :2] == float("-inf")).all() and not out3[2:].isnan().any()
 
 
-def test_cases_keep_vllm_batch_order_where_the_release_relies_on_it():
-    """0.23/0.26 merge the context into the first qsl[num_prefills_with_context] prefill tokens only, which holds
-    in vLLM's batch order (prefills with context first; no padding rows before prefills): the layer target draws
-    only such batches there."""
+def test_cases_keep_vllm_batch_order():
+    """The layer runs vLLM's whole forward as the model runner calls it, so it draws only batches in the runner's
+    order: prefills with context first, padding rows only after a uniform decode batch, never before prefills
+    (0.23/0.26 merge the context into the first qsl[num_prefills_with_context] prefill tokens only; 0.33's DCP
+    context metadata mis-merges a short prefill's context behind a zero-length row)."""
     from hypothesis import HealthCheck, given, settings
 
-    from fuzzer.support.flashmla_runtime import layer_api
     from strategies.profiles import PROFILES
 
     t = target()
-    if not layer_api().relies_on_batch_order:
-        pytest.skip("this release merges context per token, whatever the prefill order")
 
     @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(t.cases(PROFILES["cpu"]).strategy())
