@@ -336,7 +336,7 @@ def install_layer_standins(device: str) -> tuple[str, ...]:
 
         fa_utils = importlib.import_module("vllm.v1.attention.backends.fa_utils")
         # A GPU host without FA's compiled extensions (the GPU bundle: an import stand-in that raises) lacks it too.
-        lacks_kernel = device == "cpu" or not _has_compiled_flash_attn()
+        lacks_kernel = device == "cpu" or not has_compiled_flash_attn()
         if lacks_kernel or not hasattr(fa_utils, "flash_attn_varlen_func"):
             fa_utils.flash_attn_varlen_func = flash_attn_varlen_func
             if not hasattr(fa_utils, "compile_flash_attn_varlen_func_from_specs"):
@@ -350,15 +350,16 @@ def install_layer_standins(device: str) -> tuple[str, ...]:
     return tuple(bound)
 
 
-def _has_compiled_flash_attn() -> bool:
-    """Whether vllm_flash_attn's compiled FA2 or FA3 extension is installed (not merely its Python package)."""
+def has_compiled_flash_attn() -> bool:
+    """Whether vllm_flash_attn's compiled FA2 or FA3 extension is installed (not merely its Python package), seen
+    on disk: the campaign's parent process asks before it imports vLLM."""
     import importlib.util
 
-    try:
-        return any(importlib.util.find_spec(f"vllm.vllm_flash_attn.{ext}") is not None
-                   for ext in ("_vllm_fa2_C", "_vllm_fa3_C"))
-    except ImportError:
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
         return False
+    return any(any((Path(d) / "vllm_flash_attn").glob(f"{ext}*.so")) for d in spec.submodule_search_locations
+               for ext in ("_vllm_fa2_C", "_vllm_fa3_C"))
 
 
 FLASH_ATTN_PREFILL_MODULE = "vllm.v1.attention.backends.mla.prefill.flash_attn"
@@ -410,10 +411,13 @@ def mla_layer(cfg, heads: int, kv_b_weight: torch.Tensor, topk_indices_buffer: t
         "indexer": SimpleNamespace(topk_indices_buffer=topk_indices_buffer)}
     if api.pass_prefill_backend:
         extra["prefill_backend_cls"] = importlib.import_module(CPU_SDPA_PREFILL_MODULE).CPUSDPAMLAPrefillBackend
-    layer = MLAAttention(
-        num_heads=heads, scale=SM_SCALE, qk_nope_head_dim=QK_NOPE, qk_rope_head_dim=ROPE_DIM, v_head_dim=V_HEAD,
-        q_lora_rank=None, kv_lora_rank=KV_LORA_RANK, kv_b_proj=kv_b_proj, cache_config=cfg.cache_config, prefix=LAYER,
-        attn_backend=importlib.import_module(BACKEND_MODULE).FlashMLASparseBackend, use_sparse=True, **extra)
+    # Under the device, as vLLM's model loader builds its layers: their scales (`_k_scale`, read by the compiled
+    # cache ops) live on the GPU there, not in host memory.
+    with torch.device(device):
+        layer = MLAAttention(
+            num_heads=heads, scale=SM_SCALE, qk_nope_head_dim=QK_NOPE, qk_rope_head_dim=ROPE_DIM, v_head_dim=V_HEAD,
+            q_lora_rank=None, kv_lora_rank=KV_LORA_RANK, kv_b_proj=kv_b_proj, cache_config=cfg.cache_config, prefix=LAYER,
+            attn_backend=importlib.import_module(BACKEND_MODULE).FlashMLASparseBackend, use_sparse=True, **extra)
     layer.process_weights_after_loading(torch.bfloat16)  # W_UK_T / W_UV from kv_b_proj, as after loading
     return layer
 

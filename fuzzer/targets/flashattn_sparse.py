@@ -12,6 +12,7 @@ lacks vllm_flash_attn's compiled FA3 (any CPU, the GPU bundle), the kernel is at
 from __future__ import annotations
 
 from fuzzer.errors import HarnessError
+from fuzzer.support.flashmla_runtime import has_compiled_flash_attn
 from fuzzer.targets.flashmla_sparse import FlashMLASparse
 
 
@@ -30,15 +31,15 @@ class FlashAttnMLASparse(FlashMLASparse):
             return (*type(self).real_parts, "FA3's CUDA kernel (vllm_flash_attn)")
         return type(self).real_parts
 
-    def prepare(self) -> None:
-        super().prepare()
-        if self.device == "cuda" and "flash_attn_varlen_func" in self.emulated:
+    def cases(self, profile):
+        if self.device == "cuda" and not has_compiled_flash_attn():
             # FA3's stand-in walks its page table on the host, which a CUDA graph cannot capture: on a GPU without
             # FA3's extension, eager engines only. (On a CPU every graph replay is emulated eagerly.)
             self.cudagraph_modes = ("none",)
+        return super().cases(profile)
 
     def run(self, case):
-        if case.cudagraph != "none" and self.device == "cuda" and "flash_attn_varlen_func" in self.emulated:
+        if case.cudagraph != "none" and self.device == "cuda" and not has_compiled_flash_attn():
             raise HarnessError(f"case.cudagraph {case.cudagraph!r}: {self.name} cannot capture FA3's stand-in in a CUDA "
                                "graph on this host (no vllm_flash_attn extension); run it where FA3 is installed")
         return super().run(case)

@@ -58,7 +58,7 @@ class FlashMLASparseLayerDcp(FlashMLASparseLayer):
         # The mixed-batch path (< 32 heads per rank), gathered heads inside one fp8 envelope (<= 64).
         return attention_space(profile, AttentionFeatures(kv_cache_dtypes=self.kv_cache_dtypes, heads=(8, 16),
                                                           block_sizes=(64, 128), dcp=True, block_stride_rows=False,
-                                                          indexer_fills_short_seqs=True))
+                                                          indexer_fills_short_seqs=True, vllm_batch_order=True))
 
     def run(self, case):
         step = LayerDcpStep(self, case)

@@ -138,16 +138,18 @@ def test_flash_attn_varlen_standin_matches_dense_attention():
     assert out3[:2].isnan().all() and (lse3[:, :2] == float("-inf")).all() and not out3[2:].isnan().any()
 
 
-def test_cases_keep_vllm_batch_order():
+@pytest.mark.parametrize("name", ["vllm.flashmla_sparse.layer", "vllm.flashmla_sparse.layer.dcp"])
+def test_cases_keep_vllm_batch_order(name):
     """The layer runs vLLM's whole forward as the model runner calls it, so it draws only batches in the runner's
     order: prefills with context first, padding rows only after a uniform decode batch, never before prefills
     (0.23/0.26 merge the context into the first qsl[num_prefills_with_context] prefill tokens only; 0.33's DCP
     context metadata mis-merges a short prefill's context behind a zero-length row)."""
     from hypothesis import HealthCheck, given, settings
 
+    from fuzzer.targets.registry import TARGETS
     from strategies.profiles import PROFILES
 
-    t = target()
+    t = TARGETS[name]("cpu")  # cases are drawn before a target is prepared (a campaign's parent process)
 
     @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(t.cases(PROFILES["cpu"]).strategy())
