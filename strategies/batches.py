@@ -313,8 +313,14 @@ def index_space(p: Profile, f: IndexFeatures) -> CaseSpace:
     return CaseSpace(lambda swarm: index_cases(p, f, swarm), index_knobs(p, f))
 
 
+# Unpinned, the widths where the index remap's tiling changes are drawn this many times their share: one
+# category among the profile's many ordinary widths, and the only one that reaches the multi-tile path.
+TILE_EDGE_WEIGHT = 3
+
+
 def _widths(draw, swarm: Swarm | None, widths: tuple[int, ...], other: bool, edge: tuple[int, ...] = ()) -> int:
-    pin = category(draw, swarm, "topk_width", _width_categories(widths, other, edge))
+    categories = _width_categories(widths, other, edge)
+    pin = category(draw, swarm, "topk_width", categories + (("tile_edge",) * (TILE_EDGE_WEIGHT - 1) if edge else ()))
     if pin == "tile_edge":
         return draw(st.sampled_from(edge))
     if pin is None:  # the profile's widths first (shrinking goes to 128), then any multiple of 128 up to 2048
