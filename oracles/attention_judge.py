@@ -72,9 +72,20 @@ def attention_tolerance(case, inputs) -> tuple[float, float]:
     return atol * (max(float(inputs.kv_c.float().abs().max()), 1e-6) if inputs.kv_c.numel() else 1.0), rtol
 
 
+# The index remap's grid follows req_id_per_token: an access past one of its other per-token arrays (the top-k
+# rows it reads, the rows and counts it writes) means its per-token arguments cover different tokens (class A);
+# past the block table, a request row or block out of range (class C).
+REMAP_KERNEL, REMAP_ROW_ARGUMENTS = "index_remap", ("token_indices_ptr", "out_ptr", "valid_count_ptr")
+
+
+def _memory_class(violation) -> str:
+    row_contract = REMAP_KERNEL in violation.kernel and getattr(violation, "argument", None) in REMAP_ROW_ARGUMENTS
+    return "A" if row_contract else "C"
+
+
 def _call_verdicts(obs) -> tuple[list[Verdict], bool]:
     """Memory violations, a raised error (nothing else to judge then), a cache the call wrote."""
-    verdicts = [Verdict("memory", False, v.describe(), "C", where=v.kernel) for v in obs.memory]
+    verdicts = [Verdict("memory", False, v.describe(), _memory_class(v), where=v.kernel) for v in obs.memory]
     for what in obs.notes.get("guard", []):  # sentinel bytes around the harness's buffers
         verdicts.append(Verdict("memory", False, what, "C", where="guard:" + what.split("`")[1]))
     for what in obs.notes.get("buffer_overrun", []):

@@ -34,6 +34,7 @@ MUTANTS: dict[str, str] = {
     "flashmla-req-id-buffer-grow-only": "fuzzer.mutants.flashmla_req_id_buffer_grow_only",
     "flashmla-graph-block-table-copied": "fuzzer.mutants.flashmla_graph_block_table_copied",
     "flashattn-draft-update-last-token": "fuzzer.mutants.flashattn_draft_update_last_token",
+    "flashattn-mqa-full-batch-req-id": "fuzzer.mutants.flashattn_mqa_full_batch_req_id",
 }
 
 

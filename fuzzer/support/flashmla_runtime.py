@@ -394,8 +394,9 @@ def layer_api() -> SimpleNamespace:
 MLA_MODULE = "vllm.model_executor.layers.attention.mla_attention"
 
 
-def mla_layer(cfg, heads: int, kv_b_weight: torch.Tensor, topk_indices_buffer: torch.Tensor, device: str):
-    """A fresh MLAAttention on FLASHMLA_SPARSE, built as this release takes it (`layer_api`): with vLLM's
+def mla_layer(cfg, heads: int, kv_b_weight: torch.Tensor, topk_indices_buffer: torch.Tensor, device: str,
+              backend=None):
+    """A fresh MLAAttention on `backend` (default FLASHMLA_SPARSE's class), built as this release takes it (`layer_api`): with vLLM's
     CPU_SDPA_MLA prefill backend where the release takes one (FlashAttention is not on every host), kv_b_proj
     holding `kv_b_weight`; it registers itself as the forward context's LAYER, which the metadata builder reads.
     Call inside `set_current_vllm_config(cfg)`."""
@@ -417,7 +418,8 @@ def mla_layer(cfg, heads: int, kv_b_weight: torch.Tensor, topk_indices_buffer: t
         layer = MLAAttention(
             num_heads=heads, scale=SM_SCALE, qk_nope_head_dim=QK_NOPE, qk_rope_head_dim=ROPE_DIM, v_head_dim=V_HEAD,
             q_lora_rank=None, kv_lora_rank=KV_LORA_RANK, kv_b_proj=kv_b_proj, cache_config=cfg.cache_config, prefix=LAYER,
-            attn_backend=importlib.import_module(BACKEND_MODULE).FlashMLASparseBackend, use_sparse=True, **extra)
+            attn_backend=backend or importlib.import_module(BACKEND_MODULE).FlashMLASparseBackend, use_sparse=True,
+            **extra)
     layer.process_weights_after_loading(torch.bfloat16)  # W_UK_T / W_UV from kv_b_proj, as after loading
     return layer
 

@@ -20,13 +20,10 @@ observation names the routes the release has (`notes["layer_routes"]`).
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 
 from fuzzer.support import flashmla_runtime
 from fuzzer.support.flashmla_runtime import (
-    BACKEND_MODULE,
     LAYER,
     guard_index_group,
     install_layer_standins,
@@ -81,10 +78,6 @@ class FlashMLASparseLayer(FlashMLASparse):
                                                           vllm_batch_order=True,
                                                           cudagraph_padding=True, traces=True))
 
-    @staticmethod
-    def backend():
-        return importlib.import_module(BACKEND_MODULE).FlashMLASparseBackend
-
     def run(self, case):
         if case.cudagraph != "none":
             raise CaseError(f"case.cudagraph: {self.name} runs eager engines only (full CUDA graphs: vllm.flashmla_sparse), "
@@ -101,8 +94,9 @@ class FlashMLASparseLayer(FlashMLASparse):
         """One step through MLAAttention.forward_impl (vLLM's decode/MHA split), on the engine's layer and builder."""
         dev, inp, engine = self.device, inputs.attention, ctx.engine
         if not engine:
-            engine["layer"] = layer = mla_layer(ctx.cfg, step.heads, inputs.kv_b_weight, ctx.topk_buffer, dev)
-            engine["builder"] = self.backend().get_builder_cls()(ctx.spec, [LAYER], ctx.cfg, torch.device(dev))
+            engine["layer"] = layer = mla_layer(ctx.cfg, step.heads, inputs.kv_b_weight, ctx.topk_buffer, dev,
+                                                backend=self.backend)
+            engine["builder"] = self.backend.get_builder_cls()(ctx.spec, [LAYER], ctx.cfg, torch.device(dev))
             engine["route"] = {}
             record_routes(layer.impl, engine["route"])
         layer, route = engine["layer"], engine["route"]

@@ -296,7 +296,7 @@ class FlashMLASparse(Target):
         advanced = common_attn_metadata(step, inp.index, self.device)
         cam.seq_lens.copy_(advanced.seq_lens)
         cam.slot_mapping.copy_(advanced.slot_mapping)
-        if getattr(builder, "supports_draft_decode_metadata_update", False):
+        if getattr(builder, "supports_draft_decode_metadata_update", False):  # a release without draft updates lacks it
             builder.update_draft_decode_metadata(engine["metadata"])
             ctx.notes["mtp_draft"] = "update_draft_decode_metadata"
             return engine["metadata"]
@@ -581,7 +581,7 @@ _DRAFT_FORWARD = _TRACE_MQA_FORWARD + """\
                              f"{int((out != rebuilt).any(dim=-1).any(dim=-1).sum())} of {out.shape[0]} tokens")
 """
 _TRACE_LAYER_ENGINE = """\
-    layer = runtime.mla_layer(cfg, case.heads, T["kv_b_weight"], topk_indices_buffer, DEVICE)
+    layer = runtime.mla_layer(cfg, case.heads, T["kv_b_weight"], topk_indices_buffer, DEVICE, backend=Backend)
     runtime.record_routes(layer.impl, route)
 """
 _TRACE_LAYER_FORWARD = """\
@@ -597,7 +597,7 @@ _TRACE_LAYER_FORWARD = """\
 def repro_backend(target, layer: bool) -> str:
     """A reproducer's line that gets vLLM's backend class (`Backend`) and binds the stand-ins it needs here."""
     if layer:
-        return ("Backend, emulated = runtime.sparse_backend(\"FLASHMLA_SPARSE\", DEVICE)\n"
+        return (f"Backend, emulated = runtime.sparse_backend({target.vllm_backend!r}, DEVICE)\n"
                 "emulated = tuple(dict.fromkeys(emulated + runtime.install_layer_standins(DEVICE)))\n")
     return f"Backend, emulated = runtime.sparse_backend({target.vllm_backend!r}, DEVICE)\n"
 
@@ -636,7 +636,7 @@ with set_current_vllm_config(cfg), torch.inference_mode():
 
 _LAYER_CALL = """\
 with set_current_vllm_config(cfg), torch.inference_mode():
-    layer = runtime.mla_layer(cfg, case.heads, T["kv_b_weight"], T["topk_indices_buffer"], DEVICE)
+    layer = runtime.mla_layer(cfg, case.heads, T["kv_b_weight"], T["topk_indices_buffer"], DEVICE, backend=Backend)
     metadata = Backend.get_builder_cls()(spec, [runtime.LAYER], cfg, torch.device(DEVICE)).build(0, cam)
     runtime.record_routes(layer.impl, route)
     check_overrun = runtime.guard_index_group(layer.impl)

@@ -129,6 +129,7 @@ PROBES: tuple[Probe, ...] = (
     # the layer's routes (MLAAttention.forward_impl's split) and the dense-MHA prefill
     Probe(FLASHMLA, "FlashMLASparseImpl.forward_mqa", "mqa"),
     Probe(XPU, "XPUMLASparseImpl.forward_mqa", "mqa"),
+    Probe(SPARSE_MLA, "SparseMLACommonImpl.forward_mqa", "mqa"),  # FLASH_ATTN_MLA_SPARSE's (FlashMLA's overrides it)
     Probe(MLA, "MLACommonBaseImpl.forward_mha", "mha.dense"),
     Probe(MLA, "MLACommonBaseImpl._compute_prefill_context", "mha.chunked_context"),
     Probe(MLA, "MLACommonBaseImpl._context_parallel_compute_prefill_context", "mha.chunked_context.dcp"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fuzzer.targets.base import Target
 from fuzzer.targets.dcp_filter import DcpFilter
+from fuzzer.targets.flashattn_layer import FlashAttnMLASparseLayer
 from fuzzer.targets.flashattn_sparse import FlashAttnMLASparse
 from fuzzer.targets.flashmla_dcp import FlashMLASparseDcp
 from fuzzer.targets.flashmla_dcp_ranks import FlashMLASparseDcpRanks
@@ -24,6 +25,7 @@ TARGETS: dict[str, type[Target]] = {
     FlashMLASparseDcpRanks.name: FlashMLASparseDcpRanks,
     FlashMLASparseLayerDcp.name: FlashMLASparseLayerDcp,
     FlashAttnMLASparse.name: FlashAttnMLASparse,
+    FlashAttnMLASparseLayer.name: FlashAttnMLASparseLayer,
     SelftestFault.name: SelftestFault,  # harness self-test, not vLLM
 }
 
