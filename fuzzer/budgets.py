@@ -37,8 +37,8 @@ BUDGETS: dict[str, dict[str, Budget]] = {
         "vllm.flashmla_sparse.layer": Budget(gate=150, selftest=60),
         "vllm.flashmla_sparse.dcp": Budget(gate=100, selftest=40),
         "vllm.flashmla_sparse.layer.dcp": Budget(gate=60, selftest=40),
-        "vllm.flashattn_sparse": Budget(gate=200, selftest=60),
-        "vllm.flashattn_sparse.layer": Budget(gate=150, selftest=60),
+        "vllm.flashattn_sparse": Budget(gate=100, selftest=60),
+        "vllm.flashattn_sparse.layer": Budget(gate=60, selftest=40),
     },
 }
 DEFAULT = {"cpu": Budget(gate=30, selftest=30), "cuda": Budget(gate=100, selftest=60)}  # a target added later
