@@ -25,6 +25,7 @@ import time
 from fuzzer.env import prepare_process
 from fuzzer.errors import UsageError
 
+# Read before argparse: the device must be set up (prepare_process) before torch is imported.
 AGAINST = "standins" if "standins" in sys.argv else "real"
 try:
     DEVICE = prepare_process("cpu" if AGAINST == "standins" else "cuda")

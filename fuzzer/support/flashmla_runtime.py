@@ -350,6 +350,7 @@ def install_layer_standins(device: str) -> tuple[str, ...]:
     return tuple(bound)
 
 
+@functools.cache  # asked per case (FLASH_ATTN's targets refuse graph capture without it): one look on disk
 def has_compiled_flash_attn() -> bool:
     """Whether vllm_flash_attn's compiled FA2 or FA3 extension is installed (not merely its Python package), seen
     on disk: the campaign's parent process asks before it imports vLLM."""
