@@ -74,7 +74,7 @@ class CaseLog:
         self.allocator_poisoned += bool(obs.notes.get("allocator_poisoned"))
         record = {"n": n, "summary": case.summary(), "kv_cache_dtype": case.kv_cache_dtype, "heads": case.heads,
                   "num_blocks": case.num_blocks, "block_size": case.block_size,
-                  "seconds": round(obs.seconds, 4), "paths": paths,
+                  "steps": len(case.steps), "seconds": round(obs.seconds, 4), "paths": paths,
                   "margins": {k: (round(m, 6) if math.isfinite(m) else str(m)) for k, m in worst.items()},
                   "verdict": signature}
         if self.combinations is not None:  # which knobs the case turned away from their plain category
