@@ -186,7 +186,8 @@ one_run() {
   if [ "$filter" = 1 ]; then grep -Ev "$NOISE" "$WORK/out/$name.out" | tail -60; else tail -c 200000 "$WORK/out/$name.out"; fi > "$R/$name.log"
   printf 'exit=%s\nwall_s=%s\n' "$rc" "$wall" >> "$R/$name.log"
   printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$wall" "${env[*]} ${cmd[*]}" >> "$R/runs.tsv"
-  find "$WORK/repros/$name" -path '*/.*' -prune -o -name finding.json -size -1000k -print 2>/dev/null | sort | head -3 | while read -r f; do
+  # a campaign's findings, and those of the campaigns a gate or selftest ran (their reproducers included)
+  find "$WORK/repros/$name" "$WORK/out/$name.d" -path '*/.*' -prune -o -name finding.json -size -1000k -print 2>/dev/null | sort | head -3 | while read -r f; do
     local id; id=$(basename "$(dirname "$f")")
     cp "$f" "$R/$name-$id.finding.json"
     [ -f "$(dirname "$f")/case.json" ] && cp "$(dirname "$f")/case.json" "$R/$name-$id.case.json"; done
