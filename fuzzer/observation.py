@@ -37,6 +37,7 @@ class Notes(TypedDict, total=False):
     sanitizer_worker_retired: str  # the sanitized worker neared its print limit (why)
     memcheck_rerun: str  # why `--sanitizer auto` re-ran the case under memcheck
     resumed: bool  # rebuilt from a saved finding.json (a resumed or replayed finding)
+    stage_seconds: dict[str, float]  # where the case ran: "target" (target.run whole) and "oracle" seconds
 
 
 @dataclass

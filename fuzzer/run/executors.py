@@ -5,7 +5,7 @@ isolation, compute-sanitizer), or natively with memcheck re-runs (`--sanitizer a
 from __future__ import annotations
 
 from fuzzer.observation import Observation
-from fuzzer.run.worker import WorkerExecutor
+from fuzzer.run.worker import WorkerExecutor, run_and_judge
 from oracles.verdict import Verdict
 from strategies.case import Case
 
@@ -67,8 +67,7 @@ class InProcessExecutor:
         self.started = 0
 
     def check(self, case: Case) -> tuple[Observation, list[Verdict]]:
-        obs = self.target.run(case)
-        return obs, self.target.oracle(case, obs)
+        return run_and_judge(self.target, case)
 
     def close(self) -> None:
         pass

@@ -80,6 +80,21 @@ def _lost(spec: WorkerSpec, conn, error: str) -> None:
     os._exit(3)
 
 
+def run_and_judge(target, case: Case, lost=None) -> tuple[Observation, list[Verdict]]:
+    """The target's observation of `case` and the oracle's verdicts, with the seconds each took
+    (`stage_seconds`). `lost(obs)`: the run lost the device, so no oracle can run and the error is the verdict."""
+    start = time.perf_counter()
+    obs = target.run(case)
+    ran = time.perf_counter()
+    if lost is not None and lost(obs):
+        obs.notes["device_lost"] = True
+        verdicts = [Verdict("crash", False, f"{obs.error_type}: {obs.error}", where="device_lost")]
+    else:
+        verdicts = target.oracle(case, obs)
+    obs.notes["stage_seconds"] = {"target": ran - start, "oracle": time.perf_counter() - ran}
+    return obs, verdicts
+
+
 def serve(fd: int, spec: WorkerSpec) -> None:
 
     die_with_parent()
@@ -112,16 +127,18 @@ def serve(fd: int, spec: WorkerSpec) -> None:
         except EOFError:
             return
         if msg[0] == "stop":
-            return
+            if spec.sanitizer:  # compute-sanitizer writes its summary from the process's own exit handlers
+                return
+            # Natively, skip the interpreter's shutdown (vLLM's and torch's exit hooks: ~2 s a campaign): nothing
+            # of the worker's outlives it, and its results are sent.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
         n, case = msg[1], Case.from_json(msg[2])
         print(f"{BEGIN} {n}", flush=True)
         try:
-            obs = target.run(case)
-            if _device_lost(obs):  # the context is gone: no oracle can run here, the error is the verdict
-                obs.notes["device_lost"] = True
-                verdicts = [Verdict("crash", False, f"{obs.error_type}: {obs.error}", where="device_lost")]
-            else:
-                verdicts = target.oracle(case, obs)
+            # the context is gone after a lost device: no oracle can run here, the error is the verdict
+            obs, verdicts = run_and_judge(target, case, lost=_device_lost)
         except Exception as e:
             _sync(spec.device)
             print(f"{END} {n}", flush=True)

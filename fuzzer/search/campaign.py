@@ -103,6 +103,7 @@ class Campaign:
         self._batch_failed = False
         self._settled: set[str] = set()
         self._winding_down = False  # SIGTERM: no case runs from now on
+        self._in_cases = 0.0  # seconds spent inside cases (the rest of a batch is Hypothesis's own)
 
     def _out_of_time(self) -> bool:
         return self.time_budget is not None and time.monotonic() - self._start > self.time_budget
@@ -141,7 +142,15 @@ class Campaign:
             raise _Stop()
         if self._out_of_time() and not self._shrinking():
             return  # the budget is spent: let Hypothesis run out the batch without running cases
+        started = time.perf_counter()
+        try:
+            self._run_case(case, started)
+        finally:
+            self._in_cases += time.perf_counter() - started
+
+    def _run_case(self, case: Case, started: float) -> None:
         obs, verdicts = self.check(case)
+        checked = time.perf_counter()
         r = self.result
         if self._shrinking():
             r.shrink_cases += 1
@@ -153,6 +162,7 @@ class Campaign:
         failed = [v for v in verdicts if not v.ok]
         self.progress.update(r.cases_run, len(self._failures), obs.seconds)
         self._steer(case, obs, verdicts)
+        r.cases.time_case(obs, checked - started, time.perf_counter() - checked)
         if not failed:
             return
         # One signature per bug: the primary symptom, so shrinking cannot slide between bugs.
@@ -351,6 +361,7 @@ class Campaign:
         # or another host replays those stored failures first. (Hypothesis reads this key from the finished test.)
         key = f"attnfuzz|{self.target.name}|{self.profile.name}|{self.inject or '-'}"
         fuzz._hypothesis_internal_database_key = key.encode()
+        started, in_cases = time.perf_counter(), self._in_cases
         try:
             fuzz()
         except (HarnessError, _Stop):
@@ -362,6 +373,9 @@ class Campaign:
                     raise err
                 if not isinstance(err, CaseFailed):
                     raise
+        finally:
+            self.result.cases.stage_seconds["search"] += max(
+                0.0, time.perf_counter() - started - (self._in_cases - in_cases))
 
 
 class _Stop(BaseException):

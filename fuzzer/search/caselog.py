@@ -10,6 +10,15 @@ from dataclasses import dataclass, field
 from fuzzer.search.combinations import Combinations
 from oracles.verdict import primary
 
+# A campaign's stages, in the order a case passes them (campaign.json's `stage_seconds`).
+STAGES = {
+    "search": "Hypothesis: drawing cases, its engine and example database (the batch's time outside the cases)",
+    "transport": "the journal, and the round trip to the worker process (pickling, the socket, its device sync)",
+    "harness": "the target around vLLM's calls: inputs materialized, cache and buffers set up, results checked",
+    "calls": "the observed calls: the cache write and vLLM's build and forward, every step of a trace",
+    "oracle": "the reference and the verdicts",
+    "record": "counting the case (coverage, margins, knob combinations) and steering the search",
+}
 MAX_RECORDS = 20_000  # per-case records kept in campaign.json; counts and histograms cover every case
 
 
@@ -51,6 +60,8 @@ class CaseLog:
     dropped: int = 0  # records past MAX_RECORDS (still counted above)
     combinations: Combinations | None = None  # pairs and triples of knob categories covered (the campaign sets it)
     swarm: str | None = None  # the pins of the batch now running ("-": none; None: the plain search)
+    # Where the campaign's wall time went, in seconds (STAGES says what each stage is).
+    stage_seconds: Counter = field(default_factory=Counter)
 
     def add(self, case, obs, verdicts) -> dict:
         n = sum(self.verdicts.values()) + 1
@@ -88,8 +99,18 @@ class CaseLog:
             self.dropped += 1
         return record
 
+    def time_case(self, obs, check: float, record: float) -> None:
+        """Split one case's time: `check` (the journal and the executor's round trip) and `record` as the campaign
+        measured them; the target, the oracle and the observed calls as they were measured where the case ran."""
+        ran = obs.notes.get("stage_seconds", {})
+        target, oracle = ran.get("target", 0.0), ran.get("oracle", 0.0)
+        calls = obs.seconds + sum(s.seconds for s in obs.steps)
+        self.stage_seconds.update({"calls": calls, "harness": max(0.0, target - calls), "oracle": oracle,
+                                   "transport": max(0.0, check - target - oracle), "record": record})
+
     def to_dict(self) -> dict:
-        return {"coverage": dict(self.coverage.most_common()), "path_sets": dict(self.path_sets.most_common()),
+        return {"stage_seconds": {k: round(self.stage_seconds[k], 3) for k in STAGES if k in self.stage_seconds},
+                "coverage": dict(self.coverage.most_common()), "path_sets": dict(self.path_sets.most_common()),
                 "first_seen": self.first_seen, "margins": {k: dict(v) for k, v in self.margins.items()},
                 "verdicts": dict(self.verdicts.most_common()), "real": dict(self.real), "emulated": dict(self.emulated),
                 "shims": dict(self.shims), "allocator_poisoned": self.allocator_poisoned,

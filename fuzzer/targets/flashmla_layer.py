@@ -33,7 +33,6 @@ from fuzzer.support.flashmla_runtime import (
 )
 from fuzzer.targets.flashmla_sparse import FlashMLASparse, StepContext, flashmla_repro
 from fuzzer.targets.harness import common_attn_metadata, with_padded_tokens
-from fuzzer.targets.vllm_api import remap_api
 from oracles.attention_judge import judge_layer
 from oracles.steps import judge_steps
 from strategies.batches import AttentionFeatures, attention_space
@@ -73,7 +72,7 @@ class FlashMLASparseLayer(FlashMLASparse):
     def cases(self, profile):
 
         return attention_space(profile, AttentionFeatures(kv_cache_dtypes=self.kv_cache_dtypes, block_sizes=(64, 128),
-                                                          block_stride_rows=remap_api().has_block_stride_rows,
+                                                          block_stride_rows=self.has_block_stride_rows(),
                                                           indexer_fills_short_seqs=True,
                                                           vllm_batch_order=True,
                                                           cudagraph_padding=True, traces=True))

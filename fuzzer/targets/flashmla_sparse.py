@@ -111,6 +111,11 @@ class FlashMLASparse(Target):
     # Traces with MTP draft steps (Case.mtp_draft): for a builder that updates draft metadata in place.
     # FlashMLA's cannot (vLLM rebuilds it, an ordinary step), so its traces draw none.
     mtp_draft = False
+    # What prepare() reads of the release that cases() needs (a worker campaign's parent never imports vLLM):
+    # whether the index remap takes BLOCK_STRIDE_ROWS (releases before flat_kv_row_view view the cache as
+    # contiguous rows).
+    PLANNED = ("block_stride_rows",)
+    block_stride_rows: bool | None = None
 
     def unavailable(self) -> str | None:
         try:
@@ -130,6 +135,7 @@ class FlashMLASparse(Target):
         self.shims += prefill_outputs_under_initcheck(self.device)
         self.real_parts = self.real_parts_here()
         self.cfg = self.runtime(str(STATE_DIR))
+        self.block_stride_rows = remap_api().has_block_stride_rows
 
     def real_parts_here(self) -> tuple[str, ...]:
         """What of vLLM really ran, as this release and host have it (every result lists it)."""
@@ -144,11 +150,13 @@ class FlashMLASparse(Target):
         """vLLM's config and process groups for this process (one rank of its own)."""
         return vllm_runtime(self.device, state_dir)
 
-    def cases(self, profile):
+    def has_block_stride_rows(self) -> bool:
+        """As prepare() (or, in a campaign's parent, the worker's prepare()) read it; else from the release."""
+        return self.block_stride_rows if self.block_stride_rows is not None else remap_api().has_block_stride_rows
 
-        # Releases before flat_kv_row_view (0.26 and older) view the cache as contiguous rows.
+    def cases(self, profile):
         return attention_space(profile, AttentionFeatures(kv_cache_dtypes=self.kv_cache_dtypes, block_sizes=(64, 128),
-                                                          block_stride_rows=remap_api().has_block_stride_rows,
+                                                          block_stride_rows=self.has_block_stride_rows(),
                                                           cudagraph_padding=True, traces=True,
                                                           cudagraph_modes=self.cudagraph_modes,
                                                           mtp_draft=self.mtp_draft))

@@ -48,7 +48,13 @@ class TritonSparse(Target):
     def backend_module(self):
         return importlib.import_module(BACKEND_MODULE)
 
+    # What prepare() reads of the release for cases() (a worker campaign's parent never imports vLLM): whether the
+    # index remap takes BLOCK_STRIDE_ROWS (releases before flat_kv_row_view view the cache as contiguous rows).
+    PLANNED = ("block_stride_rows",)
+    block_stride_rows: bool | None = None
+
     def prepare(self) -> None:
+        self.block_stride_rows = remap_api().has_block_stride_rows
         self.shims: list[str] = []
         if self.device == "cpu":
 
@@ -56,10 +62,9 @@ class TritonSparse(Target):
             self.shims = [*install_cpu_shims(), *(f"interpreter correction: {c}" for c in CORRECTIONS)]
 
     def cases(self, profile):
-
-        # Releases before flat_kv_row_view (0.26 and older) view the cache as contiguous rows.
+        stride_rows = self.block_stride_rows if self.block_stride_rows is not None else remap_api().has_block_stride_rows
         return attention_space(profile, AttentionFeatures(kv_cache_dtypes=self.kv_cache_dtypes,
-                                                          block_stride_rows=remap_api().has_block_stride_rows))
+                                                          block_stride_rows=stride_rows))
 
     def step(self, case, device, guards=None):
         """Everything the call needs, on `device`: inputs, poisoned cache, top-k buffer, config."""

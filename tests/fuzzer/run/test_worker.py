@@ -88,3 +88,30 @@ def test_a_lost_device_replaces_the_worker_and_a_recycled_worker_is_replaced_too
     assert all(v.ok for _, verdicts in results[2:] for v in verdicts)
     # case 2 lost the device (worker 2 next); worker 2 served cases 3-5, recycled after its third
     assert executor.started == 2 and results[4][0].notes.get("worker_recycled") == "after 3 cases"
+
+
+PARENT_PLANS = """
+import json, sys
+from fuzzer.targets.registry import TARGETS
+from fuzzer.targets.vllm_api import RemapApi
+from strategies.profiles import PROFILES
+
+plans = json.loads(sys.argv[1])
+api = RemapApi("0.33.0", frozenset({"BLOCK_SIZE", "BLOCK_STRIDE_ROWS", "idx_mapping"}),
+               frozenset({"BLOCK_SIZE", "BLOCK_STRIDE_ROWS", "cp_kv_cache_interleave_size"}), True, True)
+for name, cls in TARGETS.items():
+    target = cls("cpu")
+    target.adopt({k: api if k == "api" else plans.get(k) for k in target.PLANNED})
+    target.cases(PROFILES["cpu"]).strategy()
+print("vllm imported by:", sorted(m for m in sys.modules if m == "vllm" or m.startswith("vllm."))[:5] or "none")
+"""
+
+
+def test_a_campaigns_parent_plans_every_target_without_vllm():
+    """The parent of a worker campaign draws cases from what the worker's prepare() reported (`Target.PLANNED`):
+    it never imports vLLM itself, which would add vLLM's import (6-21 s) to every campaign's clock."""
+    plans = json.dumps({"block_stride_rows": True, "world": 2})
+    r = subprocess.run([sys.executable, "-c", PARENT_PLANS, plans], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().endswith("vllm imported by: none"), r.stdout[-2000:]
