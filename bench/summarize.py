@@ -32,6 +32,29 @@ def row(name: str, d: dict | None) -> tuple[str, str, str, str]:
             findings(d) + extra)
 
 
+STAGES = ("search", "transport", "harness", "calls", "oracle", "record")
+
+
+def stage_table(results: Path, names: list[str]) -> list[str]:
+    """Milliseconds per case in each stage of a campaign (attnfuzz run's `stage_seconds`), for the runs that
+    report them: where a worker's time goes."""
+    rows = []
+    for name in names:
+        try:
+            d = json.loads((results / f"{name}.json").read_text())
+        except (OSError, ValueError):
+            continue
+        stages, cases = d.get("stage_seconds") or {}, d.get("examples", 0) + d.get("shrink_cases", 0)
+        if not stages or not cases:
+            continue
+        ms = [1000 * stages.get(s, 0.0) / cases for s in STAGES]
+        rows.append(f"| {name} | {cases} | " + " | ".join(f"{x:.1f}" for x in ms) + f" | {sum(ms):.1f} |")
+    if not rows:
+        return []
+    return ["", "Milliseconds per case by stage (`stage_seconds`):", "",
+            "| run | cases | " + " | ".join(STAGES) + " | sum |", "|---" * (len(STAGES) + 3) + "|", *rows]
+
+
 def main() -> None:
     results = Path(sys.argv[1])
     lines = ["| run | exit | wall s | cases | campaign s | cases/s | findings |", "|---|---|---|---|---|---|---|"]
@@ -48,6 +71,7 @@ def main() -> None:
             d = None
         cases, secs, rate, result = row(name, d)
         lines.append(f"| {name} | {rc} | {wall} | {cases} | {secs} | {rate} | {result} |")
+    lines += stage_table(results, [name for name, _, _ in runs])
     host = results / "host.txt"
     if host.is_file():
         lines = ["```", host.read_text().strip(), "```", ""] + lines

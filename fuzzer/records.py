@@ -232,6 +232,8 @@ class RunSummary:
     # shares of the possible pairs and triples of knob categories the cases covered, vLLM paths seen, pairs of a
     # path and a knob category (fuzzer/search/combinations.py); a fleet's merge: the lowest of its workers
     coverage: dict = field(default_factory=dict)
+    # where the campaign's wall time went, in seconds per stage (fuzzer/search/caselog.py STAGES)
+    stage_seconds: dict = field(default_factory=dict)
     # a fleet's merge only (None elsewhere, and left out of the file):
     database: str | None = None
     workers: list[dict] | None = None  # per worker: seed, GPU, exit, cases, seconds, log

@@ -158,16 +158,24 @@ def _slots(case: Case, positions) -> torch.Tensor:
     return torch.unique(torch.cat(out)) if out else torch.zeros(0, dtype=torch.int64)
 
 
+@functools.lru_cache(maxsize=64)  # a trace asks for every earlier step's, at every step: each is made once
 def written_slots(case: Case) -> torch.Tensor:
     """The slots written before this step's attention call, int64: its new tokens' (the layer writes them),
     and any context slot no earlier step of the trace wrote (the cache as steps before the trace left it:
-    prefix-cache hits, earlier chunks). For a single step: every slot its requests hold."""
+    prefix-cache hits, earlier chunks). For a single step: every slot its requests hold. Shared: never
+    modify the tensor returned."""
     new = _slots(case, [(r, torch.arange(q.context_len, q.seq_len)) for r, q in enumerate(case.requests)])
     context = _slots(case, [(r, torch.arange(q.context_len)) for r, q in enumerate(case.requests)])
     if case.earlier:
-        before = torch.cat([written_slots(s) for s in case.steps[:-1]])
-        context = context[~torch.isin(context, before)]
+        context = context[~torch.isin(context, _written_before(case))]
     return torch.unique(torch.cat([new, context]))
+
+
+@functools.lru_cache(maxsize=64)
+def _written_before(case: Case) -> torch.Tensor:
+    """Every slot the steps before `case` wrote (theirs, and what they found written), int64, unique."""
+    before = case.steps[-2]
+    return torch.unique(torch.cat([written_slots(before), *((_written_before(before),) if before.earlier else ())]))
 
 
 def materialize_attention_inputs(case: Case, device: str | torch.device = "cpu") -> AttentionInputs:
@@ -182,7 +190,7 @@ def materialize_attention_inputs(case: Case, device: str | torch.device = "cpu")
     return _attention_inputs(case, str(torch.device(device)))
 
 
-@functools.lru_cache(maxsize=2)
+@functools.lru_cache(maxsize=2)  # the target's step, then the oracle's: kept small (gpu-scale values take GBs)
 def _attention_inputs(case: Case, device: str) -> AttentionInputs:
     if not case.earlier:
         return _step_values(case, device)
@@ -195,30 +203,63 @@ def _attention_inputs(case: Case, device: str) -> AttentionInputs:
         writer[w[w < own.num_slots]] = k
     kv_c, k_pe = own.kv_c.clone(), own.k_pe.clone()
     for k, step in enumerate(steps[:-1]):
-        mine = (writer == k).nonzero().flatten()
+        mine = (writer == k).nonzero().flatten().to(device)
         if len(mine):
-            theirs = _step_values(dataclasses.replace(step, earlier=()), device)
-            kv_c[mine.to(device)], k_pe[mine.to(device)] = theirs.kv_c[mine.to(device)], theirs.k_pe[mine.to(device)]
+            theirs, _ = _slot_values(dataclasses.replace(step, earlier=()), device)
+            kv_c[mine], k_pe[mine] = theirs[mine, :KV_LORA_RANK], theirs[mine, KV_LORA_RANK:]
     return dataclasses.replace(own, kv_c=kv_c, k_pe=k_pe)
+
+
+class _BoundedMemo:
+    """The most recent results of a function of a hashable key, up to `limit` bytes of tensors (the newest one
+    is always kept): each step of a trace asks for the K/V of every step before it, and so does its oracle."""
+
+    def __init__(self, limit: int):
+        self.limit, self.entries = limit, {}
+
+    def get(self, key, make):
+        if key in self.entries:
+            self.entries[key] = self.entries.pop(key)  # the most recent last
+            return self.entries[key]
+        value = self.entries[key] = make()
+        size = lambda v: sum(t.numel() * t.element_size() for t in v if isinstance(t, torch.Tensor))  # noqa: E731
+        while len(self.entries) > 1 and sum(size(v) for v in self.entries.values()) > self.limit:
+            del self.entries[next(iter(self.entries))]
+        return value
+
+
+_SLOT_VALUES = _BoundedMemo(1 << 30)
+
+
+def _slot_values(case: Case, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kv bf16 [num_slots, 576], the state of the case's value generator after drawing it): a step's K/V per
+    slot, drawn first from its seed; its q comes after, from that state."""
+
+    def draw():
+        g = torch.Generator(device=device).manual_seed(case.seed + 1)
+        num_slots = case.num_blocks * case.block_size
+        kv = torch.randn(num_slots, HEAD_SIZE, generator=g, device=device) * _VALUE_SCALE[case.values]
+        if case.values == "zero_tiles":  # whole 128-wide NoPE tiles of zeros (fp8 scale edge cases)
+            tiles = kv[:, :KV_LORA_RANK].view(num_slots, 4, 128)
+            tiles[torch.rand(num_slots, 4, generator=g, device=device) < 0.5] = 0
+        return kv.to(torch.bfloat16), g.get_state()
+
+    return _SLOT_VALUES.get((case.seed, case.values, case.num_blocks * case.block_size, device), draw)
 
 
 def _step_values(case: Case, device: str) -> AttentionInputs:
     index = materialize_index_inputs(case, device)
-    g = torch.Generator(device=device).manual_seed(case.seed + 1)
-    scale = _VALUE_SCALE[case.values]
-    num_slots = case.num_blocks * case.block_size
-    kv = torch.randn(num_slots, HEAD_SIZE, generator=g, device=device) * scale
-    if case.values == "zero_tiles":  # whole 128-wide NoPE tiles of zeros (fp8 scale edge cases)
-        tiles = kv[:, :KV_LORA_RANK].view(num_slots, 4, 128)
-        tiles[torch.rand(num_slots, 4, generator=g, device=device) < 0.5] = 0
+    kv, state = _slot_values(case, device)
+    g = torch.Generator(device=device)
+    g.set_state(state)
     q = torch.randn(case.num_tokens, case.heads, HEAD_SIZE, generator=g, device=device) * 0.25
     slot_of = []
     for r, req in enumerate(case.requests):
         pos = torch.arange(req.seq_len)
         row = torch.tensor(case.block_table[case.table_row(r)], dtype=torch.int64)
         slot_of.append(row[pos // case.block_size] * case.block_size + pos % case.block_size)
-    kv = kv.to(torch.bfloat16)
-    return AttentionInputs(index, q.to(torch.bfloat16), kv[:, :KV_LORA_RANK], kv[:, KV_LORA_RANK:], slot_of, num_slots)
+    return AttentionInputs(index, q.to(torch.bfloat16), kv[:, :KV_LORA_RANK], kv[:, KV_LORA_RANK:], slot_of,
+                           kv.shape[0])
 
 QK_NOPE, V_HEAD = 128, 128  # DeepSeek-V3: per-head q/k NoPE and V widths before absorption
 

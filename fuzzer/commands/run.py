@@ -280,7 +280,8 @@ def summary_of(args, result, saved, host, label, profile_name, target) -> RunSum
         findings=[dict(f.to_dict(), path=str(p)) for f, p in saved],
         interrupted=bool(result.interrupted), interrupted_by=result.interrupted, shrink_cases=result.shrink_cases,
         rerun_cases=result.rerun_cases, startup_seconds=round(result.startup_seconds, 2), search=args.search,
-        coverage=_coverage(result))
+        coverage=_coverage(result),
+        stage_seconds={k: round(v, 3) for k, v in result.cases.stage_seconds.items()})
 
 
 def _coverage(result) -> dict:

@@ -329,7 +329,8 @@ def _report(args, plans, procs, merged: Merged, db: str, seconds: float, interru
                         "cases_per_second": s["cases_per_second"] if s else None, "log": str(plan.log)})
     examples = sum(w["examples"] or 0 for w in workers)
     # Per-key case counts summed over the workers: checks, and which parts were vLLM's or attnfuzz's stand-ins.
-    counts: dict[str, dict[str, int]] = {key: {} for key in ("checks", "real", "emulated")}
+    # And each stage's seconds (stage_seconds), summed the same way.
+    counts: dict[str, dict[str, int]] = {key: {} for key in ("checks", "real", "emulated", "stage_seconds")}
     for s in summaries:
         for key, total in counts.items():
             for k, v in (s or {}).get(key, {}).items():
@@ -359,7 +360,8 @@ def _report(args, plans, procs, merged: Merged, db: str, seconds: float, interru
                    findings=merged.saved, cases_per_second=round(examples / max(seconds, 1e-9), 2), checks=checks,
                    host=_host(plans), real=counts["real"], emulated=counts["emulated"], allocator_poisoned=poisoned,
                    interrupted=interrupted, database=db, workers=workers, duplicates_merged=merged.duplicates,
-                   known=merged.known, pending=merged.pending).write(args.json)
+                   known=merged.known, pending=merged.pending,
+                   stage_seconds={k: round(v, 3) for k, v in counts["stage_seconds"].items()}).write(args.json)
     if merged.saved or merged.known or merged.pending:
         return ExitCode.FOUND
     if failed:

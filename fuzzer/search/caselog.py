@@ -107,6 +107,8 @@ class CaseLog:
         calls = obs.seconds + sum(s.seconds for s in obs.steps)
         self.stage_seconds.update({"calls": calls, "harness": max(0.0, target - calls), "oracle": oracle,
                                    "transport": max(0.0, check - target - oracle), "record": record})
+        if self.records and not self.dropped:  # the case's record (added by `add`) gets its whole time too
+            self.records[-1]["case_seconds"] = round(check + record, 4)
 
     def to_dict(self) -> dict:
         return {"stage_seconds": {k: round(self.stage_seconds[k], 3) for k in STAGES if k in self.stage_seconds},
