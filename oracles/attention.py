@@ -46,6 +46,20 @@ def sparse_mla_reference(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
     return out, lse
 
 
+def counted_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: torch.Tensor, sm_scale: float):
+    """Attention of q [T, H, Dk] over per-head keys k [S, H, Dk] and values v [S, H, Dv], where query t takes
+    key s `counts[t, s]` times (0: not selected; a top-k row that names a key twice counts it twice, as the
+    sparse kernels do). float64; a row with no key gives 0. The form of a dense-MHA route's attention, whose
+    keys and values are per head (the latent projected through W_UK and W_UV), over a sparse selection."""
+    scores = torch.einsum("thd,shd->ths", q.double(), k.double()) * sm_scale
+    counts = counts.double().unsqueeze(1)  # [T, 1, S]
+    scores = scores.masked_fill(counts == 0, -math.inf)
+    m = scores.amax(dim=-1, keepdim=True)
+    w = counts * torch.exp(scores - torch.where(torch.isfinite(m), m, 0.0))
+    total = w.sum(dim=-1, keepdim=True)
+    return torch.einsum("ths,shv->thv", w / torch.where(total > 0, total, 1.0), v.double())
+
+
 def lse_merge(outs: torch.Tensor, lses: torch.Tensor, base_e: bool = True):
     """LSE-weighted combine of N partial results (DCP ranks, context chunks):
     outs [N, T, H, D], lses [N, T, H] -> (out [T, H, D], lse [T, H]) in float32.

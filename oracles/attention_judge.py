@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from oracles.attention import error_margin, sparse_mla_reference, tolerance
+from oracles.attention import counted_attention, error_margin, sparse_mla_reference, tolerance
 from oracles.fp8_ds_mla import dequantize, split_entry
 from oracles.verdict import Verdict, passed
 from strategies.tensors import KV_LORA_RANK, SM_SCALE, materialize_attention_inputs, materialize_layer_inputs
@@ -165,27 +165,60 @@ def attention_judgement(case, obs):
 
 
 def layer_reference_for(case, layer_inputs, device: str = "cpu", slot_values=None, mha_tokens: int = 0):
-    """(out [T, H, 128], valid_rows): the layer's output, v-projected through W_UV, from the absorbed q.
-
-    The dense-MHA route projects the step's own tokens from kv_c_normed as given, not from the cache: with a
-    quantized cache its last `mha_tokens` rows see those tokens unquantized (and their context dequantized)."""
+    """(out [T, H, 128], valid_rows): the layer's output, v-projected through W_UV, for the route vLLM gave each
+    token: the last `mha_tokens` took dense MHA (`mha_reference`), the others forward_mqa, which attends in the
+    latent space with q absorbed through W_UK."""
     inp = layer_inputs.attention
     q = layer_inputs.latent_q()
     # The MQA route attends with q_nope absorbed through W_UK by a bf16 bmm (`mqa_ql_nope`, fp32 accumulation):
     # the kernel's input is that bf16 tensor, so the reference takes it rounded the same way. With large values
     # the rounding alone moves scores by more than bf16's output tolerance covers (a false finding on the H200).
-    first = case.num_tokens - mha_tokens
-    q[:first, :, :KV_LORA_RANK] = q[:first, :, :KV_LORA_RANK].float().to(torch.bfloat16).double()
+    q = q.float().to(torch.bfloat16).double().where(
+        torch.arange(q.shape[-1], device=q.device) < KV_LORA_RANK, q)
     out, _, valid_rows = reference_for(case, inp, device, slot_values, q=q)
-    if mha_tokens and slot_values is not None:
-        new_slots = [inp.slot_of[r][req.context_len:] for r, req in enumerate(case.requests)
-                     if req.query_len and case.token_start(r) >= first]
-        fresh = torch.cat(new_slots) if new_slots else torch.zeros(0, dtype=torch.int64)
-        keep = ~torch.isin(slot_values[0].long().cpu(), fresh)
-        mha_out, _, _ = reference_for(case, inp, device, (slot_values[0].cpu()[keep], slot_values[1].cpu()[keep]), q=q)
-        out[first:] = mha_out[first:]
     _, w_uv = layer_inputs.w_uk_uv()
-    return torch.einsum("thl,hvl->thv", out.double(), w_uv.to(out.device)).float(), valid_rows
+    out = torch.einsum("thl,hvl->thv", out.double(), w_uv.to(out.device)).float()
+    if mha_tokens:
+        first = case.num_tokens - mha_tokens
+        out[first:] = mha_reference(case, layer_inputs, device, slot_values, first).float()
+    return out, valid_rows
+
+
+def mha_reference(case, layer_inputs, device: str, slot_values, first: int) -> torch.Tensor:
+    """float64 [T - first, H, 128]: tokens `first..T-1` (whole requests) as vLLM's dense-MHA route computes them,
+    over the positions their top-k rows select (the route is taken when those are every visible position).
+
+    That route projects each key's latent through kv_b_proj, a bf16 GEMM: k_nope = bf16(W_UK kv_c) and
+    v = bf16(W_UV kv_c) per head, and attends with the layer's q_nope and q_pe as given. The rounding of k_nope
+    and v moves scores by up to a few hundredths with large values, more than the latent (absorbed) form shows,
+    so the reference rounds where vLLM does. The step's own tokens come from kv_c as given (the route projects
+    them before the cache write), the context from what the cache holds (`slot_values`: a quantized cache's
+    read-back, rounded to bf16 as the context gather produces it)."""
+    inp = layer_inputs.attention
+    kv = torch.cat([inp.kv_c, inp.k_pe], dim=-1).double().to(device)
+    w_uk, w_uv = (w.to(device) for w in layer_inputs.w_uk_uv())
+    q = layer_inputs.q.double().to(device)
+    topk = inp.index.topk_indices.long().to(device)
+    outs = []
+    for r, req in enumerate(case.requests):
+        t0 = case.token_start(r)
+        if t0 < first or not req.query_len:
+            continue
+        rows = kv[inp.slot_of[r].to(device)]  # [S, 576], position by position
+        if slot_values is not None and req.context_len:  # the context as the cache holds it
+            held = torch.full((inp.num_slots, kv.shape[1]), float("nan"), dtype=torch.float64, device=device)
+            held[slot_values[0].long().to(device)] = slot_values[1].double().to(device)
+            rows[: req.context_len] = held[inp.slot_of[r][: req.context_len].to(device)]
+        k_nope = torch.einsum("sl,hnl->shn", rows[:, :KV_LORA_RANK], w_uk).to(torch.bfloat16).double()
+        v = torch.einsum("sl,hvl->shv", rows[:, :KV_LORA_RANK], w_uv).to(torch.bfloat16).double()
+        heads = k_nope.shape[1]
+        k = torch.cat([k_nope, rows[:, None, KV_LORA_RANK:].expand(-1, heads, -1)], dim=-1)
+        idx = topk[t0 : t0 + req.query_len]
+        valid = (idx >= 0) & (idx < req.seq_len)
+        counts = torch.zeros(req.query_len, req.seq_len + 1, dtype=torch.float64, device=device)
+        counts.scatter_add_(1, torch.where(valid, idx, req.seq_len), valid.double())
+        outs.append(counted_attention(q[t0 : t0 + req.query_len], k, v, counts[:, : req.seq_len], SM_SCALE))
+    return torch.cat(outs) if outs else torch.zeros(0, *q.shape[1:2], w_uv.shape[1], dtype=torch.float64, device=device)
 
 
 def judge_gathered_context(case, inputs, slot_values, slots, rows) -> list[Verdict]:

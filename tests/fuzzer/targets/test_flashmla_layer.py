@@ -160,3 +160,19 @@ def test_cases_keep_vllm_batch_order(name):
         assert not prefills or all(r.query_len for r in case.requests[:case.num_decodes])
 
     check()
+
+
+def test_the_dense_mha_route_is_judged_with_the_bf16_keys_and_values_it_attends_with():
+    """A step from the H200 gate (fp8_ds_mla, large values, 217 of its 229 tokens on the dense-MHA route with
+    chunked context): judged in the latent form, the reference missed kv_b_proj's bf16 rounding of k_nope and v,
+    and the route's output sat 1.33x (H200) and 1.46x (CPU) over the tolerance; rounded where vLLM rounds, 0.15x."""
+    from fuzzer.support.flashmla_runtime import layer_api
+    from tests.conftest import ROOT
+
+    case = Case.from_json((ROOT / "tests" / "fixtures" / "layer-mha-large-values.case.json").read_text())
+    obs = target().run(case)
+    verdicts = target().oracle(case, obs)
+    assert all(v.ok for v in verdicts), verdicts
+    if layer_api().dense_mha:
+        assert obs.notes["route"]["mha_tokens"] == 217
+        assert [v.margin for v in verdicts if v.check == "output"][0] < 0.5

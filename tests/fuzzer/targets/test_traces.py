@@ -25,8 +25,12 @@ def test_a_stale_persistent_buffer_is_found_by_traces_and_not_by_single_steps(tm
     r = attnfuzz(*run, "--max-examples", "30", "--max-findings", "1", "--json", str(tmp_path / "t.json"), "--repros", str(tmp_path / "repros"),
                  state=tmp_path / "state")
     assert r.returncode == 1, r.stdout + r.stderr
-    (finding,) = _findings(tmp_path / "t.json")
-    assert "H" in finding["bug_classes"] and "earlier step" in finding["summary"]
+    # What the stale rows read is whatever the allocator left there: one batch can show the bug under two
+    # signatures (an out-of-bounds index, NaN output), each its own finding.
+    findings = _findings(tmp_path / "t.json")
+    assert findings and all("H" in f["bug_classes"] for f in findings), findings
+    finding = findings[0]
+    assert "earlier step" in finding["summary"]
     assert any(v["check"] == "stateful" for v in finding["verdicts"])  # the failing step passes alone
     # Its reproducer runs the trace's steps on one builder and impl, and shows the bug without attnfuzz.
     repro = subprocess.run([sys.executable, "repro.py"], cwd=tmp_path / "repros" / finding["id"], capture_output=True,
