@@ -55,6 +55,9 @@ class Observation:
     # A trace's earlier steps, oldest first, each observed as this one is; this observation is the last step
     # that ran (a step that failed ends the trace, so it may be an earlier step of the case).
     steps: list["Observation"] = field(default_factory=list)
+    # A target that runs the case through several backends (vllm.sparse_mla.all): each one's observation, by
+    # vLLM's backend name. Its own outputs are empty; the oracle judges the parts, and each pair of them.
+    parts: dict[str, "Observation"] = field(default_factory=dict)
 
 
 NOTE_KEYS = frozenset(Notes.__annotations__)

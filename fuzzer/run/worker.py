@@ -150,9 +150,8 @@ def serve(fd: int, spec: WorkerSpec) -> None:
         print(f"{END} {n}", flush=True)
         if late and not obs.notes.get("device_lost"):
             _lost(spec, conn, late)
-        obs.outputs = {}  # tensors stay here: findings keep verdicts and notes
-        for step in obs.steps:
-            step.outputs = {}
+        for o in (obs, *obs.steps, *obs.parts.values(), *(s for p in obs.parts.values() for s in p.steps)):
+            o.outputs = {}  # tensors stay here: findings keep verdicts and notes
         if spec.device == "cuda" and n % MEMORY_EVERY == 0:
             _log_device_memory(n)
         conn.send(("result", obs, verdicts))

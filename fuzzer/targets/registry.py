@@ -13,6 +13,7 @@ from fuzzer.targets.flashmla_layer_dcp import FlashMLASparseLayerDcp
 from fuzzer.targets.flashmla_sparse import FlashMLASparse
 from fuzzer.targets.index_remap import IndexRemap
 from fuzzer.targets.selftest import SelftestFault
+from fuzzer.targets.sparse_mla_all import SparseMLAAll
 from fuzzer.targets.triton_sparse import TritonSparse
 
 TARGETS: dict[str, type[Target]] = {
@@ -26,6 +27,7 @@ TARGETS: dict[str, type[Target]] = {
     FlashMLASparseLayerDcp.name: FlashMLASparseLayerDcp,
     FlashAttnMLASparse.name: FlashAttnMLASparse,
     FlashAttnMLASparseLayer.name: FlashAttnMLASparseLayer,
+    SparseMLAAll.name: SparseMLAAll,
     SelftestFault.name: SelftestFault,  # harness self-test, not vLLM
 }
 

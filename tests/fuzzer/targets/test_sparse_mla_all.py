@@ -1,0 +1,63 @@
+"""`vllm.sparse_mla.all` on CPU: one step through every sparse-MLA backend the host runs (FlashMLA, FlashAttention
+and vLLM's Triton backend, each with its target's stand-ins), judged against the reference and pairwise."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fuzzer.observation import Observation
+from oracles.backends import judge_backends
+from strategies.case import Case, Request, TopkSpec
+from tests.conftest import attnfuzz
+
+CASE = Case(requests=(Request(1, 40), Request(3, 20)), num_decodes=1, block_size=64, block_table=((1,), (2,)),
+            topk_width=128, topk=(TopkSpec(30), TopkSpec(12)), heads=16, seed=3).validate()
+
+
+def _part(out: torch.Tensor) -> Observation:
+    return Observation("t", "cpu", outputs={"out": out})
+
+
+def test_the_pairwise_judge_names_the_backend_out_of_line():
+    from oracles.attention_judge import reference_for
+
+    ref = reference_for(CASE)[0].to(torch.bfloat16)
+    bad = ref.clone()
+    bad[1, 2, 3] += 5.0
+    obs = Observation("vllm.sparse_mla.all", "cpu", parts={"A": _part(ref), "B": _part(ref.clone()), "C": _part(bad)})
+    failed = [v for v in judge_backends(CASE, obs) if not v.ok]
+    assert {v.check for v in failed} == {"output", "backends"}
+    output = next(v for v in failed if v.check == "output")
+    assert output.where == "C:output" and output.detail.startswith("C: ")
+    backends = next(v for v in failed if v.check == "backends")
+    assert backends.where == "C" and backends.detail.startswith("C disagrees with A, B, which agree")
+
+
+@pytest.mark.vllm
+def test_a_bug_in_one_backend_is_found_as_the_one_out_of_line_and_reproduced_alone(tmp_path):
+    """The Triton kernel's fully masked tile (class I) breaks XPU_MLA_SPARSE alone: the finding names it, the other
+    backends agree, and its reproducer is XPU_MLA_SPARSE's own."""
+    r = attnfuzz("run", "--target", "vllm.sparse_mla.all", "--inject", "softmax-masked-tile-nan", "--seed", "0",
+                 "--max-examples", "30", "--max-findings", "1", "--reruns", "0", "--json", str(tmp_path / "s.json"),
+                 "--repros", str(tmp_path / "repros"), state=tmp_path / "state")
+    assert r.returncode == 1, r.stdout + r.stderr
+    (finding,) = json.loads((tmp_path / "s.json").read_text())["findings"]
+    assert finding["bug_classes"] == ["I"] and finding["signature"].startswith("nan:XPU_MLA_SPARSE")
+    backends = [v for v in finding["verdicts"] if v["check"] == "backends"]
+    assert backends and backends[0]["where"] == "XPU_MLA_SPARSE", finding["verdicts"]
+    repro = subprocess.run([sys.executable, "repro.py"], cwd=tmp_path / "repros" / finding["id"], capture_output=True,
+                           text=True, timeout=300)
+    assert repro.returncode == 1 and "BUG:" in repro.stdout, repro.stdout + repro.stderr
+
+
+@pytest.mark.vllm
+def test_a_clean_campaign_runs_every_backend(tmp_path):
+    r = attnfuzz("run", "--target", "vllm.sparse_mla.all", "--seed", "1", "--max-examples", "5", "--no-shrink",
+                 "--out", str(tmp_path / "out"), "--repros", str(tmp_path / "repros"), state=tmp_path / "state")
+    assert r.returncode == 0, r.stdout + r.stderr
+    campaign = json.loads((tmp_path / "out" / "campaign.json").read_text())
+    assert {p.split("/")[0] for p in campaign["coverage"]} == {"FLASHMLA_SPARSE", "FLASH_ATTN_MLA_SPARSE",
+                                                                "XPU_MLA_SPARSE"}
