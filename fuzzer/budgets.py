@@ -28,6 +28,7 @@ BUDGETS: dict[str, dict[str, Budget]] = {
         "vllm.flashmla_sparse.layer.dcp": Budget(gate=12, selftest=12),  # every rank's layer emulated: 5-10 s a case
         "vllm.flashattn_sparse": Budget(gate=60, selftest=30),
         "vllm.flashattn_sparse.layer": Budget(gate=30, selftest=20),  # steps of up to 300 tokens: 2-7 s a case
+        "vllm.dsv4.flashmla": Budget(gate=30, selftest=16),  # decodes ~0.1 s, prefills' interpreted gathers 1-4 s
     },
     "cuda": {  # native kernels, 2-13 cases/s (mostly host-side work per case)
         "vllm.index_remap": Budget(gate=300, selftest=150),
@@ -39,6 +40,7 @@ BUDGETS: dict[str, dict[str, Budget]] = {
         "vllm.flashmla_sparse.layer.dcp": Budget(gate=60, selftest=40),
         "vllm.flashattn_sparse": Budget(gate=100, selftest=60),
         "vllm.flashattn_sparse.layer": Budget(gate=60, selftest=40),
+        "vllm.dsv4.flashmla": Budget(gate=150, selftest=40),
     },
 }
 DEFAULT = {"cpu": Budget(gate=30, selftest=30), "cuda": Budget(gate=100, selftest=60)}  # a target added later

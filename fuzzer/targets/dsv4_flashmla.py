@@ -58,6 +58,7 @@ class Dsv4FlashMLA(Target):
                   "Triton: SWA indices/lens, prefill gather lens, compressed slot mapping, C128A top-k metadata, "
                   "global top-k, dequantize-and-gather, top-k/SWA combine")
     kv_cache_dtypes = ("fp8_ds_mla",)
+    outputs_stay_on_device = True  # the caches and outputs are judged where they are (oracles/dsv4.py moves what it reads)
 
     def unavailable(self) -> str | None:
         for module in (runtime.FLASHMLA_LAYER_MODULE, runtime.SPARSE_MLA_MODULE, runtime.SWA_MODULE):
