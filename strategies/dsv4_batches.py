@@ -67,8 +67,13 @@ def dsv4_cases(draw, p: Profile, f: Dsv4Features, knobs: dict[str, tuple[str, ..
 
     budget, reqs = s.max_tokens, []
     n_dec = draw(st.integers(1, s.max_decodes)) if c("decodes") == "some" else 0
-    for _ in range(n_dec):
-        q = draw(st.integers(1, threshold)) if mixed else threshold
+    if mixed and n_dec:  # at least two decodes, not all of one length
+        n_dec = min(max(n_dec, 2), s.max_decodes)
+        lengths = [draw(st.integers(1, threshold)) for _ in range(n_dec)]
+        if len(set(lengths)) == 1:
+            lengths[-1] = lengths[0] % threshold + 1
+    for j in range(n_dec):
+        q = lengths[j] if mixed else threshold
         if q > budget:
             break
         lo, hi = {"short": (q, w), "near": (w + 1, w + 2 * bs), "long": (w + 2 * bs + 1, s.max_context)}[c("window_context")]
