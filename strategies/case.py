@@ -103,6 +103,9 @@ class Dsv4:
     num_speculative_tokens: int = 0
     c4_order: str = "scored"
     attn_sink: str = "finite"
+    # The engine's max_model_len (0: the harness's default, far past any context): it sizes the C128A top-k rows
+    # and bounds the prefill workspace a chunk may take (the chunk plan), so a tight one packs prefills apart.
+    max_model_len: int = 0
 
     @property
     def entries_per_block(self) -> int:
@@ -210,7 +213,8 @@ class Case:
             d = self.dsv4
             extra.append(f"dsv4: compress_ratio={d.compress_ratio} window={d.window_size} heads={self.heads}"
                          + (f" mtp={d.num_speculative_tokens}" if d.num_speculative_tokens else "")
-                         + (f" c4_order={d.c4_order}" if d.compress_ratio == 4 else "") + f" attn_sink={d.attn_sink}")
+                         + (f" c4_order={d.c4_order}" if d.compress_ratio == 4 else "") + f" attn_sink={d.attn_sink}"
+                         + (f" max_model_len={d.max_model_len}" if d.max_model_len else ""))
         if self.earlier:
             extra.append(f"after {len(self.earlier)} earlier step(s) of {'/'.join(str(e.num_tokens) for e in self.earlier)} tokens")
         return f"[{reqs}] topk={self.topk_width} block={self.block_size} {' '.join(extra)}".strip()
@@ -358,6 +362,9 @@ def _validate_dsv4(case: "Case") -> None:
            f"must be in [0, {DSV4_MAX_SPECULATIVE}], got {d.num_speculative_tokens}")
     _check(d.c4_order in C4_ORDERS, "dsv4.c4_order", f"one of {C4_ORDERS}, got {d.c4_order!r}")
     _check(d.attn_sink in ATTN_SINKS, "dsv4.attn_sink", f"one of {ATTN_SINKS}, got {d.attn_sink!r}")
+    longest = max((r.seq_len for r in case.requests), default=0)
+    _check(d.max_model_len == 0 or d.max_model_len >= max(longest, 1), "dsv4.max_model_len",
+           f"0 or at least the longest sequence ({longest}), got {d.max_model_len}")
     _check(case.block_size % 32 == 0, "block_size", f"the SWA cache's block size is a multiple of 32, got {case.block_size}")
     _check(case.kv_cache_dtype == "fp8_ds_mla" and case.fp8_scale == "pow2", "kv_cache_dtype",
            "a DeepSeek-V4 cache is fp8_ds_mla (the 584-byte record, UE8M0 power-of-two scales)")

@@ -27,7 +27,8 @@ SWA_BLOCK_SIZE = 64  # DeepseekV4SWACache's block size (tokens a page of the sli
 
 DSV4_KNOBS = ("compress_ratio", "window_size", "topk_width", "heads", "decodes", "decode_query_len", "decode_lengths",
          "window_context", "padding_rows", "padded_tokens", "prefills", "prefill_context", "window_edge",
-         "state_fill", "c4_valid", "c4_order", "attn_sink", "values", "table_layout", "table_last_column", "swa_freed")
+         "state_fill", "c4_valid", "c4_order", "attn_sink", "values", "table_layout", "table_last_column", "swa_freed",
+              "max_model_len")
 
 
 @dataclass(frozen=True)
@@ -135,12 +136,15 @@ def dsv4_cases(draw, p: Profile, f: Dsv4Features, knobs: dict[str, tuple[str, ..
     if ratio > 1:
         needed = [-(-r.seq_len // DSV4_BLOCK_SIZE) for r in reqs]
         comp = _table(draw, [range(n) for n in needed], needed, spare, permuted)
+    longest = max(r.seq_len for r in reqs)
+    max_model_len = longest + draw(st.integers(0, 64)) if c("max_model_len") == "tight" else 0
     return Case(
         requests=tuple(reqs), num_decodes=num_decodes, block_size=bs, block_table=swa, topk_width=topk, topk=(),
         heads=heads, kv_cache_dtype="fp8_ds_mla", values=c("values"), seed=draw(st.integers(0, 2**16)),
         padded_tokens=draw(st.integers(1, 4)) if c("padded_tokens") == "some" else 0,
         dsv4=Dsv4(compress_ratio=ratio, window_size=w, compressed_block_table=comp, num_speculative_tokens=k,
-                  c4_order=c("c4_order") if ratio == 4 else "scored", attn_sink=c("attn_sink")),
+                  c4_order=c("c4_order") if ratio == 4 else "scored", attn_sink=c("attn_sink"),
+                  max_model_len=max_model_len),
     ).validate()
 
 

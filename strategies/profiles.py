@@ -48,7 +48,7 @@ class Profile:
     # Steps per case for targets that run traces (strategies.traces), the case's own included: 1 is single
     # fresh steps only (`attnfuzz run --max-steps`).
     max_steps: int = 4
-    dsv4: Dsv4Sizes = Dsv4Sizes(max_decodes=12, max_prefills=4, max_tokens=512, max_context=9000,
+    dsv4: Dsv4Sizes = Dsv4Sizes(max_decodes=12, max_prefills=6, max_tokens=512, max_context=9000,
                                 max_prefill_context=4096, max_prefill_compressed=4096, topk_widths=(512,),
                                 window_sizes=(128,), heads=(16, 8, 32, 64, 128))
 

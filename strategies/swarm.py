@@ -92,6 +92,8 @@ KNOBS = _knobs(
     Knob("attn_sink", ATTN_SINKS, "the layer's attention sink per head"),
     Knob("swa_freed", ("kept", "freed"), "SWA blocks wholly behind every query's window back in the pool (null block 0)"),
     Knob("padded_tokens", ("none", "some"), "tokens past the last request (graph padding: slot -1, position 0)"),
+    Knob("max_model_len", ("large", "tight"), "the engine's max_model_len: far past the step, or just past its "
+                                              "longest sequence (C128A row width, prefill chunk plan)"),
 )
 
 
@@ -210,6 +212,7 @@ def dsv4_features(case: Case, decodes) -> dict[str, set[str]]:
                                      zip(case.requests, (case.block_table[case.table_row(i)]
                                                          for i in range(len(case.requests))))) else "kept"},
         "padded_tokens": {"some" if case.padded_tokens else "none"},
+        "max_model_len": {"tight" if d.max_model_len else "large"},
     }
     if decodes:
         f["decode_query_len"] = {"mtp" if d.num_speculative_tokens else "one"}

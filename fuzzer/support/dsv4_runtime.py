@@ -32,7 +32,7 @@ BLOCK_SIZE = 256  # the compressed K cache's kernel block size (DeepseekV4Sparse
 MAX_MODEL_LEN = 163840  # past the gpu-scale profile's 128K contexts; C128A rows of up to 1280 entries
 LAYER = "model.layers.0.attn"  # the attention layer's prefix; its SWA cache is f"{LAYER}.swa_cache"
 # A tiny DeepSeek-V4-shaped HF config: ModelConfig needs one on disk; the builders read sliding_window,
-# index_topk (set per case) and the layer types (each present type gets a FlashMLA tile-scheduler plan).
+# index_topk (set per case) and the layers' compress ratios (each present type gets a FlashMLA tile-scheduler plan).
 HF_CONFIG = dict(architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4", hidden_size=512,
                  num_attention_heads=64, head_dim=HEAD_DIM, qk_rope_head_dim=ROPE_DIM, q_lora_rank=256,
                  o_lora_rank=128, o_groups=8, sliding_window=128, index_topk=512, index_n_heads=8,
@@ -41,6 +41,9 @@ HF_CONFIG = dict(architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v
                  layer_types=["compressed_sparse_attention", "heavily_compressed_attention",
                               "compressed_sparse_attention"],
                  compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+                 # the same ratios as 0.30-0.32's builders read them (0.33 derives them from the two fields above
+                 # when this one is absent): the three layers and the MTP layer (0: sliding window only)
+                 compress_ratios=[4, 128, 4, 0],
                  max_position_embeddings=MAX_MODEL_LEN, torch_dtype="bfloat16")
 
 
@@ -90,12 +93,14 @@ def dsv4_config(device: str, state_dir: str):
     return cfg
 
 
-def configure(cfg, *, window_size: int, index_topk: int, num_speculative_tokens: int, max_num_batched_tokens: int):
+def configure(cfg, *, window_size: int, index_topk: int, num_speculative_tokens: int, max_num_batched_tokens: int,
+              max_model_len: int = 0):
     """The case's fields on the shared config, before its builders are made (they read them at construction).
     MTP (num_speculative_tokens > 0): the two fields of vLLM's speculative config the builders read (the decode
-    threshold 1 + k; no DSpark, no parallel drafting)."""
+    threshold 1 + k; no DSpark, no parallel drafting). max_model_len 0: MAX_MODEL_LEN."""
     hf = cfg.model_config.hf_config
     hf.sliding_window, hf.index_topk = window_size, index_topk
+    cfg.model_config.max_model_len = cfg.scheduler_config.max_model_len = max_model_len or MAX_MODEL_LEN
     cfg.scheduler_config.max_num_batched_tokens = max_num_batched_tokens
     cfg.speculative_config = (SimpleNamespace(num_speculative_tokens=num_speculative_tokens, parallel_drafting=False,
                                               use_dspark=lambda: False) if num_speculative_tokens else None)

@@ -93,7 +93,7 @@ class Dsv4FlashMLA(Target):
         inputs = materialize_dsv4_inputs(case, dev)
         cfg = runtime.configure(self.cfg, window_size=d.window_size, index_topk=case.topk_width,
                                 num_speculative_tokens=d.num_speculative_tokens,
-                                max_num_batched_tokens=case.num_actual_tokens + 16)
+                                max_num_batched_tokens=case.num_actual_tokens + 16, max_model_len=d.max_model_len)
         layer_cls = _try_import(runtime.FLASHMLA_LAYER_MODULE).DeepseekV4FlashMLAAttention
         swa_layer = runtime.swa_cache_layer(cfg, d.window_size, case.block_size)
         swa_spec = swa_layer.get_kv_cache_spec(cfg)
