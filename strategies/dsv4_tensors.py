@@ -87,11 +87,15 @@ def materialize_dsv4_inputs(case: Case, device: str | torch.device = "cpu") -> D
 def _inputs(case: Case, device: str) -> Dsv4Inputs:
     d = case.dsv4
     g = torch.Generator().manual_seed(case.seed)
+    # Latents are drawn on the device by its own generator (a long-context GPU step holds hundreds of MB of them):
+    # a case holds the same values wherever it runs on the same kind of device.
+    gd = torch.Generator(device=device).manual_seed(case.seed + 1)
     scale = _VALUE_SCALE[case.values]
     swa, comp = [], []
     for r in case.requests:
-        swa.append(_latents(r.seq_len, scale, case.values, g))
-        comp.append(_latents(r.seq_len // d.compress_ratio if d.compress_ratio > 1 else 0, scale, case.values, g))
+        swa.append(_latents(r.seq_len, scale, case.values, gd, device))
+        comp.append(_latents(r.seq_len // d.compress_ratio if d.compress_ratio > 1 else 0, scale, case.values, gd,
+                             device))
     positions, token_req, slots, qsl = [], [], [], [0]
     for i, r in enumerate(case.requests):
         pos = torch.arange(r.context_len, r.seq_len)
@@ -118,15 +122,15 @@ def _inputs(case: Case, device: str) -> Dsv4Inputs:
         seq_lens=i32([r.seq_len for r in case.requests]), slot_mapping=slots.to(device),
         block_table=i32(case.block_table),
         compressed_block_table=i32(d.compressed_block_table) if d.compress_ratio > 1 else None,
-        swa_values=tuple(v.to(device) for v in swa), compressed_values=tuple(v.to(device) for v in comp),
+        swa_values=tuple(swa), compressed_values=tuple(comp),
         topk_indices=topk.to(device), q=q.to(torch.bfloat16).to(device), attn_sink=sink.to(device))
 
 
-def _latents(n: int, scale: float, values: str, g: torch.Generator) -> torch.Tensor:
-    x = torch.randn(n, HEAD_DIM, generator=g) * scale
+def _latents(n: int, scale: float, values: str, g: torch.Generator, device: str) -> torch.Tensor:
+    x = torch.randn(n, HEAD_DIM, generator=g, device=device) * scale
     if values == "zero_tiles" and n:  # whole 64-wide quantization blocks of zeros (the scale's 1e-4 floor)
         blocks = x[:, :NOPE].view(n, NOPE // QUANT_BLOCK, QUANT_BLOCK)
-        blocks[torch.rand(n, NOPE // QUANT_BLOCK, generator=g) < 0.5] = 0
+        blocks[torch.rand(n, NOPE // QUANT_BLOCK, generator=g, device=device) < 0.5] = 0
     return x.to(torch.bfloat16)
 
 
