@@ -4,17 +4,14 @@ filled (seq_len % compress_ratio != 0), so the compressor would write an incompl
 compressed K cache. Found by the exact check of the compressed slot mapping; needs a C4 or C128 step whose last
 token ends a partly filled state."""
 
-from fuzzer.mutants._kernel_patch import mutate_jit
+from fuzzer.mutants._kernel_patch import patch_kernel_class
 
 BUG_CLASS = "N"
 TARGETS = ("vllm.dsv4.flashmla",)
 
 
 def apply():
-    from vllm.v1.attention.backends.mla import compressor_utils
-
-    holder = compressor_utils.CompressedSlotMappingKernel
-    holder.kernel = mutate_jit(holder.kernel, vars(compressor_utils), [(
+    patch_kernel_class("vllm.v1.attention.backends.mla.compressor_utils", "CompressedSlotMappingKernel", [(
         "is_valid = ((pos + 1) % COMPRESS_RATIO == 0) & (slot != PAD_ID)",
         "is_valid = (((pos + 1) % COMPRESS_RATIO == 0) | (pos == seq_len - 1)) & (slot != PAD_ID)")],
         "dsv4-compressed-slot-partial-state")

@@ -4,17 +4,14 @@ positions back is dropped there (its index and its length both one short), as a 
 the previous block's end would. Found by the exact check of decode/prefill SWA indices and lengths; shows for a
 token at position m * block_size + window_size - 1 (m >= 1)."""
 
-from fuzzer.mutants._kernel_patch import mutate_jit
+from fuzzer.mutants._kernel_patch import patch_kernel_class
 
 BUG_CLASS = "N"
 TARGETS = ("vllm.dsv4.flashmla",)
 
 
 def apply():
-    from vllm.v1.attention.backends.mla import sparse_swa
-
-    holder = sparse_swa.ComputeSWAIndicesAndLensKernel
-    holder.kernel = mutate_jit(holder.kernel, vars(sparse_swa), [(
+    patch_kernel_class("vllm.v1.attention.backends.mla.sparse_swa", "ComputeSWAIndicesAndLensKernel", [(
         "    end_pos = pos + right + 1",
         "    start_pos = start_pos + ((start_pos % block_size == 0) & (start_pos > 0)).to(tl.int32)\n"
         "    end_pos = pos + right + 1")], "dsv4-swa-window-block-edge")

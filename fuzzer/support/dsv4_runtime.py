@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import functools
 import importlib
-import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-from fuzzer.support.flashmla_runtime import _has_flashmla_kernels, _inspect_in_process
+from fuzzer.support.flashmla_runtime import _has_flashmla_kernels, model_config
 from fuzzer.support.standins import flashmla_ops
 
 FLASHMLA_LAYER_MODULE = "vllm.models.deepseek_v4.nvidia.flashmla"
@@ -75,16 +73,10 @@ def cpu_shims() -> tuple[str, ...]:
 def dsv4_config(device: str, state_dir: str):
     """Process-wide: one real VllmConfig for a DeepSeek-V4 model (per-case fields are set by `configure`), fp8_ds_mla
     cache of 256-token blocks, and the workspace manager."""
-    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.config import CacheConfig, DeviceConfig, SchedulerConfig, VllmConfig
     from vllm.v1.worker.workspace import init_workspace_manager, is_workspace_manager_initialized
 
-    model_dir = (Path(state_dir) / "dsv4-model").resolve()
-    model_dir.mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.json").write_text(json.dumps(HF_CONFIG))
-    with _inspect_in_process():
-        model = ModelConfig(model=str(model_dir), tokenizer=None, skip_tokenizer_init=True, dtype="bfloat16",
-                            max_model_len=MAX_MODEL_LEN)
-    cfg = VllmConfig(model_config=model, device_config=DeviceConfig(device=device),
+    cfg = VllmConfig(model_config=model_config(state_dir, "dsv4-model", HF_CONFIG, MAX_MODEL_LEN), device_config=DeviceConfig(device=device),
                      cache_config=CacheConfig(block_size=BLOCK_SIZE, cache_dtype="fp8_ds_mla"),
                      scheduler_config=SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=256,
                                                       max_model_len=MAX_MODEL_LEN, is_encoder_decoder=False))
