@@ -51,7 +51,7 @@ class Dsv4FlashMLA(Target):
     name = "vllm.dsv4.flashmla"
     summary = ("DeepSeek-V4 sparse attention (FLASHMLA_SPARSE_DSV4): SWA + compressed-KV builders and the layer's "
                "forward_mqa, compress ratios 1/4/128")
-    bug_classes = "B C D I K N"
+    bug_classes = "C H J K N"
     oracle = staticmethod(judge_dsv4)
     real_parts = ("DeepseekSparseSWAFlashMLAMetadataBuilder", "DeepseekV4FlashMLAMetadataBuilder",
                   "DeepseekV4FlashMLAAttention.forward_mqa",
