@@ -95,36 +95,39 @@ class Dsv4FlashMLA(Target):
                                 num_speculative_tokens=d.num_speculative_tokens,
                                 max_num_batched_tokens=case.num_actual_tokens + 16, max_model_len=d.max_model_len)
         layer_cls = _try_import(runtime.FLASHMLA_LAYER_MODULE).DeepseekV4FlashMLAAttention
-        swa_layer = runtime.swa_cache_layer(cfg, d.window_size, case.block_size)
-        swa_spec = swa_layer.get_kv_cache_spec(cfg)
         swa_raw = swa_pages(case, inputs, num_blocks(case.block_table), dev)
-        assert swa_raw.shape[1] == swa_spec.page_size_bytes, (swa_raw.shape, swa_spec.page_size_bytes)
-        swa_layer.kv_cache = runtime.paged(swa_raw, case.block_size)
-        comp_raw = kv_cache = None
+        comp_raw = None
         if d.compress_ratio > 1:
-            spec = runtime.compressed_spec(d.compress_ratio)
             comp_raw = compressed_pages(case, inputs, num_blocks(d.compressed_block_table), dev)
-            assert comp_raw.shape[1] == spec.page_size_bytes, (comp_raw.shape, spec.page_size_bytes)
-            kv_cache = runtime.paged(comp_raw, d.entries_per_block)
         topk_buffer = torch.full((cfg.scheduler_config.max_num_batched_tokens, case.topk_width), TOPK_POISON,
                                  dtype=torch.int32, device=dev)
         topk_buffer[: case.num_actual_tokens] = inputs.topk_indices
-        heads = layer_cls.get_padded_num_q_heads(case.heads)  # vLLM's padding of the layer's q heads
-        assert heads == inputs.q.shape[1], (heads, inputs.q.shape)
-        layer = runtime.attention_layer(cfg, d.compress_ratio, swa_layer, kv_cache, topk_buffer,
-                                        inputs.attn_sink.clone())
         notes: dict = {"shims": tuple(self.shims)}
 
         def call():
             outputs: dict = {}
+            # vLLM's objects are made inside the observed call: what they raise is an observation, not ours.
+            swa_layer = runtime.swa_cache_layer(cfg, d.window_size, case.block_size)
+            swa_spec = swa_layer.get_kv_cache_spec(cfg)
+            assert swa_raw.shape[1] == swa_spec.page_size_bytes, (swa_raw.shape, swa_spec.page_size_bytes)
+            swa_layer.kv_cache = runtime.paged(swa_raw, case.block_size)
+            kv_cache = None
+            if comp_raw is not None:
+                spec = runtime.compressed_spec(d.compress_ratio)
+                assert comp_raw.shape[1] == spec.page_size_bytes, (comp_raw.shape, spec.page_size_bytes)
+                kv_cache = runtime.paged(comp_raw, d.entries_per_block)
+            heads = layer_cls.get_padded_num_q_heads(case.heads)  # vLLM's padding of the layer's q heads
+            assert heads == inputs.q.shape[1], (heads, inputs.q.shape)
+            layer = runtime.attention_layer(cfg, d.compress_ratio, swa_layer, kv_cache, topk_buffer,
+                                            inputs.attn_sink.clone())
             with set_current_vllm_config(cfg), torch.inference_mode():
                 swa_builder = layer_cls.swa_backend_cls.get_builder_cls()(swa_spec, [swa_layer.prefix], cfg,
                                                                           torch.device(dev))
                 builders = {"swa": swa_builder}
                 metadata = {swa_layer.prefix: None}
                 if d.compress_ratio > 1:
-                    builders["compressed"] = layer_cls.backend_cls.get_builder_cls()(
-                        runtime.compressed_spec(d.compress_ratio), [runtime.LAYER], cfg, torch.device(dev))
+                    builders["compressed"] = layer_cls.backend_cls.get_builder_cls()(spec, [runtime.LAYER], cfg,
+                                                                                     torch.device(dev))
                 poisoned = {k: _poison(b, GUARDED[k]) for k, b in builders.items()}
                 metadata[swa_layer.prefix] = swa_md = swa_builder.build(0, _common_metadata(case, inputs, "swa", dev))
                 if "compressed" in builders:
