@@ -29,6 +29,7 @@ BUDGETS: dict[str, dict[str, Budget]] = {
         "vllm.flashattn_sparse": Budget(gate=60, selftest=30),
         "vllm.flashattn_sparse.layer": Budget(gate=30, selftest=20),  # steps of up to 300 tokens: 2-7 s a case
         "vllm.sparse_mla.all": Budget(gate=12, selftest=10),  # three backends a case, the Triton one interpreted: ~2 s
+        "vllm.dsv4.flashmla": Budget(gate=30, selftest=16),  # decodes ~0.1 s, prefills' interpreted gathers 1-4 s
     },
     "cuda": {  # native kernels, 2-13 cases/s (mostly host-side work per case)
         "vllm.index_remap": Budget(gate=300, selftest=150),
@@ -41,6 +42,7 @@ BUDGETS: dict[str, dict[str, Budget]] = {
         "vllm.flashattn_sparse": Budget(gate=100, selftest=60),
         "vllm.flashattn_sparse.layer": Budget(gate=60, selftest=40),
         "vllm.sparse_mla.all": Budget(gate=100, selftest=40),
+        "vllm.dsv4.flashmla": Budget(gate=150, selftest=40),
     },
 }
 DEFAULT = {"cpu": Budget(gate=30, selftest=30), "cuda": Budget(gate=100, selftest=60)}  # a target added later

@@ -15,6 +15,8 @@ CHECKS: dict[str, str] = {
     "error": "the code under test raised on a valid case",
     "cache": "the KV cache changed during a call that must not write it",
     "cache_write": "the cache writer's bytes differ from the layout's reference encoding",
+    "metadata": "a metadata kernel's output differs from its definition (DeepSeek-V4: SWA indices and lengths, the "
+                "C128A top-k, the compressed slot mapping, prefill gather lengths, the batch split)",
     "gather": "gathered or dequantized context K/V differs from the cache bytes' decoding",
     "dcp_filter": "a DCP rank's filtered top-k indices differ from its exact share",
     "dcp_empty_shard": "a rank that holds none of a row's tokens is not neutral in the merge",

@@ -31,6 +31,13 @@ CUDAGRAPH_MODES = ("none", "full")  # vLLM's CUDAGraphMode for the attention: NO
 TOKEN_ROWS = ("all", "decodes")  # which rows of topk_indices the call site passes
 REQ_ID_ROWS = ("match", "full_batch")  # req_id_per_token sliced like topk_indices, or the whole batch's
 MAX_DECODE_QUERY_LEN = 4  # uniform decodes incl. MTP (1 + up to 3 draft tokens)
+# DeepSeek-V4 (Case.dsv4): compress ratios (1: sliding window only, 4: C4A with the indexer's top-k, 128: C128A over
+# every compressed entry), how the indexer orders a C4 row's valid ids, and what the layer's attention sink holds.
+COMPRESS_RATIOS = (4, 128, 1)
+C4_ORDERS = ("scored", "ascending")  # top_k_per_row by score (any order), or the short-context fill's 0, 1, 2, ...
+ATTN_SINKS = ("finite", "none", "large")  # weights of order 1, -inf (no sink: make_attention_sink's init), ~ +6
+DSV4_BLOCK_SIZE = 256  # tokens a block of the compressed K cache covers (the backend's kernel block size)
+DSV4_MAX_SPECULATIVE = 7
 
 
 class CaseError(ValueError):
@@ -80,6 +87,32 @@ class IndexCall:
 
 
 @dataclass(frozen=True)
+class Dsv4:
+    """A DeepSeek-V4 attention step (vLLM's FLASHMLA_SPARSE_DSV4 route): `Case.block_size` and `Case.block_table`
+    are the sliding-window (SWA) cache's, `Case.topk_width` the indexer's index_topk, `Case.topk` empty (the
+    indexer's rows follow from positions: a C4 token at position p holds min((p + 1) // 4, index_topk) distinct
+    compressed ids, valid ids first), `Case.kv_cache_dtype` fp8_ds_mla (the 584-byte V4 record)."""
+
+    compress_ratio: int = 4  # 1 (SWA only), 4 (C4A) or 128 (C128A)
+    window_size: int = 128  # sliding_window: the newest tokens each query attends to, itself included
+    # Per request (Case.table_row), the compressed K cache's blocks of DSV4_BLOCK_SIZE tokens (256 // ratio
+    # compressed entries each); empty for ratio 1, which has no compressed cache.
+    compressed_block_table: tuple[tuple[int, ...], ...] = ()
+    # MTP draft tokens: a decode is one of the leading requests of query_len <= 1 + k (lengths may differ; vLLM's
+    # DSv4 builders split with require_uniform=False).
+    num_speculative_tokens: int = 0
+    c4_order: str = "scored"
+    attn_sink: str = "finite"
+    # The engine's max_model_len (0: the harness's default, far past any context): it sizes the C128A top-k rows
+    # and bounds the prefill workspace a chunk may take (the chunk plan), so a tight one packs prefills apart.
+    max_model_len: int = 0
+
+    @property
+    def entries_per_block(self) -> int:
+        return DSV4_BLOCK_SIZE // self.compress_ratio
+
+
+@dataclass(frozen=True)
 class Case:
     requests: tuple[Request, ...]
     num_decodes: int  # the leading requests that are decodes (uniform query_len, padding rows allowed)
@@ -109,6 +142,7 @@ class Case:
     # and the builder's `update_draft_decode_metadata` (or, for a builder without it, a rebuild). The step
     # before is a decode of one token per request; this one holds the same requests one token later.
     mtp_draft: bool = False
+    dsv4: Dsv4 | None = None  # a DeepSeek-V4 step (see Dsv4); None: a DeepSeek-V3.2-style sparse-MLA step
     schema: int = SCHEMA
 
     # -- derived ---------------------------------------------------------------------------------------
@@ -175,6 +209,12 @@ class Case:
             extra.append(f"cudagraph={self.cudagraph}{' (replayed)' if self.replays_graph else ''}")
         if self.mtp_draft:
             extra.append("mtp_draft")
+        if self.dsv4 is not None:
+            d = self.dsv4
+            extra.append(f"dsv4: compress_ratio={d.compress_ratio} window={d.window_size} heads={self.heads}"
+                         + (f" mtp={d.num_speculative_tokens}" if d.num_speculative_tokens else "")
+                         + (f" c4_order={d.c4_order}" if d.compress_ratio == 4 else "") + f" attn_sink={d.attn_sink}"
+                         + (f" max_model_len={d.max_model_len}" if d.max_model_len else ""))
         if self.earlier:
             extra.append(f"after {len(self.earlier)} earlier step(s) of {'/'.join(str(e.num_tokens) for e in self.earlier)} tokens")
         return f"[{reqs}] topk={self.topk_width} block={self.block_size} {' '.join(extra)}".strip()
@@ -188,12 +228,13 @@ class Case:
         n = len(self.requests)
         _check(0 <= self.num_decodes <= n, "num_decodes", f"must be in [0, {n}], got {self.num_decodes}")
         dq = {r.query_len for r in self.requests[: self.num_decodes] if r.query_len > 0}
-        _check(len(dq) <= 1, "num_decodes", f"decodes must share one query_len, got {sorted(dq)}")
-        _check(
-            all(q <= MAX_DECODE_QUERY_LEN for q in dq),
-            "num_decodes",
-            f"decode query_len must be <= {MAX_DECODE_QUERY_LEN}, got {sorted(dq)}",
-        )
+        if self.dsv4 is None:
+            _check(len(dq) <= 1, "num_decodes", f"decodes must share one query_len, got {sorted(dq)}")
+            _check(
+                all(q <= MAX_DECODE_QUERY_LEN for q in dq),
+                "num_decodes",
+                f"decode query_len must be <= {MAX_DECODE_QUERY_LEN}, got {sorted(dq)}",
+            )
         _check(self.block_size > 0, "block_size", f"must be > 0, got {self.block_size}")
         _check(
             self.block_stride_rows == 0 or self.block_stride_rows >= self.block_size,
@@ -216,7 +257,10 @@ class Case:
             "topk_width",
             f"must be a positive multiple of 128, got {self.topk_width}",
         )
-        _check(len(self.topk) == n, "topk", f"needs one TopkSpec per request ({n}), got {len(self.topk)}")
+        if self.dsv4 is not None:
+            _check(not self.topk, "topk", "a DeepSeek-V4 step holds none (its indexer rows follow from positions)")
+        else:
+            _check(len(self.topk) == n, "topk", f"needs one TopkSpec per request ({n}), got {len(self.topk)}")
         for i, t in enumerate(self.topk):
             for name in ("valid", "past_seq", "past_table"):
                 v = getattr(t, name)
@@ -242,7 +286,9 @@ class Case:
         if self.cudagraph == "full":  # the runner's block table has one width for the engine's life
             width = {len(row) for s in (*self.earlier, self) for row in s.block_table}
             _check(len(width) <= 1, "block_table", f"a full-graph engine's steps share one table width, got {sorted(width)}")
-        if self.padded_tokens:
+        if self.dsv4 is not None:
+            _validate_dsv4(self)
+        elif self.padded_tokens:
             pads = [i for i, r in enumerate(self.requests) if r.query_len == 0]
             want = len(pads) * max(dq, default=0)
             _check(self.num_decodes == n and pads and pads[0] == n - len(pads) and self.padded_tokens == want,
@@ -269,7 +315,11 @@ class Case:
 
     # -- JSON ------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        for step in (data, *data["earlier"]):  # a case without a DSv4 step reads as it did before the field
+            if step.get("dsv4", 0) is None:
+                del step["dsv4"]
+        return data
 
     def to_json(self, indent: int | None = 1) -> str:
         return json.dumps(self.to_dict(), indent=indent)
@@ -301,6 +351,66 @@ def draft_follows(before: "Case", draft: "Case") -> bool:
             and all(d.context_len == b.context_len + 1 for b, d in zip(before.requests, draft.requests)))
 
 
+def _validate_dsv4(case: "Case") -> None:
+    """What a DeepSeek-V4 step must be: vLLM's split of its batch, the window's blocks in the SWA table, every
+    compressed entry's block in the compressed table, one fresh step of an eager engine."""
+    d, n = case.dsv4, len(case.requests)
+    _check(d.compress_ratio in COMPRESS_RATIOS, "dsv4.compress_ratio", f"one of {COMPRESS_RATIOS}, got {d.compress_ratio}")
+    w = d.window_size
+    _check(w >= 16 and w & (w - 1) == 0, "dsv4.window_size", f"a power of two >= 16 (the combine kernel's arange), got {w}")
+    _check(0 <= d.num_speculative_tokens <= DSV4_MAX_SPECULATIVE, "dsv4.num_speculative_tokens",
+           f"must be in [0, {DSV4_MAX_SPECULATIVE}], got {d.num_speculative_tokens}")
+    _check(d.c4_order in C4_ORDERS, "dsv4.c4_order", f"one of {C4_ORDERS}, got {d.c4_order!r}")
+    _check(d.attn_sink in ATTN_SINKS, "dsv4.attn_sink", f"one of {ATTN_SINKS}, got {d.attn_sink!r}")
+    longest = max((r.seq_len for r in case.requests), default=0)
+    _check(d.max_model_len == 0 or d.max_model_len >= max(longest, 1), "dsv4.max_model_len",
+           f"0 or at least the longest sequence ({longest}), got {d.max_model_len}")
+    _check(case.block_size % 32 == 0, "block_size", f"the SWA cache's block size is a multiple of 32, got {case.block_size}")
+    _check(case.kv_cache_dtype == "fp8_ds_mla" and case.fp8_scale == "pow2", "kv_cache_dtype",
+           "a DeepSeek-V4 cache is fp8_ds_mla (the 584-byte record, UE8M0 power-of-two scales)")
+    _check(1 <= case.heads <= 128, "heads", f"FlashMLA's DSv4 kernels pad to 64 or 128 heads, got {case.heads}")
+    for name in ("earlier", "idx_mapping", "block_stride_rows", "mtp_draft"):
+        _check(not getattr(case, name), name, "not drawn for a DeepSeek-V4 step (single fresh steps)")
+    _check(case.cudagraph == "none" and case.dcp == Dcp() and case.call == IndexCall(), "cudagraph",
+           "a DeepSeek-V4 step runs eagerly, without DCP, through forward_mqa")
+    # vLLM's split (split_decodes_and_prefills, decode_threshold 1 + k, not uniform): the decodes are the requests
+    # before the first one longer than the threshold.
+    threshold = 1 + d.num_speculative_tokens
+    split = next((i for i, r in enumerate(case.requests) if r.query_len > threshold), n)
+    _check(case.num_decodes == split, "num_decodes",
+           f"vLLM's split at query_len > {threshold} gives {split} decode requests, got {case.num_decodes}")
+    pads = [i for i, r in enumerate(case.requests) if r.query_len == 0]
+    _check(not pads or (split == n and pads[0] == n - len(pads) and len(pads) < n), "requests",
+           "zero-length padding rows only after the decodes of a decode-only batch")
+    _check(all(r.context_len == 0 for r in case.requests if r.query_len == 0), "requests", "a padding row holds no context")
+    _check(case.padded_tokens >= 0, "padded_tokens", f"must be >= 0, got {case.padded_tokens}")
+    bs, table = case.block_size, case.block_table
+    for i, r in enumerate(case.requests):
+        row = table[case.table_row(i)]
+        blocks = -(-r.seq_len // bs)
+        _check(blocks <= len(row), f"block_table[{i}]", f"{r.seq_len} tokens need {blocks} blocks of {bs}, the row has {len(row)}")
+        first = max(0, r.context_len - w + 1) // bs  # the oldest block any of its queries' windows reads
+        _check(all(b > 0 for b in row[first:blocks]), f"block_table[{i}]",
+               f"blocks {first}..{blocks - 1} hold the window of its queries: none may be the null block 0")
+    used = [b for row in table for b in row if b]
+    _check(len(used) == len(set(used)), "block_table", "a block id used twice (requests share no SWA block here)")
+    ctable = d.compressed_block_table
+    if d.compress_ratio == 1:
+        _check(not ctable, "dsv4.compressed_block_table", "ratio 1 (SWA only) has no compressed cache")
+        return
+    _check(len(ctable) == len(table), "dsv4.compressed_block_table", f"one row per block_table row ({len(table)})")
+    width = len(ctable[0]) if ctable else 0
+    for i, r in enumerate(case.requests):
+        row = ctable[case.table_row(i)]
+        blocks = -(-r.seq_len // DSV4_BLOCK_SIZE)
+        _check(len(row) == width and blocks <= width and all(b > 0 for b in row[:blocks]),
+               f"dsv4.compressed_block_table[{i}]", f"{r.seq_len} tokens need {blocks} blocks of {DSV4_BLOCK_SIZE} "
+               f"(ids > 0) in a row of the table's width {width}")
+    used = [b for row in ctable for b in row if b]
+    _check(all(b >= 0 for row in ctable for b in row) and len(used) == len(set(used)), "dsv4.compressed_block_table",
+           "block ids >= 0, none used twice")
+
+
 ENGINE_FIELDS = ("block_size", "block_stride_rows", "topk_width", "heads", "kv_cache_dtype", "fp8_scale", "values",
                  "dcp", "call", "cudagraph")
 
@@ -321,7 +431,7 @@ def _check(ok: bool, path: str, msg: str) -> None:
         raise CaseError(f"case.{path}: {msg}")
 
 
-_NESTED = {"requests": Request, "topk": TopkSpec, "dcp": Dcp, "call": IndexCall}
+_NESTED = {"requests": Request, "topk": TopkSpec, "dcp": Dcp, "call": IndexCall, "dsv4": Dsv4}
 
 
 def _build(cls, data: Any, path: str):
@@ -343,16 +453,16 @@ def _build(cls, data: Any, path: str):
             if not isinstance(value, (list, tuple)):
                 raise CaseError(f"{where}: expected a list")
             value = tuple(_build(_NESTED[name], v, f"{where}[{i}]") for i, v in enumerate(value))
-        elif name in ("dcp", "call"):
+        elif name in ("dcp", "call") or (name == "dsv4" and value is not None):
             value = _build(_NESTED[name], value, where)
+        elif name == "compressed_block_table":
+            value = _int_table(value, where)
         elif name == "earlier":
             if not isinstance(value, (list, tuple)):
                 raise CaseError(f"{where}: expected a list of cases")
             value = tuple(_build(Case, v, f"{where}[{i}]") for i, v in enumerate(value))
         elif name == "block_table":
-            if not isinstance(value, (list, tuple)) or not all(isinstance(r, (list, tuple)) for r in value):
-                raise CaseError(f"{where}: expected a list of lists of ints")
-            value = tuple(tuple(_int(v, f"{where}[{i}][{j}]") for j, v in enumerate(r)) for i, r in enumerate(value))
+            value = _int_table(value, where)
         elif name == "idx_mapping":
             if value is not None:
                 if not isinstance(value, (list, tuple)):
@@ -370,6 +480,12 @@ def _build(cls, data: Any, path: str):
                     raise CaseError(f"{where}: expected a string, got {value!r}")
         kwargs[name] = value
     return cls(**kwargs)
+
+
+def _int_table(value: Any, where: str) -> tuple[tuple[int, ...], ...]:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(r, (list, tuple)) for r in value):
+        raise CaseError(f"{where}: expected a list of lists of ints")
+    return tuple(tuple(_int(v, f"{where}[{i}][{j}]") for j, v in enumerate(r)) for i, r in enumerate(value))
 
 
 def _int(v: Any, path: str) -> int:

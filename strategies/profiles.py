@@ -6,6 +6,24 @@ from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
+class Dsv4Sizes:
+    """DeepSeek-V4 steps (strategies.dsv4_batches). Interpreted, vLLM's dequantizing gather costs ~40 ms a gathered
+    record and its combine ~5 ms a program (256 a prefill request): a CPU step keeps its prefills' gathers short
+    (small windows, few compressed entries) and puts long contexts on decodes, which gather nothing."""
+
+    max_decodes: int
+    max_prefills: int
+    max_tokens: int
+    max_context: int  # a decode's cached tokens
+    max_prefill_context: int  # a prefill's cached tokens
+    max_prefill_compressed: int  # compressed entries a prefill request gathers (seq_len // ratio)
+    topk_widths: tuple[int, ...]  # index_topk
+    window_sizes: tuple[int, ...]  # sliding_window (the model's is 128)
+    heads: tuple[int, ...]  # per rank; vLLM pads q to 64 or 128
+    max_speculative: int = 3  # MTP draft tokens
+
+
+@dataclass(frozen=True)
 class Profile:
     name: str
     max_decodes: int  # decode requests (uniform query_len 1-4, MTP included)
@@ -30,6 +48,9 @@ class Profile:
     # Steps per case for targets that run traces (strategies.traces), the case's own included: 1 is single
     # fresh steps only (`attnfuzz run --max-steps`).
     max_steps: int = 4
+    dsv4: Dsv4Sizes = Dsv4Sizes(max_decodes=12, max_prefills=6, max_tokens=512, max_context=9000,
+                                max_prefill_context=4096, max_prefill_compressed=4096, topk_widths=(512,),
+                                window_sizes=(128,), heads=(16, 8, 32, 64, 128))
 
     def for_attention(self) -> "Profile":
         return replace(self, max_tokens=self.attn_max_tokens, topk_widths=self.attn_topk_widths,
@@ -40,7 +61,10 @@ PROFILES = {
     "cpu": Profile("cpu", max_decodes=4, max_prefills=3, max_tokens=72, max_context=1024,
                    topk_widths=(128, 256, 512, 1024, 2048, 2176), block_sizes=(64, 16, 32, 128),
                    attn_max_tokens=12, attn_topk_widths=(128, 256), attn_heads=(16, 8, 32),
-                   edge_topk_widths=(4224,)),
+                   edge_topk_widths=(4224,),
+                   dsv4=Dsv4Sizes(max_decodes=3, max_prefills=2, max_tokens=10, max_context=1100,
+                                  max_prefill_context=600, max_prefill_compressed=12, topk_widths=(128,),
+                                  window_sizes=(32, 64), heads=(16, 8, 64, 128), max_speculative=3)),
     "gpu": Profile("gpu", max_decodes=12, max_prefills=4, max_tokens=512, max_context=4096,
                    topk_widths=(128, 256, 512, 1024, 2048, 2176), block_sizes=(64, 16, 32, 128),
                    edge_topk_widths=(4224, 8320)),
@@ -50,7 +74,10 @@ PROFILES = {
     # thousands of blocks per request, so that 32-bit offset overflow (bug class L) can show.
     "gpu-scale": Profile("gpu-scale", max_decodes=8, max_prefills=2, max_tokens=256, max_context=131072,
                          topk_widths=(2048,), block_sizes=(64,), attn_max_tokens=256, attn_topk_widths=(2048,),
-                         slot_pool=64_000 * 64),
+                         slot_pool=64_000 * 64,
+                         dsv4=Dsv4Sizes(max_decodes=8, max_prefills=2, max_tokens=256, max_context=131072,
+                                        max_prefill_context=16384, max_prefill_compressed=4096, topk_widths=(512,),
+                                        window_sizes=(128,), heads=(16, 64, 128))),
     "gpu-bench": Profile("gpu-bench", max_decodes=12, max_prefills=4, max_tokens=512, max_context=4096,
                          topk_widths=(512,), block_sizes=(64,), attn_topk_widths=(512,)),
 }

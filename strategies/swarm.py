@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from hypothesis import strategies as st
 
-from strategies.case import CUDAGRAPH_MODES, FP8_SCALES, INVALID_AT, TOPK_PICKS, VALUE_KINDS, Case
+from strategies.case import ATTN_SINKS, C4_ORDERS, CUDAGRAPH_MODES, FP8_SCALES, INVALID_AT, TOPK_PICKS, VALUE_KINDS, Case
 
 TILE_EDGE_WIDTH = 4224  # top-k widths from here up are the `tile_edge` category (Profile.edge_topk_widths)
 
@@ -75,6 +75,25 @@ KNOBS = _knobs(
          "steps one engine ran before the case: none, one, or two to three (strategies.traces)"),
     Knob("mtp_draft", ("off", "on"), "the steps before the case include an MTP draft step: the step before's "
                                      "metadata updated in place (strategies.traces.draft_pair)"),
+    # DeepSeek-V4 steps (strategies.dsv4_batches)
+    Knob("compress_ratio", (), "DeepSeek-V4 layer type: 4 (C4A, the indexer's top-k), 128 (C128A, every compressed "
+                               "entry), 1 (sliding window only)"),
+    Knob("window_size", (), "sliding_window (values: the profile's)"),
+    Knob("decode_lengths", ("uniform", "mixed"), "MTP decodes of one query length, or of several (require_uniform=False)"),
+    Knob("window_context", ("short", "near", "long"),
+         "a decode's sequence: within the window (clipped at position < window), up to two blocks past it, or far past"),
+    Knob("window_edge", ("inside", "boundary"), "a query's window starts exactly on an SWA block boundary"),
+    Knob("state_fill", ("full", "one_before", "one_after", "partial"),
+         "a sequence's last compressed state: complete (seq_len % ratio == 0), one token short, one token into the next, "
+         "partly filled"),
+    Knob("c4_valid", ("zero", "one", "some", "all"),
+         "valid ids in a C4 token's indexer row: min((pos + 1) // 4, index_topk) is 0, 1, some, index_topk"),
+    Knob("c4_order", C4_ORDERS, "the order of a C4 row's valid ids: by score, or ascending (the short-context fill)"),
+    Knob("attn_sink", ATTN_SINKS, "the layer's attention sink per head"),
+    Knob("swa_freed", ("kept", "freed"), "SWA blocks wholly behind every query's window back in the pool (null block 0)"),
+    Knob("padded_tokens", ("none", "some"), "tokens past the last request (graph padding: slot -1, position 0)"),
+    Knob("max_model_len", ("large", "tight"), "the engine's max_model_len: far past the step, or just past its "
+                                              "longest sequence (C128A row width, prefill chunk plan)"),
 )
 
 
@@ -171,11 +190,45 @@ def case_features(case: Case, domains: dict[str, tuple[str, ...]], max_context: 
         f["dcp_interleave"] = {"one" if case.dcp.interleave == 1 else "many"}
     if case.kv_cache_dtype == "fp8_ds_mla":
         f["fp8_scale"] = {case.fp8_scale}
+    if case.dsv4 is not None:
+        f.update(dsv4_features(case, decodes))
     out = {}
     for name, values in domains.items():
         if name in f:  # a value outside the strategy's categories (a width past the profile's) counts as "other"
             out[name] = frozenset(v if v in values else "other" for v in f[name])
     return out
+
+
+def dsv4_features(case: Case, decodes) -> dict[str, set[str]]:
+    """The DeepSeek-V4 knobs' categories of a case (Case.dsv4)."""
+    d, bs, w = case.dsv4, case.block_size, case.dsv4.window_size
+    positions = [p for r in case.requests for p in range(r.context_len, r.seq_len)]
+    f: dict[str, set[str]] = {
+        "compress_ratio": {str(d.compress_ratio)},
+        "window_size": {str(w)},
+        "window_edge": {"boundary" if any(p - w + 1 >= bs and (p - w + 1) % bs == 0 for p in positions) else "inside"},
+        "attn_sink": {d.attn_sink},
+        "swa_freed": {"freed" if any(0 in row[: -(-r.seq_len // bs)] for r, row in
+                                     zip(case.requests, (case.block_table[case.table_row(i)]
+                                                         for i in range(len(case.requests))))) else "kept"},
+        "padded_tokens": {"some" if case.padded_tokens else "none"},
+        "max_model_len": {"tight" if d.max_model_len else "large"},
+    }
+    if decodes:
+        f["decode_query_len"] = {"mtp" if d.num_speculative_tokens else "one"}
+        f["window_context"] = {"short" if r.seq_len <= w else "near" if r.seq_len <= w + 2 * bs else "long"
+                               for r in decodes}
+        if d.num_speculative_tokens:
+            f["decode_lengths"] = {"uniform" if len({r.query_len for r in decodes}) == 1 else "mixed"}
+    if d.compress_ratio > 1:
+        fill = {0: "full", d.compress_ratio - 1: "one_before", 1: "one_after"}
+        f["state_fill"] = {fill.get(r.seq_len % d.compress_ratio, "partial") for r in case.requests if r.query_len}
+    if d.compress_ratio == 4:
+        width = case.topk_width
+        counts = {min((p + 1) // 4, width) for p in positions}
+        f["c4_valid"] = {"zero" if n == 0 else "one" if n == 1 else "all" if n == width else "some" for n in counts}
+        f["c4_order"] = {d.c4_order}
+    return f
 
 
 def _table_layout(case: Case) -> str:
@@ -205,6 +258,11 @@ REQUIRES: dict[tuple[str, str | None], tuple[tuple[str, tuple[str, ...] | None],
     ("dcp_rank", None): (("dcp", None),),  # None: any value but "1"
     ("dcp_interleave", None): (("dcp", None),),
     ("fp8_scale", None): (("kv_cache_dtype", ("fp8_ds_mla",)),),
+    ("decode_lengths", None): (("decode_query_len", ("mtp",)),),
+    ("window_context", None): (("decodes", ("some",)),),
+    ("state_fill", None): (("compress_ratio", ("4", "128")),),
+    ("c4_valid", None): (("compress_ratio", ("4",)),),
+    ("c4_order", None): (("compress_ratio", ("4",)),),
 }
 
 

@@ -32,6 +32,13 @@ def patch_kernel(module_name, kernel_name, edits, label):
     setattr(module, kernel_name, mutate_jit(getattr(module, kernel_name), vars(module), edits, label))
 
 
+def patch_kernel_class(module_name, class_name, edits, label):
+    """Replace the kernel a VllmTritonJitKernel class holds (`Class.kernel`, which its instances launch)."""
+    module = importlib.import_module(module_name)
+    holder = getattr(module, class_name)
+    holder.kernel = mutate_jit(holder.kernel, vars(module), edits, label)
+
+
 def patch_remap_kernel(edits, label):
     """Replace the sparse-MLA index-remap kernel, wherever the installed release keeps it."""
     from vllm.v1.attention.backends.mla import sparse_utils as su

@@ -260,6 +260,18 @@ def _inspect_in_process():
 _LIBS: list = []
 
 
+def model_config(state_dir: str, name: str, hf_config: dict, max_model_len: int):
+    """A real ModelConfig of the model whose config.json (`hf_config`) is written under `state_dir`/`name` (no hub)."""
+    from vllm.config import ModelConfig
+
+    model_dir = (Path(state_dir) / name).resolve()
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(hf_config))
+    with _inspect_in_process():
+        return ModelConfig(model=str(model_dir), tokenizer=None, skip_tokenizer_init=True, dtype="bfloat16",
+                           max_model_len=max_model_len)
+
+
 @functools.cache
 def vllm_runtime(device: str, state_dir: str, world_size: int = 1, rank: int = 0, init_method: str | None = None):
     """Process-wide: one real VllmConfig (per-case fields are set by `configure`), vLLM's process groups
@@ -267,16 +279,11 @@ def vllm_runtime(device: str, state_dir: str, world_size: int = 1, rank: int = 0
     `state_dir` holds the model's config.json and the process group's init file. With `world_size` > 1 this
     process is `rank` of a real group (NCCL on GPUs, gloo on CPUs) whose TP and DCP groups span every rank,
     as DCP reuses the TP ranks."""
-    from vllm.config import DeviceConfig, ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state
     from vllm.v1.worker.workspace import init_workspace_manager, is_workspace_manager_initialized
 
-    model_dir = (Path(state_dir) / "flashmla-model").resolve()
-    model_dir.mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.json").write_text(json.dumps(HF_CONFIG))
-    with _inspect_in_process():
-        model = ModelConfig(model=str(model_dir), tokenizer=None, skip_tokenizer_init=True, dtype="bfloat16",
-                            max_model_len=MAX_MODEL_LEN)
+    model = model_config(state_dir, "flashmla-model", HF_CONFIG, MAX_MODEL_LEN)
     cfg = VllmConfig(model_config=model, device_config=DeviceConfig(device=device))
     with set_current_vllm_config(cfg):
         if parallel_state._TP is None:

@@ -38,6 +38,10 @@ SPARSE_MLA = "vllm.model_executor.layers.attention.sparse_mla_attention"
 MLA = "vllm.model_executor.layers.attention.mla_attention"
 REMAP, DCP_FILTER, SPLIT = ("triton_convert_req_index_to_global_index", "triton_filter_and_convert_dcp_index",
                             "split_decodes_and_prefills")
+DSV4_LAYER = "vllm.models.deepseek_v4.nvidia.flashmla"
+DSV4_SPARSE_MLA = "vllm.models.deepseek_v4.sparse_mla"
+DSV4_SWA = "vllm.v1.attention.backends.mla.sparse_swa"
+DSV4_COMPRESSOR_UTILS = "vllm.v1.attention.backends.mla.compressor_utils"
 
 Classify = Callable[[tuple, dict], Iterable[str]]
 
@@ -120,6 +124,34 @@ def _bf16_kernel_heads(args: tuple, kwargs: dict) -> Iterator[str]:
             yield "kernel.bf16_sparse.padded_heads"
 
 
+def _dsv4_layer_type(args: tuple, kwargs: dict) -> Iterator[str]:
+    # DeepseekV4FlashMLAAttention._forward_decode / _forward_prefill(self, ...): the layer's compress ratio
+    ratio = getattr(args[0], "compress_ratio", None)
+    yield {1: "swa_only", 4: "c4a", 128: "c128a"}.get(ratio, f"ratio{ratio}")
+
+
+def _dsv4_decode(args: tuple, kwargs: dict) -> Iterator[str]:
+    yield from (f"dsv4.decode.{t}" for t in _dsv4_layer_type(args, kwargs))
+
+
+def _dsv4_prefill(args: tuple, kwargs: dict) -> Iterator[str]:
+    yield from (f"dsv4.prefill.{t}" for t in _dsv4_layer_type(args, kwargs))
+
+
+def _dsv4_gather(args: tuple, kwargs: dict) -> Iterator[str]:
+    # dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, ...): gather_lens None = every compressed entry
+    yield "dsv4.dequant_gather.compressed" if _arg(args, kwargs, "gather_lens", 3) is None else "dsv4.dequant_gather.swa"
+
+
+def _dsv4_decode_kernel(args: tuple, kwargs: dict) -> Iterator[str]:
+    yield "dsv4.kernel.decode.extra" if kwargs.get("extra_k_cache") is not None else "dsv4.kernel.decode.swa"
+
+
+def _dsv4_chunks(args: tuple, kwargs: dict, result) -> Iterator[str]:
+    if len(result) > 1:
+        yield "dsv4.prefill.chunks"  # the prefill requests did not fit one workspace chunk
+
+
 PROBES: tuple[Probe, ...] = (
     # the batch as vLLM's builders split it
     Probe(SPARSE_MLA, SPLIT, after=_split_result),
@@ -147,6 +179,23 @@ PROBES: tuple[Probe, ...] = (
     Probe(INDEX_GROUP, "SparseMLAIndexGroup.convert_logical_to_physical_topk", "index_group.convert"),
     *(Probe(m, REMAP, before=_remap_modes) for m in (SPARSE_UTILS, FLASHMLA, INDEX_GROUP, SPARSE_MLA, XPU)),
     *(Probe(m, DCP_FILTER, before=_dcp_filter_modes) for m in (SPARSE_UTILS, FLASHMLA)),
+    # DeepSeek-V4 (FLASHMLA_SPARSE_DSV4): the builders' split and Triton metadata kernels, the layer's routes,
+    # the prefill's gather and combine, FlashMLA's decode (SWA only, or with the compressed cache) and prefill
+    Probe(DSV4_SWA, SPLIT, after=_split_result),
+    Probe(DSV4_SPARSE_MLA, SPLIT, after=_split_result),
+    Probe(DSV4_SWA, "DeepseekSparseSWAMetadataBuilder.build", before=_build_args),
+    Probe(DSV4_SWA, "ComputeSWAIndicesAndLensKernel.__call__", "dsv4.swa_indices"),
+    Probe(DSV4_SWA, "ComputePrefillMetadataKernel.__call__", "dsv4.prefill_gather_lens"),
+    Probe(DSV4_SWA, "DeepseekSparseSWAMetadata.get_prefill_chunk_plan", after=_dsv4_chunks),
+    Probe(DSV4_COMPRESSOR_UTILS, "CompressedSlotMappingKernel.__call__", "dsv4.compressed_slot_mapping"),
+    Probe(DSV4_SPARSE_MLA, "BuildC128ATopkMetadataKernel.__call__", "dsv4.c128a_topk_metadata"),
+    Probe(DSV4_LAYER, "DeepseekV4FlashMLAAttention._forward_decode", before=_dsv4_decode),
+    Probe(DSV4_LAYER, "DeepseekV4FlashMLAAttention._forward_prefill", before=_dsv4_prefill),
+    Probe(DSV4_LAYER, "compute_global_topk_indices_and_lens", "dsv4.global_topk"),
+    Probe(DSV4_LAYER, "dequantize_and_gather_k_cache", before=_dsv4_gather),
+    Probe(DSV4_LAYER, "combine_topk_swa_indices", "dsv4.combine"),
+    Probe(DSV4_LAYER, "flash_mla_with_kvcache", before=_dsv4_decode_kernel),
+    Probe(DSV4_LAYER, "flash_mla_sparse_fwd", "dsv4.kernel.prefill"),
 )
 
 # Every name a probe can record, for reports (paths never seen are worth showing too).
@@ -157,6 +206,11 @@ KNOWN_PATHS: tuple[str, ...] = (
     "kernel.bf16_sparse.padded_heads", "kernel.fp8_decode", "kernel.fp8_decode.padded_heads", "index_group.convert",
     "remap", "remap.workspace", "remap.valid_counts", "remap.idx_mapping", "remap.in_place", "remap.block_stride",
     "dcp.filter", "dcp.filter.compacted", "dcp.filter.in_place", "kernel.fa3_sparse", "mtp_draft.update",
+    "dsv4.swa_indices", "dsv4.prefill_gather_lens", "dsv4.prefill.chunks", "dsv4.compressed_slot_mapping",
+    "dsv4.c128a_topk_metadata", "dsv4.decode.swa_only", "dsv4.decode.c4a", "dsv4.decode.c128a",
+    "dsv4.prefill.swa_only", "dsv4.prefill.c4a", "dsv4.prefill.c128a", "dsv4.global_topk",
+    "dsv4.dequant_gather.compressed", "dsv4.dequant_gather.swa", "dsv4.combine", "dsv4.kernel.decode.swa",
+    "dsv4.kernel.decode.extra", "dsv4.kernel.prefill",
 )
 
 

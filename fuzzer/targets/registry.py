@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fuzzer.targets.base import Target
 from fuzzer.targets.dcp_filter import DcpFilter
+from fuzzer.targets.dsv4_flashmla import Dsv4FlashMLA
 from fuzzer.targets.flashattn_layer import FlashAttnMLASparseLayer
 from fuzzer.targets.flashattn_sparse import FlashAttnMLASparse
 from fuzzer.targets.flashmla_dcp import FlashMLASparseDcp
@@ -28,6 +29,7 @@ TARGETS: dict[str, type[Target]] = {
     FlashAttnMLASparse.name: FlashAttnMLASparse,
     FlashAttnMLASparseLayer.name: FlashAttnMLASparseLayer,
     SparseMLAAll.name: SparseMLAAll,
+    Dsv4FlashMLA.name: Dsv4FlashMLA,
     SelftestFault.name: SelftestFault,  # harness self-test, not vLLM
 }
 

@@ -18,6 +18,8 @@ from fuzzer.support.standins.cache_ops import concat_and_cache_mla as plain_conc
 
 # fp8_ds_mla entry: 512 fp8 NoPE | 4 fp32 tile scales | 64 bf16 RoPE = 656 bytes
 NOPE, TILE, SCALES_AT, ROPE_AT, ENTRY_BYTES, FP8_MAX = 512, 128, 512, 528, 656, 448.0
+# DeepSeek-V4 record: a 576-byte data row (448 fp8 NoPE, 64 bf16 RoPE) and an 8-byte scale row (7 UE8M0 + pad)
+V4_NOPE, V4_BLOCK, V4_DATA, V4_SCALES, V4_ENTRY_BYTES = 448, 64, 576, 8, 584
 
 
 def _violation(op: str, argument: str, access: str, index: int, limit: int, elem_bytes: int) -> None:
@@ -98,34 +100,69 @@ def dequantize_fp8_ds_mla(entries: torch.Tensor) -> torch.Tensor:
     return out.view(*entries.shape[:-1], NOPE + rope.shape[-1])
 
 
+def _v4_records(k_cache: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """fp32 [n, 512] of the DeepSeek-V4 records (584 bytes a token) at `idx` (valid, page * page_size + offset) of
+    k_cache [pages, page_size, 1, 584], whose page block holds page_size data rows (448 fp8 NoPE, 64 bf16 RoPE)
+    and then page_size scale rows (7 UE8M0 exponents, one pad byte); k_cache.stride(0) is the page's bytes."""
+    pages, page_size = k_cache.shape[:2]
+    page = torch.as_strided(k_cache, (pages, k_cache.stride(0)), (k_cache.stride(0), 1))
+    block, offset = idx // page_size, idx % page_size
+    data = page[block[:, None], offset[:, None] * V4_DATA + torch.arange(V4_DATA, device=idx.device)]
+    scale_at = page_size * V4_DATA + offset[:, None] * V4_SCALES + torch.arange(V4_NOPE // V4_BLOCK, device=idx.device)
+    exponent = page[block[:, None], scale_at].float() - 127.0
+    nope = data[:, :V4_NOPE].contiguous().view(torch.float8_e4m3fn).float().view(-1, V4_NOPE // V4_BLOCK, V4_BLOCK)
+    nope = (nope * torch.exp2(exponent)[..., None]).reshape(-1, V4_NOPE)
+    return torch.cat([nope, data[:, V4_NOPE:].contiguous().view(torch.bfloat16).float()], dim=-1)
+
+
+def _decode_keys(op: str, k_cache, indices, topk_length, b: int, s_q: int, argument: str):
+    """(keys fp32 [b * s_q, topk, d], invalid [b * s_q, topk]) one sparse decode list reads: -1 is skipped, anything
+    else outside the cache a fault (reported, then skipped), and entries past a row's topk_length are not read."""
+    pages, page_size = k_cache.shape[:2]
+    idx = indices.reshape(b * s_q, -1).long()
+    oob = (idx != -1) & ((idx < 0) | (idx >= pages * page_size))
+    _report(op, argument, oob, idx, pages * page_size, k_cache.shape[-1])
+    lengths = None if topk_length is None else topk_length.reshape(-1).long().repeat_interleave(s_q)
+    invalid = (idx == -1) | oob | _topk_length_mask(op, lengths, idx.shape, idx.device)
+    safe = idx.masked_fill(invalid, 0)
+    if k_cache.shape[-1] == V4_ENTRY_BYTES:
+        keys = _v4_records(k_cache, safe.flatten()).view(*idx.shape, -1)
+    else:  # entries honour the page stride of a strided cache
+        keys = dequantize_fp8_ds_mla(k_cache[:, :, 0][safe // page_size, safe % page_size]).float()
+    return keys, invalid
+
+
 def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
                            num_splits=None, softmax_scale=None, causal=False, is_fp8_kvcache=False, indices=None,
                            attn_sink=None, extra_k_cache=None, extra_indices_in_kvcache=None, topk_length=None,
                            extra_topk_length=None, out=None, enable_batch_invariant=False):
-    """Sparse fp8 decode (`sparse_decode_fwd`) only: q [b, s_q, h_q, 576], k_cache uint8 [pages, page_size, 1, 656],
-    indices [b, s_q, topk] = page * page_size + offset, -1 invalid. Returns out [b, s_q, h_q, 512], lse [b, h_q, s_q]."""
+    """Sparse fp8 decode (`sparse_decode_fwd`) only: q [b, s_q, h_q, d], k_cache uint8 [pages, page_size, 1, bytes]
+    in the layout its bytes per token name (656: DeepSeek-V3.2, d 576; 584: DeepSeek-V4, d 512), indices
+    [b, s_q, topk] = page * page_size + offset, -1 invalid; only the leftmost topk_length[i] of batch i's indices
+    are read. extra_k_cache / extra_indices_in_kvcache / extra_topk_length: a second list attended together with the
+    first. attn_sink [h_q] scales the output by exp(lse) / (exp(lse) + exp(attn_sink)). Returns out
+    [b, s_q, h_q, head_dim_v], lse [b, h_q, s_q] (of the scores, the sink not included)."""
     meta = tile_scheduler_metadata
     assert isinstance(meta, FlashMLASchedMeta) and num_splits is None
     assert indices is not None and is_fp8_kvcache and not causal, "stand-in covers sparse fp8 decode only"
-    assert extra_k_cache is None and extra_indices_in_kvcache is None and k_cache.shape[-1] == ENTRY_BYTES
+    assert k_cache.shape[-1] in (ENTRY_BYTES, V4_ENTRY_BYTES), f"{k_cache.shape[-1]} bytes a token: not a layout here"
+    assert (extra_k_cache is None) == (extra_indices_in_kvcache is None), "extra_k_cache comes with its indices"
     config = (q.shape[0], q.shape[1], q.shape[2], k_cache.shape[1], k_cache.shape[2], causal, is_fp8_kvcache,
-              indices.shape[-1], None, None, enable_batch_invariant)
+              indices.shape[-1], None if extra_k_cache is None else extra_k_cache.shape[1],
+              None if extra_indices_in_kvcache is None else extra_indices_in_kvcache.shape[-1], enable_batch_invariant)
     if not meta.have_initialized:
         meta.have_initialized, meta.config = True, config
     else:  # the real wrapper asserts the same, field by field
         assert meta.config == config, f"sched_meta reused with other shapes: {meta.config} vs {config}"
     softmax_scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     b, s_q, h_q, d = q.shape
-    pages, page_size = k_cache.shape[:2]
-    idx = indices.reshape(b * s_q, -1).long()
-    # FlashMLA's decode reference masks only -1; anything else outside the cache is a fault.
-    oob = (idx != -1) & ((idx < 0) | (idx >= pages * page_size))
-    _report("flash_mla_with_kvcache", "k_cache", oob, idx, pages * page_size, ENTRY_BYTES)
-    invalid = (idx == -1) | oob | _topk_length_mask("flash_mla_with_kvcache", topk_length, idx.shape, idx.device)
-    safe = idx.masked_fill(invalid, 0)
-    entries = k_cache[:, :, 0][safe // page_size, safe % page_size]  # honours the page stride of a strided cache
-    gathered = dequantize_fp8_ds_mla(entries).float()
-    o, _, lse = _sparse_attention(q.reshape(b * s_q, h_q, d), gathered, invalid, softmax_scale, head_dim_v)
+    keys, invalid = _decode_keys("flash_mla_with_kvcache", k_cache, indices, topk_length, b, s_q, "k_cache")
+    if extra_k_cache is not None:
+        assert extra_k_cache.shape[-1] == k_cache.shape[-1], "extra_k_cache must share k_cache's layout"
+        extra, extra_invalid = _decode_keys("flash_mla_with_kvcache", extra_k_cache, extra_indices_in_kvcache,
+                                            extra_topk_length, b, s_q, "extra_k_cache")
+        keys, invalid = torch.cat([keys, extra], dim=1), torch.cat([invalid, extra_invalid], dim=1)
+    o, _, lse = _sparse_attention(q.reshape(b * s_q, h_q, d), keys, invalid, softmax_scale, head_dim_v)
     if attn_sink is not None:
         o = o * torch.sigmoid(lse - attn_sink.float()[None]).nan_to_num(0.0)[..., None]
     o = o.view(b, s_q, h_q, head_dim_v)

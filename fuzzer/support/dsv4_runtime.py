@@ -1,0 +1,155 @@
+"""Setting vLLM up to run DeepSeek-V4's sparse attention (`FLASHMLA_SPARSE_DSV4`) without a model.
+
+One real VllmConfig from a tiny `deepseek_v4` config.json (written under the state directory), vLLM's own SWA
+cache layer (`DeepseekV4SWACache`), the compressed K cache's spec as the layer declares it, and the attention
+layer `DeepseekV4FlashMLAAttention` with the attributes its `forward_mqa` reads. The layer's `__init__` cannot run
+here (it builds linears on a TP group, `torch.cuda.Event`s and DeepGEMM's fp8 einsum recipe), so the layer is made
+with `__new__` and given those attributes as `__init__` sets them. Where the host lacks FlashMLA's compiled
+kernels (any CPU), the torch stand-ins of `standins.flashmla_ops` are bound where vLLM's DSv4 modules look them up.
+torch and vLLM only (plus attnfuzz's stand-in modules).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from types import SimpleNamespace
+
+import torch
+
+from fuzzer.support.flashmla_runtime import _has_flashmla_kernels, model_config
+from fuzzer.support.standins import flashmla_ops
+
+FLASHMLA_LAYER_MODULE = "vllm.models.deepseek_v4.nvidia.flashmla"
+SWA_MODULE = "vllm.v1.attention.backends.mla.sparse_swa"
+SPARSE_MLA_MODULE = "vllm.models.deepseek_v4.sparse_mla"
+
+HEAD_DIM, ROPE_DIM, ENTRY_BYTES = 512, 64, 584  # DeepSeek-V4: 448 NoPE + 64 RoPE; 584-byte fp8_ds_mla record
+SWA_BLOCK_SIZE = 64  # DeepseekV4SWACache's default block_size (tokens a page)
+BLOCK_SIZE = 256  # the compressed K cache's kernel block size (DeepseekV4SparseMLABackend): tokens a page
+MAX_MODEL_LEN = 163840  # past the gpu-scale profile's 128K contexts; C128A rows of up to 1280 entries
+LAYER = "model.layers.0.attn"  # the attention layer's prefix; its SWA cache is f"{LAYER}.swa_cache"
+# A tiny DeepSeek-V4-shaped HF config: ModelConfig needs one on disk; the builders read sliding_window,
+# index_topk (set per case) and the layers' compress ratios (each present type gets a FlashMLA tile-scheduler plan).
+HF_CONFIG = dict(architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4", hidden_size=512,
+                 num_attention_heads=64, head_dim=HEAD_DIM, qk_rope_head_dim=ROPE_DIM, q_lora_rank=256,
+                 o_lora_rank=128, o_groups=8, sliding_window=128, index_topk=512, index_n_heads=8,
+                 index_head_dim=128, num_hidden_layers=3, num_nextn_predict_layers=1, vocab_size=1000,
+                 intermediate_size=256, moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2,
+                 layer_types=["compressed_sparse_attention", "heavily_compressed_attention",
+                              "compressed_sparse_attention"],
+                 compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+                 # the same ratios as 0.30-0.32's builders read them (0.33 derives them from the two fields above
+                 # when this one is absent): the three layers and the MTP layer (0: sliding window only)
+                 compress_ratios=[4, 128, 4, 0],
+                 max_position_embeddings=MAX_MODEL_LEN, torch_dtype="bfloat16")
+
+
+@functools.cache
+def install_standins(device: str) -> tuple[str, ...]:
+    """Bind the FlashMLA stand-ins where DeepSeek-V4's modules look the compiled entry points up: for a host
+    without `_flashmla_C`, or tensors on the CPU (the CUDA kernels cannot take them). The real ones otherwise."""
+    if device != "cpu" and _has_flashmla_kernels():
+        return ()
+    layer = importlib.import_module(FLASHMLA_LAYER_MODULE)
+    layer.flash_mla_with_kvcache = flashmla_ops.flash_mla_with_kvcache
+    layer.flash_mla_sparse_fwd = flashmla_ops.flash_mla_sparse_fwd
+    swa = importlib.import_module(SWA_MODULE)
+    swa.get_mla_metadata = flashmla_ops.get_mla_metadata
+    swa.FlashMLASchedMeta = flashmla_ops.FlashMLASchedMeta
+    return ("flash_mla_with_kvcache", "flash_mla_sparse_fwd", "get_mla_metadata")
+
+
+@functools.cache
+def cpu_shims() -> tuple[str, ...]:
+    """CPU-only plumbing: the workspace manager grows through torch.accelerator.empty_cache, which a CPU lacks."""
+    import vllm.v1.worker.workspace as workspace
+
+    workspace.torch = SimpleNamespace(**{**vars(torch), "accelerator": SimpleNamespace(empty_cache=lambda: None)})
+    return ("workspace manager: torch.accelerator.empty_cache no-op",)
+
+
+@functools.cache
+def dsv4_config(device: str, state_dir: str):
+    """Process-wide: one real VllmConfig for a DeepSeek-V4 model (per-case fields are set by `configure`), fp8_ds_mla
+    cache of 256-token blocks, and the workspace manager."""
+    from vllm.config import CacheConfig, DeviceConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.worker.workspace import init_workspace_manager, is_workspace_manager_initialized
+
+    cfg = VllmConfig(model_config=model_config(state_dir, "dsv4-model", HF_CONFIG, MAX_MODEL_LEN), device_config=DeviceConfig(device=device),
+                     cache_config=CacheConfig(block_size=BLOCK_SIZE, cache_dtype="fp8_ds_mla"),
+                     scheduler_config=SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=256,
+                                                      max_model_len=MAX_MODEL_LEN, is_encoder_decoder=False))
+    if not is_workspace_manager_initialized():
+        init_workspace_manager(torch.device(device))
+    return cfg
+
+
+def configure(cfg, *, window_size: int, index_topk: int, num_speculative_tokens: int, max_num_batched_tokens: int,
+              max_model_len: int = 0):
+    """The case's fields on the shared config, before its builders are made (they read them at construction).
+    MTP (num_speculative_tokens > 0): the two fields of vLLM's speculative config the builders read (the decode
+    threshold 1 + k; no DSpark, no parallel drafting). max_model_len 0: MAX_MODEL_LEN."""
+    hf = cfg.model_config.hf_config
+    hf.sliding_window, hf.index_topk = window_size, index_topk
+    cfg.model_config.max_model_len = cfg.scheduler_config.max_model_len = max_model_len or MAX_MODEL_LEN
+    cfg.scheduler_config.max_num_batched_tokens = max_num_batched_tokens
+    cfg.speculative_config = (SimpleNamespace(num_speculative_tokens=num_speculative_tokens, parallel_drafting=False,
+                                              use_dspark=lambda: False) if num_speculative_tokens else None)
+    return cfg
+
+
+def compressed_spec(compress_ratio: int):
+    """The compressed K cache's spec, as DeepseekV4Attention.get_kv_cache_spec declares it for fp8_ds_mla."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, get_kv_quant_mode
+
+    return MLAAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, max_tp_shards=1, head_size=HEAD_DIM,
+                            dtype=torch.uint8, tokens_per_state=compress_ratio, cache_dtype_str="fp8_ds_mla",
+                            alignment=576, model_version="deepseek_v4", kv_quant_mode=get_kv_quant_mode("fp8_ds_mla"),
+                            state_content_bytes=ENTRY_BYTES)
+
+
+def swa_cache_layer(cfg, window_size: int, block_size: int = SWA_BLOCK_SIZE):
+    """vLLM's DeepseekV4SWACache for the layer (it registers itself in the forward context under its prefix)."""
+    from vllm.config import set_current_vllm_config
+
+    swa = importlib.import_module(SWA_MODULE)
+    layer_cls = importlib.import_module(FLASHMLA_LAYER_MODULE).DeepseekV4FlashMLAAttention
+    prefix = f"{LAYER}.swa_cache"
+    cfg.compilation_config.static_forward_context.pop(prefix, None)
+    with set_current_vllm_config(cfg):
+        return swa.DeepseekV4SWACache(head_dim=HEAD_DIM, window_size=window_size, dtype=torch.uint8, prefix=prefix,
+                                      cache_config=cfg.cache_config, backend_cls=layer_cls.swa_backend_cls,
+                                      block_size=block_size)
+
+
+def paged(raw: torch.Tensor, entries_per_block: int) -> torch.Tensor:
+    """The [num_blocks, entries, 584] view of a raw [num_blocks, page_bytes] cache, as the runner binds it."""
+    pages, page_bytes = raw.shape
+    return torch.as_strided(raw, (pages, entries_per_block, ENTRY_BYTES), (page_bytes, ENTRY_BYTES, 1))
+
+
+def attention_layer(cfg, compress_ratio: int, swa_layer, kv_cache: torch.Tensor | None,
+                    topk_indices_buffer: torch.Tensor, attn_sink: torch.Tensor):
+    """DeepseekV4FlashMLAAttention with what its forward_mqa reads, set as its __init__ sets it (the __init__ itself
+    needs a TP group, linears, CUDA events and DeepGEMM; see the module docstring). `attn_sink` [padded heads] fp32."""
+    import torch.nn as nn
+
+    cls = importlib.import_module(FLASHMLA_LAYER_MODULE).DeepseekV4FlashMLAAttention
+    layer = cls.__new__(cls)
+    nn.Module.__init__(layer)
+    hf = cfg.model_config.hf_config
+    layer.prefix = LAYER
+    layer.compress_ratio = compress_ratio
+    layer.window_size = hf.sliding_window
+    layer.max_image_tokens = 0
+    layer.head_dim, layer.scale = HEAD_DIM, HEAD_DIM**-0.5
+    layer.padded_heads = attn_sink.shape[0]
+    layer.attn_sink = attn_sink
+    layer.swa_cache_layer = swa_layer
+    # SWA-only layers own no compressed cache (the runner leaves them the empty tensor __init__ sets).
+    layer.kv_cache = kv_cache if kv_cache is not None else torch.tensor([])
+    layer.topk_indices_buffer = topk_indices_buffer
+    layer.max_num_batched_tokens = cfg.scheduler_config.max_num_batched_tokens
+    layer.max_model_len = cfg.model_config.max_model_len
+    return layer

@@ -1,0 +1,165 @@
+"""Hypothesis strategies for DeepSeek-V4 attention steps (Case.dsv4): what vLLM's FLASHMLA_SPARSE_DSV4 route sees.
+
+A step holds decodes first (MTP: 1 + k tokens each, lengths that may differ, as DSv4's builders split with
+require_uniform=False), then prefills (the first longer than 1 + k) with or without cached context, then padding
+rows or padding tokens as a full graph pads a batch. Contexts run long relative to the window; the strategy places
+chosen tokens where the kernels' edges are: a query whose window starts on an SWA block boundary, a sequence whose
+last compressed state is complete, one token short, one token in, or partly filled, a C4 token whose indexer row
+holds 0, 1, some or index_topk valid ids. Block tables are permuted or in order, with a spare column or none, and
+the SWA blocks wholly behind every window may be back in the pool (the null block 0), as vLLM's sliding-window
+manager leaves them. Sizes come from the profile (Profile.dsv4): a CPU step keeps its prefills' gathers short.
+
+Every knob is a swarm knob (strategies.swarm); without a swarm each is drawn uniformly over its categories.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypothesis import strategies as st
+
+from strategies.batches import CaseSpace, _domains
+from strategies.case import COMPRESS_RATIOS, DSV4_BLOCK_SIZE, Case, Dsv4, Request
+from strategies.profiles import Profile
+from strategies.swarm import Swarm, category
+
+SWA_BLOCK_SIZE = 64  # DeepseekV4SWACache's block size (tokens a page of the sliding-window cache)
+
+DSV4_KNOBS = ("compress_ratio", "window_size", "topk_width", "heads", "decodes", "decode_query_len", "decode_lengths",
+         "window_context", "padding_rows", "padded_tokens", "prefills", "prefill_context", "window_edge",
+         "state_fill", "c4_valid", "c4_order", "attn_sink", "values", "table_layout", "table_last_column", "swa_freed",
+              "max_model_len")
+
+
+@dataclass(frozen=True)
+class Dsv4Features:
+    compress_ratios: tuple[int, ...] = COMPRESS_RATIOS
+
+
+def dsv4_knobs(p: Profile, f: Dsv4Features) -> dict[str, tuple[str, ...]]:
+    s = p.dsv4
+    return _domains(DSV4_KNOBS, compress_ratio=map(str, f.compress_ratios), window_size=map(str, s.window_sizes),
+                    topk_width=map(str, s.topk_widths), heads=map(str, s.heads), table_layout=("arange", "permuted"))
+
+
+def dsv4_space(p: Profile, f: Dsv4Features) -> CaseSpace:
+    knobs = dsv4_knobs(p, f)
+    return CaseSpace(lambda swarm: dsv4_cases(p, f, knobs, swarm), knobs)
+
+
+@st.composite
+def dsv4_cases(draw, p: Profile, f: Dsv4Features, knobs: dict[str, tuple[str, ...]],
+               swarm: Swarm | None = None) -> Case:
+    s, swarm = p.dsv4, swarm or Swarm()
+
+    def c(name: str) -> str:
+        return category(draw, swarm, name, knobs[name])
+
+    ratio, w = int(c("compress_ratio")), int(c("window_size"))
+    topk, heads = int(c("topk_width")), int(c("heads"))
+    bs = SWA_BLOCK_SIZE
+    k = draw(st.integers(1, s.max_speculative)) if c("decode_query_len") == "mtp" else 0
+    threshold = 1 + k
+    mixed = bool(k) and c("decode_lengths") == "mixed"
+
+    def prefill_cap(q: int) -> int:  # the longest sequence a prefill of q tokens may have (its gathers' cost)
+        cap = q + s.max_prefill_context
+        return min(cap, (s.max_prefill_compressed + 1) * ratio - 1) if ratio > 1 else cap
+
+    budget, reqs = s.max_tokens, []
+    n_dec = draw(st.integers(1, s.max_decodes)) if c("decodes") == "some" else 0
+    if mixed and n_dec:  # at least two decodes, not all of one length
+        n_dec = min(max(n_dec, 2), s.max_decodes)
+        lengths = [draw(st.integers(1, threshold)) for _ in range(n_dec)]
+        if len(set(lengths)) == 1:
+            lengths[-1] = lengths[0] % threshold + 1
+    for j in range(n_dec):
+        q = lengths[j] if mixed else threshold
+        if q > budget:
+            break
+        lo, hi = {"short": (q, w), "near": (w + 1, w + 2 * bs), "long": (w + 2 * bs + 1, s.max_context)}[c("window_context")]
+        reqs.append(Request(q, draw(st.integers(max(lo, q), max(lo, q, hi))) - q))
+        budget -= q
+    num_decodes = len(reqs)
+    many = c("prefills")
+    count = {"none": 0, "one": 1, "several": draw(st.integers(min(2, s.max_prefills), s.max_prefills))}[many]
+    if not reqs:
+        count = max(count, 1)
+    for j in range(count):
+        lo = threshold + 1 if j == 0 else 1  # vLLM's split: the first prefill is longer than a decode
+        if budget < lo:
+            break
+        q = draw(st.integers(lo, budget))
+        cached = c("prefill_context") == "cached" and prefill_cap(q) > q
+        reqs.append(Request(q, draw(st.integers(1, prefill_cap(q) - q)) if cached else 0))
+        budget -= q
+    if not reqs:  # no budget for the prefill a decode-less step needs
+        reqs.append(Request(threshold + 1, 0))
+    if num_decodes == len(reqs) and c("padding_rows") == "some":  # a padded decode-only batch: all decodes
+        reqs += [Request(0, 0)] * draw(st.integers(1, 2))
+        num_decodes = len(reqs)
+
+    def cap(i: int) -> int:
+        return s.max_context + reqs[i].query_len if i < num_decodes else prefill_cap(reqs[i].query_len)
+
+    def place(i: int, position: int) -> None:
+        """Request i's context such that one of its tokens sits at `position` (its last one where it can)."""
+        r = reqs[i]
+        if r.query_len and 0 <= position < cap(i):
+            reqs[i] = Request(r.query_len, max(0, position - r.query_len + 1))
+
+    live = [i for i, r in enumerate(reqs) if r.query_len]
+    if c("window_edge") == "boundary":  # a query's window starts at a block boundary: position m * bs + w - 1
+        i = live[0]
+        m = draw(st.integers(1, max(1, (cap(i) - w) // bs)))
+        place(i, m * bs + w - 1)
+    if ratio > 1:
+        fill = c("state_fill")
+        i = live[-1]
+        m = draw(st.integers(1, max(1, cap(i) // ratio)))
+        delta = {"full": 0, "one_before": -1, "one_after": 1, "partial": draw(st.integers(2, max(2, ratio - 2)))}[fill]
+        place(i, m * ratio + delta - 1)  # the sequence (its last token + 1) ends there
+    if ratio == 4:
+        valid = c("c4_valid")
+        i = live[len(live) // 2]
+        lo, hi = {"zero": (0, 2), "one": (3, 6), "some": (7, 4 * topk - 2), "all": (4 * topk - 1, 4 * topk + 64)}[valid]
+        place(i, draw(st.integers(lo, hi)))
+
+    # Block tables: the SWA cache's (64-token blocks), and the compressed K cache's (256-token blocks).
+    permuted = c("table_layout") == "permuted"
+    spare = c("table_last_column") == "spare"
+    freed = c("swa_freed") == "freed"
+    swa_needed = [-(-r.seq_len // bs) for r in reqs]
+    swa_first = [max(0, r.context_len - w + 1) // bs if freed and r.query_len else 0 for r in reqs]
+    swa = _table(draw, [range(a, b) for a, b in zip(swa_first, swa_needed)], swa_needed, spare, permuted)
+    comp = ()
+    if ratio > 1:
+        needed = [-(-r.seq_len // DSV4_BLOCK_SIZE) for r in reqs]
+        comp = _table(draw, [range(n) for n in needed], needed, spare, permuted)
+    longest = max(r.seq_len for r in reqs)
+    max_model_len = longest + draw(st.integers(0, 64)) if c("max_model_len") == "tight" else 0
+    return Case(
+        requests=tuple(reqs), num_decodes=num_decodes, block_size=bs, block_table=swa, topk_width=topk, topk=(),
+        heads=heads, kv_cache_dtype="fp8_ds_mla", values=c("values"), seed=draw(st.integers(0, 2**16)),
+        padded_tokens=draw(st.integers(1, 4)) if c("padded_tokens") == "some" else 0,
+        dsv4=Dsv4(compress_ratio=ratio, window_size=w, compressed_block_table=comp, num_speculative_tokens=k,
+                  c4_order=c("c4_order") if ratio == 4 else "scored", attn_sink=c("attn_sink"),
+                  max_model_len=max_model_len),
+    ).validate()
+
+
+def _table(draw, held: list[range], needed: list[int], spare: bool, permuted: bool) -> tuple[tuple[int, ...], ...]:
+    """Rows of block ids (from 1; 0 is the null block): row i holds ids in the columns of `held[i]`, 0 elsewhere."""
+    total = sum(len(h) for h in held)
+    ids = list(range(1, total + 1))
+    if permuted and total > 1:
+        ids = [i + 1 for i in draw(st.permutations(range(total)))]
+    width = max(max(needed, default=0), 1) + (1 if spare else 0)
+    rows, k = [], 0
+    for h in held:
+        row = [0] * width
+        for col in h:
+            row[col] = ids[k]
+            k += 1
+        rows.append(tuple(row))
+    return tuple(rows)

@@ -1,0 +1,214 @@
+"""A DeepSeek-V4 step (Case.dsv4) -> tensors, deterministically from the case's seed, on any device; and the
+caches as the model leaves them before its attention call, written in torch.
+
+The model writes its caches before `forward_mqa`: the fused q-norm/RoPE/insert writes each new token's latent
+into the sliding-window (SWA) cache, the compressor each completed compressed entry into the compressed K cache,
+both as 584-byte records (`write_v4_records`, byte-equal to vLLM's Triton `quantize_and_insert_k_cache`; a test
+holds them together). A token's K (= V) is a 512-wide bf16 latent per request and position; a compressed entry's a
+512-wide latent per request and entry. No vLLM import.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from strategies.case import Case
+
+HEAD_DIM = 512  # DeepSeek-V4's latent: 448 NoPE + 64 RoPE; K = V
+NOPE, ROPE, QUANT_BLOCK = 448, 64, 64
+DATA_BYTES, SCALE_BYTES, ENTRY_BYTES = 576, 8, 584  # a record: 448 fp8 + 64 bf16, then 7 UE8M0 exponents + pad
+FP8_MAX = 448.0
+POISON = 255  # an unwritten cache byte: fp8 NaN, a NaN UE8M0 scale
+TOPK_POISON = 2**30 - 1  # top-k buffer rows no step's token owns
+_VALUE_SCALE = {"normal": 1.0, "large": 8.0, "tiny": 2e-5, "zero_tiles": 1.0}  # tiny: under the 1e-4 floor
+
+
+def padded_heads(heads: int) -> int:
+    """The q/output heads FlashMLA's DSv4 kernels take: 64 or 128 (DeepseekV4FlashMLAAttention pads to them)."""
+    return 64 if heads <= 64 else 128
+
+
+def page_bytes(entries_per_block: int) -> int:
+    """A page of the 584-byte layout: the entries' data rows, their scale rows, padded to a multiple of 576."""
+    return -(-entries_per_block * ENTRY_BYTES // DATA_BYTES) * DATA_BYTES
+
+
+@dataclass(frozen=True)
+class Dsv4Inputs:
+    positions: torch.Tensor  # int64 [num_actual_tokens]: each token's position (padding tokens: 0)
+    token_request: torch.Tensor  # int64 [num_actual_tokens]: the request of each token, -1 for padding tokens
+    query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
+    seq_lens: torch.Tensor  # int32 [num_reqs]
+    slot_mapping: torch.Tensor  # int64 [num_actual_tokens]: each token's SWA slot (-1: padding)
+    block_table: torch.Tensor  # int32: the SWA cache's (Case.block_table)
+    compressed_block_table: torch.Tensor | None  # int32: the compressed K cache's (None: ratio 1)
+    swa_values: tuple[torch.Tensor, ...]  # per request bf16 [seq_len, 512]: the latent of each position
+    compressed_values: tuple[torch.Tensor, ...]  # per request bf16 [seq_len // ratio, 512]: each compressed entry
+    topk_indices: torch.Tensor  # int32 [num_actual_tokens, index_topk]: the C4 indexer's rows (local entry ids)
+    q: torch.Tensor  # bf16 [num_actual_tokens, padded heads, 512]: zeros past the case's heads
+    attn_sink: torch.Tensor  # fp32 [padded heads]: -inf past the case's heads (make_attention_sink's init)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query_start_loc[-1])
+
+
+def swa_slots(case: Case, req: int, positions: torch.Tensor) -> torch.Tensor:
+    """The SWA cache slots of request `req`'s positions: block_table[row][p // block_size] * block_size + offset."""
+    row = torch.tensor(case.block_table[case.table_row(req)], dtype=torch.int64)
+    return row[positions // case.block_size] * case.block_size + positions % case.block_size
+
+
+def compressed_slots(case: Case, req: int, entries: torch.Tensor) -> torch.Tensor:
+    """The compressed K cache slots of request `req`'s compressed entries (256 // ratio entries a block)."""
+    per_block = case.dsv4.entries_per_block
+    row = torch.tensor(case.dsv4.compressed_block_table[case.table_row(req)], dtype=torch.int64)
+    return row[entries // per_block] * per_block + entries % per_block
+
+
+def written_swa_positions(case: Case, req: int) -> torch.Tensor:
+    """The positions the SWA cache holds for request `req`: those whose block the table still holds (a block
+    wholly behind the window may be back in the pool, its table entry the null block 0)."""
+    r = case.requests[req]
+    pos = torch.arange(r.seq_len)
+    row = torch.tensor(case.block_table[case.table_row(req)] or (0,), dtype=torch.int64)
+    return pos[row[pos // case.block_size] > 0] if r.seq_len else pos
+
+
+def materialize_dsv4_inputs(case: Case, device: str | torch.device = "cpu") -> Dsv4Inputs:
+    """Memoized per (case, device): the target and the oracle of one case share one materialization."""
+    return _inputs(case, str(torch.device(device)))
+
+
+@functools.lru_cache(maxsize=2)
+def _inputs(case: Case, device: str) -> Dsv4Inputs:
+    d = case.dsv4
+    g = torch.Generator().manual_seed(case.seed)
+    # Latents are drawn on the device by its own generator (a long-context GPU step holds hundreds of MB of them):
+    # a case holds the same values wherever it runs on the same kind of device.
+    gd = torch.Generator(device=device).manual_seed(case.seed + 1)
+    scale = _VALUE_SCALE[case.values]
+    swa, comp = [], []
+    for r in case.requests:
+        swa.append(_latents(r.seq_len, scale, case.values, gd, device))
+        comp.append(_latents(r.seq_len // d.compress_ratio if d.compress_ratio > 1 else 0, scale, case.values, gd,
+                             device))
+    positions, token_req, slots, qsl = [], [], [], [0]
+    for i, r in enumerate(case.requests):
+        pos = torch.arange(r.context_len, r.seq_len)
+        positions.append(pos)
+        token_req.append(torch.full((r.query_len,), i, dtype=torch.int64))
+        slots.append(swa_slots(case, i, pos))
+        qsl.append(qsl[-1] + r.query_len)
+    pad = case.padded_tokens
+    positions = torch.cat([*positions, torch.zeros(pad, dtype=torch.int64)])
+    token_req = torch.cat([*token_req, torch.full((pad,), -1, dtype=torch.int64)])
+    slots = torch.cat([*slots, torch.full((pad,), -1, dtype=torch.int64)])
+    topk = _indexer_rows(case, positions, token_req, g)
+    hp = padded_heads(case.heads)
+    q = torch.zeros(len(positions), hp, HEAD_DIM)
+    q[:, : case.heads] = torch.randn(len(positions), case.heads, HEAD_DIM, generator=g)
+    sink = torch.full((hp,), float("-inf"))
+    if d.attn_sink == "finite":
+        sink[: case.heads] = torch.randn(case.heads, generator=g) * 2
+    elif d.attn_sink == "large":
+        sink[: case.heads] = 6 + torch.rand(case.heads, generator=g) * 2
+    i32 = functools.partial(torch.tensor, dtype=torch.int32, device=device)
+    return Dsv4Inputs(
+        positions=positions.to(device), token_request=token_req.to(device), query_start_loc=i32(qsl),
+        seq_lens=i32([r.seq_len for r in case.requests]), slot_mapping=slots.to(device),
+        block_table=i32(case.block_table),
+        compressed_block_table=i32(d.compressed_block_table) if d.compress_ratio > 1 else None,
+        swa_values=tuple(swa), compressed_values=tuple(comp),
+        topk_indices=topk.to(device), q=q.to(torch.bfloat16).to(device), attn_sink=sink.to(device))
+
+
+def _latents(n: int, scale: float, values: str, g: torch.Generator, device: str) -> torch.Tensor:
+    x = torch.randn(n, HEAD_DIM, generator=g, device=device) * scale
+    if values == "zero_tiles" and n:  # whole 64-wide quantization blocks of zeros (the scale's 1e-4 floor)
+        blocks = x[:, :NOPE].view(n, NOPE // QUANT_BLOCK, QUANT_BLOCK)
+        blocks[torch.rand(n, NOPE // QUANT_BLOCK, generator=g, device=device) < 0.5] = 0
+    return x.to(torch.bfloat16)
+
+
+def c4_valid_count(position: int, index_topk: int) -> int:
+    """Valid ids of a C4 indexer row at `position`: every visible compressed entry, up to index_topk."""
+    return min((position + 1) // 4, index_topk)
+
+
+def _indexer_rows(case: Case, positions: torch.Tensor, token_req: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """The C4 indexer's top-k rows: min(n, index_topk) distinct local ids of the n = (p + 1) // 4 visible compressed
+    entries, valid ids first, -1 after (sparse_attn_indexer's top_k_per_row, and the short-context fill, which gives
+    0, 1, ..., n - 1); padding tokens select nothing. Layers of another ratio do not read the buffer: its rows are
+    out of range there, so that a read shows."""
+    d, width = case.dsv4, case.topk_width
+    if d.compress_ratio != 4:
+        return torch.full((len(positions), width), TOPK_POISON, dtype=torch.int32)
+    rows = torch.full((len(positions), width), -1, dtype=torch.int32)
+    for t, (p, r) in enumerate(zip(positions.tolist(), token_req.tolist())):
+        if r < 0:
+            continue
+        n, k = (p + 1) // 4, c4_valid_count(p, width)
+        ids = torch.arange(k) if d.c4_order == "ascending" else torch.randperm(n, generator=g)[:k]
+        rows[t, :k] = ids.to(torch.int32)
+    return rows
+
+
+# -- the caches, as the model writes them ---------------------------------------------------------------------
+def v4_records(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 [n, 512] -> (data uint8 [n, 576], scales uint8 [n, 8]) as quantize_and_insert_k_kernel writes them: per
+    64-wide NoPE block the exponent e = ceil(log2(max(amax, 1e-4) / 448)) (fp32), the block as float8_e4m3fn of
+    clamp(x / 2^e, +-448), e + 127 its scale byte (the 8th byte 0); the RoPE part as bf16."""
+    x = k.float()
+    blocks = x[:, :NOPE].view(-1, NOPE // QUANT_BLOCK, QUANT_BLOCK)
+    amax = blocks.abs().amax(dim=-1).clamp(min=1e-4)
+    exponent = torch.ceil(torch.log2(amax / FP8_MAX))
+    fp8 = (blocks / torch.exp2(exponent)[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    data = torch.cat([fp8.view(torch.uint8).view(-1, NOPE), k[:, NOPE:].contiguous().view(torch.uint8)], dim=-1)
+    scales = torch.zeros(len(k), SCALE_BYTES, dtype=torch.uint8, device=k.device)
+    scales[:, : NOPE // QUANT_BLOCK] = (exponent + 127).clamp(0, 255).to(torch.uint8)
+    return data, scales
+
+
+def write_v4_records(pages: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, entries_per_block: int) -> None:
+    """Write bf16 [n, 512] at `slots` of a raw cache pages uint8 [num_blocks, page bytes]: slot s's data row at byte
+    (s % entries) * 576 of page s // entries, its scale row at entries * 576 + (s % entries) * 8."""
+    if not len(slots):
+        return
+    data, scales = v4_records(k)
+    slots = slots.to(pages.device).long()
+    block, offset = slots // entries_per_block, slots % entries_per_block
+    cols = offset[:, None] * DATA_BYTES + torch.arange(DATA_BYTES, device=pages.device)
+    pages[block[:, None], cols] = data
+    cols = entries_per_block * DATA_BYTES + offset[:, None] * SCALE_BYTES + torch.arange(SCALE_BYTES, device=pages.device)
+    pages[block[:, None], cols] = scales
+
+
+def swa_pages(case: Case, inputs: Dsv4Inputs, num_blocks: int, device) -> torch.Tensor:
+    """The SWA cache, poisoned (0xFF) where the model wrote nothing, holding every position its table keeps."""
+    pages = torch.full((num_blocks, page_bytes(case.block_size)), POISON, dtype=torch.uint8, device=device)
+    for i, _ in enumerate(case.requests):
+        pos = written_swa_positions(case, i)
+        write_v4_records(pages, swa_slots(case, i, pos), inputs.swa_values[i][pos.to(inputs.swa_values[i].device)],
+                         case.block_size)
+    return pages
+
+
+def compressed_pages(case: Case, inputs: Dsv4Inputs, num_blocks: int, device) -> torch.Tensor:
+    """The compressed K cache, poisoned where the compressor wrote nothing, holding each request's seq_len // ratio
+    completed entries (the compressor writes those of the step's own tokens before the attention call)."""
+    per_block = case.dsv4.entries_per_block
+    pages = torch.full((num_blocks, page_bytes(per_block)), POISON, dtype=torch.uint8, device=device)
+    for i, _ in enumerate(case.requests):
+        entries = torch.arange(len(inputs.compressed_values[i]))
+        write_v4_records(pages, compressed_slots(case, i, entries), inputs.compressed_values[i], per_block)
+    return pages
+
+
+def num_blocks(table) -> int:
+    return 1 + max((b for row in table for b in row), default=0)
+
+

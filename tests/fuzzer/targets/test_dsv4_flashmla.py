@@ -1,0 +1,71 @@
+"""The `vllm.dsv4.flashmla` target on CPU: vLLM's DeepSeek-V4 builders and DeepseekV4FlashMLAAttention.forward_mqa
+(decode and prefill routes, compress ratios 1, 4, 128) with FlashMLA stand-ins, judged by oracles/dsv4.py; a short
+clean campaign through the CLI."""
+
+import functools
+import json
+
+import pytest
+
+from strategies.case import Case, Dsv4, Request
+from tests.conftest import attnfuzz
+
+pytestmark = pytest.mark.vllm
+
+
+@functools.cache
+def target():
+    from fuzzer.targets.dsv4_flashmla import Dsv4FlashMLA
+
+    t = Dsv4FlashMLA("cpu")
+    if t.unavailable():
+        pytest.skip(t.unavailable())
+    t.prepare()
+    return t
+
+
+def step(requests, num_decodes, table, ratio, ctable=(), window=32, k=0, pad=0, heads=16, sink="finite"):
+    return Case(requests=tuple(requests), num_decodes=num_decodes, block_size=64, block_table=tuple(table),
+                topk_width=128, topk=(), heads=heads, kv_cache_dtype="fp8_ds_mla", seed=9, padded_tokens=pad,
+                dsv4=Dsv4(compress_ratio=ratio, window_size=window, compressed_block_table=tuple(ctable),
+                          num_speculative_tokens=k, attn_sink=sink)).validate()
+
+
+CASES = {
+    # C4: MTP decodes of 2 and 1 tokens (old SWA blocks freed; a window starting on a block boundary: position
+    # 64 * 3 + 31), then a prefill of 4 after 9 cached tokens, then 2 padding tokens
+    "c4_mixed": (step([Request(2, 222), Request(1, 40), Request(4, 9)], 2,
+                      [(0, 0, 1, 2), (3, 0, 0, 0), (4, 0, 0, 0)], 4, [(1,), (2,), (3,)], k=1, pad=2, heads=64),
+                 {"batch.mixed", "dsv4.decode.c4a", "dsv4.prefill.c4a", "dsv4.global_topk", "dsv4.combine",
+                  "dsv4.dequant_gather.compressed", "dsv4.dequant_gather.swa", "dsv4.kernel.decode.extra",
+                  "dsv4.kernel.prefill", "batch.multi_token_decodes"}),
+    # C128: decodes only, one with two complete compressed entries, a padding row and its padded token
+    "c128_decodes": (step([Request(1, 300), Request(1, 127), Request(0, 0)], 3,
+                          [(1, 2, 3, 4, 5), (6, 7, 0, 0, 0), (0, 0, 0, 0, 0)], 128, [(1, 2), (3, 0), (0, 0)],
+                          window=64, pad=1, heads=128, sink="large"),
+                     {"batch.decode_only", "batch.padding_rows", "dsv4.decode.c128a", "dsv4.c128a_topk_metadata",
+                      "dsv4.kernel.decode.extra"}),
+    # SWA only: a prefill whose windows are clipped at positions < window
+    "swa_prefill": (step([Request(6, 0)], 0, [(1,)], 1, k=2, sink="none"),
+                    {"batch.prefill_only", "dsv4.prefill.swa_only", "dsv4.kernel.prefill"}),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_a_step_matches_the_reference(name):
+    case, paths = CASES[name]
+    t = target()
+    obs = t.run(case)
+    verdicts = t.oracle(case, obs)
+    assert obs.error is None and all(v.ok for v in verdicts), (case.summary(), obs.error, verdicts)
+    assert paths <= set(obs.notes["paths"]), sorted(obs.notes["paths"])
+    assert {"flash_mla_with_kvcache", "flash_mla_sparse_fwd", "get_mla_metadata"} <= set(obs.emulated)
+    assert obs.outputs["out"].shape[0] == case.num_actual_tokens and not obs.memory
+
+
+def test_a_short_clean_campaign(tmp_path):
+    run = attnfuzz("run", "--target", "vllm.dsv4.flashmla", "--max-examples", "4", "--seed", "3",
+                   "--json", str(tmp_path / "run.json"), state=tmp_path / "state")
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    summary = json.loads((tmp_path / "run.json").read_text())
+    assert summary["examples"] == 4 and not summary["findings"]

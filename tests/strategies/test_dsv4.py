@@ -1,0 +1,156 @@
+"""DeepSeek-V4 steps (Case.dsv4): plain JSON data that names its wrong fields, strategies whose swarm knobs show in
+the cases drawn, and the indexer rows and caches the tensors hold (no vLLM here)."""
+
+import json
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, seed, settings
+
+from oracles import fp8_ds_mla_v4 as v4
+from strategies.case import Case, CaseError, Dsv4, Request, TopkSpec
+from strategies.dsv4_batches import Dsv4Features, dsv4_space
+from strategies.dsv4_tensors import (
+    compressed_pages,
+    materialize_dsv4_inputs,
+    num_blocks,
+    swa_pages,
+    v4_records,
+    write_v4_records,
+)
+from strategies.profiles import PROFILES
+from strategies.swarm import case_features, coherent
+
+P = PROFILES["cpu"]
+SPACE = dsv4_space(P, Dsv4Features())
+
+
+def dsv4_case(**kw) -> Case:
+    """2 decodes (MTP k = 1, lengths 2 and 1; the first's old blocks freed) and a prefill of 5 with context, C4."""
+    base = dict(requests=(Request(2, 300), Request(1, 40), Request(5, 7)), num_decodes=2, block_size=64,
+                block_table=((0, 0, 1, 2, 3), (4, 0, 0, 0, 0), (5, 0, 0, 0, 0)), topk_width=128, topk=(),
+                kv_cache_dtype="fp8_ds_mla", seed=5,
+                dsv4=Dsv4(compress_ratio=4, window_size=128, compressed_block_table=((1, 2), (3, 0), (4, 0)),
+                          num_speculative_tokens=1))
+    base.update(kw)
+    return Case(**base).validate()
+
+
+def test_json_round_trip_and_old_cases_unchanged():
+    c = dsv4_case()
+    assert Case.from_json(c.to_json()) == c
+    old = Case(requests=(Request(1, 3),), num_decodes=1, block_size=64, block_table=((1,),), topk_width=128,
+               topk=(TopkSpec(3),)).validate()
+    assert "dsv4" not in old.to_dict() and Case.from_json(old.to_json()) == old  # a DeepSeek-V3.2 case reads as before
+
+
+@pytest.mark.parametrize("path, value, message", [
+    (("dsv4", "compress_ratio"), 2, "case.dsv4.compress_ratio"),
+    (("dsv4", "window_size"), 100, "case.dsv4.window_size"),
+    (("dsv4", "c4_order"), "random", "case.dsv4.c4_order"),
+    (("dsv4", "attn_sink"), "x", "case.dsv4.attn_sink"),
+    (("dsv4", "num_speculative_tokens"), 0, "case.num_decodes"),  # threshold 1: the 2-token decode is a prefill
+    (("dsv4", "compressed_block_table"), [[1, 0], [3, 0], [4, 0]], r"case.dsv4.compressed_block_table\[0\]: 302 tokens"),
+    (("dsv4", "compressed_block_table"), [[1, "2"], [3, 0], [4, 0]], r"case.dsv4.compressed_block_table\[0\]\[1\]"),
+    (("dsv4", "bogus"), 1, "case.dsv4.bogus: unknown field"),
+    (("block_table",), [[0, 0, 0, 2, 3], [4, 0, 0, 0, 0], [5, 0, 0, 0, 0]], r"case.block_table\[0\]"),  # window's block freed
+    (("topk",), [{"valid": 1}] * 3, "case.topk"),
+    (("kv_cache_dtype",), "bfloat16", "case.kv_cache_dtype"),
+])
+def test_malformed_dsv4_case_names_the_field(path, value, message):
+    data = json.loads(dsv4_case().to_json())
+    where = data
+    for key in path[:-1]:
+        where = where[key]
+    where[path[-1]] = value
+    with pytest.raises(CaseError, match=message):
+        Case.from_dict(data)
+
+
+def test_padding_rows_only_after_the_decodes_of_a_decode_only_batch():
+    with pytest.raises(CaseError, match="case.requests"):
+        dsv4_case(requests=(Request(2, 300), Request(0, 0), Request(5, 7)), num_decodes=2)
+    c = dsv4_case(requests=(Request(2, 300), Request(1, 40), Request(0, 0)), num_decodes=3, padded_tokens=3,
+                  block_table=((0, 0, 1, 2, 3), (4, 0, 0, 0, 0), (0, 0, 0, 0, 0)),
+                  dsv4=Dsv4(compressed_block_table=((1, 2), (3, 0), (0, 0)), num_speculative_tokens=1))
+    assert c.num_actual_tokens == 6
+
+
+def draw_cases(swarm, n=12):
+    cases = []
+
+    @seed(11)
+    @settings(max_examples=n, database=None, suppress_health_check=list(HealthCheck), deadline=None)
+    @given(SPACE.strategy(swarm))
+    def collect(case):
+        cases.append(case)
+
+    collect()
+    return cases
+
+
+# Categories the strategy steers one request toward, which another knob's request or the profile's caps may undo.
+LOOSE = {"window_edge", "state_fill", "c4_valid", "table_last_column", "table_layout", "prefills", "padding_rows",
+         "window_context", "prefill_context", "swa_freed"}
+
+
+def test_a_pinned_category_shows_in_the_cases():
+    for name, values in SPACE.knobs.items():
+        for value in values:
+            swarm = coherent({name: value}, SPACE.knobs, random.Random(0), keep={name})
+            if swarm.pinned(name) != value:
+                continue
+            seen = [f[name] for f in (case_features(c, SPACE.knobs, P.max_context) for c in draw_cases(swarm))
+                    if name in f]
+            share = sum(value in s for s in seen) / max(1, len(seen))
+            assert share >= (0.2 if name in LOOSE else 0.9), (name, value, share)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(SPACE.strategy(None))
+def test_drawn_cases_are_valid_and_their_indexer_rows_hold_the_contract(case):
+    assert Case.from_json(case.to_json()) == case
+    inputs = materialize_dsv4_inputs(case)
+    assert inputs.q.shape[0] == case.num_actual_tokens and inputs.q.shape[1] in (64, 128)
+    assert (inputs.q[:, case.heads:] == 0).all() and torch.isneginf(inputs.attn_sink[case.heads:]).all()
+    if case.dsv4.compress_ratio != 4:
+        return
+    for t, p in enumerate(inputs.positions.tolist()):  # min(n, topk) distinct valid ids < n first, -1 after
+        row = inputs.topk_indices[t]
+        n = (p + 1) // 4 if inputs.token_request[t] >= 0 else 0
+        k = min(n, case.topk_width)
+        assert (row[k:] == -1).all() and len(set(row[:k].tolist())) == k and ((row[:k] >= 0) & (row[:k] < n)).all()
+
+
+def test_the_torch_writer_encodes_the_format_the_oracle_models():
+    """The writer (a twin of vLLM's Triton writer, tests/strategies/test_dsv4_writer.py) and the oracle's own model of
+    the record agree byte for byte, including zero blocks, the 1e-4 floor and amax next to a power of two."""
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(40, 512, generator=g)
+    k[0] = 0
+    k[1, :64] *= 1e-6
+    k[2, :64] = torch.linspace(-448, 448 * (1 + 2**-6), 64)
+    k[3] *= 1e4
+    k = k.to(torch.bfloat16)
+    data, scales = v4_records(k)
+    assert torch.equal(torch.cat([data, scales], dim=-1), v4.quantize(k))
+    pages = torch.full((3, v4.page_bytes(64)), 255, dtype=torch.uint8)
+    slots = torch.tensor([5, 64, 191] + list(range(100, 137)))
+    write_v4_records(pages, slots, k, 64)
+    assert torch.equal(v4.read_records(pages, slots, 64), v4.quantize(k))
+    assert (pages[0, 64 * 576 + 5 * 8 + 7] == 0) and (pages[0, 64 * 584:] == 255).all()  # pad byte, page padding
+
+
+def test_caches_hold_what_the_model_wrote():
+    c = dsv4_case()
+    inputs = materialize_dsv4_inputs(c)
+    swa = swa_pages(c, inputs, num_blocks(c.block_table), "cpu")
+    assert (swa[0] == 255).all()  # the null block is never written
+    r0 = v4.read_records(swa, torch.tensor([3 * 64 + 45]), 64)  # request 0, position 301: block 4 of its row (id 3)
+    assert torch.equal(r0, v4.quantize(inputs.swa_values[0][301:302]))
+    comp = compressed_pages(c, inputs, num_blocks(c.dsv4.compressed_block_table), "cpu")
+    assert len(inputs.compressed_values[0]) == 302 // 4  # entries 0..74 complete; 75 is partly filled
+    last = v4.read_records(comp, torch.tensor([2 * 64 + 10]), 64)  # entry 74: its row's block 1 (id 2), slot 10
+    assert torch.equal(last, v4.quantize(inputs.compressed_values[0][74:75]))
+    assert (v4.read_records(comp, torch.tensor([2 * 64 + 11]), 64) == 255).all()  # entry 75: not written
