@@ -34,8 +34,8 @@ sys.meta_path.insert(0, _Hide())
     (("--case-timeout", "0s"), "--case-timeout 0s: at least 5s"),
     (("--profile", "huge"), "--profile 'huge': unknown"),
     (("--kv-cache-dtype", "fp8_ds_mla"), "vllm.index_remap takes no kv cache"),
-    (("--inject", "softmax-masked-tile-nan"), "the mutant breaks vllm.triton_sparse; on vllm.index_remap it would "
-                                              "change nothing"),
+    (("--inject", "softmax-masked-tile-nan"), "the mutant breaks vllm.triton_sparse, vllm.sparse_mla.all; on "
+                                              "vllm.index_remap it would change nothing"),
 ])
 def test_arguments_that_test_nothing_are_refused_before_vllm_loads(argv, words):
     start = time.monotonic()
