@@ -224,7 +224,7 @@ def add_parser(subparsers) -> None:
     g.add_argument("--min-pair-coverage", type=float, default=budgets.GATE_MIN_PAIR_COVERAGE, metavar="F",
                    help="fail a campaign whose cases cover less than this share of the pairs of knob categories "
                         f"(default {budgets.GATE_MIN_PAIR_COVERAGE}; 0: no minimum)")
-    g.add_argument("--jobs", type=int, default=None, help="campaigns at a time (default: 1 on CPU, 2 on a GPU)")
+    g.add_argument("--jobs", type=int, default=None, help="campaigns at a time (default 2: a campaign keeps about one core busy, its process and its worker taking turns)")
     g.add_argument("--targets", default=None, help="comma-separated: fuzz only these targets")
     g.add_argument("--no-repros", action="store_true", help="skip the replay step")
     g.add_argument("--no-campaigns", action="store_true", help="skip the campaign step")
@@ -272,7 +272,7 @@ def main(args: argparse.Namespace, device: str) -> int:
             print(f"  campaign {r.name}: {r.outcome}, {r.examples} cases in {r.seconds:.1f} s "
                   f"({r.wall_seconds:.0f} s with start-up){': ' + r.reason if r.reason else ''}", flush=True)
 
-        jobs = args.jobs or (2 if device == "cuda" else 1)
+        jobs = args.jobs or 2
         outcomes = run_campaigns(specs, device, out / "campaigns", budgets.CAMPAIGN_TIMEOUT_S[device], jobs, report)
         campaign_results = [judge_campaign(o, known, args.min_pair_coverage) for o in outcomes] + skipped
 

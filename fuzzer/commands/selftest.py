@@ -154,7 +154,7 @@ def add_parser(subparsers) -> None:
                    help="a mutant detected only under another bug class than its own counts as missed")
     p.add_argument("--budget-scale", type=float, default=1.0, help="multiply every campaign's budget (fuzzer/budgets.py)")
     p.add_argument("--seed", type=int, default=budgets.SELFTEST_SEED)
-    p.add_argument("--jobs", type=int, default=None, help="campaigns at a time (default: 1 on CPU, 2 on a GPU)")
+    p.add_argument("--jobs", type=int, default=None, help="campaigns at a time (default 2: a campaign keeps about one core busy, its process and its worker taking turns)")
     p.add_argument("--out", type=Path, default=None, help="campaign summaries and logs (default .attnfuzz/selftest)")
     p.add_argument("--json", type=Path, metavar="PATH", help="write the rows as JSON here")
     p.add_argument("--junit", type=Path, metavar="PATH", help="write JUnit XML here")
@@ -199,7 +199,7 @@ def main(args: argparse.Namespace, device: str) -> int:
               f"({r.wall_seconds:.0f} s with start-up){': ' + r.reason if r.reason else ''}", flush=True)
 
     out = args.out or STATE_DIR / "selftest"
-    jobs = args.jobs or (2 if device == "cuda" else 1)
+    jobs = args.jobs or 2
     outcomes = run_campaigns([spec for _, _, spec in runs], device, out, budgets.CAMPAIGN_TIMEOUT_S[device], jobs, report)
     rows = [judge(o) for o in outcomes] + skipped
     for r in skipped:
