@@ -178,7 +178,8 @@ def common_metadata(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block
 GUARDED = (("decode_swa_indices", "decode_swa_indices"), ("prefill_swa_indices", "prefill_swa_indices"),
            ("prefill_swa_lens", "prefill_swa_lens"),
            ("c128a_global_decode_buffer", "c128a_global_decode_topk_indices"),
-           ("c128a_decode_lens_buffer", "c128a_decode_topk_lens"), ("c128a_prefill_buffer", "c128a_prefill_topk_indices"))
+           ("c128a_decode_lens_buffer", "c128a_decode_topk_lens"),
+           ("c128a_prefill_buffer", "c128a_prefill_topk_indices"))
 BUFFER_POISON = 2**30 - 1
 
 

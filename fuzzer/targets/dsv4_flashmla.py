@@ -133,15 +133,15 @@ class Dsv4FlashMLA(Target):
             with set_current_vllm_config(cfg), torch.inference_mode():
                 swa_builder = layer_cls.swa_backend_cls.get_builder_cls()(swa_spec, [swa_layer.prefix], cfg,
                                                                           torch.device(dev))
-                checks = [runtime.guard_buffers(swa_builder)]
+                check = runtime.guard_buffers(swa_builder)
                 metadata = {swa_layer.prefix: swa_builder.build(0, common(inputs.block_table, s.swa_slots))}
-                overruns = checks[0](metadata[swa_layer.prefix])
+                overruns = check(metadata[swa_layer.prefix])
                 if comp_raw is not None:
                     builder = layer_cls.backend_cls.get_builder_cls()(spec, [runtime.LAYER], cfg, torch.device(dev))
-                    checks.append(runtime.guard_buffers(builder))
+                    check = runtime.guard_buffers(builder)
                     metadata[runtime.LAYER] = builder.build(0, common(inputs.compressed_block_table,
                                                                       s.compressed_slots))
-                    overruns += checks[1](metadata[runtime.LAYER])
+                    overruns += check(metadata[runtime.LAYER])
                 if overruns:
                     notes["buffer_overrun"] = overruns
                 outputs.update({f"md.{k}": v for k, v in runtime.metadata_outputs(metadata[swa_layer.prefix],
@@ -171,25 +171,25 @@ class Dsv4FlashMLA(Target):
         case, dev = finding.case, finding.host.device
         cpu, d = dev == "cpu", case.dsv4
         s = self.step(case, dev)
+        compressed = s.comp_raw is not None
         expected, atol, rtol, _ = reference_for(case, s.swa_raw, s.comp_raw, dev)
         inputs = s.inputs
         tensors = dict(q=inputs.q, positions=inputs.positions, query_start_loc=inputs.query_start_loc,
                        seq_lens=inputs.seq_lens, attn_sink=inputs.attn_sink, topk_indices_buffer=s.topk_buffer,
                        swa_pages=s.swa_raw, **{"swa.block_table": inputs.block_table, "swa.slot_mapping": s.swa_slots},
                        expected_out=expected[: case.num_tokens])
-        if s.comp_raw is not None:
+        if compressed:
             tensors.update({"compressed_pages": s.comp_raw, "compressed.block_table": inputs.compressed_block_table,
                             "compressed.slot_mapping": s.compressed_slots})
         # The C128A rows at the least width the definition allows; the judge pads them to the width vLLM chose.
         width = max(c128a_visible(case), 1) if d.compress_ratio == 128 else None
         tensors.update({f"expected_md.{k}": v for k, v in expected_metadata(case, width).items()})
         return ReproSpec(
-            about=f"Shrunk case: {case.summary()}; {case.heads} heads, compress ratio {d.compress_ratio}, window "
-                  f"{d.window_size}, index_topk {case.topk_width}, values {case.values}.\nInputs in tensors.safetensors "
-                  "beside this file: both caches' bytes as the model leaves them before attention (written by "
-                  "attnfuzz's\ntorch writer, byte-equal to vLLM's quantize_and_insert_k_cache), q, the indexer's top-k "
-                  "buffer, the\nbuilders' inputs; the expected output (attnfuzz's fp64 reference) and each metadata "
-                  "tensor's definition.",
+            about=f"Shrunk case: {case.summary()}; values {case.values}.\n"
+                  "Inputs in tensors.safetensors beside this file: both caches' bytes as the model leaves them\n"
+                  "before attention (written by attnfuzz's torch writer, byte-equal to vLLM's\n"
+                  "quantize_and_insert_k_cache), q, the indexer's top-k buffer, the builders' inputs; the expected\n"
+                  "output (attnfuzz's fp64 reference) and each metadata tensor as its definition gives it.",
             imports=("import tempfile",),
             constants=dict(COMPRESS_RATIO=d.compress_ratio, WINDOW_SIZE=d.window_size, INDEX_TOPK=case.topk_width,
                            MTP_TOKENS=d.num_speculative_tokens, MAX_MODEL_LEN=d.max_model_len,
@@ -197,12 +197,10 @@ class Dsv4FlashMLA(Target):
                            NUM_TOKENS=case.num_actual_tokens, ATOL=atol, RTOL=rtol),
             tensors=tensors,
             support={"runtime": "fuzzer.support.dsv4_runtime", **(REPRO_CPU_SUPPORT if cpu else {})},
-            prepare=(REPRO_CPU_PREPARE + "runtime.cpu_shims()  # the workspace manager: no accelerator\n" if cpu else "")
-            + "emulated = runtime.install_standins(DEVICE)  # FlashMLA's kernels, where this host lacks them\n",
+            prepare=(_REPRO_CPU_PREPARE if cpu else "") + _REPRO_STANDINS,
             setup=_REPRO_SETUP,
-            call=_REPRO_CALL.format(kv_cache="runtime.paged(compressed_pages, ENTRIES_PER_BLOCK)  # the compressed K cache"
-                                    if s.comp_raw is not None else "None  # a sliding-window layer has no compressed cache")
-            + (_REPRO_COMPRESSED if s.comp_raw is not None else "") + _REPRO_FORWARD,
+            call=_REPRO_CALL.format(kv_cache=_REPRO_KV_CACHE[compressed]) + (_REPRO_COMPRESSED if compressed else "")
+            + _REPRO_FORWARD,
             judge=Judge("dsv4", dict(out="out", expected='T["expected_out"]', metadata="md",
                                      expected_metadata="expected_md", caches="[swa_pages, compressed_pages]",
                                      before="before", atol="ATOL", rtol="RTOL")),
@@ -219,6 +217,8 @@ def _compressed_token_slots(inputs) -> torch.Tensor:
     return torch.where(real, blocks * runtime.BLOCK_SIZE + pos % runtime.BLOCK_SIZE, -1)
 
 
+_REPRO_CPU_PREPARE = REPRO_CPU_PREPARE + "runtime.cpu_shims()  # the workspace manager: no accelerator cache to empty\n"
+_REPRO_STANDINS = "emulated = runtime.install_standins(DEVICE)  # FlashMLA's kernels, where this host lacks them\n"
 _REPRO_SETUP = f"""\
 from vllm.config import set_current_vllm_config
 from vllm.forward_context import set_forward_context
@@ -239,19 +239,22 @@ _REPRO_CALL = """\
 swa_layer = runtime.swa_cache_layer(cfg, WINDOW_SIZE, SWA_BLOCK_SIZE)  # vLLM's DeepseekV4SWACache
 swa_layer.kv_cache = runtime.paged(swa_pages, SWA_BLOCK_SIZE)
 kv_cache = {kv_cache}
-# DeepseekV4FlashMLAAttention made without its __init__ (it needs a TP group, linears, CUDA events and DeepGEMM),
-# with the attributes forward_mqa reads, set as __init__ sets them
-layer = runtime.attention_layer(cfg, COMPRESS_RATIO, swa_layer, kv_cache, T["topk_indices_buffer"], T["attn_sink"])
+# DeepseekV4FlashMLAAttention made without its __init__ (it needs a TP group, linears,
+# CUDA events and DeepGEMM), with the attributes forward_mqa reads, set as __init__ sets them
+layer = runtime.attention_layer(cfg, COMPRESS_RATIO, swa_layer, kv_cache, T["topk_indices_buffer"],
+                                T["attn_sink"])
 with set_current_vllm_config(cfg), torch.inference_mode():
-    swa_builder = Layer.swa_backend_cls.get_builder_cls()(swa_layer.get_kv_cache_spec(cfg), [swa_layer.prefix], cfg,
-                                                          torch.device(DEVICE))
-    check = runtime.guard_buffers(swa_builder)  # its persistent buffers poisoned: writes past the step's rows show
+    swa_spec = swa_layer.get_kv_cache_spec(cfg)
+    swa_builder = Layer.swa_backend_cls.get_builder_cls()(swa_spec, [swa_layer.prefix], cfg, torch.device(DEVICE))
+    check = runtime.guard_buffers(swa_builder)  # its persistent buffers poisoned: stray writes show
     metadata = {{swa_layer.prefix: swa_builder.build(0, common("swa"))}}
     found += check(metadata[swa_layer.prefix])
 """
+_REPRO_KV_CACHE = {True: "runtime.paged(compressed_pages, ENTRIES_PER_BLOCK)  # the compressed K cache",
+                   False: "None  # a sliding-window layer has no compressed K cache"}
 _REPRO_COMPRESSED = """\
-    builder = Layer.backend_cls.get_builder_cls()(runtime.compressed_spec(COMPRESS_RATIO), [runtime.LAYER], cfg,
-                                                  torch.device(DEVICE))
+    spec = runtime.compressed_spec(COMPRESS_RATIO)
+    builder = Layer.backend_cls.get_builder_cls()(spec, [runtime.LAYER], cfg, torch.device(DEVICE))
     check = runtime.guard_buffers(builder)
     metadata[runtime.LAYER] = builder.build(0, common("compressed"))
     found += check(metadata[runtime.LAYER])

@@ -100,15 +100,16 @@ def test_a_mutant_finding_gets_a_reproducer_that_shows_it_and_passes_without_it(
     case = Case(requests=(Request(3, 0),), num_decodes=0, block_size=64, block_table=((1,),), topk_width=128, topk=(),
                 kv_cache_dtype="fp8_ds_mla", seed=4,
                 dsv4=Dsv4(compress_ratio=4, window_size=32, compressed_block_table=((1,),))).validate()
-    verdict = Verdict("metadata", False, "compressed_slot_mapping: 1 of 3 rows differ from the definition; row 2 [0] is "
-                                         "64, expected -1", "N", where="metadata:compressed_slot_mapping")
+    verdict = Verdict("metadata", False, "compressed_slot_mapping: 1 of 3 rows differ from the definition; row 2 [0] "
+                                         "is 64, expected -1", "N", where="metadata:compressed_slot_mapping")
     finding = Finding(t.name, verdict.signature, case, [verdict], Observation(t.name, "cpu"), host_info("cpu"),
                       "dsv4-compressed-slot-partial-state", 1, 1.0)
     d = write_repro(finding, t, tmp_path / "repros")
     script = (d / "repro.py").read_text()
     assert (d / SUPPORT_FILE).is_file() and (d / "tensors.safetensors").is_file() and "def apply(" in script
     assert "swa_builder.build(0, " in script and "builder.build(0, " in script and "layer.forward_mqa(" in script
-    assert not [ln for ln in script.splitlines() if ln.strip().startswith(("import fuzzer", "from fuzzer", "from oracles"))]
+    assert not [ln for ln in script.splitlines()
+                if ln.strip().startswith(("import fuzzer", "from fuzzer", "from oracles"))]
     (d / "fixed.py").write_text(script.replace("apply()  # the injected bug", "pass  # no injected bug"))
     run = subprocess.run([sys.executable, "-c", TWICE, str(d)], cwd=d, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and "EXIT [0, 1]" in run.stdout, run.stdout + run.stderr[-3000:]
