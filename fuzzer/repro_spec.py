@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-JUDGES = ("index", "index_contract", "attention", "dcp")  # fuzzer/artifacts/repro_judges.py: judge_<name>
+JUDGES = ("index", "index_contract", "attention", "dcp", "dsv4")  # fuzzer/artifacts/repro_judges.py: judge_<name>
 
 
 @dataclass(frozen=True)

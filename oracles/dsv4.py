@@ -99,13 +99,18 @@ def expected_metadata(case, c128a_width: int | None = None) -> dict[str, torch.T
     return md
 
 
+def c128a_visible(case) -> int:
+    """The most compressed entries a token of the step sees at ratio 128: the C128A rows' least width."""
+    return max(((p + 1) // 128 for _, p in filter(None, _tokens(case))), default=0)
+
+
 def judge_metadata(case, outputs) -> list[Verdict]:
     """Every metadata tensor the target recorded (outputs "md.<name>") against its definition, exactly."""
     width = outputs["md.c128a_decode_indices"].shape[-1] if "md.c128a_decode_indices" in outputs else \
         outputs["md.c128a_prefill_indices"].shape[-1] if "md.c128a_prefill_indices" in outputs else None
     verdicts = []
     if width is not None:
-        need = max(((p + 1) // 128 for _, p in filter(None, _tokens(case))), default=0)
+        need = c128a_visible(case)
         if width % 128 or width < need:
             verdicts.append(Verdict("metadata", False, f"C128A top-k rows are {width} wide: a multiple of 128 holding "
                                                        f"every visible compressed entry ({need}) is what the kernels "
@@ -134,14 +139,14 @@ def judge_metadata(case, outputs) -> list[Verdict]:
     return verdicts or [passed("metadata", f"{len(want)} metadata tensors as defined")]
 
 
-def _records(case, outputs, device) -> tuple[dict, list[Verdict]]:
+def _records(case, swa_pages, compressed_pages, device) -> tuple[dict, list[Verdict]]:
     """The records the reference reads, decoded from the cache bytes, per cache: {(cache, request): (slots, values)},
     and a verdict per cache whose records do not hold the values written (the writer's bytes against the format)."""
     inputs = materialize_dsv4_inputs(case, device)
     d = case.dsv4
-    caches = [("swa", outputs["swa_pages"], case.block_size)]
+    caches = [("swa", swa_pages, case.block_size)]
     if d.compress_ratio > 1:
-        caches.append(("compressed", outputs["compressed_pages"], d.entries_per_block))
+        caches.append(("compressed", compressed_pages, d.entries_per_block))
     found, verdicts = {}, []
     for name, pages, entries in caches:
         worst = None
@@ -199,6 +204,16 @@ def reference(case, records, device: str = "cpu"):
     return out.float(), float(kv.abs().max()) if kv.numel() else 1.0
 
 
+def reference_for(case, swa_pages, compressed_pages, device: str = "cpu"):
+    """(out [num_actual_tokens, heads, 512] float32, atol, rtol, verdicts on the records) of the step whose caches
+    hold these bytes: the reference over the records they hold, and its tolerance (bf16's, atol scaled by the
+    largest key)."""
+    records, verdicts = _records(case, swa_pages, compressed_pages, device)
+    out, key_scale = reference(case, records, device)
+    atol, rtol = tolerance("bfloat16", "bfloat16")
+    return out, atol * max(key_scale, 1e-6), rtol, verdicts
+
+
 def _memory_class(violation) -> str:
     return "N" if any(k in violation.kernel for k in DSV4_KERNELS) else "C"
 
@@ -215,9 +230,9 @@ def judge_dsv4(case, obs) -> list[Verdict]:
     outputs = {k: v for k, v in obs.outputs.items()}
     verdicts += [v for v in judge_metadata(case, outputs) if not v.ok]
     device = obs.device
-    records, write_verdicts = _records(case, outputs, device)
+    out_ref, atol, rtol, write_verdicts = reference_for(case, outputs["swa_pages"], outputs.get("compressed_pages"),
+                                                        device)
     verdicts += write_verdicts
-    out_ref, key_scale = reference(case, records, device)
     out = outputs["out"].to(device).float()
     if out.shape[0] != case.num_actual_tokens or out.shape[1] < case.heads or out.shape[2] != 512:
         return verdicts + [Verdict("shape", False, f"output shape {tuple(out.shape)}, expected "
@@ -238,8 +253,6 @@ def judge_dsv4(case, obs) -> list[Verdict]:
         t, h, _ = (int(x) for x in bad.nonzero()[0])
         verdicts.append(Verdict("nan", False, f"{int(bad.sum())} non-finite outputs; first token {t} head {h} (the "
                                               f"reference is finite: an unwritten cache slot read?)", "N", where="nan"))
-    atol, rtol = tolerance("bfloat16", "bfloat16")
-    atol *= max(key_scale, 1e-6)
     margin = error_margin(torch.where(torch.isfinite(out), out, out_ref), out_ref, atol, rtol)
     if margin > 1:
         err = ((out - out_ref).abs() / (atol + rtol * out_ref.abs())).nan_to_num(0)

@@ -83,6 +83,53 @@ def judge_dcp(out, expected, lses, expected_lses, heads, atol, rtol, lse_tol):
     return problems
 
 
+def judge_dsv4(out, expected, metadata, expected_metadata, caches, before, atol, rtol):
+    """A DeepSeek-V4 step: each metadata tensor the builders made exactly against its definition (C128A top-k rows
+    may be any multiple of 128 wide that holds every visible entry, -1 past them: the builder picks the width); the
+    step's tokens and heads against attnfuzz's reference (fp64, saved in fp32); padding tokens' rows left NaN (as
+    the output was filled) or 0; each cache byte for byte as before the call (attention only reads them)."""
+    problems = []
+    for name, want in expected_metadata.items():
+        got = metadata.get(name)
+        if got is None:
+            problems.append(f"metadata {name}: the builders gave none, expected shape {tuple(want.shape)}")
+            continue
+        got, want = got.cpu().long(), want.cpu().long()
+        if "c128a" in name and name.endswith("indices") and got.shape[:-1] == want.shape[:-1]:
+            if got.shape[-1] % 128 or got.shape[-1] < want.shape[-1]:
+                problems.append(f"metadata {name}: rows {got.shape[-1]} wide; the kernels take a multiple of 128 "
+                                f"holding every visible compressed entry ({want.shape[-1]})")
+                continue
+            want = torch.nn.functional.pad(want, (0, got.shape[-1] - want.shape[-1]), value=-1)
+        if got.shape != want.shape:
+            problems.append(f"metadata {name}: shape {tuple(got.shape)}, expected {tuple(want.shape)}")
+            continue
+        differs = got != want
+        bad = (differs.flatten(1).any(dim=1) if differs.dim() > 1 else differs).nonzero().flatten()
+        if len(bad):
+            row = int(bad[0])
+            g, w = got[row].flatten(), want[row].flatten()
+            col = int((g != w).nonzero()[0])
+            problems.append(f"metadata {name}: {len(bad)} of {len(got)} rows differ from the definition; row {row} "
+                            f"[{col}] is {g[col].item()}, expected {w[col].item()}")
+    tokens, heads, width = expected.shape
+    if out.shape[0] < tokens or out.shape[1] < heads or out.shape[2] != width:
+        problems.append(f"output has shape {tuple(out.shape)}; expected [>= {tokens}, >= {heads}, {width}]")
+    else:  # vLLM pads q to 64 or 128 heads; the model drops the padded heads' output
+        problems += compare_to_reference(out[:tokens, :heads].float().cpu(), expected.float().cpu(), atol, rtol)
+        pad = out[tokens:].float().cpu()
+        touched = ~torch.isnan(pad) & (pad != 0)
+        if touched.any():
+            problems.append(f"padding token {tokens + int(touched.nonzero()[0][0])} (slot -1, no request) got "
+                            f"output: it selects no key, so its row stays as it was or is 0")
+    for name, now, was in zip(("SWA", "compressed"), caches, before):
+        if was is not None and not torch.equal(now, was):
+            problems.append(f"the {name} cache changed during attention: "
+                            f"{int((now != was).flatten(1).any(dim=1).sum())} of {len(was)} pages")
+    return problems
+
+
 # What a script copies for each judge: helpers first.
 FUNCTIONS = {"index": (judge_index,), "index_contract": (judge_index_contract,),
-             "attention": (compare_to_reference, judge_attention), "dcp": (compare_to_reference, judge_dcp)}
+             "attention": (compare_to_reference, judge_attention), "dcp": (compare_to_reference, judge_dcp),
+             "dsv4": (compare_to_reference, judge_dsv4)}

@@ -6,6 +6,8 @@ layer `DeepseekV4FlashMLAAttention` with the attributes its `forward_mqa` reads.
 here (it builds linears on a TP group, `torch.cuda.Event`s and DeepGEMM's fp8 einsum recipe), so the layer is made
 with `__new__` and given those attributes as `__init__` sets them. Where the host lacks FlashMLA's compiled
 kernels (any CPU), the torch stand-ins of `standins.flashmla_ops` are bound where vLLM's DSv4 modules look them up.
+Also what the target and its reproducers share around the builders: the runner's CommonAttentionMetadata of a
+KV-cache group, the guard on the builders' persistent buffers, and the metadata tensors the step is judged on.
 torch and vLLM only (plus attnfuzz's stand-in modules).
 """
 
@@ -153,3 +155,80 @@ def attention_layer(cfg, compress_ratio: int, swa_layer, kv_cache: torch.Tensor 
     layer.max_num_batched_tokens = cfg.scheduler_config.max_num_batched_tokens
     layer.max_model_len = cfg.model_config.max_model_len
     return layer
+
+
+def common_metadata(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                    slot_mapping: torch.Tensor, positions: torch.Tensor, num_actual_tokens: int):
+    """The runner's CommonAttentionMetadata for one KV-cache group of the step: its block table and its slots of
+    the step's tokens (-1 for padding tokens, which `num_actual_tokens` counts past query_start_loc[-1])."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    qsl_cpu, seq_lens_cpu = query_start_loc.cpu(), seq_lens.cpu()
+    return CommonAttentionMetadata(
+        query_start_loc=query_start_loc.clone(), query_start_loc_cpu=qsl_cpu, seq_lens=seq_lens.clone(),
+        num_reqs=len(seq_lens_cpu), num_actual_tokens=num_actual_tokens,
+        max_query_len=int((qsl_cpu[1:] - qsl_cpu[:-1]).max()), max_seq_len=int(seq_lens_cpu.max()),
+        # clones: the compressed builder clamps the block table in place
+        block_table_tensor=block_table.clone(), slot_mapping=slot_mapping, positions=positions.clone(),
+        seq_lens_cpu_upper_bound=seq_lens_cpu)
+
+
+# The builders' persistent buffers whose rows a step owns only through the views its metadata holds (buffer,
+# metadata field): a write outside them is a metadata kernel running past its rows (the C128A fix in sparse_mla.py).
+GUARDED = (("decode_swa_indices", "decode_swa_indices"), ("prefill_swa_indices", "prefill_swa_indices"),
+           ("prefill_swa_lens", "prefill_swa_lens"),
+           ("c128a_global_decode_buffer", "c128a_global_decode_topk_indices"),
+           ("c128a_decode_lens_buffer", "c128a_decode_topk_lens"),
+           ("c128a_prefill_buffer", "c128a_prefill_topk_indices"))
+BUFFER_POISON = 2**30 - 1
+
+
+def guard_buffers(builder):
+    """Fill the builder's guarded buffers (those it has) with BUFFER_POISON before it builds; returns
+    check(metadata): the elements of each written outside the view the step's metadata holds of it, in words."""
+    buffers = {name: getattr(builder, name) for name, _ in GUARDED if getattr(builder, name, None) is not None}
+    for buffer in buffers.values():
+        buffer.fill_(BUFFER_POISON)
+
+    def check(metadata) -> list[str]:
+        found = []
+        for name, field in GUARDED:
+            buffer = buffers.get(name)
+            if buffer is None:
+                continue
+            allowed = torch.zeros(buffer.numel(), dtype=torch.bool, device=buffer.device)
+            view = getattr(metadata, field, None)
+            if (view is not None and view.numel()
+                    and view.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()):
+                index = torch.arange(buffer.numel(), device=buffer.device)
+                allowed[torch.as_strided(index, view.shape, view.stride(),
+                                         view.storage_offset() - buffer.storage_offset()).flatten()] = True
+            written = (buffer.flatten() != BUFFER_POISON) & ~allowed
+            if written.any():
+                where = written.nonzero().flatten()
+                row = buffer.stride(0) if buffer.dim() > 1 else 1
+                found.append(f"{name}: {int(written.sum())} elements outside the step's view "
+                             f"{tuple(view.shape) if view is not None else '(none)'} written (rows "
+                             f"{int(where[0]) // row}..{int(where[-1]) // row} of {buffer.shape[0]})")
+        return found
+
+    return check
+
+
+def metadata_outputs(swa_md, md=None) -> dict[str, torch.Tensor]:
+    """What the builders made that the step is judged on, by name (copies): the SWA builder's batch split, token
+    maps, SWA indices and lengths and prefill gather lengths; the compressed builder's (`md`, C4/C128 layers)
+    compressed slot mapping and C128A top-k metadata."""
+    out = {"split": torch.tensor([swa_md.num_decodes, swa_md.num_prefills, swa_md.num_decode_tokens,
+                                  swa_md.num_prefill_tokens]),
+           "token_to_req_indices": swa_md.token_to_req_indices, "is_valid_token": swa_md.is_valid_token,
+           "decode_swa_indices": swa_md.decode_swa_indices if swa_md.num_decode_tokens else None,
+           "decode_swa_lens": swa_md.decode_swa_lens if swa_md.num_decode_tokens else None,
+           "prefill_swa_indices": swa_md.prefill_swa_indices, "prefill_swa_lens": swa_md.prefill_swa_lens,
+           "prefill_gather_lens": swa_md.prefill_gather_lens}
+    if md is not None:
+        out.update({"compressed_slot_mapping": md.slot_mapping,
+                    "c128a_decode_indices": md.c128a_global_decode_topk_indices,
+                    "c128a_decode_lens": md.c128a_decode_topk_lens,
+                    "c128a_prefill_indices": md.c128a_prefill_topk_indices})
+    return {k: v.clone() for k, v in out.items() if v is not None}

@@ -11,21 +11,26 @@ model writes before attention (the new tokens' latents, every completed compress
 torch writer, byte-equal to vLLM's Triton `quantize_and_insert_k_cache` (the model's own writers are a compiled op and
 the compressor, neither run here); the indexer's top-k rows are inputs. Where the host lacks FlashMLA's compiled
 kernels (any CPU) they are bounds-checked stand-ins. Single fresh steps: a new builder pair and layer per case.
-No standalone reproducer yet (findings keep case.json).
+A finding's repro.py loads the step (both caches' bytes, q, the top-k buffer, the builders' inputs) and makes the
+same calls, judged against the saved reference and each metadata tensor's definition.
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from fuzzer.env import STATE_DIR
+from fuzzer.repro_spec import Judge, ReproSpec
 from fuzzer.support import dsv4_runtime as runtime
 from fuzzer.support.flashmla_runtime import _try_import, define_missing_c_queries
 from fuzzer.support.interp.corrections import CORRECTIONS, install_corrections
 from fuzzer.support.standins.cpu_shims import install_cpu_shims
 from fuzzer.targets.base import Target
+from fuzzer.targets.harness import REPRO_CPU_PREPARE, REPRO_CPU_SUPPORT
 from fuzzer.targets.probes import observe_paths
-from oracles.dsv4 import judge_dsv4
+from oracles.dsv4 import c128a_visible, expected_metadata, judge_dsv4, reference_for
 from strategies.dsv4_batches import Dsv4Features, dsv4_space
 from strategies.dsv4_tensors import (
     TOPK_POISON,
@@ -37,14 +42,6 @@ from strategies.dsv4_tensors import (
 
 WRITER = ("cache writes: attnfuzz's torch writer of the 584-byte record (byte-equal to vLLM's Triton "
           "quantize_and_insert_k_cache) in place of the layer's fused insert and the compressor")
-# The builders' persistent buffers whose rows a step owns only through the views its metadata holds: a write
-# outside them is a metadata kernel running past its rows (the C128A fix in sparse_mla.py, class N).
-GUARDED = {"swa": (("decode_swa_indices", "decode_swa_indices"), ("prefill_swa_indices", "prefill_swa_indices"),
-                   ("prefill_swa_lens", "prefill_swa_lens")),
-           "compressed": (("c128a_global_decode_buffer", "c128a_global_decode_topk_indices"),
-                          ("c128a_decode_lens_buffer", "c128a_decode_topk_lens"),
-                          ("c128a_prefill_buffer", "c128a_prefill_topk_indices"))}
-BUFFER_POISON = 2**30 - 1
 
 
 class Dsv4FlashMLA(Target):
@@ -85,24 +82,37 @@ class Dsv4FlashMLA(Target):
     def cases(self, profile):
         return dsv4_space(profile, Dsv4Features())
 
+    def step(self, case, dev: str) -> SimpleNamespace:
+        """The step's tensors on this device, as the model leaves them before its attention call: the inputs, both
+        raw caches as written (None: no compressed cache at ratio 1), the indexer's top-k buffer (rows past the step
+        poisoned), each KV-cache group's slots of the step's tokens."""
+        d = case.dsv4
+        inputs = materialize_dsv4_inputs(case, dev)
+        comp_raw = compressed_pages(case, inputs, num_blocks(d.compressed_block_table), dev) if d.compress_ratio > 1 \
+            else None
+        topk_buffer = torch.full((case.num_actual_tokens + 16, case.topk_width), TOPK_POISON, dtype=torch.int32,
+                                 device=dev)
+        topk_buffer[: case.num_actual_tokens] = inputs.topk_indices
+        return SimpleNamespace(inputs=inputs, swa_raw=swa_pages(case, inputs, num_blocks(case.block_table), dev),
+                               comp_raw=comp_raw, topk_buffer=topk_buffer, swa_slots=inputs.slot_mapping,
+                               compressed_slots=None if comp_raw is None else _compressed_token_slots(inputs))
+
     def run(self, case):
         from vllm.config import set_current_vllm_config  # deferred: vLLM loads after fuzzer.env prepares the process
         from vllm.forward_context import set_forward_context
 
         dev, d = self.device, case.dsv4
-        inputs = materialize_dsv4_inputs(case, dev)
+        s = self.step(case, dev)
+        inputs, swa_raw, comp_raw = s.inputs, s.swa_raw, s.comp_raw
         cfg = runtime.configure(self.cfg, window_size=d.window_size, index_topk=case.topk_width,
                                 num_speculative_tokens=d.num_speculative_tokens,
-                                max_num_batched_tokens=case.num_actual_tokens + 16, max_model_len=d.max_model_len)
+                                max_num_batched_tokens=s.topk_buffer.shape[0], max_model_len=d.max_model_len)
         layer_cls = _try_import(runtime.FLASHMLA_LAYER_MODULE).DeepseekV4FlashMLAAttention
-        swa_raw = swa_pages(case, inputs, num_blocks(case.block_table), dev)
-        comp_raw = None
-        if d.compress_ratio > 1:
-            comp_raw = compressed_pages(case, inputs, num_blocks(d.compressed_block_table), dev)
-        topk_buffer = torch.full((cfg.scheduler_config.max_num_batched_tokens, case.topk_width), TOPK_POISON,
-                                 dtype=torch.int32, device=dev)
-        topk_buffer[: case.num_actual_tokens] = inputs.topk_indices
         notes: dict = {"shims": tuple(self.shims)}
+
+        def common(table, slots):
+            return runtime.common_metadata(inputs.query_start_loc, inputs.seq_lens, table, slots, inputs.positions,
+                                           case.num_actual_tokens)
 
         def call():
             outputs: dict = {}
@@ -118,30 +128,27 @@ class Dsv4FlashMLA(Target):
                 kv_cache = runtime.paged(comp_raw, d.entries_per_block)
             heads = layer_cls.get_padded_num_q_heads(case.heads)  # vLLM's padding of the layer's q heads
             assert heads == inputs.q.shape[1], (heads, inputs.q.shape)
-            layer = runtime.attention_layer(cfg, d.compress_ratio, swa_layer, kv_cache, topk_buffer,
+            layer = runtime.attention_layer(cfg, d.compress_ratio, swa_layer, kv_cache, s.topk_buffer,
                                             inputs.attn_sink.clone())
             with set_current_vllm_config(cfg), torch.inference_mode():
                 swa_builder = layer_cls.swa_backend_cls.get_builder_cls()(swa_spec, [swa_layer.prefix], cfg,
                                                                           torch.device(dev))
-                builders = {"swa": swa_builder}
-                metadata = {swa_layer.prefix: None}
-                if d.compress_ratio > 1:
-                    builders["compressed"] = layer_cls.backend_cls.get_builder_cls()(spec, [runtime.LAYER], cfg,
-                                                                                     torch.device(dev))
-                poisoned = {k: _poison(b, GUARDED[k]) for k, b in builders.items()}
-                metadata[swa_layer.prefix] = swa_md = swa_builder.build(0, _common_metadata(case, inputs, "swa", dev))
-                if "compressed" in builders:
-                    metadata[runtime.LAYER] = builders["compressed"].build(0, _common_metadata(case, inputs,
-                                                                                               "compressed", dev))
-                overruns = [m for k, b in builders.items()
-                            for m in _overruns(b, metadata[runtime.LAYER if k == "compressed" else swa_layer.prefix],
-                                               GUARDED[k], poisoned[k])]
+                check = runtime.guard_buffers(swa_builder)
+                metadata = {swa_layer.prefix: swa_builder.build(0, common(inputs.block_table, s.swa_slots))}
+                overruns = check(metadata[swa_layer.prefix])
+                if comp_raw is not None:
+                    builder = layer_cls.backend_cls.get_builder_cls()(spec, [runtime.LAYER], cfg, torch.device(dev))
+                    check = runtime.guard_buffers(builder)
+                    metadata[runtime.LAYER] = builder.build(0, common(inputs.compressed_block_table,
+                                                                      s.compressed_slots))
+                    overruns += check(metadata[runtime.LAYER])
                 if overruns:
                     notes["buffer_overrun"] = overruns
-                outputs.update(_metadata_outputs(swa_md, metadata.get(runtime.LAYER)))
+                outputs.update({f"md.{k}": v for k, v in runtime.metadata_outputs(metadata[swa_layer.prefix],
+                                                                                 metadata.get(runtime.LAYER)).items()})
                 before = [swa_raw.clone(), None if comp_raw is None else comp_raw.clone()]
                 out = torch.full_like(inputs.q, float("nan"))
-                with set_forward_context({k: v for k, v in metadata.items() if v is not None}, cfg):
+                with set_forward_context(metadata, cfg):
                     layer.forward_mqa(inputs.q, None, inputs.positions, out)
             changed = [f"{name} cache: {int((after != was).any(dim=1).sum())} of {len(was)} pages"
                        for name, after, was in (("SWA", swa_raw, before[0]), ("compressed", comp_raw, before[1]))
@@ -156,76 +163,105 @@ class Dsv4FlashMLA(Target):
         obs.emulated = self.emulated
         return obs
 
-    def repro_spec(self, finding):
-        return None  # not yet: a finding keeps its case.json, which `attnfuzz replay` re-runs
+    def repro_spec(self, finding) -> ReproSpec:
+        """The step as the finding ran it (its values are drawn on its device): both caches' bytes as written before
+        attention, q, the indexer's top-k buffer, the sink, each KV-cache group's metadata inputs; the calls the
+        target makes on it (vLLM's two builders, then forward_mqa on the layer dsv4_runtime makes); judged against
+        the fp64 reference, each metadata tensor's definition, the builders' guarded buffers, the caches unchanged."""
+        case, dev = finding.case, finding.host.device
+        cpu, d = dev == "cpu", case.dsv4
+        s = self.step(case, dev)
+        compressed = s.comp_raw is not None
+        expected, atol, rtol, _ = reference_for(case, s.swa_raw, s.comp_raw, dev)
+        inputs = s.inputs
+        tensors = dict(q=inputs.q, positions=inputs.positions, query_start_loc=inputs.query_start_loc,
+                       seq_lens=inputs.seq_lens, attn_sink=inputs.attn_sink, topk_indices_buffer=s.topk_buffer,
+                       swa_pages=s.swa_raw, **{"swa.block_table": inputs.block_table, "swa.slot_mapping": s.swa_slots},
+                       expected_out=expected[: case.num_tokens])
+        if compressed:
+            tensors.update({"compressed_pages": s.comp_raw, "compressed.block_table": inputs.compressed_block_table,
+                            "compressed.slot_mapping": s.compressed_slots})
+        # The C128A rows at the least width the definition allows; the judge pads them to the width vLLM chose.
+        width = max(c128a_visible(case), 1) if d.compress_ratio == 128 else None
+        tensors.update({f"expected_md.{k}": v for k, v in expected_metadata(case, width).items()})
+        return ReproSpec(
+            about=f"Shrunk case: {case.summary()}; values {case.values}.\n"
+                  "Inputs in tensors.safetensors beside this file: both caches' bytes as the model leaves them\n"
+                  "before attention (written by attnfuzz's torch writer, byte-equal to vLLM's\n"
+                  "quantize_and_insert_k_cache), q, the indexer's top-k buffer, the builders' inputs; the expected\n"
+                  "output (attnfuzz's fp64 reference) and each metadata tensor as its definition gives it.",
+            imports=("import tempfile",),
+            constants=dict(COMPRESS_RATIO=d.compress_ratio, WINDOW_SIZE=d.window_size, INDEX_TOPK=case.topk_width,
+                           MTP_TOKENS=d.num_speculative_tokens, MAX_MODEL_LEN=d.max_model_len,
+                           SWA_BLOCK_SIZE=case.block_size, ENTRIES_PER_BLOCK=d.entries_per_block,
+                           NUM_TOKENS=case.num_actual_tokens, ATOL=atol, RTOL=rtol),
+            tensors=tensors,
+            support={"runtime": "fuzzer.support.dsv4_runtime", **(REPRO_CPU_SUPPORT if cpu else {})},
+            prepare=(_REPRO_CPU_PREPARE if cpu else "") + _REPRO_STANDINS,
+            setup=_REPRO_SETUP,
+            call=_REPRO_CALL.format(kv_cache=_REPRO_KV_CACHE[compressed]) + (_REPRO_COMPRESSED if compressed else "")
+            + _REPRO_FORWARD,
+            judge=Judge("dsv4", dict(out="out", expected='T["expected_out"]', metadata="md",
+                                     expected_metadata="expected_md", caches="[swa_pages, compressed_pages]",
+                                     before="before", atol="ATOL", rtol="RTOL")),
+            report='print("stand-ins for ops this host lacks:", ", ".join(emulated) or "none")\n',
+            bounds_checked=cpu)
 
 
-def _common_metadata(case, inputs, group: str, dev: str):
-    """The runner's CommonAttentionMetadata for one KV-cache group of the step: the SWA cache's (its block table and
-    slots) or the compressed K cache's (its table of 256-token blocks and the tokens' slots in it)."""
-    from vllm.v1.attention.backend import CommonAttentionMetadata  # deferred: vLLM loads after fuzzer.env
-
-    if group == "swa":
-        table, slots = inputs.block_table, inputs.slot_mapping
-    else:
-        table = inputs.compressed_block_table
-        real = inputs.token_request >= 0
-        rows = table[inputs.token_request.clamp(min=0)].long()
-        pos = inputs.positions
-        blocks = rows.gather(1, (pos // runtime.BLOCK_SIZE)[:, None].clamp(max=table.shape[1] - 1)).flatten()
-        slots = torch.where(real, blocks * runtime.BLOCK_SIZE + pos % runtime.BLOCK_SIZE, -1)
-    seq_lens = inputs.seq_lens
-    return CommonAttentionMetadata(
-        query_start_loc=inputs.query_start_loc.clone(), query_start_loc_cpu=inputs.query_start_loc.cpu(),
-        seq_lens=seq_lens.clone(), num_reqs=len(case.requests), num_actual_tokens=case.num_actual_tokens,
-        max_query_len=max(r.query_len for r in case.requests), max_seq_len=max(r.seq_len for r in case.requests),
-        block_table_tensor=table.clone(), slot_mapping=slots.to(dev), positions=inputs.positions.clone(),
-        seq_lens_cpu_upper_bound=seq_lens.cpu())
+def _compressed_token_slots(inputs) -> torch.Tensor:
+    """The step's tokens' slots in the compressed K cache's group (its table of 256-token blocks), as the runner
+    gives them to the builder, which maps them to compressed entries' slots; -1 for padding tokens."""
+    table, real, pos = inputs.compressed_block_table, inputs.token_request >= 0, inputs.positions
+    rows = table[inputs.token_request.clamp(min=0)].long()
+    blocks = rows.gather(1, (pos // runtime.BLOCK_SIZE)[:, None].clamp(max=table.shape[1] - 1)).flatten()
+    return torch.where(real, blocks * runtime.BLOCK_SIZE + pos % runtime.BLOCK_SIZE, -1)
 
 
-def _metadata_outputs(swa_md, md) -> dict:
-    """What the builders made that the oracle checks against its definition (outputs "md.<name>")."""
-    out = {"md.split": torch.tensor([swa_md.num_decodes, swa_md.num_prefills, swa_md.num_decode_tokens,
-                                     swa_md.num_prefill_tokens]),
-           "md.token_to_req_indices": swa_md.token_to_req_indices, "md.is_valid_token": swa_md.is_valid_token,
-           "md.decode_swa_indices": swa_md.decode_swa_indices if swa_md.num_decode_tokens else None,
-           "md.decode_swa_lens": swa_md.decode_swa_lens if swa_md.num_decode_tokens else None,
-           "md.prefill_swa_indices": swa_md.prefill_swa_indices, "md.prefill_swa_lens": swa_md.prefill_swa_lens,
-           "md.prefill_gather_lens": swa_md.prefill_gather_lens}
-    if md is not None:
-        out.update({"md.compressed_slot_mapping": md.slot_mapping,
-                    "md.c128a_decode_indices": md.c128a_global_decode_topk_indices,
-                    "md.c128a_decode_lens": md.c128a_decode_topk_lens,
-                    "md.c128a_prefill_indices": md.c128a_prefill_topk_indices})
-    return {k: v.clone() for k, v in out.items() if v is not None}
+_REPRO_CPU_PREPARE = REPRO_CPU_PREPARE + "runtime.cpu_shims()  # the workspace manager: no accelerator cache to empty\n"
+_REPRO_STANDINS = "emulated = runtime.install_standins(DEVICE)  # FlashMLA's kernels, where this host lacks them\n"
+_REPRO_SETUP = f"""\
+from vllm.config import set_current_vllm_config
+from vllm.forward_context import set_forward_context
+from {runtime.FLASHMLA_LAYER_MODULE} import DeepseekV4FlashMLAAttention as Layer
 
+cfg = runtime.configure(runtime.dsv4_config(DEVICE, tempfile.mkdtemp()), window_size=WINDOW_SIZE,
+                        index_topk=INDEX_TOPK, num_speculative_tokens=MTP_TOKENS,
+                        max_num_batched_tokens=T["topk_indices_buffer"].shape[0], max_model_len=MAX_MODEL_LEN)
+swa_pages, compressed_pages = T["swa_pages"], T.get("compressed_pages")  # raw pages of 584-byte records
+before = [swa_pages.clone(), None if compressed_pages is None else compressed_pages.clone()]
+expected_md = {{name.split(".", 1)[1]: t for name, t in T.items() if name.startswith("expected_md.")}}
 
-def _poison(builder, guarded) -> dict:
-    """Fill the builder's guarded buffers (those it has) with BUFFER_POISON; returns them by name."""
-    buffers = {name: getattr(builder, name) for name, _ in guarded if getattr(builder, name, None) is not None}
-    for buffer in buffers.values():
-        buffer.fill_(BUFFER_POISON)
-    return buffers
-
-
-def _overruns(builder, metadata, guarded, buffers) -> list[str]:
-    """Elements of each guarded buffer written outside the view the step's metadata holds of it."""
-    found = []
-    for name, field in guarded:
-        buffer = buffers.get(name)
-        if buffer is None:
-            continue
-        allowed = torch.zeros(buffer.numel(), dtype=torch.bool, device=buffer.device)
-        view = getattr(metadata, field, None)
-        if view is not None and view.numel() and view.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr():
-            index = torch.arange(buffer.numel(), device=buffer.device)
-            allowed[torch.as_strided(index, view.shape, view.stride(),
-                                     view.storage_offset() - buffer.storage_offset()).flatten()] = True
-        written = (buffer.flatten() != BUFFER_POISON) & ~allowed
-        if written.any():
-            where = written.nonzero().flatten()
-            row = buffer.stride(0) if buffer.dim() > 1 else 1
-            found.append(f"{name}: {int(written.sum())} elements outside the step's view "
-                         f"{tuple(view.shape) if view is not None else '(none)'} written (rows "
-                         f"{int(where[0]) // row}..{int(where[-1]) // row} of {buffer.shape[0]})")
-    return found
+def common(group):  # the runner's CommonAttentionMetadata of a KV-cache group: "swa" or "compressed"
+    return runtime.common_metadata(T["query_start_loc"], T["seq_lens"], T[group + ".block_table"],
+                                   T[group + ".slot_mapping"], T["positions"], NUM_TOKENS)
+"""
+_REPRO_CALL = """\
+swa_layer = runtime.swa_cache_layer(cfg, WINDOW_SIZE, SWA_BLOCK_SIZE)  # vLLM's DeepseekV4SWACache
+swa_layer.kv_cache = runtime.paged(swa_pages, SWA_BLOCK_SIZE)
+kv_cache = {kv_cache}
+# DeepseekV4FlashMLAAttention made without its __init__ (it needs a TP group, linears,
+# CUDA events and DeepGEMM), with the attributes forward_mqa reads, set as __init__ sets them
+layer = runtime.attention_layer(cfg, COMPRESS_RATIO, swa_layer, kv_cache, T["topk_indices_buffer"],
+                                T["attn_sink"])
+with set_current_vllm_config(cfg), torch.inference_mode():
+    swa_spec = swa_layer.get_kv_cache_spec(cfg)
+    swa_builder = Layer.swa_backend_cls.get_builder_cls()(swa_spec, [swa_layer.prefix], cfg, torch.device(DEVICE))
+    check = runtime.guard_buffers(swa_builder)  # its persistent buffers poisoned: stray writes show
+    metadata = {{swa_layer.prefix: swa_builder.build(0, common("swa"))}}
+    found += check(metadata[swa_layer.prefix])
+"""
+_REPRO_KV_CACHE = {True: "runtime.paged(compressed_pages, ENTRIES_PER_BLOCK)  # the compressed K cache",
+                   False: "None  # a sliding-window layer has no compressed K cache"}
+_REPRO_COMPRESSED = """\
+    spec = runtime.compressed_spec(COMPRESS_RATIO)
+    builder = Layer.backend_cls.get_builder_cls()(spec, [runtime.LAYER], cfg, torch.device(DEVICE))
+    check = runtime.guard_buffers(builder)
+    metadata[runtime.LAYER] = builder.build(0, common("compressed"))
+    found += check(metadata[runtime.LAYER])
+"""
+_REPRO_FORWARD = """\
+    md = runtime.metadata_outputs(metadata[swa_layer.prefix], metadata.get(runtime.LAYER))
+    out = torch.full_like(T["q"], float("nan"))
+    with set_forward_context(metadata, cfg):
+        layer.forward_mqa(T["q"], None, T["positions"], out)
+"""

@@ -28,7 +28,8 @@ def outputs(c: Case) -> dict:
 
 
 def reference(c: Case):
-    records, verdicts = oracle._records(c, outputs(c), "cpu")
+    pages = outputs(c)
+    records, verdicts = oracle._records(c, pages["swa_pages"], pages.get("compressed_pages"), "cpu")
     assert not verdicts
     return oracle.reference(c, records)[0], materialize_dsv4_inputs(c)
 

@@ -174,3 +174,26 @@ def test_a_one_token_flashmla_reproducer_is_short_and_reads_as_vllm_calls():
     assert "'fuzzer.support.dcp_group'" not in files[SUPPORT_FILE]
     # The committed reproducer is this rendering (but for the id it was saved under).
     assert (d / "repro.py").read_text() == script.replace(finding.id, meta["id"])
+
+
+def test_the_dsv4_judge_takes_c128a_rows_at_the_width_vllm_chose_and_names_what_differs():
+    import torch
+
+    from fuzzer.artifacts.repro_judges import judge_dsv4
+
+    rows = torch.tensor([[[5, -1]], [[5, 6]]])  # the definition at its least width
+    want = {"split": torch.tensor([2, 0, 2, 0]), "c128a_decode_indices": rows}
+    got = {"split": want["split"].clone(), "c128a_decode_indices": torch.nn.functional.pad(rows, (0, 126), value=-1)}
+    expected, cache = torch.zeros(2, 3, 4), torch.zeros(2, 5, dtype=torch.uint8)
+    out = torch.full((3, 16, 4), float("nan"))  # a padding token's row, padded heads: left as they were
+    out[:2, :3] = 0
+    assert judge_dsv4(out, expected, got, want, [cache, None], [cache.clone(), None], 0.01, 0.01) == []
+    got["c128a_decode_indices"][1, 0, 1] = 7
+    out[2, 0, 0], changed = 1.0, cache.clone()
+    changed[1, 2] = 1
+    problems = judge_dsv4(out, expected, got, want, [changed, None], [cache, None], 0.01, 0.01)
+    assert [p.split(":")[0] for p in problems] == ["metadata c128a_decode_indices",
+                                                   "padding token 2 (slot -1, no request) got output",
+                                                   "the SWA cache changed during attention"], problems
+    got["c128a_decode_indices"] = rows  # as narrow as the definition: not a width the kernels take
+    assert "multiple of 128" in judge_dsv4(out[:2], expected, got, want, [cache], [cache], 0.01, 0.01)[0]

@@ -1,6 +1,6 @@
 """The `vllm.dsv4.flashmla` target on CPU: vLLM's DeepSeek-V4 builders and DeepseekV4FlashMLAAttention.forward_mqa
 (decode and prefill routes, compress ratios 1, 4, 128) with FlashMLA stand-ins, judged by oracles/dsv4.py; a short
-clean campaign through the CLI."""
+clean campaign through the CLI; a finding's reproducer."""
 
 import functools
 import json
@@ -69,3 +69,52 @@ def test_a_short_clean_campaign(tmp_path):
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     summary = json.loads((tmp_path / "run.json").read_text())
     assert summary["examples"] == 4 and not summary["findings"]
+
+
+# Runs a reproducer's main() twice in one process (one vLLM import): first as if fixed (its injected bug left out),
+# then as saved; the bug's patch stays in vLLM for the rest of the process, hence that order.
+TWICE = """
+import runpy, sys
+sys.path.insert(0, sys.argv[1])
+print("EXIT", [runpy.run_path(f"{sys.argv[1]}/{name}")["main"]() for name in ("fixed.py", "repro.py")])
+"""
+
+
+def test_a_mutant_finding_gets_a_reproducer_that_shows_it_and_passes_without_it(tmp_path):
+    """The finding of dsv4-compressed-slot-partial-state on the step its test makes (built here, not searched): its
+    repro.py (torch + vLLM only, the support code beside it) exits 1 naming the compressed slot mapping, and 0 with
+    the injected bug left out; `replay --standalone`'s single file inlines the support code."""
+    import subprocess
+    import sys
+
+    from fuzzer.artifacts.repro import SUPPORT_FILE, write_repro, write_standalone
+    from fuzzer.env import host_info
+    from fuzzer.observation import Observation
+    from fuzzer.records import Finding
+    from fuzzer.targets.dsv4_flashmla import Dsv4FlashMLA
+    from oracles.verdict import Verdict
+
+    t = Dsv4FlashMLA("cpu")
+    if t.unavailable():
+        pytest.skip(t.unavailable())
+    case = Case(requests=(Request(3, 0),), num_decodes=0, block_size=64, block_table=((1,),), topk_width=128, topk=(),
+                kv_cache_dtype="fp8_ds_mla", seed=4,
+                dsv4=Dsv4(compress_ratio=4, window_size=32, compressed_block_table=((1,),))).validate()
+    verdict = Verdict("metadata", False, "compressed_slot_mapping: 1 of 3 rows differ from the definition; row 2 [0] "
+                                         "is 64, expected -1", "N", where="metadata:compressed_slot_mapping")
+    finding = Finding(t.name, verdict.signature, case, [verdict], Observation(t.name, "cpu"), host_info("cpu"),
+                      "dsv4-compressed-slot-partial-state", 1, 1.0)
+    d = write_repro(finding, t, tmp_path / "repros")
+    script = (d / "repro.py").read_text()
+    assert (d / SUPPORT_FILE).is_file() and (d / "tensors.safetensors").is_file() and "def apply(" in script
+    assert "swa_builder.build(0, " in script and "builder.build(0, " in script and "layer.forward_mqa(" in script
+    assert not [ln for ln in script.splitlines()
+                if ln.strip().startswith(("import fuzzer", "from fuzzer", "from oracles"))]
+    (d / "fixed.py").write_text(script.replace("apply()  # the injected bug", "pass  # no injected bug"))
+    run = subprocess.run([sys.executable, "-c", TWICE, str(d)], cwd=d, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "EXIT [0, 1]" in run.stdout, run.stdout + run.stderr[-3000:]
+    assert "no bug: fixed" in run.stdout and "BUG: metadata compressed_slot_mapping" in run.stdout, run.stdout
+    assert "stand-ins for ops this host lacks: flash_mla_with_kvcache" in run.stdout
+    standalone = write_standalone(finding, t, tmp_path / "standalone").read_text()
+    assert "SUPPORT = {" in standalone and "def judge_dsv4(" in standalone and "def apply(" in standalone
+    compile(standalone, "repro.py", "exec")
