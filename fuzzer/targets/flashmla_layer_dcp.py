@@ -19,6 +19,7 @@ import importlib
 
 import torch
 
+from fuzzer.repro_spec import Judge, ReproSpec
 from fuzzer.support import flashmla_runtime
 from fuzzer.support.flashmla_runtime import (
     BACKEND_MODULE,
@@ -29,7 +30,10 @@ from fuzzer.support.flashmla_runtime import (
 )
 from fuzzer.targets.flashmla_dcp import DcpStep, FlashMLASparseDcp, RankResult, run_emulated_ranks
 from fuzzer.targets.flashmla_layer import FlashMLASparseLayer
+from fuzzer.targets.flashmla_sparse import REPRO_CONFIG, REPRO_SETUP_ANY, repro_backend
+from fuzzer.targets.harness import REPRO_CPU_PREPARE, REPRO_CPU_SUPPORT, REPRO_METADATA, repro_case, repro_constants, repro_step, step_tensors
 from fuzzer.targets.guards import Guards
+from oracles.attention_judge import judge_fp8_ds_mla_entries, layer_reference_for, layer_tolerance
 from oracles.dcp import judge_layer_dcp, rank_slot_mapping, rank_slots, undivided
 from strategies.batches import AttentionFeatures, attention_space
 from strategies.tensors import QK_NOPE, V_HEAD, materialize_layer_inputs
@@ -49,7 +53,7 @@ class FlashMLASparseLayerDcp(FlashMLASparseLayer):
     def prepare(self) -> None:
         import os
 
-        for name in ("VLLM_USE_DIRECT_DCP_Q_GATHER", "VLLM_USE_DIRECT_DCP_KV_GATHER", "VLLM_USE_DIRECT_DCP_A2A"):
+        for name in DIRECT_DCP_ENV:
             os.environ.setdefault(name, "0")  # no symmetric memory over emulated ranks (CUDA would probe for it)
         super().prepare()
         self.real_parts = (*self.real_parts, "MLADCPManager (query gather, LSE combine, context gather)")
@@ -66,8 +70,96 @@ class FlashMLASparseLayerDcp(FlashMLASparseLayer):
         obs.notes.update(route=step.route, layer_routes=self.routes)
         return obs
 
-    def repro_spec(self, finding):
-        return None  # the campaign keeps the finding (case.json, finding.json); no standalone script yet
+    def repro_spec(self, finding) -> ReproSpec:
+        """Every rank of the step in one process, as `run` emulates them: each rank's fp8_ds_mla cache as its
+        writer left it (its own tokens), its MLAAttention (its heads of q and its rows of kv_b_proj) and builder,
+        `forward_impl` over attnfuzz's in-process DCP group. Judged: the ranks' heads, in rank order, against the
+        layer's fp32 reference over the undivided context."""
+        case, dev = finding.case, finding.host.device
+        cpu = dev == "cpu"
+        whole = undivided(case)
+        layer_inputs = materialize_layer_inputs(whole, dev)
+        inp, slots, topk_buffer = step_tensors(whole, dev, layer_inputs.attention)
+        write, _ = self.writer(case)
+        cache_u = self.cache(whole, dev)  # the undivided slots' entries: what the oracle reads
+        write(inp.kv_c[slots], inp.k_pe[slots], cache_u, slots)
+        tensors = repro_step(whole, inp.index, None, topk_buffer, dev)
+        for r in range(case.dcp.size):  # each rank's cache as its writer left it, and its slot mapping
+            cache = self.cache(case, dev)
+            write(inp.kv_c[slots], inp.k_pe[slots], cache, rank_slot_mapping(case, slots, r))
+            width = cache.shape[-1]
+            tensors[f"kv_cache_rows.rank{r}"] = cache.as_strided((case.num_blocks * case.stride_rows, width), (width, 1))
+            tensors[f"slot_mapping.rank{r}"] = rank_slot_mapping(case, tensors["slot_mapping"], r)
+        slot_values, _ = judge_fp8_ds_mla_entries(whole, inp, slots, cache_u[slots // whole.block_size,
+                                                                            slots % whole.block_size])
+        mha_tokens = int(finding.observation.notes.get("route", {}).get("mha_tokens", 0))
+        expected, _ = layer_reference_for(whole, layer_inputs, dev, slot_values, mha_tokens)
+        atol, rtol = layer_tolerance(whole, layer_inputs)
+        new = [inp.slot_of[i][req.context_len:] for i, req in enumerate(whole.requests)]  # the step's own tokens
+        new_slots = (torch.cat(new) if new else torch.zeros(0, dtype=torch.int64)).to(dev)
+        tensors.update(q=layer_inputs.q, kv_b_weight=layer_inputs.kv_b_weight, kv_c_normed=inp.kv_c[new_slots],
+                       k_pe=inp.k_pe[new_slots].unsqueeze(1), expected_out=expected)
+        return ReproSpec(
+            about=f"Shrunk case: {case.summary()}; {case.heads} heads per rank, fp8_ds_mla, values {case.values}.\n"
+                  "Inputs in tensors.safetensors beside this file; the expected output is attnfuzz's fp32 oracle of "
+                  "the layer (after W_UV) over the undivided context.",
+            imports=("import dataclasses", "import os", "import tempfile", "from types import SimpleNamespace"),
+            constants=dict(DCP_SIZE=case.dcp.size, INTERLEAVE=case.dcp.interleave, HEADS=case.heads,
+                           **repro_constants(case), ATOL=atol, RTOL=rtol, LSE_TOL=0.0),
+            tensors=tensors,
+            support={"runtime": "fuzzer.support.flashmla_runtime", "dcp": "fuzzer.support.dcp_group",
+                     **(REPRO_CPU_SUPPORT if cpu else {})},
+            prepare=_REPRO_ENV + (REPRO_CPU_PREPARE + "runtime.cpu_shims()  # no streams on a CPU\n" if cpu else "")
+            + repro_backend(self, layer=True),
+            setup=REPRO_SETUP_ANY.replace("from vllm.v1.kv_cache", "from vllm.v1.attention.backends.utils import "
+                                          "get_dcp_local_seq_lens\nfrom vllm.v1.kv_cache")
+            + repro_case(case, "SimpleNamespace(size=DCP_SIZE, interleave=INTERLEAVE)") + REPRO_CONFIG
+            + REPRO_METADATA + _REPRO_RANK_STEP,
+            call=_REPRO_CALL,
+            judge=Judge("dcp", dict(out="out", expected='T["expected_out"]', lses="{}", expected_lses="{}",
+                                    heads="HEADS", atol="ATOL", rtol="RTOL", lse_tol="LSE_TOL")),
+            report='print(f"DCP {DCP_SIZE} ranks emulated in one process, interleave {INTERLEAVE} | rank 0\'s routes:", '
+                   'route, "| stand-ins for ops this host lacks:", ", ".join(emulated) or "none")\n',
+            bounds_checked=cpu)
+
+
+DIRECT_DCP_ENV = ("VLLM_USE_DIRECT_DCP_Q_GATHER", "VLLM_USE_DIRECT_DCP_KV_GATHER", "VLLM_USE_DIRECT_DCP_A2A")
+_REPRO_ENV = "".join(f'os.environ.setdefault("{name}", "0")  # the emulated ranks share no symmetric memory\n'
+                     for name in DIRECT_DCP_ENV)
+_REPRO_RANK_STEP = """\
+route = {}
+
+
+def rank_step(r):
+    \"\"\"Rank r's step, as the model runs the layer under DCP: MLAAttention.forward_impl on its heads of q.\"\"\"
+    width = T[f"kv_cache_rows.rank{r}"].shape[-1]
+    cache = T[f"kv_cache_rows.rank{r}"].as_strided((NUM_BLOCKS, BLOCK_SIZE, width),
+                                                     (BLOCK_STRIDE_ROWS * width, width, 1))
+    rows = slice(r * HEADS * 256, (r + 1) * HEADS * 256)  # this rank's kv_b_proj rows (128 nope + 128 v a head)
+    with set_current_vllm_config(cfg), torch.inference_mode():
+        layer = runtime.mla_layer(cfg, HEADS, T["kv_b_weight"][rows], T["topk_indices_buffer"].clone(), DEVICE,
+                                  backend=Backend)  # it makes its MLADCPManager on this rank's DCP group
+        builder = Backend.get_builder_cls()(spec, [runtime.LAYER], cfg, torch.device(DEVICE))
+        manager = layer.dcp_manager  # the builder gave it its context-gather collective (init_kv_gather)
+        if getattr(manager, "_kv_gather", None) is not None:  # on the group's device_group, which the emulated one lacks
+            manager._kv_gather = manager.group.all_gather_into_tensor
+        local = get_dcp_local_seq_lens(cam.seq_lens, DCP_SIZE, r, INTERLEAVE)
+        extra = {k: v for k, v in dict(dcp_local_seq_lens=local, dcp_local_seq_lens_cpu_upper_bound=local.cpu()).items()
+                 if k in fields}
+        metadata = builder.build(0, dataclasses.replace(cam, slot_mapping=T[f"slot_mapping.rank{r}"], **extra))
+        if r == 0:
+            runtime.record_routes(layer.impl, route)
+        out = torch.full((T["q"].shape[0], HEADS * 128), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        # Decode tokens go to forward_mqa, short prefills to dense MHA with the DCP context gather.
+        layer.forward_impl(T["q"][:, r * HEADS:(r + 1) * HEADS].contiguous(), T["kv_c_normed"], T["k_pe"], cache,
+                           metadata, out)
+        return out
+"""
+_REPRO_CALL = """\
+ranks = dcp.LockstepRanks(DCP_SIZE)
+with dcp.installed_dcp_group(dcp.EmulatedDcpGroup(ranks)):
+    out = torch.cat(ranks.run(rank_step), dim=1).unflatten(1, (-1, 128))  # every rank's heads, in rank order
+"""
 
 
 class LayerDcpStep(DcpStep):

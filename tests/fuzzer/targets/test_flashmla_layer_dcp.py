@@ -44,3 +44,43 @@ def test_the_production_route_is_right_under_dcp(size, interleave, heads):
     assert {"mha.chunked_context.dcp", "dcp.filter", "mqa"} <= set(obs.notes["paths"])  # the DCP context gather ran
     assert obs.notes["route"]["mha_tokens"] == 10 and obs.notes["route"]["chunked_context"]
     assert any("DCP collectives" in e for e in obs.emulated)
+
+
+# Runs a reproducer's main() twice in one process (one vLLM import): first as if fixed (its injected bug left out),
+# then as saved; the bug's patch stays in vLLM for the rest of the process, hence that order.
+TWICE = """
+import runpy, sys
+sys.path.insert(0, sys.argv[1])
+print("EXIT", [runpy.run_path(f"{sys.argv[1]}/{name}")["main"]() for name in ("fixed.py", "repro.py")])
+"""
+
+
+def test_a_finding_gets_a_reproducer_that_emulates_the_ranks_and_shows_it(tmp_path):
+    """dcp-empty-shard-lse-zero on a step built here (not searched): a decode whose only position is on rank 0, a
+    decode with context on both ranks, a short prefill with cached context (dense MHA, the DCP context gather).
+    repro.py (torch + vLLM only, the support code beside it) runs every rank's layer over the in-process DCP
+    group, exits 1 on the merged output, and 0 with the injected bug left out."""
+    import subprocess
+    import sys
+
+    from fuzzer.artifacts.repro import SUPPORT_FILE, write_repro
+    from fuzzer.env import host_info
+    from fuzzer.observation import Observation
+    from fuzzer.records import Finding
+    from oracles.verdict import Verdict
+
+    t = target()
+    case = Case((Request(1, 0), Request(1, 40), Request(6, 70)), 2, 64, ((1,), (2,), (3,)), 128,
+                (TopkSpec(1), TopkSpec(128, "scattered"), TopkSpec(128)), heads=16, kv_cache_dtype="fp8_ds_mla",
+                dcp=Dcp(2, 0, 1), seed=5).validate()
+    verdict = Verdict("output", False, "output off by 3.1x the tolerance at token 0", "G", where="output")
+    obs = Observation(t.name, "cpu", notes={"route": {"mqa_tokens": 2, "mha_tokens": 6}})
+    finding = Finding(t.name, verdict.signature, case, [verdict], obs, host_info("cpu"), "dcp-empty-shard-lse-zero", 1, 1.0)
+    d = write_repro(finding, t, tmp_path / "repros")
+    script = (d / "repro.py").read_text()
+    assert (d / SUPPORT_FILE).is_file() and "layer.forward_impl(" in script and "dcp.LockstepRanks(DCP_SIZE)" in script
+    assert not [ln for ln in script.splitlines() if ln.strip().startswith(("import fuzzer", "from fuzzer", "from oracles"))]
+    (d / "fixed.py").write_text(script.replace("apply()  # the injected bug", "pass  # no injected bug"))
+    run = subprocess.run([sys.executable, "-c", TWICE, str(d)], cwd=d, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "EXIT [0, 1]" in run.stdout, run.stdout + run.stderr[-3000:]
+    assert "merged output off by" in run.stdout and "'mha_tokens': 6" in run.stdout, run.stdout
