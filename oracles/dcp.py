@@ -18,7 +18,13 @@ import dataclasses
 import torch
 
 from oracles.attention import error_margin
-from oracles.attention_judge import attention_judgement, attention_tolerance, judge_layer, layer_judgement, reference_for
+from oracles.attention_judge import (
+    attention_judgement,
+    attention_tolerance,
+    judge_layer,
+    layer_judgement,
+    reference_for,
+)
 from oracles.index import RemapArgs, compare_remap, expected_remap
 from oracles.verdict import Verdict
 from strategies.case import Case, Dcp

@@ -139,7 +139,7 @@ class PcpStep:
     def run_rank(self, w: int) -> PcpRankResult:
         from vllm.config import set_current_vllm_config
 
-        case, whole, inp, cfg, dev = self.case, self.whole, self.inputs, self.cfg, self.target.device
+        case, inp, cfg, dev = self.case, self.inputs, self.cfg, self.target.device
         d, heads, backend = case.dcp, case.heads, self.target.backend
         p, t = divmod(w, d.tp)
         dcp_rank = self.groups["_DCP"].rank_in_group
