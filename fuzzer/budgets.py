@@ -26,6 +26,7 @@ BUDGETS: dict[str, dict[str, Budget]] = {
         "vllm.flashmla_sparse.layer": Budget(gate=50, selftest=30),
         "vllm.flashmla_sparse.dcp": Budget(gate=20, selftest=16),  # every DCP rank emulated: ~5 s a case
         "vllm.flashmla_sparse.layer.dcp": Budget(gate=12, selftest=12),  # every rank's layer emulated: 5-10 s a case
+        "vllm.flashmla_sparse.layer.pcp_dcp": Budget(gate=12, selftest=12),  # 2-4 PCP x TP ranks emulated: 1-5 s a case
         "vllm.flashattn_sparse": Budget(gate=60, selftest=30),
         "vllm.flashattn_sparse.layer": Budget(gate=30, selftest=20),  # steps of up to 300 tokens: 2-7 s a case
         "vllm.sparse_mla.all": Budget(gate=12, selftest=10),  # three backends a case, the Triton one interpreted: ~2 s
@@ -39,6 +40,7 @@ BUDGETS: dict[str, dict[str, Budget]] = {
         "vllm.flashmla_sparse.layer": Budget(gate=150, selftest=60),
         "vllm.flashmla_sparse.dcp": Budget(gate=100, selftest=40),
         "vllm.flashmla_sparse.layer.dcp": Budget(gate=60, selftest=40),
+        "vllm.flashmla_sparse.layer.pcp_dcp": Budget(gate=60, selftest=40),
         "vllm.flashattn_sparse": Budget(gate=100, selftest=60),
         "vllm.flashattn_sparse.layer": Budget(gate=60, selftest=40),
         "vllm.sparse_mla.all": Budget(gate=100, selftest=40),

@@ -254,9 +254,15 @@ def layer_tolerance(case, layer_inputs) -> tuple[float, float]:
 def judge_layer(case, obs) -> list[Verdict]:
     """A layer-level call (MLAAttention.forward_impl): output [T, H * 128] after W_UV, whichever route
     vLLM took for each token (the target records how many tail tokens went to dense MHA)."""
+    return layer_judgement(case, obs)[0]
+
+
+def layer_judgement(case, obs):
+    """judge_layer's verdicts, and what it judged them with ((reference [T, H, 128], its valid rows, atol,
+    rtol), or None where the call gave nothing to judge), for an oracle that judges more of the same call."""
     verdicts, go_on = _call_verdicts(obs)
     if not go_on:
-        return verdicts
+        return verdicts, None
     layer_inputs = materialize_layer_inputs(case, obs.device)
     slot_values = _read_back(case, layer_inputs.attention, obs, verdicts)
     if "gathered_rows" in obs.outputs:
@@ -264,13 +270,14 @@ def judge_layer(case, obs) -> list[Verdict]:
                                            obs.outputs["gathered_rows"])
     mha_tokens = int(obs.notes.get("route", {}).get("mha_tokens", 0))
     out_ref, valid_rows = layer_reference_for(case, layer_inputs, obs.device, slot_values, mha_tokens)
+    atol, rtol = layer_tolerance(case, layer_inputs)
+    judged = (out_ref, valid_rows, atol, rtol)
     out = obs.outputs["out"].to(obs.device).float()
     if out.numel() != out_ref.numel():
         return verdicts + [Verdict("output", False, f"output shape {tuple(out.shape)}, expected {tuple(out_ref.shape)}",
-                                   "J", where="shape")]
-    atol, rtol = layer_tolerance(case, layer_inputs)
+                                   "J", where="shape")], judged
     found, margin = _output_verdicts(out.view(out_ref.shape), out_ref, valid_rows, atol, rtol)
     verdicts += found
     if not verdicts:
         verdicts.append(passed("output", f"{case.num_tokens} tokens within tolerance", margin=margin))
-    return verdicts
+    return verdicts, judged

@@ -6,6 +6,9 @@ on every rank, so it covers a "virtual" block of block_size * N positions. The w
 therefore the same case with block_size * N (same block table, heads gathered over ranks, no DCP): one
 undivided slot b * (B*N) + o is rank (o // I) % N's slot b * B + local(o). The oracle judges the merged
 output against that undivided case, and each rank on its own share.
+
+Under prefill context parallelism (PCP) the ranks split the step's query tokens too; their outputs, put back in
+batch order as vLLM's runner restores them, are judged as the same undivided step (`judge_layer_pcp`).
 """
 
 from __future__ import annotations
@@ -15,7 +18,13 @@ import dataclasses
 import torch
 
 from oracles.attention import error_margin
-from oracles.attention_judge import attention_judgement, attention_tolerance, judge_layer, reference_for
+from oracles.attention_judge import (
+    attention_judgement,
+    attention_tolerance,
+    judge_layer,
+    layer_judgement,
+    reference_for,
+)
 from oracles.index import RemapArgs, compare_remap, expected_remap
 from oracles.verdict import Verdict
 from strategies.case import Case, Dcp
@@ -27,9 +36,10 @@ RANK_LSE_TOLERANCE = (2e-2, 2e-2)  # (atol, rtol)
 
 
 def undivided(case: Case) -> Case:
-    """The case as one rank holding the whole context: virtual blocks, every rank's heads."""
+    """The case as one rank holding the whole context: virtual blocks, every TP rank's heads (DCP alone reuses
+    its ranks as TP ranks; under PCP the TP ranks are Dcp.tp)."""
     return dataclasses.replace(case, block_size=case.block_size * case.dcp.size, block_stride_rows=0,
-                               heads=case.heads * case.dcp.size, dcp=Dcp())
+                               heads=case.heads * case.dcp.tp_ranks, dcp=Dcp())
 
 
 def owner_and_local(case: Case, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,6 +79,25 @@ def outside_envelope(case: Case) -> str | None:
     return None
 
 
+def _fp8_envelope(heads: int) -> int:
+    return 64 if heads <= 64 else 128
+
+
+def pcp_outside_envelope(case: Case) -> str | None:
+    """Why vLLM must refuse this PCP + DCP configuration of FlashMLA sparse at start-up (None: it must run it).
+    Under PCP + DCP every token takes the fp8 separate prefill/decode path, whose decode rows attend through the
+    fp8 kernel on the heads the layer gathers over TP when DCP spans more ranks than PCP: the local and those
+    heads must pad to one fp8 kernel envelope (64 or 128), as the builder checks."""
+    d = case.dcp
+    gathered = case.heads * d.tp if d.size > d.pcp else case.heads
+    if _fp8_envelope(case.heads) != _fp8_envelope(gathered):
+        return (f"{case.heads} local heads pad to {_fp8_envelope(case.heads)}, {gathered} TP-gathered heads to "
+                f"{_fp8_envelope(gathered)}")
+    if gathered > 128:
+        return f"{gathered} gathered heads: past the fp8 decode kernel's 128"
+    return None
+
+
 def judge_dcp(case: Case, obs) -> list[Verdict]:
     """A DCP step run on every rank: the merged output (heads of rank r at [r*H, (r+1)*H)) against attention
     over the undivided context; each rank's filtered top-k exactly; each rank's LSE against attention over its
@@ -99,6 +128,40 @@ def judge_layer_dcp(case, obs):
         return verdicts
     return [dataclasses.replace(v, bug_class=v.bug_class or "G")
             if not v.ok and v.check in ("output", "nan", "empty_row") else v for v in verdicts]
+
+
+def judge_layer_pcp(case, obs):
+    """A step under PCP + DCP, every rank's layer: the output in batch order (each token from the rank vLLM's
+    runner restores it from, the TP ranks' heads side by side) as the layer's output over the undivided context;
+    and every rank's own rows (`rank_rows`: a prefill too short to split runs whole on every PCP rank, and the
+    runner keeps one copy) against the same reference. Outside FlashMLA's PCP + DCP envelope vLLM must refuse
+    with NotImplementedError; it may also run the case, and is then judged."""
+    why = pcp_outside_envelope(case)
+    if why and "NotImplementedError" in f"{obs.error_type} {obs.error}":
+        return [Verdict("contract", True, f"refused ({why}): {obs.error_type}: {obs.error}")]
+    verdicts, judged = layer_judgement(undivided(case), obs)
+    # Ranks that size one collective differently (the emulated groups refuse; NCCL would hang) disagree on the split.
+    verdicts = [dataclasses.replace(v, bug_class=v.bug_class or "G")
+                if not v.ok and (v.check in ("output", "nan", "empty_row")
+                                 or v.check == "error" and "hand in tensors of different shapes" in v.detail)
+                else v for v in verdicts]
+    rows = obs.outputs.get("rank_rows")
+    if judged is None or rows is None or not len(rows):
+        return verdicts
+    out_ref, _, atol, rtol = judged
+    h = case.heads  # a rank's rows hold its TP rank's heads
+    tokens, tp = obs.outputs["rank_row_tokens"].long().cpu(), obs.outputs["rank_row_tp"].long().cpu()
+    want = torch.stack([out_ref[t, r * h:(r + 1) * h] for t, r in zip(tokens.tolist(), tp.tolist())])
+    got = rows.to(out_ref.device).float().view(want.shape)
+    err = ((got - want).abs() / (atol + rtol * want.abs())).nan_to_num(float("inf")).amax(dim=(1, 2))
+    if err.numel() and float(err.max()) > 1:
+        i = int(err.argmax())
+        rank = int(obs.outputs["rank_row_ranks"][i])
+        verdicts.append(Verdict("pcp_rank_rows", False, f"rank {rank}'s own row of token {int(tokens[i])} off by "
+                                                        f"{float(err.max()):.2f}x the tolerance ({int((err > 1).sum())} "
+                                                        f"rows of every rank's {len(err)} are)", "G",
+                                margin=float(err.max()), where="pcp_rank_rows"))
+    return verdicts
 
 
 def _rank_verdicts(case: Case, whole: Case, inputs, slot_values, obs) -> list[Verdict]:

@@ -31,6 +31,7 @@ CHECKS: dict[str, str] = {
     "output": "attention output outside the tolerance of the fp32 reference",
     "lse": "LSE outside the tolerance of the fp32 reference",
     "dcp_rank_out": "a rank's partial output over its own share is off",
+    "pcp_rank_rows": "a PCP rank's own rows (a prefill every rank runs whole; one copy is kept) are off",
     "backends": "two sparse-MLA backends give outputs of the same step further apart than both tolerances",
     "graph": "a step replayed from a captured CUDA graph differs from the same step run eagerly (stale metadata)",
     "draft": "an MTP draft step on metadata updated in place differs from the same step on metadata built for it",

@@ -30,6 +30,7 @@ from strategies.case import (
     IndexCall,
     Request,
     TopkSpec,
+    pcp_splits,
     rank_owned_positions,
 )
 from strategies.profiles import Profile
@@ -395,6 +396,10 @@ class AttentionFeatures:
     # Also draw DCP splits outside that bound (and heads the mixed-batch path does not take), where vLLM must
     # refuse the configuration instead of computing with mismatched head padding.
     dcp_outside_envelope: bool = False
+    # Prefill context parallelism with DCP (Dcp.pcp, Dcp.tp): the layouts named here (of PCP_LAYOUTS), heads per
+    # rank whose TP world fits the model's heads; with `dcp_outside_envelope`, heads whose fp8 envelope vLLM must
+    # refuse too. The pcp_prefill knob pins whether a prefill splits over the PCP ranks or runs whole on each.
+    pcp_layouts: tuple[str, ...] = ()
     # Padding rows come with their padded tokens (Case.padded_tokens), as vLLM's runner makes them under full
     # CUDA graphs. Targets that feed those rows to vLLM set it; the others keep padding rows of no tokens.
     cudagraph_padding: bool = False
@@ -408,6 +413,38 @@ class AttentionFeatures:
 
 
 TOTAL_HEADS = 128  # DeepSeek-V3.2's attention heads: heads per rank are 128 / TP
+
+# Prefill context parallelism x DCP (x TP) layouts vLLM's ParallelConfig allows (DCP spans the PCP ranks, or the
+# whole PCP x TP world): name -> (pcp, dcp, tp).
+PCP_LAYOUTS = {"pcp2.dcp2": (2, 2, 1), "pcp2.dcp2.tp2": (2, 2, 2), "pcp2.dcp4": (2, 4, 2), "pcp4.dcp4": (4, 4, 1)}
+
+
+def _fp8_pad(heads: int) -> int:
+    return 64 if heads <= 64 else 128
+
+
+def _pcp_layout_fits(name: str, heads: int) -> bool:
+    """The layout's TP world fits the model's heads, and (DCP past PCP gathers q over TP) the local and
+    gathered heads pad to one fp8 kernel envelope, as FlashMLA's builder requires."""
+    pcp, dcp, tp = PCP_LAYOUTS[name]
+    gathered = heads * tp if dcp > pcp else heads
+    return heads * tp <= TOTAL_HEADS and _fp8_pad(heads) == _fp8_pad(gathered)
+
+
+def _pcp_prefills(draw, reqs: tuple[Request, ...], num_decodes: int, pcp: int, budget: int,
+                  swarm: Swarm | None) -> tuple[Request, ...]:
+    """The pcp_prefill knob pinned: a prefill that splits over the PCP ranks, or one too short to split, if the
+    step has none (the last prefill's query length changed, its context kept, within the token budget)."""
+    want = category(draw, swarm, "pcp_prefill")
+    prefills = [i for i in range(num_decodes, len(reqs)) if reqs[i].query_len]
+    if want is None or not prefills or any(pcp_splits(reqs[i].query_len, pcp) == (want == "split") for i in prefills):
+        return reqs
+    i = prefills[-1]
+    room = budget - sum(r.query_len for r in reqs) + reqs[i].query_len
+    lengths = [q for q in range(1, room + 1) if pcp_splits(q, pcp) == (want == "split")]
+    if not lengths:
+        return reqs
+    return (*reqs[:i], Request(draw(st.sampled_from(lengths)), reqs[i].context_len), *reqs[i + 1:])
 
 
 @st.composite
@@ -439,6 +476,9 @@ def _indexer_full_spec(width: int) -> st.SearchStrategy[TopkSpec]:
 
 
 def _attention_heads(p: Profile, f: AttentionFeatures, outside: bool) -> tuple[int, ...]:
+    if f.pcp_layouts:  # heads some layout takes (outside its envelope too, where asked)
+        return tuple(h for h in (f.heads or p.attn_heads) if any(
+            _pcp_layout_fits(n, h) or (outside and h * PCP_LAYOUTS[n][2] <= TOTAL_HEADS) for n in f.pcp_layouts))
     heads_choices = tuple(f.heads or p.attn_heads) + ((32,) if outside else ())
     if f.dcp and f.dcp_sizes:  # a fixed group size: only head counts whose TP it divides
         heads_choices = tuple(h for h in heads_choices if any(
@@ -462,7 +502,10 @@ def attention_knobs(p: Profile, f: AttentionFeatures) -> dict[str, tuple[str, ..
     domains = dict(block_size=map(str, f.block_sizes or p.block_sizes), topk_width=map(str, p.topk_widths),
                    heads=map(str, _attention_heads(p, f, False)), kv_cache_dtype=f.kv_cache_dtypes,
                    cudagraph=f.cudagraph_modes)
-    if f.dcp:
+    if f.pcp_layouts:
+        names += ["cp_layout", "dcp_interleave", "pcp_prefill"]
+        domains["cp_layout"] = [n for n in f.pcp_layouts if any(_pcp_layout_fits(n, h) for h in _attention_heads(p, f, False))]
+    elif f.dcp:
         names += ["dcp", "dcp_interleave"]
         heads = _attention_heads(p, f, False)  # sizes some head count allows (TP % DCP == 0, the gathered bound)
         domains["dcp"] = [str(n) for n in sorted({1, *(f.dcp_sizes or p.dcp_sizes)}) if any(
@@ -478,8 +521,10 @@ def attention_space(p: Profile, f: AttentionFeatures) -> CaseSpace:
 def attention_cases(draw, p: Profile, f: AttentionFeatures, swarm: Swarm | None = None) -> Case:
 
     p = p.for_attention()
-    outside = f.dcp and f.dcp_outside_envelope and draw(st.integers(0, 9)) == 0  # one case in ten
+    outside = (f.dcp or f.pcp_layouts) and f.dcp_outside_envelope and draw(st.integers(0, 9)) == 0  # one in ten
     heads_choices = _attention_heads(p, f, outside)
+    if f.pcp_layouts and swarm is not None and swarm.pinned("cp_layout") and not outside:
+        heads_choices = tuple(h for h in heads_choices if _pcp_layout_fits(swarm.pinned("cp_layout"), h)) or heads_choices
     if f.dcp and swarm is not None and swarm.pinned("dcp") and not outside:  # heads the pinned DCP size allows
         n = int(swarm.pinned("dcp"))
         heads_choices = tuple(h for h in heads_choices if h * n <= f.dcp_max_gathered_heads
@@ -488,13 +533,25 @@ def attention_cases(draw, p: Profile, f: AttentionFeatures, swarm: Swarm | None 
     topk_width = _widths(draw, swarm, p.topk_widths, other=False)
     block_size = _sampled(draw, swarm, "block_size", f.block_sizes or p.block_sizes)
     bound = 1024 if outside else f.dcp_max_gathered_heads
-    dcp = draw(attention_dcp_splits(p, block_size, heads, bound, f.dcp_sizes, swarm)) if f.dcp else Dcp()
+    if f.pcp_layouts:
+        layouts = tuple(n for n in f.pcp_layouts if _pcp_layout_fits(n, heads)
+                        or (outside and heads * PCP_LAYOUTS[n][2] <= TOTAL_HEADS)) or f.pcp_layouts[:1]
+        pcp, size, tp = PCP_LAYOUTS[_sampled(draw, swarm, "cp_layout", layouts)]
+        many = category(draw, swarm, "dcp_interleave")
+        interleaves = _interleaves(block_size)
+        interleave = (draw(st.sampled_from(interleaves)) if many is None else
+                      draw(st.sampled_from(interleaves[1:])) if many == "many" and len(interleaves) > 1 else 1)
+        dcp = Dcp(size, 0, interleave, pcp, tp)
+    else:
+        dcp = draw(attention_dcp_splits(p, block_size, heads, bound, f.dcp_sizes, swarm)) if f.dcp else Dcp()
     cudagraph = _sampled(draw, swarm, "cudagraph", f.cudagraph_modes)
     # A full-graph engine's step is a steady-state decode step half the time (what its graphs replay).
     steady = cudagraph == "full" and (swarm is None or swarm.pinned("prefills") is None) and draw(st.booleans())
     # vLLM allows multi-token (MTP) decodes under DCP only with interleave 1 (supports_dcp_with_varlen).
     reqs, num_decodes = draw(requests(p, topk_width, 1 if dcp.interleave > 1 else MAX_DECODE_QUERY_LEN,
                                       vllm_order=f.vllm_batch_order, swarm=swarm, decode_only=steady))
+    if dcp.pcp > 1:
+        reqs = _pcp_prefills(draw, reqs, num_decodes, dcp.pcp, p.max_tokens, swarm)
     reqs = _at_block_edges(draw, reqs, num_decodes, block_size, p.max_context, swarm)
     # Under DCP a block id names one block on every rank: a "virtual" block of block_size x size tokens.
     virtual = block_size * dcp.size

@@ -70,6 +70,24 @@ class Dcp:
     size: int = 1  # decode-context-parallel world size
     rank: int = 0  # the rank whose view the call computes
     interleave: int = 1  # cp_kv_cache_interleave_size: tokens per rank-group
+    # Prefill context parallelism (PCP) with DCP: `pcp` ranks each take two head-tail chunks of every prefill
+    # long enough to split (the others every rank whole), `tp` TP ranks each (the world: pcp x tp ranks, the
+    # step's heads split over the TP ranks). DCP spans the PCP ranks (size == pcp) or all of them (pcp * tp),
+    # as vLLM's ParallelConfig allows. pcp 1: DCP alone, which reuses the TP ranks (tp unused, 1).
+    pcp: int = 1
+    tp: int = 1
+
+    @property
+    def layout(self) -> str:
+        """The PCP x DCP (x TP) layout's name: pcp2.dcp4, pcp2.dcp2.tp2, ... ("dcp<size>" without PCP)."""
+        if self.pcp == 1:
+            return f"dcp{self.size}"
+        return f"pcp{self.pcp}.dcp{self.size}" + (f".tp{self.tp}" if self.tp > 1 and self.size == self.pcp else "")
+
+    @property
+    def tp_ranks(self) -> int:
+        """The TP ranks the step's heads are split over: DCP alone reuses its ranks as TP ranks; under PCP, `tp`."""
+        return self.tp if self.pcp > 1 else self.size
 
 
 @dataclass(frozen=True)
@@ -199,7 +217,9 @@ class Case:
 
         reqs = " ".join(req(i, r) for i, r in enumerate(self.requests))
         extra = []
-        if self.dcp.size > 1:
+        if self.dcp.pcp > 1:
+            extra.append(f"pcp={self.dcp.pcp}/dcp={self.dcp.size}/tp={self.dcp.tp}/i{self.dcp.interleave}")
+        elif self.dcp.size > 1:
             extra.append(f"dcp={self.dcp.size}/r{self.dcp.rank}/i{self.dcp.interleave}")
         if self.call != IndexCall():
             extra.append(f"call={_nondefault(self.call)}")
@@ -275,6 +295,13 @@ class Case:
             "dcp.interleave",
             f"must divide block_size ({self.block_size}), got {d.interleave}",
         )
+        _check(d.pcp >= 1 and d.tp >= 1, "dcp.pcp", f"pcp and tp must be >= 1, got {d.pcp} and {d.tp}")
+        if d.pcp == 1:
+            _check(d.tp == 1, "dcp.tp", f"only under PCP (pcp > 1), got {d.tp}")
+        else:  # vLLM's ParallelConfig: with PCP, DCP spans the PCP axis or the whole TP x PCP one
+            _check(d.size in (d.pcp, d.pcp * d.tp) and d.rank == 0, "dcp.size",
+                   f"under PCP {d.pcp} x TP {d.tp}, DCP spans the PCP ranks ({d.pcp}) or all ({d.pcp * d.tp}) "
+                   f"(rank 0: every rank runs), got size {d.size}, rank {d.rank}")
         c = self.call
         _check(c.token_rows in TOKEN_ROWS, "call.token_rows", f"one of {TOKEN_ROWS}, got {c.token_rows!r}")
         _check(c.req_id_rows in REQ_ID_ROWS, "call.req_id_rows", f"one of {REQ_ID_ROWS}, got {c.req_id_rows!r}")
@@ -319,6 +346,8 @@ class Case:
         for step in (data, *data["earlier"]):  # a case without a DSv4 step reads as it did before the field
             if step.get("dsv4", 0) is None:
                 del step["dsv4"]
+            if step["dcp"]["pcp"] == 1 and step["dcp"]["tp"] == 1:  # nor one without PCP
+                del step["dcp"]["pcp"], step["dcp"]["tp"]
         return data
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -413,6 +442,14 @@ def _validate_dsv4(case: "Case") -> None:
 
 ENGINE_FIELDS = ("block_size", "block_stride_rows", "topk_width", "heads", "kv_cache_dtype", "fp8_scale", "values",
                  "dcp", "call", "cudagraph")
+
+
+def pcp_splits(query_len: int, pcp: int) -> bool:
+    """Whether a prefill of `query_len` tokens is split over `pcp` PCP ranks under DCP (two head-tail chunks of
+    ceil(q / 2 pcp) tokens each) or runs whole on every rank: split unless its last chunk would be empty, as
+    vLLM's PCPManager.replicated_requests decides (vllm/v1/worker/gpu/pcp_manager.py). For drawing cases only."""
+    chunks = 2 * pcp
+    return query_len > 0 and (chunks - 1) * -(-query_len // chunks) < query_len
 
 
 def rank_owned_positions(seq_len: int, dcp_size: int, rank: int, interleave: int) -> int:

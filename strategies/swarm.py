@@ -18,7 +18,17 @@ from dataclasses import dataclass
 
 from hypothesis import strategies as st
 
-from strategies.case import ATTN_SINKS, C4_ORDERS, CUDAGRAPH_MODES, FP8_SCALES, INVALID_AT, TOPK_PICKS, VALUE_KINDS, Case
+from strategies.case import (
+    ATTN_SINKS,
+    C4_ORDERS,
+    CUDAGRAPH_MODES,
+    FP8_SCALES,
+    INVALID_AT,
+    TOPK_PICKS,
+    VALUE_KINDS,
+    Case,
+    pcp_splits,
+)
 
 TILE_EDGE_WIDTH = 4224  # top-k widths from here up are the `tile_edge` category (Profile.edge_topk_widths)
 
@@ -62,6 +72,9 @@ KNOBS = _knobs(
     Knob("dcp", (), "DCP world size (values: the profile's)"),
     Knob("dcp_rank", ("first", "middle", "last"), "the rank whose view an index call computes"),
     Knob("dcp_interleave", ("one", "many"), "cp_kv_cache_interleave_size 1 or more"),
+    Knob("cp_layout", (), "prefill context parallelism x DCP (x TP) ranks (values: the target's, e.g. pcp2.dcp4)"),
+    Knob("pcp_prefill", ("split", "whole"), "a prefill split over the PCP ranks in head-tail chunks, or run whole on "
+                                            "every rank (too short for every chunk)"),
     Knob("valid_counts", ("off", "on"), "return_valid_counts (and compaction where the release compacts)"),
     Knob("prefill_workspace", ("off", "on"), "prefill rows map into a gathered workspace"),
     Knob("token_rows", ("all", "decodes"), "the call site passes every top-k row or the decode rows only"),
@@ -188,6 +201,10 @@ def case_features(case: Case, domains: dict[str, tuple[str, ...]], max_context: 
     if case.dcp.size > 1:
         f["dcp_rank"] = {dcp_rank_category(case.dcp.rank, case.dcp.size)}
         f["dcp_interleave"] = {"one" if case.dcp.interleave == 1 else "many"}
+    if case.dcp.pcp > 1:
+        f["cp_layout"] = {case.dcp.layout}
+        if prefills:
+            f["pcp_prefill"] = {"split" if pcp_splits(r.query_len, case.dcp.pcp) else "whole" for _, r in prefills}
     if case.kv_cache_dtype == "fp8_ds_mla":
         f["fp8_scale"] = {case.fp8_scale}
     if case.dsv4 is not None:
@@ -251,6 +268,7 @@ REQUIRES: dict[tuple[str, str | None], tuple[tuple[str, tuple[str, ...] | None],
     ("prefills", "none"): (("decodes", ("some",)),),
     ("prefill_len", None): (_PREFILLS,),
     ("prefill_context", None): (_PREFILLS,),
+    ("pcp_prefill", None): (_PREFILLS,),
     ("prefill_workspace", "on"): (_PREFILLS, ("dcp", ("1",))),
     ("req_id_rows", "full_batch"): (("token_rows", ("decodes",)), _PREFILLS),
     ("token_rows", "decodes"): (("decodes", ("some",)),),

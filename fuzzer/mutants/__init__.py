@@ -38,6 +38,8 @@ MUTANTS: dict[str, str] = {
     "dsv4-swa-window-block-edge": "fuzzer.mutants.dsv4_swa_window_block_edge",
     "dsv4-c128a-topk-past-row": "fuzzer.mutants.dsv4_c128a_topk_past_row",
     "dsv4-compressed-slot-partial-state": "fuzzer.mutants.dsv4_compressed_slot_partial_state",
+    "pcp-dcp-shard-rows-own-rank": "fuzzer.mutants.pcp_dcp_shard_rows_own_rank",
+    "pcp-dcp-chunk-rows-paired": "fuzzer.mutants.pcp_dcp_chunk_rows_paired",
 }
 
 

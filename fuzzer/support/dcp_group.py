@@ -1,19 +1,24 @@
-"""Emulated decode-context-parallel ranks in one process: every rank's code runs as it would on its own GPU,
-and vLLM's DCP collectives meet between them.
+"""Emulated context-parallel ranks in one process: every rank's code runs as it would on its own GPU, and
+vLLM's collectives (DCP, and with prefill context parallelism the PCP and TP groups too) meet between them.
 
 Each rank is a thread; one runs at a time (a baton), because Triton's interpreter and attnfuzz's bounds
 checker are process-wide state. A collective is where ranks meet: each deposits its tensor, hands the baton
-on and waits at a barrier for the others. `EmulatedDcpGroup` stands where vLLM keeps its DCP
-`GroupCoordinator` (`parallel_state._DCP`), with the same collective semantics (concat-style all_gather,
-sum-then-split reduce_scatter), so vLLM's own code (`get_dcp_world_size_and_rank`, `MLADCPManager`'s query
-gather, `cp_lse_ag_out_rs`) runs unchanged on top of it. Ranks must call the same collectives in the same
-order, as with NCCL; a rank that raises breaks the barrier so the others stop instead of waiting forever.
+on and waits at its group's barrier for the others. `EmulatedGroup` stands where vLLM keeps a
+`GroupCoordinator` (`parallel_state._DCP`, `_PCP`, `_TP`), with the same collective semantics (concat-style
+all_gather, sum-then-split reduce_scatter, all_reduce), so vLLM's own code (`get_dcp_world_size_and_rank`,
+`MLADCPManager`'s query gather and LSE combines, PCP's cache-input gather) runs unchanged on top of it; each
+calling rank sees its own group of that kind. Ranks must call the same collectives in the same order, as with
+NCCL; a rank that raises breaks every barrier so the others stop instead of waiting forever.
+
+What a real rank holds as its own process state (vLLM's forward context, its workspace manager, ...) is
+named with `LockstepRanks.own`: it is swapped in whenever that rank takes the baton and out when it hands it on.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
@@ -29,104 +34,218 @@ class LockstepRanks:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self._baton = threading.Lock()
-        self._barrier = threading.Barrier(world_size, timeout=COLLECTIVE_TIMEOUT_S)
-        self._slots: list[torch.Tensor | None] = [None] * world_size
+        self._barriers: dict[tuple[int, ...], threading.Barrier] = {}
+        self._slots: dict[tuple[int, ...], dict[int, torch.Tensor]] = {}
+        self._failed = False
         self._local = threading.local()
+        self._owned: list[tuple[object, str, list | None]] = []
+        self._state: list[list] = []
 
     @property
     def rank(self) -> int:
         return self._local.rank
 
+    def own(self, obj, attr: str, values: list | None = None) -> None:
+        """`obj.attr` is each rank's own (a process global every real rank has one of): swapped in while the rank
+        runs. `values[r]` is its value on rank r when the rank starts (None: the value it has now)."""
+        self._owned.append((obj, attr, values))
+
     def run(self, fn: Callable[[int], object]) -> list:
         """fn(rank) on every rank; returns their results in rank order, or raises the first rank's error."""
         results: list = [None] * self.world_size
         errors: list[BaseException | None] = [None] * self.world_size
+        saved = [getattr(obj, attr) for obj, attr, _ in self._owned]
+        self._state = [[values[r] if values is not None else now for (_, _, values), now in zip(self._owned, saved)]
+                       for r in range(self.world_size)]
 
         def body(rank: int) -> None:
             self._local.rank = rank
             with self._baton:
+                self._swap_in(rank)
                 try:
                     results[rank] = fn(rank)
                 except BaseException as e:  # noqa: BLE001 - handed to the caller below
                     errors[rank] = e
-                    self._barrier.abort()
+                    self._fail()
+                finally:
+                    self._swap_out(rank)
 
-        threads = [threading.Thread(target=body, args=(r,), name=f"dcp-rank{r}") for r in range(self.world_size)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        threads = [threading.Thread(target=body, args=(r,), name=f"cp-rank{r}") for r in range(self.world_size)]
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        finally:
+            for (obj, attr, _), value in zip(self._owned, saved):
+                setattr(obj, attr, value)
         # The rank that failed first, not the ones its failure stopped.
         first = next((e for e in errors if e is not None and not isinstance(e, RankFailed)), None)
         if first is None:
             first = next((e for e in errors if e is not None), None)
         if first is not None:
             failed = [r for r, e in enumerate(errors) if e is not None and not isinstance(e, RankFailed)]
-            first.add_note(f"on DCP rank(s) {failed} of {self.world_size} (emulated in one process)")
+            first.add_note(f"on rank(s) {failed} of {self.world_size} (emulated in one process)")
             raise first
         return results
 
-    def exchange(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's `tensor`, in rank order (the body of every collective)."""
-        self._slots[self.rank] = tensor
-        self._meet()
-        gathered = list(self._slots)
-        self._meet()  # nobody deposits the next collective's tensor before all have read this one's
+    def exchange(self, tensor: torch.Tensor, members: tuple[int, ...] | None = None) -> list[torch.Tensor]:
+        """Every member's `tensor`, in member order (the body of every collective); members: the world ranks of
+        the calling rank's group, in group order (None: every rank)."""
+        members = tuple(range(self.world_size)) if members is None else tuple(members)
+        slots = self._slots.setdefault(members, {})
+        slots[self.rank] = tensor
+        self._meet(members)
+        # Copies, taken while every member waits here: after the next meeting a rank may write the tensor it
+        # handed in (vLLM writes a combine's result back into its input), as NCCL's copy would not see.
+        gathered = [slots[m].clone() for m in members]
+        self._meet(members)  # nobody deposits the next collective's tensor before all have read this one's
         return gathered
 
-    def _meet(self) -> None:
+    def _meet(self, members: tuple[int, ...]) -> None:
+        # Barriers are made and read only by the rank holding the baton.
+        barrier = self._barriers.setdefault(members, threading.Barrier(len(members), timeout=COLLECTIVE_TIMEOUT_S))
+        if self._failed:
+            raise RankFailed("another rank failed before this collective completed")
+        rank = self.rank
+        self._swap_out(rank)
         self._baton.release()
         try:
-            self._barrier.wait()
+            barrier.wait()
         except threading.BrokenBarrierError:
-            raise RankFailed("another DCP rank failed before this collective completed") from None
+            raise RankFailed("another rank failed before this collective completed") from None
         finally:
             self._baton.acquire()
+            self._swap_in(rank)
+
+    def _fail(self) -> None:
+        self._failed = True
+        for barrier in self._barriers.values():
+            barrier.abort()
+
+    def _swap_in(self, rank: int) -> None:
+        for (obj, attr, _), value in zip(self._owned, self._state[rank]):
+            setattr(obj, attr, value)
+
+    def _swap_out(self, rank: int) -> None:
+        self._state[rank] = [getattr(obj, attr) for obj, attr, _ in self._owned]
 
 
-class EmulatedDcpGroup:
-    """The collectives of vLLM's `GroupCoordinator` that DCP uses, over `LockstepRanks` (the calling thread's rank)."""
+class EmulatedProcessGroup:
+    """What an emulated group offers as its `device_group`: torch.distributed cannot take it, so vLLM's direct
+    torch.distributed calls on it go through `emulated_dist`."""
 
-    unique_name = "attnfuzz:emulated-dcp"
+    def __init__(self, coordinator: "EmulatedGroup") -> None:
+        self.coordinator = coordinator
+
+
+class EmulatedGroup:
+    """The collectives of vLLM's `GroupCoordinator` over `LockstepRanks`. `groups` lists the world ranks of every
+    group of this kind (as vLLM's initialize_model_parallel lays them out); the calling thread's rank sees its own."""
+
     use_custom_op_call = False
     device_communicator = None
-    cpu_group = device_group = None  # no process group: vLLM's direct (symmetric-memory) paths must stay off
+    cpu_group = None
 
-    def __init__(self, ranks: LockstepRanks) -> None:
+    def __init__(self, ranks: LockstepRanks, groups=None, name: str = "dcp") -> None:
         self.ranks = ranks
-        self.world_size = ranks.world_size
-        self.ranks_in_group = list(range(ranks.world_size))
+        self.groups = [tuple(g) for g in (groups if groups is not None else [range(ranks.world_size)])]
+        self._group_of = {r: g for g in self.groups for r in g}
+        self.unique_name = f"attnfuzz:emulated-{name}"
+        self.world_size = len(self.groups[0])
+        self.device_group = EmulatedProcessGroup(self)
+
+    @property
+    def ranks_in_group(self) -> list[int]:
+        return list(self._group_of[self.ranks.rank])
 
     @property
     def rank_in_group(self) -> int:
-        return self.ranks.rank
+        return self._group_of[self.ranks.rank].index(self.ranks.rank)
 
     rank = local_rank = rank_in_group
 
+    def _exchange(self, tensor: torch.Tensor, what: str) -> list[torch.Tensor]:
+        members = self._group_of[self.ranks.rank]
+        parts = self.ranks.exchange(tensor, members)
+        if len({tuple(t.shape) for t in parts}) > 1:  # NCCL takes every rank's count as its own: a hang or garbage
+            shapes = ", ".join(f"rank {r}: {tuple(t.shape)}" for r, t in zip(members, parts))
+            raise RuntimeError(f"{what} over the emulated {self.unique_name.rsplit('-', 1)[-1].upper()} group: the "
+                               f"ranks hand in tensors of different shapes ({shapes}); a collective every rank must "
+                               f"size alike (over NCCL: a hang, or rows of the wrong ranks)")
+        return parts
+
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        return torch.cat(self.ranks.exchange(input_), dim=dim)
+        return torch.cat(self._exchange(input_, "all_gather"), dim=dim)
 
     def all_gather_into_tensor(self, output: torch.Tensor, input_: torch.Tensor) -> None:
         """torch.distributed.all_gather_into_tensor over the group: every rank's rows, concatenated, into `output`
-        (what MLADCPManager's chunked-context KV gather calls on the group's device_group)."""
-        output.copy_(torch.cat(self.ranks.exchange(input_), dim=0))
+        (what vLLM calls on the group's device_group: MLADCPManager's context gather, FlashMLA's PCP+DCP KV gather)."""
+        gathered = torch.cat(self._exchange(input_, "all_gather_into_tensor"), dim=0)
+        if gathered.shape != output.shape:  # torch.distributed refuses a wrong-sized output
+            raise ValueError(f"all_gather_into_tensor: output {tuple(output.shape)}, gathered {tuple(gathered.shape)}")
+        output.copy_(gathered)
 
     def reduce_scatter(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        total = torch.stack([t.float() for t in self.ranks.exchange(input_)]).sum(0).to(input_.dtype)
+        total = torch.stack([t.float() for t in self._exchange(input_, "reduce_scatter")]).sum(0).to(input_.dtype)
         return total.chunk(self.world_size, dim=dim)[self.rank_in_group].contiguous()
 
     def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
-        return torch.stack([t.float() for t in self.ranks.exchange(input_)]).sum(0).to(input_.dtype)
+        return torch.stack([t.float() for t in self._exchange(input_, "all_reduce")]).sum(0).to(input_.dtype)
+
+
+class EmulatedDcpGroup(EmulatedGroup):
+    """vLLM's DCP group over every emulated rank (DCP without PCP reuses the TP ranks)."""
+
+    device_group = None  # no process group: vLLM's direct (symmetric-memory) paths must stay off
+
+    def __init__(self, ranks: LockstepRanks) -> None:
+        super().__init__(ranks, None, "dcp")
+        self.device_group = None
 
 
 @contextlib.contextmanager
 def installed_dcp_group(group) -> None:
     """`group` as vLLM's DCP group for the duration (vLLM reads `parallel_state._DCP` at call time)."""
+    with installed_groups(_DCP=group):
+        yield group
+
+
+@contextlib.contextmanager
+def installed_groups(**groups) -> None:
+    """vLLM's group coordinators (`_DCP=`, `_PCP=`, `_TP=`) replaced for the duration."""
     from vllm.distributed import parallel_state
 
-    saved = parallel_state._DCP
-    parallel_state._DCP = group
+    saved = {name: getattr(parallel_state, name) for name in groups}
+    for name, group in groups.items():
+        setattr(parallel_state, name, group)
     try:
-        yield group
+        yield
     finally:
-        parallel_state._DCP = saved
+        for name, group in saved.items():
+            setattr(parallel_state, name, group)
+
+
+def context_parallel_groups(pcp: int, tp: int, dcp: int) -> dict[str, list[list[int]]]:
+    """The world ranks of vLLM's TP, PCP and DCP groups for a world of PCP x TP ranks (DP = PP = 1), laid out as
+    vLLM 0.33's `initialize_model_parallel` lays them out: world rank = pcp_rank * TP + tp_rank; TP groups
+    vary the TP rank, PCP groups the PCP rank; a DCP group spans PCP first, then TP (`dcp_ranks.transpose(-1,
+    -2)`), so DCP = PCP is each TP rank's PCP group and DCP = PCP x TP is the whole world."""
+    world = torch.arange(pcp * tp).reshape(pcp, tp)
+    return {"tp": [g.tolist() for g in world.reshape(-1, tp).unbind(0)],
+            "pcp": [g.tolist() for g in world.transpose(0, 1).reshape(-1, pcp).unbind(0)],
+            "dcp": [g.tolist() for g in (world.transpose(0, 1) if dcp > 1 else world).reshape(-1, dcp).unbind(0)]}
+
+
+def emulated_dist():
+    """torch.distributed as vLLM calls it on an emulated group's device_group (`group=`): the collectives it
+    calls route to the emulated group; with any other group they are torch.distributed's own."""
+    import torch.distributed as dist
+
+    def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+        if isinstance(group, EmulatedProcessGroup):
+            group.coordinator.all_gather_into_tensor(output_tensor, input_tensor)
+            return None
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+    return SimpleNamespace(**{**vars(dist), "all_gather_into_tensor": all_gather_into_tensor})

@@ -42,6 +42,7 @@ DSV4_LAYER = "vllm.models.deepseek_v4.nvidia.flashmla"
 DSV4_SPARSE_MLA = "vllm.models.deepseek_v4.sparse_mla"
 DSV4_SWA = "vllm.v1.attention.backends.mla.sparse_swa"
 DSV4_COMPRESSOR_UTILS = "vllm.v1.attention.backends.mla.compressor_utils"
+V32_ATTENTION = "vllm.models.deepseek_v32.attention"
 
 Classify = Callable[[tuple, dict], Iterable[str]]
 
@@ -72,6 +73,8 @@ def _remap_modes(args: tuple, kwargs: dict) -> Iterator[str]:
         yield "remap.idx_mapping"
     if kwargs.get("out") is not None:
         yield "remap.in_place"  # the index group's persistent physical top-k buffer
+    if kwargs.get("prefill_workspace_rank_stride"):
+        yield "remap.workspace.rank_major"  # PCP + DCP: prefill rows into the DCP-gathered shards, rank-major
     stride = kwargs.get("BLOCK_STRIDE_ROWS")
     if stride is not None and stride != kwargs.get("BLOCK_SIZE", 64):
         yield "remap.block_stride"  # other layers' pages between this layer's blocks
@@ -103,6 +106,18 @@ def _split_result(args: tuple, kwargs: dict, result) -> Iterator[str]:
     if num_decodes and qsl is not None and bool(((qsl[1:num_decodes + 1] - qsl[:num_decodes]) > 1).any()):
         yield "batch.multi_token_decodes"  # speculative decodes / short extends counted as decodes
     yield from _padding_rows(cam)
+
+
+def _pcp_shards(args: tuple, kwargs: dict, result) -> Iterator[str]:
+    """gathered_prefill_shards(row_req_idx, row_shard_rows) -> (row bounds, shard rows): the builder grouped a
+    PCP rank's prefill rows into one workspace entry per request: two head-tail chunk rows (split over the PCP
+    ranks) or one (a prefill every rank runs whole)."""
+    rows_per_entry = {int(b) - int(a) for a, b in zip(result[0][:-1], result[0][1:])}
+    yield "pcp_dcp.prefill_shards"
+    if 2 in rows_per_entry:
+        yield "pcp_dcp.prefill_shards.split"
+    if 1 in rows_per_entry:
+        yield "pcp_dcp.prefill_shards.whole"
 
 
 def _fp8_kernel_heads(args: tuple, kwargs: dict) -> Iterator[str]:
@@ -172,6 +187,11 @@ PROBES: tuple[Probe, ...] = (
     Probe(FLASHMLA, "FlashMLASparseImpl._forward_fp8_kv_mixed_batch", "fp8.mixed_batch"),
     Probe(FLASHMLA, "FlashMLASparseImpl._forward_fp8_kv_separate_prefill_decode", "fp8.separate_prefill_decode"),
     Probe(FLASHATTN, "FlashAttnMLASparseImpl._forward_mqa_kernel", "kernel.fa3_sparse"),
+    # prefill context parallelism with DCP: the layer's PCP gathers, FlashMLA's shard grouping and KV all-gather
+    Probe(FLASHMLA, "gathered_prefill_shards", after=_pcp_shards),
+    Probe(FLASHMLA, "FlashMLASparseImpl._gather_prefill_chunk", "pcp_dcp.kv_gather"),
+    Probe(V32_ATTENTION, "maybe_gather_mla_latent_cache_inputs", "pcp.cache_inputs_gather"),
+    Probe(V32_ATTENTION, "finalize_mla_pcp_decode", "pcp.finalize_decode"),
     Probe(FLASHATTN, "FlashAttnMLASparseMetadataBuilder.update_draft_decode_metadata", "mtp_draft.update"),
     Probe(FLASHMLA, "FlashMLASparseImpl._bf16_flash_mla_kernel", "kernel.bf16_sparse", before=_bf16_kernel_heads),
     Probe(FLASHMLA, "FlashMLASparseImpl._fp8_flash_mla_kernel", "kernel.fp8_decode", before=_fp8_kernel_heads),
@@ -204,13 +224,14 @@ KNOWN_PATHS: tuple[str, ...] = (
     "batch.padding_rows", "mqa", "mha.dense", "mha.chunked_context", "mha.chunked_context.dcp", "mha.masked",
     "mha.masked.chunked_context", "bf16", "fp8.mixed_batch", "fp8.separate_prefill_decode", "kernel.bf16_sparse",
     "kernel.bf16_sparse.padded_heads", "kernel.fp8_decode", "kernel.fp8_decode.padded_heads", "index_group.convert",
-    "remap", "remap.workspace", "remap.valid_counts", "remap.idx_mapping", "remap.in_place", "remap.block_stride",
+    "remap", "remap.workspace", "remap.workspace.rank_major", "remap.valid_counts", "remap.idx_mapping", "remap.in_place", "remap.block_stride",
     "dcp.filter", "dcp.filter.compacted", "dcp.filter.in_place", "kernel.fa3_sparse", "mtp_draft.update",
     "dsv4.swa_indices", "dsv4.prefill_gather_lens", "dsv4.prefill.chunks", "dsv4.compressed_slot_mapping",
     "dsv4.c128a_topk_metadata", "dsv4.decode.swa_only", "dsv4.decode.c4a", "dsv4.decode.c128a",
     "dsv4.prefill.swa_only", "dsv4.prefill.c4a", "dsv4.prefill.c128a", "dsv4.global_topk",
     "dsv4.dequant_gather.compressed", "dsv4.dequant_gather.swa", "dsv4.combine", "dsv4.kernel.decode.swa",
-    "dsv4.kernel.decode.extra", "dsv4.kernel.prefill",
+    "dsv4.kernel.decode.extra", "dsv4.kernel.prefill", "pcp_dcp.prefill_shards", "pcp_dcp.prefill_shards.split",
+    "pcp_dcp.prefill_shards.whole", "pcp_dcp.kv_gather", "pcp.cache_inputs_gather", "pcp.finalize_decode",
 )
 
 

@@ -11,6 +11,7 @@ from fuzzer.targets.flashmla_dcp import FlashMLASparseDcp
 from fuzzer.targets.flashmla_dcp_ranks import FlashMLASparseDcpRanks
 from fuzzer.targets.flashmla_layer import FlashMLASparseLayer
 from fuzzer.targets.flashmla_layer_dcp import FlashMLASparseLayerDcp
+from fuzzer.targets.flashmla_layer_pcp import FlashMLASparseLayerPcp
 from fuzzer.targets.flashmla_sparse import FlashMLASparse
 from fuzzer.targets.index_remap import IndexRemap
 from fuzzer.targets.selftest import SelftestFault
@@ -26,6 +27,7 @@ TARGETS: dict[str, type[Target]] = {
     FlashMLASparseDcp.name: FlashMLASparseDcp,
     FlashMLASparseDcpRanks.name: FlashMLASparseDcpRanks,
     FlashMLASparseLayerDcp.name: FlashMLASparseLayerDcp,
+    FlashMLASparseLayerPcp.name: FlashMLASparseLayerPcp,
     FlashAttnMLASparse.name: FlashAttnMLASparse,
     FlashAttnMLASparseLayer.name: FlashAttnMLASparseLayer,
     SparseMLAAll.name: SparseMLAAll,

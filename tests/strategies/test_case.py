@@ -24,6 +24,8 @@ def test_json_round_trip():
 @pytest.mark.parametrize("patch, message", [
     ({"requests": [{"query_len": -1, "context_len": 0}, {"query_len": 1, "context_len": 0}]}, "case.requests[0].query_len"),
     ({"dcp": {"size": 2, "rank": 3, "interleave": 1}}, "case.dcp.rank"),
+    ({"dcp": {"size": 4, "rank": 0, "interleave": 1, "pcp": 2, "tp": 4}}, "case.dcp.size"),  # not PCP nor PCP x TP
+    ({"dcp": {"size": 2, "rank": 0, "interleave": 1, "pcp": 1, "tp": 2}}, "case.dcp.tp"),
     ({"topk_width": 100}, "case.topk_width"),
     ({"bogus": 1}, "case.bogus: unknown field"),
     ({"topk": [{"valid": "x"}, {"valid": 1}]}, "case.topk[0].valid"),
@@ -38,6 +40,13 @@ def test_malformed_case_names_the_field(patch, message):
     data.update(patch)
     with pytest.raises(CaseError, match=message.replace("[", r"\[").replace("]", r"\]")):
         Case.from_dict(data)
+
+
+def test_a_pcp_step_round_trips_and_a_dcp_only_one_reads_as_before():
+    c = small_case(dcp=Dcp(4, 0, 2, pcp=2, tp=2))
+    assert Case.from_json(c.to_json()) == c and c.dcp.layout == "pcp2.dcp4" and c.dcp.tp_ranks == 2
+    assert "pcp=2/dcp=4/tp=2/i2" in c.summary()
+    assert json.loads(small_case(dcp=Dcp(2, 1, 4)).to_json())["dcp"] == {"size": 2, "rank": 1, "interleave": 4}
 
 
 def test_not_json():

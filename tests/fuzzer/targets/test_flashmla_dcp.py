@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fuzzer.support.dcp_group import EmulatedDcpGroup, LockstepRanks
+from fuzzer.support.dcp_group import EmulatedDcpGroup, EmulatedGroup, LockstepRanks, context_parallel_groups
 from oracles.dcp import owner_and_local, rank_slots, undivided
 from strategies.case import Case, Dcp, Request, TopkSpec, rank_owned_positions
 from tests.conftest import attnfuzz
@@ -50,6 +50,34 @@ def test_a_failing_rank_stops_the_others_instead_of_hanging():
     t.join(30)
     assert done and "rank 1 broke" in str(done[0].value)
     assert "rank(s) [1]" in str(done[0].value.__notes__)
+
+
+def test_groups_of_a_pcp_x_tp_world_meet_apart_and_ranks_keep_their_own_state():
+    """vLLM's layout of a PCP 2 x TP 2 world (world rank = pcp * TP + tp): TP groups vary tp, PCP groups pcp, a DCP
+    group of 4 spans PCP first; each group's collectives meet only its members; `own` state is per rank; a
+    collective whose ranks hand in different shapes raises (over NCCL: a hang or mixed rows)."""
+    layout = context_parallel_groups(2, 2, 4)
+    assert layout == {"tp": [[0, 1], [2, 3]], "pcp": [[0, 2], [1, 3]], "dcp": [[0, 2, 1, 3]]}
+    assert context_parallel_groups(2, 2, 2)["dcp"] == [[0, 2], [1, 3]]
+    ranks = LockstepRanks(4)
+    tp, pcp, dcp = (EmulatedGroup(ranks, layout[k], k) for k in ("tp", "pcp", "dcp"))
+    state = type("State", (), {"value": "outside"})
+    ranks.own(state, "value", [f"rank{r}" for r in range(4)])
+
+    def step(r):
+        x = torch.full((1,), float(r))
+        got = (tp.all_gather(x, 0).tolist(), pcp.all_gather(x, 0).tolist(), dcp.all_gather(x, 0).tolist(),
+               dcp.rank_in_group, state.value)
+        x.fill_(-1.0)  # a rank writing its input after the collective: the others' copies keep its value
+        return got
+
+    out = ranks.run(step)
+    assert out[1] == ([0.0, 1.0], [1.0, 3.0], [0.0, 2.0, 1.0, 3.0], 2, "rank1") and state.value == "outside"
+    assert out[2][:4] == ([2.0, 3.0], [0.0, 2.0], [0.0, 2.0, 1.0, 3.0], 1)
+    mismatch = LockstepRanks(2)
+    group = EmulatedGroup(mismatch, None, "dcp")
+    with pytest.raises(RuntimeError, match="different shapes"):
+        mismatch.run(lambda r: group.all_gather(torch.zeros(r + 1), 0))
 
 
 # -- the split ---------------------------------------------------------------------------------------------
