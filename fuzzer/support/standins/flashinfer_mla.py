@@ -780,10 +780,10 @@ def _cta_chunk(c0, c1, bx, span, tiles, kv_start, kv_end, kv_len, kv_indptr, wor
     if bad_q.any():
         _report("q_nope", bad_q, tok * q_nope.shape[1] + hd, q_nope.shape[0] * q_nope.shape[1],
                 q_nope.shape[-1] * q_nope.element_size())
-    live &= ~bad_q
+    readable = live & ~bad_q  # a row past q: its read skipped (zeros), its write still attempted
     t_idx, h_idx = tok.clamp(0, max(q_nope.shape[0] - 1, 0)).to(dev), hd.to(dev)
-    qn = q_nope[t_idx, h_idx].float().masked_fill(~live.to(dev)[..., None], 0.0)  # [C, 64, d]
-    qp = q_pe[t_idx, h_idx].float().masked_fill(~live.to(dev)[..., None], 0.0)
+    qn = q_nope[t_idx, h_idx].float().masked_fill(~readable.to(dev)[..., None], 0.0)  # [C, 64, d]
+    qp = q_pe[t_idx, h_idx].float().masked_fill(~readable.to(dev)[..., None], 0.0)
     s = torch.einsum("crd,ckd->crk", qn, k_ckv[wc.to(dev)]) + torch.einsum("crd,ckd->crk", qp, k_kpe[wc.to(dev)])
     s = (s * launch.sm_scale).masked_fill(~mask[wc].to(dev)[:, None, :], float("-inf"))
     row_lse = torch.logsumexp(s, dim=-1)  # [C, 64], natural log
