@@ -570,7 +570,8 @@ _GRAPH_FORWARD = """\
             eager = forward(S["q"], metadata)["out"]
             if not torch.equal(out.view(torch.uint8), eager.view(torch.uint8)):
                 found.append(f"step {k}: replayed from its CUDA graph, it differs from the step run eagerly in "
-                             f"{int((out != eager).any(dim=-1).any(dim=-1).sum())} of {out.shape[0]} tokens")
+                             f"{int((out.view(torch.uint8) != eager.view(torch.uint8)).any(dim=-1).any(dim=-1).sum())} "
+                             f"of {out.shape[0]} tokens")
         else:
             out = forward(S["q"], metadata)["out"]
         found += [f"step {k}: {m}" for m in check_overrun(step["NUM_TOKENS"])]
