@@ -28,7 +28,7 @@ BUDGETS: dict[str, dict[str, Budget]] = {
         "vllm.flashmla_sparse.layer.dcp": Budget(gate=12, selftest=12),  # every rank's layer emulated: 5-10 s a case
         "vllm.flashattn_sparse": Budget(gate=60, selftest=30),
         "vllm.flashattn_sparse.layer": Budget(gate=30, selftest=20),  # steps of up to 300 tokens: 2-7 s a case
-        "vllm.flashinfer_sparse_sm90": Budget(gate=60, selftest=30),  # interpreted remap/pack/clamp: ~1 case/s
+        "vllm.flashinfer_sparse_sm90": Budget(gate=40, selftest=30),  # interpreted remap/pack/clamp: ~1 case/s
         "vllm.sparse_mla.all": Budget(gate=12, selftest=10),  # three backends a case, the Triton one interpreted: ~2 s
         "vllm.dsv4.flashmla": Budget(gate=30, selftest=16),  # decodes ~0.1 s, prefills' interpreted gathers 1-4 s
     },
