@@ -21,8 +21,8 @@ semantics, bounds-checked. Without FlashInfer vLLM would not route to this backe
 
 Cases: the step's top-k rows as the indexer fills them (`topk_rows` "indexer": min(visible, topk) valid positions a
 row): the backend plans each row's attended count from its context, not from its indices, so a row holding fewer is
-outside its contract (`docs/...`, see README). Head size 576 (DeepSeek-V3.2's rope MLA); the NoPE form (512) is not
-drawn. kv-cache dtypes bf16 and "fp8" (k_scale 1.0, or a calibrated checkpoint's); blocks of 64 and 128; heads 8 to 128
+outside its contract (it would attend to the row's first slot again: README, "FlashInfer's SM90 sparse backend").
+Head size 576 (DeepSeek-V3.2's rope MLA); the NoPE form (512) is not drawn. kv-cache dtypes bf16 and "fp8" (k_scale 1.0, or a calibrated checkpoint's); blocks of 64 and 128; heads 8 to 128
 (the stand-in's attention is torch, not interpreted); traces (one builder and its plan across steps); full CUDA graphs
 (uniform decode steps replayed from graphs captured at start-up; on a CPU the replay is emulated, and FlashInfer's
 launch parameters are the capture's, as a captured launch keeps them). On a GPU, eager engines only: the stand-in
