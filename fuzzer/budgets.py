@@ -29,6 +29,7 @@ BUDGETS: dict[str, dict[str, Budget]] = {
         "vllm.flashmla_sparse.layer.pcp_dcp": Budget(gate=12, selftest=12),  # 2-4 PCP x TP ranks emulated: 1-5 s a case
         "vllm.flashattn_sparse": Budget(gate=60, selftest=30),
         "vllm.flashattn_sparse.layer": Budget(gate=30, selftest=20),  # steps of up to 300 tokens: 2-7 s a case
+        "vllm.flashinfer_sparse_sm90": Budget(gate=40, selftest=30),  # interpreted remap/pack/clamp: ~1 case/s
         "vllm.sparse_mla.all": Budget(gate=12, selftest=10),  # three backends a case, the Triton one interpreted: ~2 s
         "vllm.dsv4.flashmla": Budget(gate=30, selftest=16),  # decodes ~0.1 s, prefills' interpreted gathers 1-4 s
     },
@@ -43,6 +44,7 @@ BUDGETS: dict[str, dict[str, Budget]] = {
         "vllm.flashmla_sparse.layer.pcp_dcp": Budget(gate=60, selftest=40),
         "vllm.flashattn_sparse": Budget(gate=100, selftest=60),
         "vllm.flashattn_sparse.layer": Budget(gate=60, selftest=40),
+        "vllm.flashinfer_sparse_sm90": Budget(gate=100, selftest=60),  # FlashInfer a torch stand-in there too
         "vllm.sparse_mla.all": Budget(gate=100, selftest=40),
         "vllm.dsv4.flashmla": Budget(gate=150, selftest=40),
     },

@@ -234,6 +234,8 @@ class RunSummary:
     coverage: dict = field(default_factory=dict)
     # where the campaign's wall time went, in seconds per stage (fuzzer/search/caselog.py STAGES)
     stage_seconds: dict = field(default_factory=dict)
+    # `run --known`: cases per known open bug's signature, each a case that failed as that bug (not saved)
+    known_hits: dict[str, int] = field(default_factory=dict)
     # a fleet's merge only (None elsewhere, and left out of the file):
     database: str | None = None
     workers: list[dict] | None = None  # per worker: seed, GPU, exit, cases, seconds, log

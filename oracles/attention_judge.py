@@ -8,7 +8,7 @@ import torch
 from oracles.attention import counted_attention, error_margin, sparse_mla_reference, tolerance
 from oracles.fp8_ds_mla import dequantize, split_entry
 from oracles.verdict import Verdict, passed
-from strategies.tensors import KV_LORA_RANK, SM_SCALE, materialize_attention_inputs, materialize_layer_inputs
+from strategies.tensors import KV_LORA_RANK, SM_SCALE, fp8_kv_scale, materialize_attention_inputs, materialize_layer_inputs
 
 
 def reference_for(case, inputs=None, device: str = "cpu", slot_values=None, q=None, keep=None):
@@ -64,6 +64,36 @@ def judge_fp8_ds_mla_entries(case, inputs, slots, entries):
     return (slots, values), verdict
 
 
+def judge_fp8_entries(case, inputs, slots, entries):
+    """A per-tensor fp8 cache (kv_cache_dtype "fp8", 576 e4m3 bytes a token): the entries read back, (slots,
+    dequantized rows) for the reference, and a verdict if they do not hold the values written (class K).
+
+    Both parts of an entry were written as e4m3(x / k_scale) (vLLM's concat_and_cache_mla) and mean x: a reader
+    multiplies each byte by the layer's k_scale, and the reference attends over exactly that, rounded to bf16 as a
+    kernel's in-register dequantization gives it. The quantization error itself is judged here, once: 3 mantissa
+    bits (2^-4 relative) down to e4m3's subnormal step (2^-9) times the scale."""
+    device = inputs.kv_c.device
+    entries, slots = entries.to(device), slots.to(device)
+    k_scale = fp8_kv_scale(case)
+    values = (entries.view(torch.uint8).view(torch.float8_e4m3fn).float() * k_scale).to(torch.bfloat16).float()
+    want = torch.cat([inputs.kv_c, inputs.k_pe], dim=-1)[slots.long()].float()
+    bad = ~((values - want).abs() <= 2**-4 * want.abs() + 2**-9 * k_scale + 2**-8 * values.abs() + 1e-30)
+    verdict = None
+    if bad.any():
+        row, col = (int(x) for x in bad.nonzero()[0])
+        verdict = Verdict("cache_write", False, f"fp8 entry of slot {int(slots[row])} reads back {values[row, col]:.4g} "
+                                                f"(k_scale {k_scale:.4g}) at element {col}, written {want[row, col]:.4g} "
+                                                f"({int(bad.sum())} elements off)", "K", where="cache_write")
+    return (slots, values), verdict
+
+
+def judge_cache_entries(case, inputs, slots, entries):
+    """A quantized cache's entries read back: (slots, values) for the reference, and a verdict if they are off."""
+    if case.kv_cache_dtype == "fp8":
+        return judge_fp8_entries(case, inputs, slots, entries)
+    return judge_fp8_ds_mla_entries(case, inputs, slots, entries)
+
+
 def attention_tolerance(case, inputs) -> tuple[float, float]:
     """vLLM's test tolerances are for values of order 1: atol scales with the largest V the case holds, so
     tiny values are not waved through and large ones (bf16 P and output rounding) are not flagged."""
@@ -76,10 +106,16 @@ def attention_tolerance(case, inputs) -> tuple[float, float]:
 # rows it reads, the rows and counts it writes) means its per-token arguments cover different tokens (class A);
 # past the block table, a request row or block out of range (class C).
 REMAP_KERNEL, REMAP_ROW_ARGUMENTS = "index_remap", ("token_indices_ptr", "out_ptr", "valid_count_ptr")
+# Other kernels whose grid follows one per-token array and which index another by it (kernel name part ->
+# arguments): FLASHINFER_MLA_SPARSE_SM90's device clamp reads req_id_per_token at each planned work item's row, and
+# FlashInfer's kernel (attnfuzz's stand-in) reads q and writes out at the plan's rows.
+ROW_ARGUMENTS = {REMAP_KERNEL: REMAP_ROW_ARGUMENTS, "_clamp_work_kv_end": ("req_id_per_token",),
+                 "BatchMLAPagedAttentionWrapper": ("q_nope", "o")}
 
 
 def _memory_class(violation) -> str:
-    row_contract = REMAP_KERNEL in violation.kernel and getattr(violation, "argument", None) in REMAP_ROW_ARGUMENTS
+    argument = getattr(violation, "argument", None)
+    row_contract = any(kernel in violation.kernel and argument in arguments for kernel, arguments in ROW_ARGUMENTS.items())
     return "A" if row_contract else "C"
 
 
@@ -99,9 +135,9 @@ def _call_verdicts(obs) -> tuple[list[Verdict], bool]:
 
 
 def _read_back(case, inputs, obs, verdicts):
-    if case.kv_cache_dtype == "fp8_ds_mla" and "cache_entries" in obs.outputs:
-        slot_values, write_verdict = judge_fp8_ds_mla_entries(case, inputs, obs.outputs["cache_slots"],
-                                                              obs.outputs["cache_entries"])
+    if case.kv_cache_dtype in ("fp8_ds_mla", "fp8") and "cache_entries" in obs.outputs:
+        slot_values, write_verdict = judge_cache_entries(case, inputs, obs.outputs["cache_slots"],
+                                                         obs.outputs["cache_entries"])
         verdicts += [write_verdict] if write_verdict else []
         return slot_values
     return None

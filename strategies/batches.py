@@ -20,6 +20,7 @@ from typing import Callable
 from hypothesis import strategies as st
 
 from strategies.case import (
+    FP8_PER_TENSOR_SCALES,
     FP8_SCALES,
     INVALID_AT,
     MAX_DECODE_QUERY_LEN,
@@ -410,6 +411,11 @@ class AttentionFeatures:
     mtp_draft: bool = False
     # The engine's CUDA-graph modes to draw (Case.cudagraph): "full" for targets that capture and replay decode steps.
     cudagraph_modes: tuple[str, ...] = ("none",)
+    # How the indexer's rows are drawn (the knob `topk_rows`): "drawn", each request's valid count by its TopkSpec
+    # (0, 1, some, topk - 1, topk: the valid counts a backend must take from the indices); "indexer", every row holds
+    # min(visible positions, topk) valid positions, as DeepSeek's indexer (top_k_per_row) fills them: the count
+    # FLASHINFER_MLA_SPARSE_SM90 plans each row with, derived from its context and not read from the indices.
+    topk_rows: tuple[str, ...] = ("drawn",)
 
 
 TOTAL_HEADS = 128  # DeepSeek-V3.2's attention heads: heads per rank are 128 / TP
@@ -489,7 +495,16 @@ def _attention_heads(p: Profile, f: AttentionFeatures, outside: bool) -> tuple[i
 def attention_knobs(p: Profile, f: AttentionFeatures) -> dict[str, tuple[str, ...]]:
     p = p.for_attention()
     names = [*_REQUEST_KNOBS, "heads", "kv_cache_dtype", "values"]
+    if "drawn" not in f.topk_rows:  # every row the indexer's: no valid count to draw
+        names.remove("topk_valid")
+    if len(f.topk_rows) > 1:
+        names.append("topk_rows")
+    scales: tuple[str, ...] = ()
     if "fp8_ds_mla" in f.kv_cache_dtypes:
+        scales = FP8_SCALES
+    elif "fp8" in f.kv_cache_dtypes:
+        scales = FP8_PER_TENSOR_SCALES
+    if scales:
         names.append("fp8_scale")
     if f.block_stride_rows:
         names.append("block_stride")
@@ -501,7 +516,7 @@ def attention_knobs(p: Profile, f: AttentionFeatures) -> dict[str, tuple[str, ..
         names.append("cudagraph")
     domains = dict(block_size=map(str, f.block_sizes or p.block_sizes), topk_width=map(str, p.topk_widths),
                    heads=map(str, _attention_heads(p, f, False)), kv_cache_dtype=f.kv_cache_dtypes,
-                   cudagraph=f.cudagraph_modes)
+                   cudagraph=f.cudagraph_modes, fp8_scale=scales, topk_rows=f.topk_rows)
     if f.pcp_layouts:
         names += ["cp_layout", "dcp_interleave", "pcp_prefill"]
         domains["cp_layout"] = [n for n in f.pcp_layouts if any(_pcp_layout_fits(n, h) for h in _attention_heads(p, f, False))]
@@ -560,9 +575,12 @@ def attention_cases(draw, p: Profile, f: AttentionFeatures, swarm: Swarm | None 
     stride = block_size * draw(st.integers(2, 3)) if f.block_stride_rows and _flag(draw, swarm, "block_stride", "on") \
         else 0
     kv_dtype = _sampled(draw, swarm, "kv_cache_dtype", f.kv_cache_dtypes)
+    # (Drawn only where the target takes both: other targets' cases stay the draws they were.)
+    indexer_rows = f.topk_rows == ("indexer",) or (
+        len(f.topk_rows) > 1 and _sampled(draw, swarm, "topk_rows", f.topk_rows) == "indexer")
 
     def spec(r: Request):
-        full = f.indexer_fills_short_seqs and r.seq_len <= topk_width
+        full = indexer_rows or (f.indexer_fills_short_seqs and r.seq_len <= topk_width)
         if swarm is not None:
             return swarm_topk_specs(topk_width, swarm, False, 2, valid=topk_width if full else None)
         return _indexer_full_spec(topk_width) if full else attention_topk_specs(topk_width)
@@ -574,7 +592,8 @@ def attention_cases(draw, p: Profile, f: AttentionFeatures, swarm: Swarm | None 
         dcp=dcp,
         heads=heads,
         kv_cache_dtype=kv_dtype,
-        fp8_scale=_sampled(draw, swarm, "fp8_scale", FP8_SCALES) if kv_dtype == "fp8_ds_mla" else "pow2",
+        fp8_scale=(_sampled(draw, swarm, "fp8_scale", FP8_SCALES) if kv_dtype == "fp8_ds_mla" else
+                   _sampled(draw, swarm, "fp8_scale", FP8_PER_TENSOR_SCALES) if kv_dtype == "fp8" else "pow2"),
         values=_sampled(draw, swarm, "values", VALUE_KINDS),
         seed=draw(st.integers(0, 2**16)),
         padded_tokens=_graph_padding(reqs, num_decodes) if f.cudagraph_padding else 0,

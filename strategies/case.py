@@ -20,8 +20,14 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 SCHEMA = 1
-KV_CACHE_DTYPES = ("bfloat16", "fp8_ds_mla")
-FP8_SCALES = ("pow2", "arbitrary", "e8m0_trunc")  # writer/reader scale conventions (bug class K)
+# "fp8": vLLM's per-tensor fp8 (e4m3) cache, [576] bytes a token, both parts divided by the layer's k_scale (the
+# kv-cache dtype FLASHINFER_MLA_SPARSE_SM90 takes; FLASHMLA_SPARSE turns "fp8" into fp8_ds_mla instead).
+KV_CACHE_DTYPES = ("bfloat16", "fp8_ds_mla", "fp8")
+# Writer/reader scale conventions (bug class K). fp8_ds_mla: the entries' tile scales (powers of two, arbitrary
+# fp32, or powers of two a reader truncates to e8m0). "fp8": the layer's per-tensor k_scale, pow2 = 1.0 (vLLM's
+# default, no scale in the checkpoint), arbitrary = a checkpoint's calibrated scale (strategies.tensors.fp8_kv_scale).
+FP8_SCALES = ("pow2", "arbitrary", "e8m0_trunc")
+FP8_PER_TENSOR_SCALES = ("pow2", "arbitrary")
 VALUE_KINDS = ("normal", "large", "tiny", "zero_tiles")
 INVALID_AT = ("tail", "head", "scattered", "leading_tiles")
 # Which visible positions a row's valid entries are: any (spread), or the newest ones, as an indexer that
@@ -308,6 +314,9 @@ class Case:
         _check(self.heads >= 1, "heads", f"must be >= 1, got {self.heads}")
         _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         _check(self.fp8_scale in FP8_SCALES, "fp8_scale", f"one of {FP8_SCALES}, got {self.fp8_scale!r}")
+        if self.kv_cache_dtype == "fp8":
+            _check(self.fp8_scale in FP8_PER_TENSOR_SCALES, "fp8_scale",
+                   f"a per-tensor fp8 cache's k_scale is one of {FP8_PER_TENSOR_SCALES}, got {self.fp8_scale!r}")
         _check(self.values in VALUE_KINDS, "values", f"one of {VALUE_KINDS}, got {self.values!r}")
         _check(self.cudagraph in CUDAGRAPH_MODES, "cudagraph", f"one of {CUDAGRAPH_MODES}, got {self.cudagraph!r}")
         if self.cudagraph == "full":  # the runner's block table has one width for the engine's life

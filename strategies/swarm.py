@@ -81,7 +81,10 @@ KNOBS = _knobs(
     Knob("req_id_rows", ("match", "full_batch"), "req_id_per_token sliced like topk_indices, or the whole batch's"),
     Knob("heads", (), "query heads per rank (values: the target's)"),
     Knob("kv_cache_dtype", (), "kv-cache dtype (values: the target's)"),
-    Knob("fp8_scale", FP8_SCALES, "fp8_ds_mla scale convention"),
+    Knob("fp8_scale", FP8_SCALES, "fp8 scale convention: fp8_ds_mla's tile scales; a per-tensor fp8 cache's k_scale "
+                                  "(pow2: 1.0, arbitrary: a calibrated checkpoint's)"),
+    Knob("topk_rows", ("drawn", "indexer"), "top-k rows with drawn valid counts, or as the indexer fills them: "
+                                            "min(visible positions, topk) valid each"),
     Knob("values", VALUE_KINDS, "what the cache and queries hold"),
     Knob("cudagraph", CUDAGRAPH_MODES, "the engine replays uniform decode steps from full CUDA graphs (or runs eagerly)"),
     Knob("trace", ("single", "short", "long"),
@@ -205,8 +208,10 @@ def case_features(case: Case, domains: dict[str, tuple[str, ...]], max_context: 
         f["cp_layout"] = {case.dcp.layout}
         if prefills:
             f["pcp_prefill"] = {"split" if pcp_splits(r.query_len, case.dcp.pcp) else "whole" for _, r in prefills}
-    if case.kv_cache_dtype == "fp8_ds_mla":
+    if case.kv_cache_dtype in ("fp8_ds_mla", "fp8"):
         f["fp8_scale"] = {case.fp8_scale}
+    if case.topk:
+        f["topk_rows"] = {"indexer" if all(t.valid == case.topk_width for t in case.topk) else "drawn"}
     if case.dsv4 is not None:
         f.update(dsv4_features(case, decodes))
     out = {}
@@ -275,7 +280,7 @@ REQUIRES: dict[tuple[str, str | None], tuple[tuple[str, tuple[str, ...] | None],
     ("table_layout", "shared_prefix"): (("decode_context", ("long",)),),  # whole cached blocks to share
     ("dcp_rank", None): (("dcp", None),),  # None: any value but "1"
     ("dcp_interleave", None): (("dcp", None),),
-    ("fp8_scale", None): (("kv_cache_dtype", ("fp8_ds_mla",)),),
+    ("fp8_scale", None): (("kv_cache_dtype", ("fp8_ds_mla", "fp8")),),
     ("decode_lengths", None): (("decode_query_len", ("mtp",)),),
     ("window_context", None): (("decodes", ("some",)),),
     ("state_fill", None): (("compress_ratio", ("4", "128")),),

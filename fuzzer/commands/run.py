@@ -69,6 +69,9 @@ def add_parser(sub) -> None:
     r.add_argument("--reruns", type=int, default=3, help="re-runs of each finding to tell flaky ones (default 3)")
     r.add_argument("--max-findings", type=int, default=None, metavar="N",
                    help="stop searching once N distinct findings are made (a pre-merge check, a self-test)")
+    r.add_argument("--known", action="append", default=[], metavar="SIGNATURE",
+                   help="a known open bug's finding signature (repeatable): its cases are counted (the summary's "
+                        "repeats), never saved or counted toward --max-findings (selftest passes repros/' open bugs)")
     r.add_argument("--search", choices=SEARCHES, default="swarm",
                    help="swarm (default): batches of cases, each under its own swarm of pinned knobs, steered to "
                         "knob combinations not yet covered; plain: the target's strategy as it is, one batch")
@@ -182,7 +185,7 @@ def main(args, device: str) -> int:
                         progress=Progress(target.name, args.quiet), pending=STATE_DIR / "pending" / target.name,
                         journal=STATE_DIR / "journal" / f"{target.name}.json", reruns=args.reruns,
                         shrink=not args.no_shrink, database=example_database(args.db),
-                        max_findings=args.max_findings, search=args.search)
+                        max_findings=args.max_findings, search=args.search, known=tuple(args.known))
     try:
         result = campaign.run()
     except HarnessError as e:
@@ -281,7 +284,8 @@ def summary_of(args, result, saved, host, label, profile_name, target) -> RunSum
         interrupted=bool(result.interrupted), interrupted_by=result.interrupted, shrink_cases=result.shrink_cases,
         rerun_cases=result.rerun_cases, startup_seconds=round(result.startup_seconds, 2), search=args.search,
         coverage=_coverage(result),
-        stage_seconds={k: round(v, 3) for k, v in result.cases.stage_seconds.items()})
+        stage_seconds={k: round(v, 3) for k, v in result.cases.stage_seconds.items()},
+        known_hits={sig: n for sig, n in result.repeats.items() if sig in args.known})
 
 
 def _coverage(result) -> dict:
@@ -302,6 +306,10 @@ def print_summary(result, saved, unsaved, host, campaign) -> None:
     console.print(f"{result.target}: {result.examples} cases{f' (+{extra})' if extra else ''} in {result.seconds:.1f} s "
                   f"({result.rate:.1f}/s, start-up {result.startup_seconds:.1f} s) on {host.device}, vLLM {host.vllm}:"
                   f"{cut} {len(result.findings)} finding(s)", highlight=False)
+    known = {sig: n for sig, n in result.repeats.items() if sig in campaign.known}
+    if known:
+        console.print("  known open bugs hit again (--known; not saved): "
+                      + ", ".join(f"{sig} in {n} case(s)" for sig, n in sorted(known.items())), highlight=False)
     for f, path in saved:
         classes = ",".join(sorted({v.bug_class for v in f.verdicts if v.bug_class})) or "-"
         again = "" if f.reruns is None else (f", FLAKY: came back {f.reruns[0]} of {f.reruns[1]} re-runs" if f.flaky

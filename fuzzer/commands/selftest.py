@@ -7,7 +7,10 @@ mutant's BUG_CLASS. Then one clean campaign per target (every kv-cache dtype dra
 A mutant campaign whose findings carry other classes only is "found-as-other": the bug was detected (the clean
 run of that target, same seed and budget, finds nothing), but the oracle named its symptom differently from
 the mutant's declared cause (a class-B stale index read seen as NaN, class I); it passes unless
---strict-classes. A target this host or release cannot run is skipped with its reason. Exit 1 when a mutant
+--strict-classes. A target this host or release cannot run is skipped with its reason. Known open bugs (the
+reproducers under --repros, default repros/, whose bug is expected present on this release, as the gate reads
+them) are passed to their target's campaigns as `run --known`: counted, not findings, so that neither a clean
+run fails nor a mutant's campaign stops on them (each row lists the hits). Exit 1 when a mutant
 is missed on any of its targets, a clean run reports a finding, or a campaign breaks; 0 otherwise; 2 on usage
 errors.
 (Not the `selftest.fault` target: that one tests crash isolation and fails on purpose.)
@@ -25,7 +28,8 @@ from pathlib import Path
 from fuzzer import budgets
 from fuzzer.artifacts.junit import JUnitCase, JUnitSuite, write_junit
 from fuzzer.env import STATE_DIR, host_info
-from fuzzer.errors import UsageError
+from fuzzer.commands.gate import GateError, find_repros
+from fuzzer.errors import RecordError, UsageError
 from fuzzer.mutants import MUTANTS, load
 from fuzzer.run.campaign_process import CampaignOutcome, CampaignSpec, run_campaigns
 from fuzzer.run.host import host_targets, import_vllm
@@ -93,14 +97,32 @@ def judge_clean(o: CampaignOutcome) -> SelftestRow:
     elif o.findings:
         row.verdict = "false-finding"
         row.reason = "; ".join(f"{f.get('signature')} ({f.get('path')})" for f in o.findings)
+    elif s.get("known_hits"):
+        row.reason = "known open bugs hit (not findings): " + ", ".join(
+            f"{sig} x{n}" for sig, n in sorted(s["known_hits"].items()))
     return row
 
 
+def known_open_bugs(repros: Path, vllm_version: str) -> dict[str, tuple[str, ...]]:
+    """target -> signatures of the reproducers under `repros` whose bug is expected present on this release."""
+    if not repros.is_dir():
+        return {}
+    known: dict[str, tuple[str, ...]] = {}
+    for rec in find_repros(repros):
+        if rec.expects_bug(vllm_version):
+            known[rec.target] = tuple(sorted({*known.get(rec.target, ()), rec.signature}))
+    return known
+
+
 def plan(device: str, unavailable: dict[str, str | None], seed: int, scale: float, mutants: list[str] | None = None,
-         clean: bool = True, targets: list[str] | None = None) -> tuple[list[tuple[str | None, str, CampaignSpec]],
-                                                                    list[SelftestRow]]:
+         clean: bool = True, targets: list[str] | None = None,
+         known: dict[str, tuple[str, ...]] | None = None) -> tuple[list[tuple[str | None, str, CampaignSpec]],
+                                                                  list[SelftestRow]]:
     """(mutant, bug class, spec) per campaign to run (mutant None: clean run), and the rows already skipped;
-    `mutants` and `targets` narrow it."""
+    `mutants` and `targets` narrow it; `known`: each target's known open bugs' signatures (`run --known`)."""
+
+    def known_args(target: str) -> tuple[str, ...]:
+        return tuple(a for sig in (known or {}).get(target, ()) for a in ("--known", sig))
 
     runs, skipped = [], []
     for name in mutants or MUTANTS:
@@ -115,7 +137,8 @@ def plan(device: str, unavailable: dict[str, str | None], seed: int, scale: floa
                 # Stops at its first finding: the cap only costs where a mutant is missed.
                 cap = max(budgets.examples(device, target, "selftest", scale),
                           max(1, round(budgets.SELFTEST_MUTANT_CAP * scale)))
-                spec = CampaignSpec(target, cap, seed, inject=name, reruns=1, extra=NO_SHRINK + STOP_AT_FIRST)
+                spec = CampaignSpec(target, cap, seed, inject=name, reruns=1,
+                                    extra=NO_SHRINK + STOP_AT_FIRST + known_args(target))
                 runs.append((name, mod.BUG_CLASS, spec))
     if clean:
         for target, why in unavailable.items():
@@ -125,7 +148,7 @@ def plan(device: str, unavailable: dict[str, str | None], seed: int, scale: floa
                 skipped.append(SelftestRow(None, "", target, "skipped", reason=why))
             else:
                 runs.append((None, "", CampaignSpec(target, budgets.examples(device, target, "selftest", scale), seed,
-                                                    reruns=1, extra=NO_SHRINK)))
+                                                    reruns=1, extra=NO_SHRINK + known_args(target))))
     return runs, skipped
 
 
@@ -154,6 +177,9 @@ def add_parser(subparsers) -> None:
                    help="a mutant detected only under another bug class than its own counts as missed")
     p.add_argument("--budget-scale", type=float, default=1.0, help="multiply every campaign's budget (fuzzer/budgets.py)")
     p.add_argument("--seed", type=int, default=budgets.SELFTEST_SEED)
+    p.add_argument("--repros", type=Path, default=Path("repros"),
+                   help="known open bugs: reproducers here whose bug is expected present on this release are passed "
+                        "to their target's campaigns as --known (default repros/)")
     p.add_argument("--jobs", type=int, default=None, help="campaigns at a time (default 2: a campaign keeps about one core busy, its process and its worker taking turns)")
     p.add_argument("--out", type=Path, default=None, help="campaign summaries and logs (default .attnfuzz/selftest)")
     p.add_argument("--json", type=Path, metavar="PATH", help="write the rows as JSON here")
@@ -182,7 +208,13 @@ def main(args: argparse.Namespace, device: str) -> int:
         if t not in unavailable:
             print(f"attnfuzz selftest: --targets: unknown target {t!r}; known: {', '.join(unavailable)}", file=sys.stderr)
             return 2
-    runs, skipped = plan(device, unavailable, args.seed, args.budget_scale, args.mutant, not args.no_clean, targets)
+    try:
+        known = known_open_bugs(args.repros, vllm_version)
+    except (GateError, RecordError) as e:
+        print(f"attnfuzz selftest: {e}", file=sys.stderr)
+        return 2
+    runs, skipped = plan(device, unavailable, args.seed, args.budget_scale, args.mutant, not args.no_clean, targets,
+                         known)
     host = host_info(device)
     print(f"attnfuzz selftest on {device} ({host.device_name}), vLLM {vllm_version}: {len(runs)} campaigns, "
           f"{len(skipped)} skipped", flush=True)

@@ -81,7 +81,8 @@ class Campaign:
                  executor, max_examples: int | None = 100, time_budget: float | None = None,
                  inject: str | None = None, progress: Progress | None = None, pending: Path | None = None,
                  journal: Path | None = None, reruns: int = 3, shrink: bool = True,
-                 database=None, max_findings: int | None = None, search: str = "swarm") -> None:
+                 database=None, max_findings: int | None = None, search: str = "swarm",
+                 known: tuple[str, ...] = ()) -> None:
         if search not in SEARCHES:
             raise ValueError(f"search must be one of {SEARCHES}, got {search!r}")
         self.search = search
@@ -101,7 +102,10 @@ class Campaign:
         self._exc_types: dict[str, type[CaseFailed]] = {}
         self._start = 0.0
         self._batch_failed = False
-        self._settled: set[str] = set()
+        # Known open bugs' signatures (`run --known`): counted as repeats from the start, never raised, saved or
+        # counted toward max_findings, as the bugs this campaign shrank in an earlier batch are.
+        self.known = frozenset(known)
+        self._settled: set[str] = set(self.known)
         self._winding_down = False  # SIGTERM: no case runs from now on
         self._in_cases = 0.0  # seconds spent inside cases (the rest of a batch is Hypothesis's own)
 
@@ -213,7 +217,7 @@ class Campaign:
         re-run with the others at the end), and the case it was running when it died (the journal) is
         checked again, so a SIGKILL loses none of them."""
         for finding in self.pending.load() if self.pending is not None else ():
-            if finding.signature not in self._failures:
+            if finding.signature not in self._failures and finding.signature not in self.known:
                 self._failures[finding.signature] = finding
                 self._settled.add(finding.signature)
         case = self.journal.read() if self.journal is not None else None

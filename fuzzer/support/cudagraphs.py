@@ -11,11 +11,14 @@ place. Anything rebuilt into a new tensor is invisible to the replay (bug class 
 
 On a CPU there are no graphs: `FullGraph` replays by calling the forward again on the capture-time metadata
 object and static inputs, which read exactly the tensors a graph would (the captured ones, not those built
-since); it is reported as emulated.
+since); it is reported as emulated. What a kernel launch takes from the host rather than from memory (its grid,
+the offsets and buffers it points at) a captured graph keeps as the capture saw it: a stand-in whose launch takes
+such parameters asks `launch_parameters`, which hands a replay the capture's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -72,6 +75,32 @@ class RunnerBuffers:
                           num_tokens, query_len, max_model_len)
 
 
+_EMULATING: list = []  # (graph, "capture" | "replay", launches counted per key) of the emulated graph in progress
+
+
+@contextlib.contextmanager
+def _emulating(graph, mode: str):
+    _EMULATING.append((graph, mode, {}))
+    try:
+        yield
+    finally:
+        _EMULATING.pop()
+
+
+def launch_parameters(key, params):
+    """A stand-in kernel's host-side launch parameters (`key`: the launch site; its n-th launch in one forward):
+    under an emulated capture, recorded and returned; under that graph's replay, the recorded ones (a captured
+    launch keeps its grid and pointers); otherwise `params` itself."""
+    if not _EMULATING:
+        return params
+    graph, mode, counts = _EMULATING[-1]
+    n = counts[key] = counts.get(key, -1) + 1
+    if mode == "capture":
+        graph.launches[key, n] = params
+        return params
+    return graph.launches.get((key, n), params)
+
+
 class FullGraph:
     """One captured forward: `forward(metadata) -> {name: tensor}` over static inputs the caller refills in
     place before each `replay()`, on metadata from `build()` (the capture batch's). On a GPU a
@@ -85,7 +114,9 @@ class FullGraph:
         if self.emulated:
             self._forward = forward
             self.metadata = build()
-            self.outputs = forward(self.metadata)
+            self.launches: dict = {}  # what stand-ins' launches took from the host at capture (launch_parameters)
+            with _emulating(self, "capture"):
+                self.outputs = forward(self.metadata)
             return
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -100,7 +131,8 @@ class FullGraph:
     def replay(self) -> dict[str, torch.Tensor]:
         """Run the captured forward on what the static inputs and captured tensors hold now; copies of its outputs."""
         if self.emulated:
-            self.outputs = self._forward(self.metadata)
+            with _emulating(self, "replay"):
+                self.outputs = self._forward(self.metadata)
         else:
             self.graph.replay()
         return {name: t.clone() for name, t in self.outputs.items() if t is not None}

@@ -61,7 +61,7 @@ from fuzzer.targets.vllm_api import remap_api
 from oracles.attention_judge import (
     attention_tolerance,
     judge_attention,
-    judge_fp8_ds_mla_entries,
+    judge_cache_entries,
     layer_reference_for,
     layer_tolerance,
     reference_for,
@@ -196,7 +196,6 @@ class FlashMLASparse(Target):
         ends at the first step that fails. The last step of a trace runs twice on the same metadata: a
         deterministic backend gives the same bits (`out_again`)."""
         from vllm.config import set_current_vllm_config
-        from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
         dev = self.device
         guards = Guards()
@@ -204,8 +203,7 @@ class FlashMLASparse(Target):
         topk_buffer = topk_buffer_for(case, dev, guards)
         write, write_emulated = self.writer(case)
         cfg = configure(self.cfg, case, max_num_batched_tokens=topk_buffer.shape[0])
-        spec = MLAAttentionSpec(block_size=case.block_size, num_kv_heads=1, head_size=HEAD_SIZE, dtype=torch.bfloat16,
-                                cache_dtype_str=case.kv_cache_dtype)
+        spec = self.kv_cache_spec(case, cfg)
         engine: dict = {}  # what the runner keeps across steps: built in the first step's call
         graphs = DecodeGraphs(case, dev, MAX_MODEL_LEN) if case.cudagraph == "full" else None
         observed = []
@@ -241,8 +239,28 @@ class FlashMLASparse(Target):
             last.notes["paths"] = sorted({p for o in observed for p in o.notes.get("paths", ())})
         return last
 
+    def kv_cache_spec(self, case, cfg):
+        """The layer's KV-cache spec as the builder gets it."""
+        from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+        return MLAAttentionSpec(block_size=case.block_size, num_kv_heads=1, head_size=HEAD_SIZE, dtype=torch.bfloat16,
+                                cache_dtype_str=case.kv_cache_dtype)
+
     def step_inputs(self, step):
         return materialize_attention_inputs(step, self.device)
+
+    def new_engine(self, ctx: "StepContext", step) -> None:
+        """The objects vLLM's runner keeps for the engine's life, in `ctx.engine`: the metadata builder, the impl and
+        (`layer`) what the layer hands forward_mqa as itself (None: FlashMLA reads nothing of it)."""
+        backend, engine = self.backend, ctx.engine
+        engine["builder"] = backend.get_builder_cls()(ctx.spec, [LAYER], ctx.cfg, torch.device(self.device))
+        # topk_indices_buffer= with indexer=None: the index group orders on the compute stream.
+        engine["impl"] = backend.get_impl_cls()(
+            step.heads, HEAD_SIZE, SM_SCALE, 1, None, None, step.kv_cache_dtype, None, "decoder", None,
+            **impl_topk_kwargs(backend.get_impl_cls(), ctx.topk_buffer), q_lora_rank=None,
+            kv_lora_rank=KV_LORA_RANK, qk_nope_head_dim=128, qk_rope_head_dim=ROPE_DIM, qk_head_dim=128 + ROPE_DIM,
+            v_head_dim=128, kv_b_proj=None)
+        engine["layer"] = None
 
     def mqa_step(self, ctx: "StepContext", step, inp):
         """One step through FlashMLASparseImpl.forward_mqa (every token), on the engine's builder and impl; in a
@@ -250,18 +268,11 @@ class FlashMLASparse(Target):
         eagerly on the same metadata too (`out_eager`)."""
         dev, engine = self.device, ctx.engine
         if not engine:
-            backend = self.backend
-            engine["builder"] = backend.get_builder_cls()(ctx.spec, [LAYER], ctx.cfg, torch.device(dev))
-            # topk_indices_buffer= with indexer=None: the index group orders on the compute stream.
-            engine["impl"] = backend.get_impl_cls()(
-                step.heads, HEAD_SIZE, SM_SCALE, 1, None, None, step.kv_cache_dtype, None, "decoder", None,
-                **impl_topk_kwargs(backend.get_impl_cls(), ctx.topk_buffer), q_lora_rank=None,
-                kv_lora_rank=KV_LORA_RANK, qk_nope_head_dim=128, qk_rope_head_dim=ROPE_DIM, qk_head_dim=128 + ROPE_DIM,
-                v_head_dim=128, kv_b_proj=None)
-        impl, builder = engine["impl"], engine["builder"]
+            self.new_engine(ctx, step)
+        impl, builder, layer = engine["impl"], engine["builder"], engine["layer"]
 
         def forward(q, metadata):  # (ql_nope, q_pe), as the layer passes it
-            out, lse = impl.forward_mqa((q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:]), ctx.cache, metadata, None)
+            out, lse = impl.forward_mqa((q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:]), ctx.cache, metadata, layer)
             return {"out": out, "lse": lse}
 
         graphs = ctx.graphs
@@ -315,7 +326,7 @@ class FlashMLASparse(Target):
     def finish(self, obs, case, slots, cache, before, write_emulated, overruns, guards):
         """What both FlashMLA targets add to an observation after the call: the fp8 entries written (for the
         oracle to read back), stand-ins and shims, overruns, guard regions, and whether the cache changed."""
-        if before and case.kv_cache_dtype == "fp8_ds_mla":
+        if before and case.kv_cache_dtype in ("fp8_ds_mla", "fp8"):
             obs.outputs["cache_slots"] = slots  # on the device: the worker's oracle reads them back there
             obs.outputs["cache_entries"] = before[0][slots // case.block_size, slots % case.block_size]
         out = obs.outputs.get("out")
@@ -348,8 +359,8 @@ def flashmla_repro(target, finding, layer: bool) -> ReproSpec:
     cache = target.cache(case, dev)
     target.writer(case)[0](inp.kv_c[slots], inp.k_pe[slots], cache, slots)
     slot_values = None
-    if case.kv_cache_dtype == "fp8_ds_mla":  # the oracle reads what the fp8 entries hold
-        slot_values, _ = judge_fp8_ds_mla_entries(case, inp, slots, cache[slots // case.block_size, slots % case.block_size])
+    if case.kv_cache_dtype != "bfloat16":  # the oracle reads what the fp8 entries hold
+        slot_values, _ = judge_cache_entries(case, inp, slots, cache[slots // case.block_size, slots % case.block_size])
     tensors = repro_step(case, inp.index, cache, topk_buffer, dev)
     if layer:
         mha_tokens = int(finding.observation.notes.get("route", {}).get("mha_tokens", 0))
@@ -426,8 +437,8 @@ def flashmla_trace_repro(target, finding, layer: bool) -> ReproSpec:
     inp = getattr(inputs, "attention", inputs)
     slots = step_slots(inp, dev)
     slot_values = None
-    if case.kv_cache_dtype == "fp8_ds_mla":  # the oracle reads what the fp8 entries hold
-        slot_values, _ = judge_fp8_ds_mla_entries(last, inp, slots, scratch[slots // case.block_size, slots % case.block_size])
+    if case.kv_cache_dtype != "bfloat16":  # the oracle reads what the fp8 entries hold
+        slot_values, _ = judge_cache_entries(last, inp, slots, scratch[slots // case.block_size, slots % case.block_size])
     if layer:
         mha_tokens = int(finding.observation.notes.get("route", {}).get("mha_tokens", 0))
         expected, _ = layer_reference_for(last, inputs, dev, slot_values, mha_tokens)
@@ -455,7 +466,7 @@ def flashmla_trace_repro(target, finding, layer: bool) -> ReproSpec:
               "is attnfuzz's " + ("fp32 oracle (after W_UV)." if layer else "fp32 oracle (latent, 512 wide)."),
         imports=("import dataclasses", "import tempfile", "from types import SimpleNamespace"),
         constants=dict(BLOCK_SIZE=case.block_size, BLOCK_STRIDE_ROWS=case.stride_rows, NUM_BLOCKS=case.pool_blocks,
-                       FP8_POISON=case.kv_cache_dtype == "fp8_ds_mla", TOPK_ROWS=max(s.num_actual_tokens for s in case.steps) + 8,
+                       FP8_POISON=case.kv_cache_dtype != "bfloat16", TOPK_ROWS=max(s.num_actual_tokens for s in case.steps) + 8,
                        **graph_constants, STEPS=constants, ATOL=atol, RTOL=rtol),
         tensors=tensors,
         support={"runtime": "fuzzer.support.flashmla_runtime", **({"cudagraphs": "fuzzer.support.cudagraphs"} if graphs else {}),
@@ -559,7 +570,8 @@ _GRAPH_FORWARD = """\
             eager = forward(S["q"], metadata)["out"]
             if not torch.equal(out.view(torch.uint8), eager.view(torch.uint8)):
                 found.append(f"step {k}: replayed from its CUDA graph, it differs from the step run eagerly in "
-                             f"{int((out != eager).any(dim=-1).any(dim=-1).sum())} of {out.shape[0]} tokens")
+                             f"{int((out.view(torch.uint8) != eager.view(torch.uint8)).any(dim=-1).any(dim=-1).sum())} "
+                             f"of {out.shape[0]} tokens")
         else:
             out = forward(S["q"], metadata)["out"]
         found += [f"step {k}: {m}" for m in check_overrun(step["NUM_TOKENS"])]

@@ -32,6 +32,8 @@ _current: set[str] | None = None  # the running case's paths; None: not recordin
 FLASHMLA = "vllm.v1.attention.backends.mla.flashmla_sparse"
 XPU = "vllm.v1.attention.backends.mla.xpu_mla_sparse"
 FLASHATTN = "vllm.v1.attention.backends.mla.flashattn_mla_sparse"
+FLASHINFER_SM90 = "vllm.v1.attention.backends.mla.flashinfer_mla_sparse_sm90"
+FLASHINFER_STANDIN = "fuzzer.support.standins.flashinfer_mla"  # attnfuzz's stand-in: FlashInfer's planner decisions
 SPARSE_UTILS = "vllm.v1.attention.backends.mla.sparse_utils"
 INDEX_GROUP = "vllm.v1.attention.backends.mla.index_group"
 SPARSE_MLA = "vllm.model_executor.layers.attention.sparse_mla_attention"
@@ -139,6 +141,34 @@ def _bf16_kernel_heads(args: tuple, kwargs: dict) -> Iterator[str]:
             yield "kernel.bf16_sparse.padded_heads"
 
 
+_SM90_PLANS: dict[int, object] = {}  # _SM90State -> the FlashInfer plan it held when plan() was entered
+
+
+def _sm90_plan_kind(args: tuple, kwargs: dict) -> Iterator[str]:
+    # _SM90State.plan(self, num_tokens, kv_lens, cam, req_id_per_token): exact host lengths (cam None), or upper
+    # bounds the plan clamps on the device
+    _SM90_PLANS[id(args[0])] = getattr(args[0].wrapper, "_planned_backend", None)
+    yield "sm90.plan.exact" if _arg(args, kwargs, "cam", 3) is None else "sm90.plan.upper_bound"
+
+
+def _sm90_plan_reused(args: tuple, kwargs: dict, result) -> Iterator[str]:
+    # the wrapper holds the plan it held before the call: vLLM kept the last plan (its bounds still fit)
+    before = _SM90_PLANS.pop(id(args[0]), None)
+    if before is not None and getattr(args[0].wrapper, "_planned_backend", None) is before:
+        yield "sm90.plan.reused"
+
+
+def _sm90_kv_dtype(args: tuple, kwargs: dict) -> Iterator[str]:
+    yield "sm90.fp8" if getattr(args[0], "use_fp8_kv_cache", False) else "sm90.bf16"
+
+
+def _flashinfer_plan(args: tuple, kwargs: dict, result) -> Iterator[str]:
+    # mla_plan(...) -> Plan: FlashInfer's cluster size, and whether it split a tile's KV (the merge stage runs)
+    yield "flashinfer.plan.cluster2" if result.info[0] == 2 else "flashinfer.plan.cluster1"
+    if result.merge_ctas:
+        yield "flashinfer.plan.split_kv"
+
+
 def _dsv4_layer_type(args: tuple, kwargs: dict) -> Iterator[str]:
     # DeepseekV4FlashMLAAttention._forward_decode / _forward_prefill(self, ...): the layer's compress ratio
     ratio = getattr(args[0], "compress_ratio", None)
@@ -193,11 +223,22 @@ PROBES: tuple[Probe, ...] = (
     Probe(V32_ATTENTION, "maybe_gather_mla_latent_cache_inputs", "pcp.cache_inputs_gather"),
     Probe(V32_ATTENTION, "finalize_mla_pcp_decode", "pcp.finalize_decode"),
     Probe(FLASHATTN, "FlashAttnMLASparseMetadataBuilder.update_draft_decode_metadata", "mtp_draft.update"),
+    # FLASHINFER_MLA_SPARSE_SM90: its builder's FlashInfer plan (host lengths, replans, the device clamp of each
+    # work item's kv_end), forward_mqa's cache dtype and page packing, and FlashInfer's planner (stand-in) decisions
+    Probe(FLASHINFER_SM90, "FlashInferMLASparseSM90Builder.build", before=_build_args),
+    Probe(FLASHINFER_SM90, "FlashInferMLASparseSM90Impl.forward_mqa", "mqa", before=_sm90_kv_dtype),
+    Probe(FLASHINFER_SM90, "_SM90State.plan", before=_sm90_plan_kind, after=_sm90_plan_reused),
+    Probe(FLASHINFER_SM90, "_SM90State._plan", "sm90.plan.replanned"),
+    Probe(FLASHINFER_SM90, "_SM90State._clamp_kv_end", "sm90.plan.clamp_kv_end"),
+    Probe(FLASHINFER_SM90, "_SM90State.pack_indices", "sm90.pack_indices"),
+    Probe(FLASHINFER_STANDIN, "mla_plan", after=_flashinfer_plan),
+    Probe(FLASHINFER_STANDIN, "BatchMLAPagedAttentionWrapper.run", "kernel.flashinfer_mla"),
     Probe(FLASHMLA, "FlashMLASparseImpl._bf16_flash_mla_kernel", "kernel.bf16_sparse", before=_bf16_kernel_heads),
     Probe(FLASHMLA, "FlashMLASparseImpl._fp8_flash_mla_kernel", "kernel.fp8_decode", before=_fp8_kernel_heads),
     # the top-k index conversion, wherever it is looked up
     Probe(INDEX_GROUP, "SparseMLAIndexGroup.convert_logical_to_physical_topk", "index_group.convert"),
-    *(Probe(m, REMAP, before=_remap_modes) for m in (SPARSE_UTILS, FLASHMLA, INDEX_GROUP, SPARSE_MLA, XPU)),
+    *(Probe(m, REMAP, before=_remap_modes) for m in (SPARSE_UTILS, FLASHMLA, INDEX_GROUP, SPARSE_MLA, XPU,
+                                                     FLASHINFER_SM90)),
     *(Probe(m, DCP_FILTER, before=_dcp_filter_modes) for m in (SPARSE_UTILS, FLASHMLA)),
     # DeepSeek-V4 (FLASHMLA_SPARSE_DSV4): the builders' split and Triton metadata kernels, the layer's routes,
     # the prefill's gather and combine, FlashMLA's decode (SWA only, or with the compressed cache) and prefill
@@ -226,6 +267,9 @@ KNOWN_PATHS: tuple[str, ...] = (
     "kernel.bf16_sparse.padded_heads", "kernel.fp8_decode", "kernel.fp8_decode.padded_heads", "index_group.convert",
     "remap", "remap.workspace", "remap.workspace.rank_major", "remap.valid_counts", "remap.idx_mapping", "remap.in_place", "remap.block_stride",
     "dcp.filter", "dcp.filter.compacted", "dcp.filter.in_place", "kernel.fa3_sparse", "mtp_draft.update",
+    "sm90.bf16", "sm90.fp8", "sm90.plan.exact", "sm90.plan.upper_bound", "sm90.plan.replanned", "sm90.plan.reused", "sm90.plan.clamp_kv_end",
+    "sm90.pack_indices", "flashinfer.plan.cluster1", "flashinfer.plan.cluster2", "flashinfer.plan.split_kv",
+    "kernel.flashinfer_mla",
     "dsv4.swa_indices", "dsv4.prefill_gather_lens", "dsv4.prefill.chunks", "dsv4.compressed_slot_mapping",
     "dsv4.c128a_topk_metadata", "dsv4.decode.swa_only", "dsv4.decode.c4a", "dsv4.decode.c128a",
     "dsv4.prefill.swa_only", "dsv4.prefill.c4a", "dsv4.prefill.c128a", "dsv4.global_topk",

@@ -7,6 +7,7 @@ from fuzzer.targets.dcp_filter import DcpFilter
 from fuzzer.targets.dsv4_flashmla import Dsv4FlashMLA
 from fuzzer.targets.flashattn_layer import FlashAttnMLASparseLayer
 from fuzzer.targets.flashattn_sparse import FlashAttnMLASparse
+from fuzzer.targets.flashinfer_sparse_sm90 import FlashInferMLASparseSM90
 from fuzzer.targets.flashmla_dcp import FlashMLASparseDcp
 from fuzzer.targets.flashmla_dcp_ranks import FlashMLASparseDcpRanks
 from fuzzer.targets.flashmla_layer import FlashMLASparseLayer
@@ -30,6 +31,7 @@ TARGETS: dict[str, type[Target]] = {
     FlashMLASparseLayerPcp.name: FlashMLASparseLayerPcp,
     FlashAttnMLASparse.name: FlashAttnMLASparse,
     FlashAttnMLASparseLayer.name: FlashAttnMLASparseLayer,
+    FlashInferMLASparseSM90.name: FlashInferMLASparseSM90,
     SparseMLAAll.name: SparseMLAAll,
     Dsv4FlashMLA.name: Dsv4FlashMLA,
     SelftestFault.name: SelftestFault,  # harness self-test, not vLLM

@@ -15,16 +15,26 @@ def _violation(op: str, argument: str, index: int, limit: int, elem_bytes: int, 
 
 
 def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
-                         slot_mapping: torch.Tensor, kv_cache_dtype: str, scale: torch.Tensor) -> None:
+                         slot_mapping: torch.Tensor, kv_cache_dtype: str, scale: torch.Tensor,
+                         skip_scale: bool = False) -> None:
     """`ops.concat_and_cache_mla`: token i's (kv_c | k_pe) goes to cache[slot // block_size, slot % block_size].
 
-    A negative slot is a padding token and is skipped, as in the CUDA kernel. Unquantized caches only
-    ("auto"/"bfloat16"/"float16"): the quantized layouts come with the FlashMLA target.
+    A negative slot is a padding token and is skipped, as in the CUDA kernel. Unquantized caches
+    ("auto"/"bfloat16"/"float16") and the per-tensor fp8 one ("fp8"/"fp8_e4m3", a uint8 cache): each element of
+    both parts as the kernel's `fp8::scaled_convert` makes it, e4m3(float(x) / *scale) rounded to nearest even and
+    saturated to +-448 (`__NV_SATFINITE`); `skip_scale` (vLLM passes it when the scale is 1.0) divides by nothing.
+    The fp8_ds_mla layout comes with the FlashMLA target (`flashmla_ops.concat_and_cache_mla`).
     """
-    if kv_cache_dtype not in ("auto", "bfloat16", "float16"):
+    if kv_cache_dtype not in ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3"):
         raise ValueError(f"attnfuzz's concat_and_cache_mla stand-in does not write kv_cache_dtype={kv_cache_dtype!r}")
     num_blocks, block_size = kv_cache.shape[:2]
-    entry = torch.cat([kv_c, k_pe], dim=-1).to(kv_cache.dtype)
+    if kv_cache_dtype.startswith("fp8"):
+        x = torch.cat([kv_c, k_pe], dim=-1).float()
+        if not skip_scale:
+            x = x / scale.float().reshape(-1)[0].to(x.device)
+        entry = x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8).view(kv_cache.dtype)
+    else:
+        entry = torch.cat([kv_c, k_pe], dim=-1).to(kv_cache.dtype)
     slots = slot_mapping.long()
     capacity = num_blocks * block_size
     for slot in slots[slots >= capacity].tolist()[:8]:  # each one an out-of-bounds write in the real op

@@ -7,7 +7,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from fuzzer import budgets
-from fuzzer.commands.selftest import failures, judge_clean, judge_mutant, markdown_table, plan
+from fuzzer.commands.selftest import failures, judge_clean, judge_mutant, known_open_bugs, markdown_table, plan
 from fuzzer.mutants import MUTANTS, load
 from fuzzer.run.campaign_process import CampaignOutcome, CampaignSpec
 from tests.conftest import attnfuzz
@@ -55,6 +55,25 @@ def test_clean_runs(tmp_path):
     row = judge_clean(_outcome(tmp_path, 1, [_finding(["I"], 4)], inject=None))
     assert row.verdict == "false-finding" and not row.ok and "/p" in row.reason
     assert judge_clean(_outcome(tmp_path, 2, inject=None)).verdict == "error"
+
+
+def test_known_open_bugs_go_to_their_target_s_campaigns_as_known_and_are_listed_not_failed(tmp_path):
+    """repros/' open bugs expected present on this release: `run --known` on every campaign of their target (a clean
+    run does not fail on them, a mutant's campaign does not stop at them); a fixed one is not passed."""
+    for rid, status, releases in (("a", "open", {"0.33.0": "present"}), ("b", "fixed", {"0.33.0": "absent"})):
+        (tmp_path / rid).mkdir()
+        (tmp_path / rid / "finding.json").write_text(json.dumps({
+            "id": rid, "target": "vllm.index_remap", "signature": f"output:{rid}", "status": status,
+            "releases": releases, "verdicts": []}))
+    known = known_open_bugs(tmp_path, "0.33.0")
+    assert known == {"vllm.index_remap": ("output:a",)}
+    runs, _ = plan("cpu", {"vllm.index_remap": None}, 1, 1.0, ["remap-count-past-table"], targets=["vllm.index_remap"],
+                   known=known)
+    assert runs and all(spec.extra[-2:] == ("--known", "output:a") for _, _, spec in runs)
+    o = _outcome(tmp_path, 0, inject=None)
+    o.summary["known_hits"] = {"output:a": 3}
+    row = judge_clean(o)
+    assert row.verdict == "clean" and row.ok and "output:a x3" in row.reason
 
 
 def test_plan_runs_each_mutant_on_every_target_it_names_that_runs_here():

@@ -22,3 +22,19 @@ def test_forcing_the_standins_hides_the_compiled_ops(monkeypatch):
     assert flashmla_runtime.has_cache_op("concat_mla_q")
     monkeypatch.setenv("ATTNFUZZ_STANDIN_OPS", "1")
     assert not flashmla_runtime.has_cache_op("concat_mla_q") and not flashmla_runtime._has_flashmla_kernels()
+
+
+def test_the_per_tensor_fp8_write_is_e4m3_of_x_over_the_scale_saturated_for_both_parts():
+    """concat_and_cache_mla with kv_cache_dtype "fp8": fp8::scaled_convert(x, *scale) for the latent and the RoPE part
+    alike (e4m3, round to nearest even, saturated at +-448); skip_scale (vLLM's when the scale is 1.0) divides by none."""
+    import torch
+
+    from fuzzer.support.standins.cache_ops import concat_and_cache_mla
+
+    kv_c, k_pe = torch.full((1, 512), 3.0).bfloat16(), torch.tensor([[0.5, -1000.0] + [0.0] * 62]).bfloat16()
+    cache = torch.zeros(1, 2, 576, dtype=torch.uint8)
+    concat_and_cache_mla(kv_c, k_pe, cache, torch.tensor([1]), "fp8", torch.tensor(0.25))
+    got = cache[0, 1].view(torch.float8_e4m3fn).float()
+    assert got[0] == 12.0 and got[512] == 2.0 and got[513] == -448.0 and cache[0, 0].eq(0).all()
+    concat_and_cache_mla(kv_c, k_pe, cache, torch.tensor([0]), "fp8", torch.tensor(0.25), True)
+    assert cache[0, 0].view(torch.float8_e4m3fn).float()[0] == 3.0

@@ -1,5 +1,6 @@
-"""`vllm.sparse_mla.all` on CPU: one step through every sparse-MLA backend the host runs (FlashMLA, FlashAttention
-and vLLM's Triton backend, each with its target's stand-ins), judged against the reference and pairwise."""
+"""`vllm.sparse_mla.all` on CPU: one step through every sparse-MLA backend the host runs (FlashMLA, FlashAttention,
+vLLM's Triton backend and FlashInfer's SM90 one on cases whose rows are the indexer's, each with its target's
+stand-ins), judged against the reference and pairwise."""
 
 import json
 import subprocess
@@ -49,7 +50,8 @@ def test_a_bug_in_one_backend_is_found_as_the_one_out_of_line_and_reproduced_alo
     backends = [v for v in finding["verdicts"] if v["check"] == "backends"]
     assert backends and backends[0]["where"] == "XPU_MLA_SPARSE", finding["verdicts"]
     assert "FLASHMLA_SPARSE, FLASH_ATTN_MLA_SPARSE, which agree" in backends[0]["detail"]  # every backend ran
-    assert {part.split(":")[0] for part in finding["real"]} == {"FLASHMLA_SPARSE", "FLASH_ATTN_MLA_SPARSE", "XPU_MLA_SPARSE"}
+    assert {part.split(":")[0] for part in finding["real"]} == {"FLASHMLA_SPARSE", "FLASH_ATTN_MLA_SPARSE", "XPU_MLA_SPARSE",
+                                                                "FLASHINFER_MLA_SPARSE_SM90"}
     repro = subprocess.run([sys.executable, "repro.py"], cwd=tmp_path / "repros" / finding["id"], capture_output=True,
                            text=True, timeout=300)
     assert repro.returncode == 1 and "BUG:" in repro.stdout, repro.stdout + repro.stderr

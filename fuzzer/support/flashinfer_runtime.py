@@ -1,0 +1,85 @@
+"""Setting vLLM's FLASHINFER_MLA_SPARSE_SM90 backend up without a model, for its target and its reproducers (whose
+attnfuzz_support.py carries this file): the backend class, the KV-cache spec vLLM's layer gives its builder, and
+the engine's objects in the order vLLM makes them (the impl with the layer, then the builder, which looks the
+layer up in the forward context and takes its impl's top-k buffer). torch and vLLM only (plus attnfuzz's stand-ins).
+
+FlashInfer is not installed on any attnfuzz host: the builder's `_SM90State` imports `flashinfer.mla` in its
+constructor, which gets attnfuzz's stand-in of FlashInfer 0.7.2.post1's BatchMLAPagedAttentionWrapper
+(`fuzzer.support.standins.flashinfer_mla`) for that import only. vLLM itself would not pick this backend here
+(`has_flashinfer_sm90_nope_mla()` is False without FlashInfer >= 0.6.18); every result names the stand-in.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from types import SimpleNamespace
+
+import torch
+
+from fuzzer.support.flashmla_runtime import HEAD_SIZE, KV_LORA_RANK, LAYER, QK_NOPE, ROPE_DIM, SM_SCALE, impl_topk_kwargs
+from fuzzer.support.standins import flashinfer_mla
+
+BACKEND_MODULE = "vllm.v1.attention.backends.mla.flashinfer_mla_sparse_sm90"
+NAME = "FLASHINFER_MLA_SPARSE_SM90"
+EMULATED = ("BatchMLAPagedAttentionWrapper (flashinfer.mla: FlashInfer 0.7.2.post1's fa3 planner and SM90 kernel)",)
+
+
+@functools.cache
+def backend(device: str = "cuda"):
+    """(vLLM's FlashInferMLASparseSM90Backend, the stand-ins it runs with here: FlashInfer's wrapper on every host)."""
+    return importlib.import_module(BACKEND_MODULE).FlashInferMLASparseSM90Backend, EMULATED
+
+
+@functools.cache
+def cpu_shims() -> tuple[str, ...]:
+    """CPU-only: `_SM90State.plan` asks torch.cuda whether a graph capture is in progress, which a CPU build of torch
+    cannot answer (a dummy class raises); with no CUDA there is none. Changes no computation."""
+    mod = importlib.import_module(BACKEND_MODULE)
+    mod.torch = SimpleNamespace(**{**vars(torch), "cuda": SimpleNamespace(
+        **{**vars(torch.cuda), "is_current_stream_capturing": lambda: False})})
+    return ("flashinfer_mla_sparse_sm90: torch.cuda.is_current_stream_capturing() -> False (a CPU build of torch "
+            "cannot answer; nothing captures on a CPU)",)
+
+
+def vllm_gate() -> bool:
+    """vLLM's own test for this backend's FlashInfer (>= 0.6.18, `ckv_scale_arr` in `run`), as this host answers it
+    without the stand-in: what `supports_combination` reports."""
+    from vllm.utils.flashinfer import has_flashinfer_sm90_nope_mla
+
+    return has_flashinfer_sm90_nope_mla()
+
+
+def kv_cache_spec(cfg, kv_cache_dtype: str, block_size: int):
+    """MLAAttention.get_kv_cache_spec's spec for this cache: a per-tensor fp8 cache is uint8 (the builder plans its
+    FlashInfer kernel for e4m3 from that), a bf16 one bf16."""
+    from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, get_kv_quant_mode
+
+    return MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=HEAD_SIZE,
+                            dtype=kv_cache_dtype_str_to_dtype(kv_cache_dtype, cfg.model_config),
+                            cache_dtype_str=kv_cache_dtype, kv_quant_mode=get_kv_quant_mode(kv_cache_dtype))
+
+
+def engine(backend_cls, cfg, spec, heads: int, kv_cache_dtype: str, topk_indices_buffer: torch.Tensor, k_scale: float,
+           device: str):
+    """(impl, layer, builder) as vLLM's model runner holds them. The layer registered under LAYER in the forward
+    context is what the builder reads of MLAAttention: its impl (which must be this backend's), its prefill backend
+    (None: every token takes forward_mqa), MLAAttention's own `_use_sparse_mha` (the builder plans the decode prefix
+    alone where it says prefills leave for dense MHA), and the kv-cache scale forward_mqa passes FlashInfer (`_k_scale`,
+    `_k_scale_float`: 1.0 unless the checkpoint has one). Call inside `set_current_vllm_config(cfg)`."""
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    impl_cls = backend_cls.get_impl_cls()
+    # topk_indices_buffer= with indexer=None: the index group orders on the compute stream.
+    impl = impl_cls(heads, HEAD_SIZE, SM_SCALE, 1, None, None, kv_cache_dtype, None, "decoder", None,
+                    **impl_topk_kwargs(impl_cls, topk_indices_buffer), q_lora_rank=None, kv_lora_rank=KV_LORA_RANK,
+                    qk_nope_head_dim=QK_NOPE, qk_rope_head_dim=ROPE_DIM, qk_head_dim=QK_NOPE + ROPE_DIM,
+                    v_head_dim=128, kv_b_proj=None)
+    layer = SimpleNamespace(impl=impl, prefill_backend=None, hisparse_cache=None,
+                            _k_scale=torch.tensor(k_scale, dtype=torch.float32, device=device), _k_scale_float=k_scale)
+    layer._use_sparse_mha = functools.partial(MLAAttention._use_sparse_mha, layer)
+    cfg.compilation_config.static_forward_context[LAYER] = layer
+    with flashinfer_mla.importable():  # _SM90State imports flashinfer.mla here
+        builder = backend_cls.get_builder_cls()(spec, [LAYER], cfg, torch.device(device))
+    return impl, layer, builder

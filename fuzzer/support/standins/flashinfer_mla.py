@@ -1,0 +1,890 @@
+"""Stand-in for FlashInfer's `flashinfer.mla.BatchMLAPagedAttentionWrapper`: the part vLLM's FLASHINFER_MLA_SPARSE_SM90
+backend uses, as flashinfer-python 0.7.2.post1 (the release vLLM 0.33.0 pins; the SM90 fp8 path is there from
+0.6.18) has it with `backend="fa3"` on an SM90 device.
+
+FlashInfer is a JIT library (62 MB of Python and CUDA sources, compiled with nvcc at first use) that no attnfuzz host
+installs. This module follows its source, not its documentation alone: the wrapper (`flashinfer/mla/_batch_mla/
+_wrapper.py`), the fa3 backend's planning and checks (`_backends/fa3_backend.py`, `_backends/_fa_common.py`,
+`_planning.py`, `_contracts.py`), the host planner `MLAPlan` (`include/flashinfer/attention/scheduler.cuh`, called by
+`csrc/batch_mla_sm90_plan.cu`) and the Hopper kernel (`include/flashinfer/attention/mla_hopper.cuh`, launched by
+`csrc/batch_mla_sm90_run.cu`; its merge stage `DevicePersistentMergeStates` in `mla.cuh`, `state_t` in `state.cuh`).
+
+What vLLM touches: the constructor (a 128 MiB float workspace, `use_cuda_graph=True` with reserved `qo_indptr`,
+`kv_indptr`, `kv_indices`, `kv_len_arr` buffers), `plan()` in its legacy flat-CSR positional form, the plan's
+`_plan_info` (18 ints, `MLAPlanInfo`) and `_planned_backend._int_workspace_buffer`, in which vLLM reads the planner's
+per-work arrays and rewrites `kv_end` in place, and `run(q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale=, kpe_scale=)`
+(`ckv_scale_arr` keyword-only, which vLLM's `has_flashinfer_sm90_nope_mla` inspects for).
+
+The planner (`MLAPlan`) as FlashInfer lays it out: every batch row's packed query rows (query tokens x heads) in tiles
+of 64 x cluster size (2 CTAs a cluster when the batch's average packed query length passes 64, else 1), a KV split
+limit from the batch's total KV length over the clusters, each (tile, KV chunk) a work item given to the cheapest
+cluster of a min-heap (libstdc++'s heap, as the C++ builds it); split tiles write partial outputs that a merge stage
+combines. The per-work arrays (`q_indptr`, `kv_indptr`, `partial_indptr`, `q_len`, `kv_len`, `q_start`, `kv_start`,
+`kv_end`, each 16,384 int32 wide, and `work_indptr` per cluster) and the merge arrays (one entry per SM) are staged in
+a fresh host buffer (left unwritten past what the plan writes: here 0xFF bytes, -1) and copied to the int workspace at
+FlashInfer's 16-byte aligned offsets. The emulated device is an SM90 of 132 SMs on a CPU (an H100/H200 SXM); on a
+GPU, the device's own SM count.
+
+The kernel, per work item and CTA of its cluster: query rows `q_start + 64 x blockIdx.x + j` of its tile (row
+`packed // heads`, head `packed % heads`; rows at or past `q_len` neither read nor written), keys of KV positions
+`kv_start` up to `kv_end` in 64-wide tiles. A tile position below `kv_len` (the planned length of the work's batch row)
+reads its page from `kv_indices[kv_indptr + pos]` (page size 1 in vLLM's use: the page is the cache row); past it, the
+highest tile loads zeros and lower tiles page 0. Positions at or past `kv_end` are masked (their rows are still read:
+`kv_indices` entries and cache rows up to `kv_len`). An fp8 (e4m3) cache is dequantized in the kernel as
+bf16(bf16(x) * bf16(scale)): `ckv_scale` (or per-token `ckv_scale_arr`) for the latent, `kpe_scale` for the RoPE part.
+Scores (q_nope.ckv + q_pe.kpe) x sm_scale, softmax, P.ckv, in fp32 here; a work with no key gives output 0 and LSE -inf.
+Unsplit works write `out` (bf16) directly; split ones write partial outputs (bf16) and LSEs (fp32) into the float
+workspace at the plan's offsets, which the merge stage combines by LSE into `out` (an all-empty merge: 0). LSE is
+base 2 unless `return_lse_base_on_e`. Rows of `out` no work writes are left as they were: a fresh `out` here is NaN
+(FlashInfer's `torch.empty_like`: undefined).
+
+Checks, as FlashInfer makes them: the plan's CSR metadata (int32, rank 1, indptrs from 0 and nondecreasing, one
+kv_len per batch row, page counts matching kv_len, enough kv_indices), the graph-mode reserved buffers (same shapes,
+no overlap), dtypes and head widths (fp8 KV only with bf16 q, ckv 512 and kpe 0 or 64, on SM90), the work-item
+capacity (16,384); at run, the planned dtypes and widths, and the fp8 scale arguments (exactly one of `ckv_scale` /
+`ckv_scale_arr`, a finite positive `kpe_scale`; none for a bf16 cache). A run before any plan raises. Memory the
+kernel would reach outside its tensors (a `kv_indices` entry past the buffer, a page outside the cache, a query or
+output row past `q_nope`/`out`, a partial row past the workspace's partial buffer) is recorded as a memory violation
+(`fuzzer.support.interp.sanitizer`) and skipped.
+
+Under an emulated CUDA graph (`fuzzer.support.cudagraphs`, a CPU's replay calls the forward again) the launch's host
+parameters are what the capture saw: the plan info (grid: `num_blks_x` x `num_blks_y`, array offsets) and the tensors
+it pointed at, as a captured kernel launch keeps them; the arrays' contents are read at replay.
+
+`importable()` puts this module up as `flashinfer.mla` (and an empty `flashinfer`) for the span of a `with` block:
+vLLM's builder imports the wrapper in its constructor, and nothing else of vLLM should see a FlashInfer it does not
+have (`vllm.utils.flashinfer.has_flashinfer` caches what it finds).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.machinery
+import math
+import struct
+import sys
+import types
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from fuzzer.support import cudagraphs
+from fuzzer.support.interp.sanitizer import SANITIZER, MemoryViolation
+
+__version__ = "0.7.2.post1"  # what this stand-in follows
+OP = "BatchMLAPagedAttentionWrapper (attnfuzz stand-in)"
+EMULATED_SMS = 132  # an H100/H200 SXM: the SM90 device a CPU run emulates
+CTA_TILE_Q = CTA_TILE_KV = 64
+MAX_WORKS = 16384  # scheduler.cuh: max_total_num_works
+INT_WORKSPACE_BYTES = 8 * 1024 * 1024
+PLAN_INFO_FIELDS = ("num_blks_x", "num_blks_y", "q_indptr", "kv_indptr", "partial_indptr", "merge_packed_offset_start",
+                    "merge_packed_offset_end", "merge_partial_packed_offset_start", "merge_partial_packed_offset_end",
+                    "merge_partial_stride", "q_len", "kv_len", "q_start", "kv_start", "kv_end", "work_indptr",
+                    "partial_o", "partial_lse")
+_FIELD = {name: i for i, name in enumerate(PLAN_INFO_FIELDS)}
+_KV_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
+LOG2E = 1.0 / math.log(2.0)
+
+
+class _BackendPlanUnsupportedError(ValueError):
+    """FlashInfer's typed preflight rejection (`_backends/_capabilities.py`): raised to the caller of an explicitly
+    requested backend."""
+
+
+def _violation(argument: str, index: int, limit: int, elem_bytes: int, access: str = "load",
+               inside: bool = False) -> None:
+    SANITIZER.violations.append(MemoryViolation(
+        kernel=OP, op=access, argument=argument, byte_offset=index * elem_bytes, argument_bytes=limit * elem_bytes,
+        element_bytes=elem_bytes, program_id=(0, 0, 0), lanes=1, inside_allocation=inside))
+
+
+def _report(argument: str, bad: torch.Tensor, index: torch.Tensor, limit: int, elem_bytes: int,
+            access: str = "load") -> None:
+    for i in index[bad].flatten().tolist()[:4]:  # the first few name the bug
+        _violation(argument, int(i), limit, elem_bytes, access)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _f32(x: float) -> float:
+    """The value as a C++ float holds it (the planner's costs are floats)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return EMULATED_SMS
+
+
+# -- the planner: scheduler.cuh MLAPlan ---------------------------------------------------------------------------
+
+class _MinHeap:
+    """flashinfer/attention/heap.h's MinHeap over std::push_heap / std::pop_heap with `a.cost > b.cost`, done as
+    libstdc++ does (`__adjust_heap`, `__push_heap`), so that ties go to the cluster the C++ picks."""
+
+    def __init__(self, capacity: int):
+        self.h = [(i, 0.0) for i in range(capacity)]
+
+    @staticmethod
+    def _less(a, b) -> bool:  # the comparator: a "less than" b for the max-heap the std algorithms keep
+        return a[1] > b[1]
+
+    def _push_up(self, hole: int, top: int, value) -> None:
+        h = self.h
+        parent = (hole - 1) // 2
+        while hole > top and self._less(h[parent], value):
+            h[hole] = h[parent]
+            hole = parent
+            parent = (hole - 1) // 2
+        h[hole] = value
+
+    def insert(self, element) -> None:
+        self.h.append(element)
+        self._push_up(len(self.h) - 1, 0, element)
+
+    def pop(self):
+        h = self.h
+        if len(h) > 1:
+            value = h[-1]
+            h[-1] = h[0]
+            length, hole, child = len(h) - 1, 0, 0  # __adjust_heap over [0, length)
+            while child < (length - 1) // 2:
+                child = 2 * (child + 1)
+                if self._less(h[child], h[child - 1]):
+                    child -= 1
+                h[hole] = h[child]
+                hole = child
+            if length % 2 == 0 and child == (length - 2) // 2:
+                child = 2 * (child + 1)
+                h[hole] = h[child - 1]
+                hole = child - 1
+            self._push_up(hole, 0, value)
+        return h.pop()
+
+
+def _kv_len_limit(x: int) -> int:
+    return 32 if x <= 8 else 64 if x <= 16 else 128 if x <= 32 else 192 if x <= 64 else _ceil_div(x, 256) * 256
+
+
+def _packed_causal_kv_end(qo_len, kv_len, tile, cluster_tile_q, num_tiles, group_size) -> int:
+    if tile + 1 == num_tiles:
+        return kv_len
+    return max(min(kv_len - qo_len + _ceil_div((tile + 1) * cluster_tile_q, group_size), kv_len), 0)
+
+
+class _Allocator:
+    """flashinfer/allocator.h's AlignedAllocator, offsets only."""
+
+    def __init__(self, space: int):
+        self.used, self.space = 0, space
+
+    def alloc(self, size: int, alignment: int, name: str) -> int:
+        start = _ceil_div(self.used, alignment) * alignment
+        if start + size > self.space:
+            raise RuntimeError(f"Buffer overflow when allocating memory for {name} with size {size} and alignment "
+                               f"{alignment}, but only {self.space - self.used} bytes available in AlignedAllocator. "
+                               "Increase the workspace buffer size.")
+        self.used = start + size
+        return start
+
+
+@dataclass
+class Plan:
+    """What MLAPlan returns and stages: the plan info, and the host copy of the int workspace's first bytes."""
+
+    info: list[int]
+    staged: torch.Tensor  # uint8 [staged bytes]
+    works: int
+    merge_ctas: int  # tiles split over KV chunks merge in this many CTAs (0: no split)
+
+
+def mla_plan(qo_indptr: list[int], kv_indptr: list[int], kv_len: list[int], num_heads: int, head_dim_o: int,
+             causal: bool, num_sm: int, int_workspace_bytes: int, float_workspace_bytes: int) -> Plan:
+    batch_size = len(kv_len)
+    accum, items = 0, []
+    for i in range(batch_size):
+        qo_len = qo_indptr[i + 1] - qo_indptr[i]
+        if qo_len < 0:
+            raise RuntimeError(f"qo_indptr[{i + 1}]{qo_indptr[i + 1]} - qo_indptr[{i}]{qo_indptr[i]} should be "
+                               "non-negative")
+        accum += qo_len * num_heads
+        items.append((i, qo_len, kv_len[i]))
+    cluster_size = 2 if accum // batch_size > 64 else 1
+    num_clusters = num_sm // cluster_size
+    cluster_tile_q = cluster_size * CTA_TILE_Q
+
+    def remaining_of(qo_len, kv, tile, tiles):
+        return _packed_causal_kv_end(qo_len, kv, tile, cluster_tile_q, tiles, num_heads) if causal else kv
+
+    total_kv = sum(remaining_of(q, kv, t, _ceil_div(q * num_heads, cluster_tile_q))
+                   for _, q, kv in items for t in range(_ceil_div(q * num_heads, cluster_tile_q)))
+    limit = _kv_len_limit(max(_ceil_div(total_kv, num_clusters), 1))
+
+    heap = _MinHeap(num_clusters)
+    fields = ("q_indptr", "kv_indptr", "partial_indptr", "q_len", "kv_len", "q_start", "kv_start", "kv_end")
+    clusters: list[list[tuple]] = [[] for _ in range(num_clusters)]
+    merge = {k: [0] * num_sm for k in ("merge_packed_offset_start", "merge_packed_offset_end",
+                                       "merge_partial_packed_offset_start", "merge_partial_packed_offset_end",
+                                       "merge_partial_stride")}
+    merge_ctas, partial_nnz = 0, 0
+    for i, qo_len, kv in items:
+        packed = qo_len * num_heads
+        tiles = _ceil_div(packed, cluster_tile_q)
+        for tile in range(tiles - 1, -1, -1):
+            remaining = remaining_of(qo_len, kv, tile, tiles)
+            kv_start = 0
+            split = remaining > limit
+            row_tile = min(cluster_tile_q, packed - tile * cluster_tile_q)
+            if split:
+                chunks = max(remaining * cluster_size // limit, 1)
+                row_chunk = _ceil_div(row_tile, chunks)
+                for offset in range(0, row_tile, row_chunk):
+                    if merge_ctas >= num_sm:  # the C++ writes past its vectors here, then its check fails
+                        raise RuntimeError("Internal Error: merge_cta_counter should be less than or equal to num_sm, "
+                                           "please report this bug to the developers")
+                    base = qo_indptr[i] * num_heads + tile * cluster_tile_q
+                    merge["merge_packed_offset_start"][merge_ctas] = base + offset
+                    merge["merge_packed_offset_end"][merge_ctas] = base + min(offset + row_chunk, row_tile)
+                    merge["merge_partial_packed_offset_start"][merge_ctas] = partial_nnz + offset
+                    merge["merge_partial_packed_offset_end"][merge_ctas] = (partial_nnz + _ceil_div(remaining, limit)
+                                                                            * row_tile)
+                    merge["merge_partial_stride"][merge_ctas] = row_tile
+                    merge_ctas += 1
+            zero = remaining == 0
+            while remaining > 0 or zero:
+                cluster, cost = heap.pop()
+                actual = min(remaining, limit)
+                heap.insert((cluster, _f32(cost + _f32(2.0 * cluster_tile_q + actual))))
+                clusters[cluster].append((qo_indptr[i], kv_indptr[i], partial_nnz if split else -1, qo_len, kv,
+                                          tile * cluster_tile_q, kv_start, kv_start + actual))
+                if split:
+                    partial_nnz += row_tile
+                remaining -= actual
+                kv_start += actual
+                if zero:
+                    break
+    works = [w for c in clusters for w in c]
+    if len(works) > MAX_WORKS:  # the C++ would write past its work arrays: the wrapper's preflight stops it first
+        raise _BackendPlanUnsupportedError(f"FA MLA needs {len(works)} work items including KV splits; native "
+                                           f"capacity is {MAX_WORKS}.")
+    work_indptr = [0]
+    for c in clusters:
+        work_indptr.append(work_indptr[-1] + len(c))
+
+    ints = _Allocator(int_workspace_bytes)
+    offsets = {}
+    for name in ("q_indptr", "kv_indptr", "partial_indptr"):
+        offsets[name] = ints.alloc(4 * MAX_WORKS, 16, "mla_" + name)
+    for name in merge:
+        offsets[name] = ints.alloc(4 * num_sm, 16, "mla_" + name)
+    for name in ("q_len", "kv_len", "q_start", "kv_start", "kv_end", "work_indptr"):
+        offsets[name] = ints.alloc(4 * MAX_WORKS, 16, "mla_" + name)
+    # The host staging buffer is a fresh allocation each plan (FlashInfer's pinned buffer of a new backend object):
+    # what the plan leaves unwritten is undefined there, and copied to the device with the rest.
+    staged = torch.full((ints.used // 4,), -1, dtype=torch.int32)
+    for k, name in enumerate(fields):
+        values = [w[k] for w in works]
+        if values:
+            staged[offsets[name] // 4: offsets[name] // 4 + len(values)] = torch.tensor(values, dtype=torch.int32)
+    for name, values in merge.items():
+        staged[offsets[name] // 4: offsets[name] // 4 + num_sm] = torch.tensor(values, dtype=torch.int32)
+    staged[offsets["work_indptr"] // 4: offsets["work_indptr"] // 4 + len(work_indptr)] = torch.tensor(
+        work_indptr, dtype=torch.int32)
+    floats = _Allocator(float_workspace_bytes)
+    offsets["partial_o"] = floats.alloc(2 * num_clusters * cluster_tile_q * 2 * head_dim_o, 16, "mla_partial_o")
+    offsets["partial_lse"] = floats.alloc(2 * num_clusters * cluster_tile_q * 4, 16, "mla_partial_lse")
+    info = [cluster_size, num_clusters] + [offsets[name] for name in PLAN_INFO_FIELDS[2:]]
+    return Plan(info, staged.view(torch.uint8), len(works), merge_ctas)
+
+
+# -- the wrapper's checks (_planning.py, _fa_common.py) -----------------------------------------------------------
+
+def _metadata_tensor(name: str, t, device: torch.device) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} metadata must be a torch.Tensor.")
+    if t.ndim != 1:
+        raise ValueError(f"{name} metadata must be rank-1, got shape {tuple(t.shape)}.")
+    if t.dtype != torch.int32:
+        raise ValueError(f"{name} metadata must have dtype torch.int32, got {t.dtype}.")
+    if t.device.type != "cpu" and t.device != device:
+        raise ValueError(f"{name} metadata must be on CPU or wrapper device {device}, got {t.device}.")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} metadata must be contiguous.")
+    return t
+
+
+def _indptr_values(name: str, t: torch.Tensor) -> list[int]:
+    if t.numel() == 0:
+        raise ValueError(f"{name} metadata must contain at least one element.")
+    values = t.cpu().long()
+    if int(values[0]) != 0:
+        raise ValueError(f"{name} metadata must start at zero.")
+    if bool((values[1:] < values[:-1]).any()):
+        raise ValueError(f"{name} metadata must be nondecreasing.")
+    return values.tolist()
+
+
+def _validate_csr(qo_indptr, kv_indptr, kv_indices, kv_len_arr, page_size: int, device: torch.device):
+    for name, t in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices),
+                    ("kv_len_arr", kv_len_arr)):
+        _metadata_tensor(name, t, device)
+    qo, kv = _indptr_values("qo_indptr", qo_indptr), _indptr_values("kv_indptr", kv_indptr)
+    batch = len(qo) - 1
+    if len(kv) != batch + 1 or kv_len_arr.numel() != batch:
+        raise ValueError(f"CSR metadata batch dimensions must agree: qo_indptr describes {batch}, kv_indptr describes "
+                         f"{len(kv) - 1}, and kv_len_arr has {kv_len_arr.numel()} entries.")
+    if kv[-1] > kv_indices.numel():
+        raise ValueError(f"kv_indices metadata has {kv_indices.numel()} entries but kv_indptr[-1] is {kv[-1]}.")
+    lens = kv_len_arr.cpu().long()
+    if bool((lens < 0).any()):
+        raise ValueError("kv_len_arr metadata must be nonnegative.")
+    pages = [(n + page_size - 1) // page_size for n in lens.tolist()]
+    if pages != [kv[i + 1] - kv[i] for i in range(batch)]:
+        raise ValueError("CSR metadata page counts in kv_indptr must equal ceil(kv_len_arr / page_size).")
+    return qo, kv, lens.tolist()
+
+
+def _storage_interval(t: torch.Tensor) -> tuple[int, int, int]:
+    start = t.storage_offset() * t.element_size()
+    return t.untyped_storage().data_ptr(), start, start + t.numel() * t.element_size()
+
+
+def _validate_graph_buffers(device, named) -> None:
+    """_fa_common.py `_validate_graph_metadata_buffers`: reserved buffers of the sources' shapes (kv_indices may be
+    larger), int32, contiguous, on the device, none overlapping another, no source overlapping another's target."""
+    for name, reserved, source, allow_larger in named:
+        if reserved is None:
+            continue
+        if reserved.dtype != torch.int32:
+            raise ValueError(f"CUDA graph reserved {name} buffer must have dtype torch.int32.")
+        if reserved.device != device:
+            raise ValueError(f"CUDA graph reserved {name} buffer must be on {device}.")
+        if not reserved.is_contiguous():
+            raise ValueError(f"CUDA graph reserved {name} buffer must be contiguous.")
+        if name == "kv_indices" and reserved.ndim != 1:
+            raise ValueError("CUDA graph reserved kv_indices buffer must have rank 1.")
+        if (allow_larger and reserved.shape[0] < source.shape[0]) or (not allow_larger and reserved.shape != source.shape):
+            raise ValueError(f"CUDA graph reserved {name} buffer has insufficient or incompatible capacity.")
+    intervals = [(name, _storage_interval(r)) for name, r, _, _ in named if r is not None]
+    for k, (a, (pa, sa, ea)) in enumerate(intervals):
+        for b, (pb, sb, eb) in intervals[k + 1:]:
+            if pa == pb and max(sa, sb) < min(ea, eb):
+                raise ValueError(f"CUDA graph reserved metadata buffers must not overlap: {a} overlaps {b}.")
+    targets = {name: (r[: s.shape[0]] if larger else r) for name, r, s, larger in named if r is not None}
+    for source_name, _, source, _ in named:
+        si = _storage_interval(source)
+        for target_name, target in targets.items():
+            ti = _storage_interval(target)
+            if si[0] == ti[0] and max(si[1], ti[1]) < min(si[2], ti[2]) and not (
+                    source_name == target_name and si == ti):
+                raise ValueError(f"CUDA graph {source_name} source overlaps reserved {target_name} target; only exact "
+                                 "same-source/same-target reuse is allowed.")
+    if any(r is None for _, r, _, _ in named):
+        raise ValueError("CUDA graph mode requires reserved qo_indptr, kv_indptr, kv_indices, and kv_len_arr buffers.")
+
+
+def _validate_fa3_plan(device, head_dim_ckv, head_dim_kpe, q_data_type, kv_data_type) -> str:
+    """_fa_common.py `_validate_generated_fa_plan` for fa3 on an SM90 device; returns the plan's scale mode."""
+    if q_data_type not in (torch.float16, torch.bfloat16):
+        raise _BackendPlanUnsupportedError(f"MLA q_data_type {q_data_type} is not supported by the fa3 backend.")
+    if kv_data_type not in _KV_DTYPES:
+        raise _BackendPlanUnsupportedError(f"MLA kv_data_type {kv_data_type} is not supported by the fa3 backend. "
+                                           f"Supported dtypes: {list(_KV_DTYPES)}.")
+    if head_dim_kpe < 0:
+        raise ValueError(f"head_dim_kpe must be >= 0, got {head_dim_kpe}.")
+    if kv_data_type == torch.float8_e4m3fn:
+        if q_data_type != torch.bfloat16:
+            raise _BackendPlanUnsupportedError("FP8 kv_data_type for MLA currently only supports "
+                                               f"q_data_type=torch.bfloat16, got {q_data_type}.")
+        if head_dim_ckv != 512 or head_dim_kpe not in (0, 64):
+            raise _BackendPlanUnsupportedError("FP8 kv_data_type for MLA currently only supports head_dim_ckv=512 and "
+                                               f"head_dim_kpe in (0, 64), got head_dim_ckv={head_dim_ckv}, "
+                                               f"head_dim_kpe={head_dim_kpe}.")
+        scale_mode = "kv-per-tensor"
+    elif kv_data_type != q_data_type:
+        raise _BackendPlanUnsupportedError(f"fa3 non-FP8 KV dtype must match query dtype, got {kv_data_type} and "
+                                           f"{q_data_type}.")
+    else:
+        scale_mode = "default"
+    if head_dim_ckv % 128 or head_dim_kpe % 64:
+        raise _BackendPlanUnsupportedError("fa3 requires head_dim_ckv to be a multiple of 128 and head_dim_kpe to be a "
+                                           "multiple of 64 (including zero).")
+    if head_dim_ckv not in (128, 256, 512):
+        raise _BackendPlanUnsupportedError("fa3 MLA requires head_dim_ckv in (128, 256, 512).")
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] != 9:
+        raise _BackendPlanUnsupportedError("fa3 MLA requires SM90 and CUDA >= 12.3.")
+    return scale_mode
+
+
+def _fa_plan_work_count(q_lens: list[int], kv_lens: list[int], num_heads: int, num_sm: int, causal: bool) -> int:
+    """_fa_common.py's preflight (MLAPlan's work count, splits included), raising before the native planner would
+    overrun its arrays."""
+    if not q_lens:
+        raise _BackendPlanUnsupportedError("FA MLA native planning requires a nonempty batch.")
+    if num_heads <= 0:
+        raise ValueError(f"num_heads must be a positive integer, got {num_heads!r}.")
+    cluster = 2 if sum(q_lens) * num_heads // len(q_lens) > 64 else 1
+    clusters = num_sm // cluster
+    tile = 64 * cluster
+    counts = [(q * num_heads + tile - 1) // tile for q in q_lens]
+    if sum(counts) > MAX_WORKS:
+        raise _BackendPlanUnsupportedError(f"FA MLA needs at least {sum(counts)} work items; native capacity is "
+                                           f"{MAX_WORKS}.")
+    effective = []
+    for q, kv, count in zip(q_lens, kv_lens, counts):
+        for index in range(count):
+            effective.append(max(min(kv - q + ((index + 1) * tile + num_heads - 1) // num_heads, kv), 0)
+                             if causal and index + 1 != count else kv)
+    average = max((sum(effective) + clusters - 1) // clusters, 1)
+    limit = _kv_len_limit(average)
+    count = sum(max(1, (kv + limit - 1) // limit) for kv in effective)
+    if count > MAX_WORKS:
+        raise _BackendPlanUnsupportedError(f"FA MLA needs {count} work items including KV splits; native capacity is "
+                                           f"{MAX_WORKS}.")
+    return count
+
+
+# -- the planned fa3 backend and its kernel -------------------------------------------------------------------------
+
+@dataclass(frozen=True, eq=False)
+class _Launch:
+    """A kernel launch's host parameters (what a captured CUDA graph keeps): the plan info and the tensors it points at."""
+
+    plan_info: tuple[int, ...]
+    int_workspace: torch.Tensor
+    float_workspace: torch.Tensor
+    kv_indices: torch.Tensor
+    page_size: int
+    sm_scale: float
+    causal: bool
+    ckv_scale: float
+    kpe_scale: float
+
+
+class _PlannedFa3Backend:
+    """`_BatchMLAPagedAttentionFa3Backend` after a plan: its workspaces (vLLM reads `_int_workspace_buffer`), the
+    staged metadata buffers and `_plan_info`."""
+
+    _backend = "fa3"
+
+    def __init__(self, float_workspace_buffer, use_cuda_graph, buffers, int_workspace_buffer=None):
+        self._float_workspace_buffer = float_workspace_buffer
+        self.device = float_workspace_buffer.device
+        if int_workspace_buffer is None:
+            int_workspace_buffer = torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self._int_workspace_buffer = int_workspace_buffer
+        self._use_cuda_graph = use_cuda_graph
+        self._qo_indptr_buf, self._kv_indptr_buf, self._kv_indices_buf, self._kv_len_arr_buf = buffers
+        self._plan_info: list[int] | None = None
+
+
+class BatchMLAPagedAttentionWrapper:
+    """FlashInfer's wrapper, `backend="fa3"` (or "auto", which picks fa3 on SM90), in the flat-CSR form vLLM calls."""
+
+    def __init__(self, float_workspace_buffer: torch.Tensor, use_cuda_graph: bool = False,
+                 qo_indptr: torch.Tensor | None = None, kv_indptr: torch.Tensor | None = None,
+                 kv_indices: torch.Tensor | None = None, kv_len_arr: torch.Tensor | None = None,
+                 backend: str = "auto") -> None:
+        accepted = ("auto", "fa2", "fa3", "cutlass", "cutile", "trtllm-gen", "xqa", "cute-dsl", "cute-dsl-monolithic",
+                    "cute-dsl-modular")
+        if backend not in accepted:
+            raise ValueError("backend must be one of " + ", ".join(repr(b) for b in sorted(accepted))
+                             + f", got {backend!r}.")
+        if backend not in ("auto", "fa3"):
+            raise NotImplementedError(f"attnfuzz's {OP} models the fa3 backend only (SM90), not {backend!r}")
+        self._float_workspace_buffer = float_workspace_buffer
+        self.device = float_workspace_buffer.device
+        self._use_cuda_graph = use_cuda_graph
+        self._qo_indptr_buf, self._kv_indptr_buf = qo_indptr, kv_indptr
+        self._kv_indices_buf, self._kv_len_arr_buf = kv_indices, kv_len_arr
+        self._backend = backend
+        self._planned_backend: _PlannedFa3Backend | None = None
+        self._plan_info: list[int] | None = None
+        self._warned_positional = False
+
+    def _warn_positional(self) -> None:
+        if not self._warned_positional:  # FlashInfer 0.7 warns once per wrapper
+            warnings.warn("Positional MLA arguments are deprecated; pass plan() and run() arguments by keyword "
+                          "instead. Positional calling will be removed in a future release.", DeprecationWarning,
+                          stacklevel=3)
+            self._warned_positional = True
+
+    def plan(self, qo_indptr=None, kv_indptr=None, kv_indices=None, kv_len_arr=None, num_heads=None, head_dim_ckv=None,
+             head_dim_kpe=None, page_size=None, causal=None, sm_scale=None, q_data_type=None, kv_data_type=None,
+             use_profiler: bool = False, *, metadata=None, lse_mode: str = "none", **unsupported) -> None:
+        if metadata is not None or unsupported:
+            raise NotImplementedError(f"attnfuzz's {OP} takes the flat CSR plan() form vLLM calls, not "
+                                      f"{'metadata=' if metadata is not None else ', '.join(unsupported)}")
+        if qo_indptr is not None and num_heads is not None:
+            self._warn_positional()
+        required = dict(num_heads=num_heads, head_dim_ckv=head_dim_ckv, head_dim_kpe=head_dim_kpe, page_size=page_size,
+                        causal=causal, sm_scale=sm_scale, q_data_type=q_data_type, kv_data_type=kv_data_type)
+        missing = [name for name, value in required.items() if value is None]
+        if missing:
+            raise TypeError("plan() missing required arguments: " + ", ".join(missing))
+        if any(t is None for t in (qo_indptr, kv_indptr, kv_indices, kv_len_arr)):
+            raise ValueError("CSR metadata form is partial.")
+        if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size <= 0:
+            raise ValueError(f"page_size must be a positive int, got {page_size!r}.")
+        if lse_mode not in ("none", "base2", "basee"):
+            raise ValueError(f"unsupported lse_mode {lse_mode!r}.")
+        previous = self._planned_backend
+        qo, kv, lens = _validate_csr(qo_indptr, kv_indptr, kv_indices, kv_len_arr, page_size, self.device)
+        scale_mode = _validate_fa3_plan(self.device, head_dim_ckv, head_dim_kpe, q_data_type, kv_data_type)
+        if self._use_cuda_graph:
+            _validate_graph_buffers(self.device, (("qo_indptr", self._qo_indptr_buf, qo_indptr, False),
+                                                  ("kv_indptr", self._kv_indptr_buf, kv_indptr, False),
+                                                  ("kv_indices", self._kv_indices_buf, kv_indices, True),
+                                                  ("kv_len_arr", self._kv_len_arr_buf, kv_len_arr, False)))
+        sms = num_sms(self.device)
+        _fa_plan_work_count([qo[i + 1] - qo[i] for i in range(len(lens))], lens, num_heads, sms, causal)
+        # A graph plan reuses the int workspace of the plan before (FlashInfer: its captured pointer must stay).
+        reuse = previous._int_workspace_buffer if self._use_cuda_graph and previous is not None else None
+        backend = _PlannedFa3Backend(self._float_workspace_buffer, self._use_cuda_graph,
+                                     (self._qo_indptr_buf, self._kv_indptr_buf, self._kv_indices_buf,
+                                      self._kv_len_arr_buf), reuse)
+        plan = mla_plan(qo, kv, lens, num_heads, head_dim_ckv, causal, sms, backend._int_workspace_buffer.numel(),
+                        self._float_workspace_buffer.numel() * self._float_workspace_buffer.element_size())
+        if self._use_cuda_graph:  # the user's reserved buffers take the metadata in place
+            for target, source in ((backend._qo_indptr_buf, qo_indptr), (backend._kv_indptr_buf, kv_indptr),
+                                   (backend._kv_indices_buf[: len(kv_indices)], kv_indices),
+                                   (backend._kv_len_arr_buf, kv_len_arr)):
+                target.copy_(source)
+        else:
+            backend._qo_indptr_buf, backend._kv_indptr_buf = qo_indptr.to(self.device), kv_indptr.to(self.device)
+            backend._kv_indices_buf, backend._kv_len_arr_buf = kv_indices.to(self.device), kv_len_arr.to(self.device)
+        backend._int_workspace_buffer[: plan.staged.numel()].copy_(plan.staged)
+        backend._plan_info = plan.info
+        backend._page_size, backend._sm_scale, backend._causal = page_size, float(sm_scale), bool(causal)
+        backend._head_dims, backend._q_data_type, backend._kv_data_type = (head_dim_ckv, head_dim_kpe), q_data_type, kv_data_type
+        backend._scale_mode, backend._lse_mode, backend._num_heads = scale_mode, lse_mode, num_heads
+        backend._works = plan.works
+        self._planned_backend = backend
+        self._backend = "fa3"
+        self._qo_indptr_buf, self._kv_indptr_buf = backend._qo_indptr_buf, backend._kv_indptr_buf
+        self._kv_indices_buf, self._kv_len_arr_buf = backend._kv_indices_buf, backend._kv_len_arr_buf
+        self._int_workspace_buffer = backend._int_workspace_buffer
+        self._plan_info = plan.info
+        self._sm_scale, self._causal, self._page_size = float(sm_scale), bool(causal), page_size
+        self._q_data_type, self._kv_data_type, self._head_dim_ckv = q_data_type, kv_data_type, head_dim_ckv
+
+    def run(self, q_nope: torch.Tensor | None = None, q_pe: torch.Tensor | None = None,
+            ckv_cache: torch.Tensor | None = None, kpe_cache: torch.Tensor | None = None,
+            out: torch.Tensor | None = None, lse: torch.Tensor | None = None, return_lse: bool = False,
+            profiler_buffer: torch.Tensor | None = None, kv_len: torch.Tensor | None = None,
+            page_table: torch.Tensor | None = None, return_lse_base_on_e: bool = False, o_scale: float | None = None,
+            *, query=None, kv_cache=None, ckv_scale: float | None = None, ckv_scale_arr: torch.Tensor | None = None,
+            kpe_scale: float | None = None, sinks=None, skip_softmax_threshold_scale_factor=None, bmm1_scale=None,
+            bmm2_scale=None):
+        if q_nope is not None and q_pe is not None:
+            self._warn_positional()
+        if query is not None or kv_cache is not None:
+            raise NotImplementedError(f"attnfuzz's {OP} takes the split q_nope/q_pe, ckv_cache/kpe_cache form vLLM calls")
+        if (q_nope is None) != (q_pe is None):
+            raise ValueError("q_nope and q_pe must both be provided.")
+        if (ckv_cache is None) != (kpe_cache is None):
+            raise ValueError("ckv_cache and kpe_cache must both be provided.")
+        if q_nope is None or ckv_cache is None:
+            raise TypeError("run() requires query= or q_nope and q_pe.")
+        b = self._planned_backend
+        if b is None:
+            raise RuntimeError("BatchMLAPagedAttentionWrapper.run() called before plan().")
+        # _contracts.py validate_run_options, then the fa backend's own checks
+        actual_lse = "none" if not (return_lse or lse is not None or return_lse_base_on_e) else (
+            "basee" if return_lse_base_on_e else "base2")
+        if actual_lse != b._lse_mode and b._lse_mode == "none":
+            pass  # a legacy flat CSR plan keeps its historical dynamic-LSE behavior (FlashInfer warns)
+        elif actual_lse != b._lse_mode:
+            raise ValueError(f"run() LSE mode {actual_lse!r} does not match the planned {b._lse_mode!r}.")
+        if out is not None and out.dtype != b._q_data_type:
+            raise ValueError(f"run() output dtype {out.dtype} does not match the planned {b._q_data_type}.")
+        if o_scale is not None:
+            raise ValueError("o_scale is only supported with the cutlass backend for now.")
+        if sinks is not None:
+            raise ValueError("sinks are not supported with an fa2/fa3 backend.")
+        if skip_softmax_threshold_scale_factor is not None:
+            raise ValueError("skip_softmax_threshold_scale_factor is not supported with an fa2/fa3 backend.")
+        if bmm1_scale is not None or bmm2_scale is not None:
+            raise ValueError("BMM scales are not supported with an fa2/fa3 backend.")
+        if kv_len is not None:
+            raise ValueError("kv_len is only supported with cutlass backend.")
+        if page_table is not None:
+            raise ValueError("page_table is only supported with cutlass backend.")
+        widths = b._head_dims
+        for name, left, right, dtype in (("query", q_nope, q_pe, b._q_data_type),
+                                         ("KV cache", ckv_cache, kpe_cache, b._kv_data_type)):
+            if left.ndim != 3 or right.ndim != 3:
+                raise ValueError(f"split {name} tensors must have rank 3.")
+            if left.shape[:-1] != right.shape[:-1]:
+                raise ValueError(f"split {name} tensor shapes must match before the last axis.")
+            for leaf, leaf_name in zip((left, right), ("q_nope", "q_pe") if name == "query" else ("ckv_cache", "kpe_cache")):
+                if leaf.dtype != dtype:
+                    raise ValueError(f"{leaf_name}.dtype={leaf.dtype} does not match the planned "
+                                     f"{'q_data_type' if name == 'query' else 'kv_data_type'}={dtype}.")
+            if (left.shape[-1], right.shape[-1]) != widths:
+                raise ValueError(f"split {name} last dimensions do not match planned widths.")
+        fp8 = b._kv_data_type == torch.float8_e4m3fn
+        if fp8:
+            if (ckv_scale is None) == (ckv_scale_arr is None):
+                raise ValueError("Exactly one of ckv_scale or ckv_scale_arr is required when kv_data_type is FP8.")
+            if kpe_scale is None:
+                raise ValueError("kpe_scale is required when kv_data_type is FP8.")
+            ckv_f, kpe_f = 1.0 if ckv_scale is None else float(ckv_scale), float(kpe_scale)
+            if ckv_scale is not None and (not math.isfinite(ckv_f) or ckv_f <= 0.0):
+                raise ValueError(f"ckv_scale must be a finite positive value, got {ckv_scale}")
+            if not math.isfinite(kpe_f) or kpe_f <= 0.0:
+                raise ValueError(f"kpe_scale must be a finite positive value, got {kpe_scale}")
+            if ckv_scale_arr is not None:
+                want = (*ckv_cache.shape[:-1], widths[0] // 128)
+                if tuple(ckv_scale_arr.shape) != want or ckv_scale_arr.dtype != torch.float32:
+                    raise ValueError(f"Invalid ckv_scale_arr: expected shape {want} and dtype torch.float32, got "
+                                     f"{tuple(ckv_scale_arr.shape)} {ckv_scale_arr.dtype}.")
+                if not ckv_scale_arr.is_contiguous():
+                    raise ValueError("ckv_scale_arr must be contiguous.")
+        else:
+            if ckv_scale is not None or ckv_scale_arr is not None or kpe_scale is not None:
+                raise ValueError("ckv_scale / ckv_scale_arr / kpe_scale are only valid when kv_data_type is FP8.")
+            ckv_f = kpe_f = 1.0
+        if out is None:  # FlashInfer: torch.empty_like(q_nope), undefined until written; NaN here
+            out = torch.full(q_nope.shape, float("nan"), dtype=q_nope.dtype, device=q_nope.device)
+        elif tuple(out.shape) != tuple(q_nope.shape) or out.device != q_nope.device:
+            raise ValueError(f"Invalid out: expected shape {tuple(q_nope.shape)} on {q_nope.device}, got "
+                             f"{tuple(out.shape)} on {out.device}.")
+        if return_lse:
+            if lse is None:
+                lse = torch.full(q_nope.shape[:2], float("nan"), dtype=torch.float32, device=q_nope.device)
+            elif tuple(lse.shape) != tuple(q_nope.shape[:2]) or lse.dtype != torch.float32:
+                raise ValueError(f"Invalid lse: expected shape {tuple(q_nope.shape[:2])} and dtype torch.float32.")
+        launch = cudagraphs.launch_parameters(("flashinfer.mla", id(self)), _Launch(
+            tuple(b._plan_info), b._int_workspace_buffer, b._float_workspace_buffer, b._kv_indices_buf, b._page_size,
+            b._sm_scale, b._causal, ckv_f, kpe_f))
+        _mla_kernel(launch, q_nope, q_pe, ckv_cache, kpe_cache, out, lse if return_lse else None,
+                    return_lse_base_on_e, ckv_scale_arr, fp8)
+        return (out, lse) if return_lse else out
+
+
+KEY_CHUNK_BYTES = 64 << 20  # fp32 keys gathered at once (works x positions x width): bounds the stand-in's memory
+
+
+def _mla_kernel(launch: _Launch, q_nope, q_pe, ckv, kpe, out, lse, lse_base_e: bool, ckv_scale_arr, fp8: bool) -> None:
+    """BatchMLAPageAttentionHopperKernel (see the module docstring), then its merge stage."""
+    info = launch.plan_info
+    bx, by = info[0], info[1]
+    dev = q_nope.device
+    heads, d_ckv, d_kpe = q_nope.shape[1], q_nope.shape[2], q_pe.shape[2]
+    ws = launch.int_workspace.view(torch.int32)
+    ws_cpu = ws.cpu()
+
+    def array(name: str, count: int, start: int = 0) -> torch.Tensor:
+        at = info[_FIELD[name]] // 4 + start
+        if at + count > ws_cpu.numel():
+            _violation("int_workspace_buffer", at + count - 1, ws_cpu.numel(), 4)
+            return torch.zeros(count, dtype=torch.int64)
+        return ws_cpu[at: at + count].long()
+
+    work_indptr = array("work_indptr", by + 1).tolist()
+    ids = [w for y in range(by) for w in range(work_indptr[y], work_indptr[y + 1])]
+    past = [w for w in ids if not 0 <= w < MAX_WORKS]
+    if past:  # a work id outside the planner's arrays: the kernel reads other arrays' (or no) memory
+        _violation("int_workspace_buffer (work arrays)", past[0], MAX_WORKS, 4, inside=True)
+    ids = [w for w in ids if 0 <= w < MAX_WORKS]
+    names = ("q_indptr", "kv_indptr", "partial_indptr", "q_len", "kv_len", "q_start", "kv_start", "kv_end")
+    full = {name: array(name, MAX_WORKS) for name in names}
+    work = {name: full[name][torch.tensor(ids, dtype=torch.long)] if ids else torch.zeros(0, dtype=torch.long)
+            for name in names}
+    num_pages, page_size = ckv.shape[0], launch.page_size
+    flat_idx = launch.kv_indices.reshape(-1).cpu().long()
+    ckv_rows = ckv.reshape(num_pages * ckv.shape[1], d_ckv)
+    kpe_rows = kpe.reshape(num_pages * kpe.shape[1], d_kpe)
+    fw = launch.float_workspace.view(-1).view(torch.uint8)
+    head_dim_o = d_ckv
+    partial_rows = 2 * bx * by * CTA_TILE_Q  # the plan's partial buffers: 2 x clusters x cluster tile rows
+    partial_o = fw[info[_FIELD["partial_o"]]: info[_FIELD["partial_o"]] + partial_rows * head_dim_o * 2].view(
+        torch.bfloat16).view(partial_rows, head_dim_o)
+    partial_lse = fw[info[_FIELD["partial_lse"]]: info[_FIELD["partial_lse"]] + partial_rows * 4].view(torch.float32)
+
+    # One entry per CTA (work x blockIdx.x): its 64 packed query rows.
+    n_work = len(ids)
+    if n_work:
+        x = torch.arange(bx).repeat(n_work)
+        w_of = torch.arange(n_work).repeat_interleave(bx)
+        j = torch.arange(CTA_TILE_Q)
+        packed = (work["q_start"][w_of] + x * CTA_TILE_Q)[:, None] + j  # [C, 64]
+        q_local, head = packed // heads, packed % heads
+        live_row = q_local < work["q_len"][w_of][:, None]
+        token = work["q_indptr"][w_of][:, None] + q_local
+        # KV positions of each work's tiles
+        kv_start, kv_end, kv_len, kv_indptr = (work[n] for n in ("kv_start", "kv_end", "kv_len", "kv_indptr"))
+        tiles = ((kv_end + CTA_TILE_KV - 1) // CTA_TILE_KV - kv_start // CTA_TILE_KV).clamp(min=0)
+        span = int(tiles.max()) * CTA_TILE_KV if n_work else 0
+        per = max(1, KEY_CHUNK_BYTES // max(1, span * (d_ckv + d_kpe) * 4 * max(1, bx)))
+        for c0 in range(0, n_work, per):
+            _cta_chunk(c0, min(n_work, c0 + per), bx, span, tiles, kv_start, kv_end, kv_len, kv_indptr, work,
+                       token, head, live_row, q_nope, q_pe, ckv_rows, kpe_rows, flat_idx, page_size, num_pages,
+                       launch, fp8, ckv_scale_arr, out, lse, lse_base_e, partial_o, partial_lse, partial_rows)
+    _merge(info, ws_cpu, heads, bx * by, partial_o, partial_lse, partial_rows, out, lse, lse_base_e)
+
+
+def _dequant(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """repack_fp8_kv_to_bf16: e4m3 -> bf16, times the scale as bf16 (__hmul2: a bf16 product)."""
+    s = torch.tensor(scale, dtype=torch.float32).to(torch.bfloat16).float()
+    return (x.float() * s).to(torch.bfloat16).float()
+
+
+def _cta_chunk(c0, c1, bx, span, tiles, kv_start, kv_end, kv_len, kv_indptr, work, token, head, live_row,
+               q_nope, q_pe, ckv_rows, kpe_rows, flat_idx, page_size, num_pages, launch, fp8, ckv_scale_arr, out, lse,
+               lse_base_e, partial_o, partial_lse, partial_rows) -> None:
+    dev = q_nope.device
+    w = torch.arange(c0, c1)
+    pos = kv_start[w][:, None] + torch.arange(span)  # [W, span]
+    in_tiles = torch.arange(span)[None, :] < tiles[w][:, None] * CTA_TILE_KV
+    highest = (pos - kv_start[w][:, None]) // CTA_TILE_KV == (tiles[w] - 1)[:, None]
+    read = in_tiles & (pos < kv_len[w][:, None])  # rows whose page comes from kv_indices
+    at = kv_indptr[w][:, None] * page_size + pos  # the packed block iterator
+    entry = at // page_size
+    bad_entry = read & ((entry < 0) | (entry >= flat_idx.numel()))
+    if bad_entry.any():
+        _report("kv_indices", bad_entry, entry, flat_idx.numel(), 4)
+    page = torch.where(read & ~bad_entry, flat_idx[entry.clamp(0, max(flat_idx.numel() - 1, 0))], 0)
+    row = page * page_size + at % page_size
+    page_zero = in_tiles & ~read & ~highest  # lower tiles past kv_len: page 0 (prefetch_offset's index 0)
+    row = torch.where(page_zero, at % page_size, row)
+    loaded = (read & ~bad_entry) | page_zero
+    bad_page = loaded & ((page < 0) | (page >= num_pages))
+    if bad_page.any():
+        _report("ckv_cache", bad_page, page, num_pages, ckv_rows.shape[-1] * ckv_rows.element_size() * page_size)
+    loaded &= ~bad_page
+    mask = in_tiles & (pos < kv_end[w][:, None])  # scores past kv_end: -inf
+    mask &= loaded | (in_tiles & ~read & highest)  # zero-filled rows of the highest tile score 0, not -inf
+    rows = row.clamp(0, max(ckv_rows.shape[0] - 1, 0)).to(dev)
+    k_ckv = ckv_rows[rows].float() if ckv_rows.shape[0] else torch.zeros(*row.shape, ckv_rows.shape[-1], device=dev)
+    k_kpe = kpe_rows[rows].float() if kpe_rows.shape[0] else torch.zeros(*row.shape, kpe_rows.shape[-1], device=dev)
+    if fp8:
+        if ckv_scale_arr is not None:  # per token, per 128 channels, applied in fp32 then rounded to bf16
+            scales = ckv_scale_arr.reshape(-1, ckv_scale_arr.shape[-1])[rows].repeat_interleave(128, dim=-1)
+            k_ckv = (ckv_rows[rows].float().to(torch.bfloat16).float() * scales).to(torch.bfloat16).float()
+        else:
+            k_ckv = _dequant(ckv_rows[rows], launch.ckv_scale)
+        k_kpe = _dequant(kpe_rows[rows], launch.kpe_scale)
+    zero = (~loaded).to(dev)[..., None]
+    k_ckv, k_kpe = k_ckv.masked_fill(zero, 0.0), k_kpe.masked_fill(zero, 0.0)  # never read (skipped) or zero-filled
+    # The CTAs of these works: [W * bx, 64] rows
+    ctas = torch.arange(c0 * bx, c1 * bx)
+    wc = torch.arange(c1 - c0).repeat_interleave(bx)  # the chunk-local work of each CTA
+    tok, hd, live = token[ctas], head[ctas], live_row[ctas]
+    bad_q = live & (tok >= q_nope.shape[0])
+    if bad_q.any():
+        _report("q_nope", bad_q, tok * q_nope.shape[1] + hd, q_nope.shape[0] * q_nope.shape[1],
+                q_nope.shape[-1] * q_nope.element_size())
+    readable = live & ~bad_q  # a row past q: its read skipped (zeros), its write still attempted
+    t_idx, h_idx = tok.clamp(0, max(q_nope.shape[0] - 1, 0)).to(dev), hd.to(dev)
+    qn = q_nope[t_idx, h_idx].float().masked_fill(~readable.to(dev)[..., None], 0.0)  # [C, 64, d]
+    qp = q_pe[t_idx, h_idx].float().masked_fill(~readable.to(dev)[..., None], 0.0)
+    s = torch.einsum("crd,ckd->crk", qn, k_ckv[wc.to(dev)]) + torch.einsum("crd,ckd->crk", qp, k_kpe[wc.to(dev)])
+    s = (s * launch.sm_scale).masked_fill(~mask[wc].to(dev)[:, None, :], float("-inf"))
+    row_lse = torch.logsumexp(s, dim=-1)  # [C, 64], natural log
+    empty = torch.isinf(row_lse) & (row_lse < 0)
+    p = torch.exp(s - torch.where(empty, 0.0, row_lse)[..., None]).masked_fill(empty[..., None], 0.0)
+    o = torch.einsum("crk,ckd->crd", p, k_ckv[wc.to(dev)])  # a work with no key: 0 (normalize_d_: 1/d -> 0)
+    lse2 = row_lse * LOG2E  # the kernel's base-2 LSE, -inf for an empty row
+    partial = work["partial_indptr"][w][wc]  # [C]
+    x_of = torch.arange(c1 * bx - c0 * bx) % bx
+    final = (partial < 0)[:, None] & live
+    if final.any():
+        bad_o = final & (tok >= out.shape[0])
+        if bad_o.any():
+            _report("o", bad_o, tok * out.shape[1] + hd, out.shape[0] * out.shape[1],
+                    out.shape[-1] * out.element_size(), "store")
+        final &= ~bad_o
+        ft, fh = tok[final].to(dev), hd[final].to(dev)
+        out[ft, fh] = o[final.to(dev)].to(out.dtype)
+        if lse is not None:
+            lse[ft, fh] = (row_lse if lse_base_e else lse2)[final.to(dev)]
+    split = (partial >= 0)[:, None] & live
+    if split.any():
+        prow = partial[:, None] + x_of[:, None] * CTA_TILE_Q + torch.arange(CTA_TILE_Q)[None, :]
+        bad_p = split & (prow >= partial_rows)
+        if bad_p.any():
+            _report("float_workspace_buffer (partial_o)", bad_p, prow, partial_rows, partial_o.shape[-1] * 2, "store")
+        split &= ~bad_p
+        pr = prow[split].to(dev)
+        partial_o[pr] = o[split.to(dev)].to(torch.bfloat16)
+        partial_lse[pr] = lse2[split.to(dev)]
+
+
+def _merge(info, ws_cpu, heads, ctas, partial_o, partial_lse, partial_rows, out, lse, lse_base_e) -> None:
+    """DevicePersistentMergeStates: CTA c merges rows [start, end) of its packed range from partial rows
+    pstart + local, + stride, ... < pend (state_t: m = -inf, d = 1, merged in fp32; an all-empty state gives 0)."""
+    num = ctas
+
+    def array(name):
+        at = info[_FIELD[name]] // 4
+        return ws_cpu[at: at + num].long().tolist()
+
+    starts, ends = array("merge_packed_offset_start"), array("merge_packed_offset_end")
+    pstarts, pends, strides = (array(n) for n in ("merge_partial_packed_offset_start",
+                                                  "merge_partial_packed_offset_end", "merge_partial_stride"))
+    dev = out.device
+    for c in range(num):
+        length = ends[c] - starts[c]
+        if length <= 0:
+            continue
+        local = torch.arange(length)
+        final = starts[c] + local
+        q, r = final // heads, final % heads
+        k = max(0, _ceil_div(pends[c] - pstarts[c] - 0, strides[c])) if strides[c] > 0 else 0
+        rows = pstarts[c] + local[:, None] + strides[c] * torch.arange(max(k, 1))[None, :]
+        use = rows < pends[c]
+        bad = use & ((rows >= partial_rows) | (rows < 0))
+        if bad.any():
+            _report("float_workspace_buffer (partial_o)", bad, rows, partial_rows, partial_o.shape[-1] * 2)
+        use &= ~bad
+        rr = rows.clamp(0, partial_rows - 1).to(dev)
+        po, pl = partial_o[rr].float(), partial_lse[rr]
+        pl = torch.where(use.to(dev), pl, float("-inf"))
+        m = pl.max(dim=1).values
+        weight = torch.exp2(pl - torch.where(torch.isinf(m) & (m < 0), 0.0, m)[:, None])
+        weight = torch.where(use.to(dev), weight, 0.0).nan_to_num(0.0)
+        d = weight.sum(dim=1)
+        merged = (po * weight[..., None]).masked_fill(~use.to(dev)[..., None], 0.0).sum(dim=1)
+        merged = merged * torch.where(d > 0, 1.0 / d, 0.0)[:, None]
+        bad_o = q >= out.shape[0]
+        if bad_o.any():
+            _report("o", bad_o, q * heads + r, out.shape[0] * heads, out.shape[-1] * out.element_size(), "store")
+        ok = ~bad_o
+        out[q[ok].to(dev), r[ok].to(dev)] = merged[ok.to(dev)].to(out.dtype)
+        if lse is not None:
+            value = m + torch.log2(d)
+            lse[q[ok].to(dev), r[ok].to(dev)] = (value / LOG2E if lse_base_e else value)[ok.to(dev)]
+
+
+# -- import as `flashinfer.mla` ------------------------------------------------------------------------------------
+
+def _module(name: str, package: bool) -> types.ModuleType:
+    module = types.ModuleType(name, f"attnfuzz's stand-in for FlashInfer ({name}), from {__name__}")
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=package)
+    if package:
+        module.__path__ = []
+    return module
+
+
+@contextlib.contextmanager
+def importable():
+    """`flashinfer` and `flashinfer.mla` (this stand-in's wrapper) importable inside the block, and only there."""
+    top, mla = _module("flashinfer", True), _module("flashinfer.mla", False)
+    mla.BatchMLAPagedAttentionWrapper = BatchMLAPagedAttentionWrapper
+    top.mla, top.__version__ = mla, __version__
+    saved = {name: sys.modules.get(name) for name in ("flashinfer", "flashinfer.mla")}
+    sys.modules.update({"flashinfer": top, "flashinfer.mla": mla})
+    try:
+        yield mla
+    finally:
+        for name, before in saved.items():
+            if before is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = before
