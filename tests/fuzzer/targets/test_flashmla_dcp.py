@@ -137,7 +137,8 @@ def test_each_dcp_mutant_is_seen(mutant, interleave, check):
 @pytest.mark.vllm
 def test_real_ranks_over_gloo_find_a_mutant(tmp_path):
     run = attnfuzz("--device", "cpu", "run", "--target", "vllm.flashmla_sparse.dcp.ranks", "--inject",
-                   "dcp-empty-shard-lse-zero", "--max-examples", "6", "--no-shrink", "--reruns", "0", "--quiet",
+                   "dcp-empty-shard-lse-zero", "--max-examples", "6", "--max-findings", "1", "--no-shrink",
+                   "--reruns", "0", "--quiet",
                    "--repros", str(tmp_path / "repros"), "--json", str(tmp_path / "run.json"))
     summary = json.loads((tmp_path / "run.json").read_text())
     assert run.returncode == 1, run.stderr[-3000:]
