@@ -20,6 +20,14 @@ prepare_process(os.environ.get("ATTNFUZZ_TEST_DEVICE", "cpu"))
 
 ROOT = Path(__file__).resolve().parent.parent
 
+from tests.preloaded import Preloaded  # noqa: E402
+
+PRELOADED = Preloaded(dict(os.environ))  # started on first use, in the environment prepared above
+
+
+def pytest_sessionfinish(session, exitstatus):
+    PRELOADED.close()
+
 
 def _vllm_importable() -> bool:
     try:
@@ -38,13 +46,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def attnfuzz(*args: str, cwd: Path | None = None, timeout: int = 900, state: Path | None = None) -> subprocess.CompletedProcess:
-    """Run the CLI in a fresh process (mutants patch vLLM process-wide); `state`: a state directory of its own
-    (journal, pending findings, example database), none shared with other tests. A campaign runs its cases in
-    the CLI's own process (`--isolation none`) unless the call says otherwise: a worker process would import
-    vLLM a second time for nothing a test looks at here (the worker is tests/fuzzer/run/test_worker.py's)."""
+def python(*args: str, cwd: Path | None = None, env: dict | None = None, input: str | None = None,
+           timeout: int = 900, fresh: bool = False) -> subprocess.CompletedProcess:
+    """`python ARGS` in a process of its own, as subprocess.run(..., capture_output=True, text=True) runs it: forked
+    from an interpreter that has imported vLLM already (tests/preloaded.py), or with `fresh` a new interpreter (a
+    test of the start-up itself)."""
+    cmd = [sys.executable, *map(str, args)]
+    if not fresh:
+        return PRELOADED.run(cmd, cwd=cwd or ROOT, env=env, input=input, timeout=timeout)
+    return subprocess.run(cmd, cwd=cwd or ROOT, env=env, input=input, capture_output=True, text=True, timeout=timeout)
+
+
+def attnfuzz(*args: str, cwd: Path | None = None, timeout: int = 900, state: Path | None = None,
+             fresh: bool = False) -> subprocess.CompletedProcess:
+    """Run the CLI in a process of its own (mutants patch vLLM process-wide; `python` above says which); `state`: a
+    state directory of its own (journal, pending findings, example database), none shared with other tests. A
+    campaign runs its cases in the CLI's own process (`--isolation none`) unless the call says otherwise: a worker
+    process would import vLLM a second time for nothing a test looks at here (the worker is
+    tests/fuzzer/run/test_worker.py's)."""
     env = dict(os.environ, **({"ATTNFUZZ_STATE": str(state)} if state is not None else {}))
     if args and args[0] == "run" and not {"--isolation", "--workers", "--sanitizer"} & set(args):
         args = (*args, "--isolation", "none")
-    return subprocess.run([sys.executable, "-m", "fuzzer.cli", *args], cwd=cwd or ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return python("-m", "fuzzer.cli", *args, cwd=cwd, env=env, timeout=timeout, fresh=fresh)

@@ -39,7 +39,7 @@ sys.meta_path.insert(0, _Hide())
 ])
 def test_arguments_that_test_nothing_are_refused_before_vllm_loads(argv, words):
     start = time.monotonic()
-    r = attnfuzz(*RUN, *argv)
+    r = attnfuzz(*RUN, *argv, fresh=True)  # a new interpreter: nothing of vLLM imported before the CLI starts
     assert r.returncode == 2 and words in r.stderr, r.stderr
     assert "Failed to import from vllm" not in r.stderr  # refused before vLLM's import
     assert time.monotonic() - start < 30
@@ -56,7 +56,7 @@ def test_outputs_are_checked_before_the_first_case(tmp_path):
 def test_device_cuda_without_a_gpu_is_a_usage_error():
     if Path("/dev/nvidia0").exists():
         pytest.skip("this host has a GPU")
-    r = attnfuzz("--device", "cuda", *RUN, "--max-examples", "1")
+    r = attnfuzz("--device", "cuda", *RUN, "--max-examples", "1", fresh=True)  # the device is chosen before vLLM loads
     assert r.returncode == 2 and "--device cuda: this host has no GPU driver" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
 

@@ -5,8 +5,6 @@ triggers none of them passes. `attnfuzz selftest --targets vllm.dsv4.flashmla` f
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -51,12 +49,11 @@ JOBS = [  # (mutant, step, verdicts it must give among others: a window one key 
 @pytest.mark.vllm
 def test_each_dsv4_mutant_fails_its_step_only():
     from fuzzer.mutants import load
-    from tests.conftest import ROOT
+    from tests.conftest import python
 
     mutants = [m for m, _, _ in JOBS if m]
     assert all(load(m).BUG_CLASS == "N" and load(m).TARGETS == ("vllm.dsv4.flashmla",) for m in mutants)
-    run = subprocess.run([sys.executable, "-c", PROBE, *mutants], input=json.dumps([c.to_dict() for _, c, _ in JOBS]),
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    run = python("-c", PROBE, *mutants, input=json.dumps([c.to_dict() for _, c, _ in JOBS]), timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     failed = json.loads(run.stdout.strip().splitlines()[-1])
     assert all(want <= set(f) and bool(f) == bool(want) for (_, _, want), f in zip(JOBS, failed)), failed

@@ -7,8 +7,6 @@ code a mutant cannot patch (its edit is "not found in this vLLM") skips that mut
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -169,11 +167,10 @@ def test_narrow_mutants_are_registered_with_their_targets():
 @pytest.mark.vllm
 @pytest.mark.parametrize("mutant", list(NARROW))
 def test_fires_on_its_conjunction_only(mutant):
-    from tests.conftest import ROOT
+    from tests.conftest import python
 
     jobs = NARROW[mutant]()
-    run = subprocess.run([sys.executable, "-c", PROBE, mutant], input=json.dumps([[t, c.to_dict()] for _, t, c, _ in jobs]),
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    run = python("-c", PROBE, mutant, input=json.dumps([[t, c.to_dict()] for _, t, c, _ in jobs]), timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     if "skip" in result:

@@ -18,7 +18,7 @@ from fuzzer.errors import UsageError
 from fuzzer.run import fleet
 from fuzzer.search import database
 from strategies.case import Case, Request, TopkSpec
-from tests.conftest import ROOT
+from tests.conftest import ROOT, python
 
 
 def _case(*query_lens: int) -> Case:
@@ -168,9 +168,9 @@ def _fleet(tmp_path, *argv: str, wait: bool = True):
     cmd = [sys.executable, "-m", "fuzzer.cli", "--device", "cpu", "run", "--target", "vllm.flashmla_sparse",
            "--inject", "flashmla-topk-length-dropped", "--db", str(tmp_path / "db"), "--repros",
            str(tmp_path / "repros"), "--isolation", "none", "--no-shrink", "--reruns", "1", *argv]
-    if not wait:
+    if not wait:  # a fresh interpreter: the test signals it
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    return python(*cmd[1:], env=env, timeout=600)
 
 
 @pytest.mark.vllm

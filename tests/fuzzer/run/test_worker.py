@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, python
 
 pytestmark = pytest.mark.vllm  # the CLI imports vLLM once (the self-test target itself runs none of it)
 
@@ -21,10 +21,10 @@ def campaign(tmp_path, fault: str, *extra: str, max_examples: int = 20, wait: bo
     cmd = [sys.executable, "-m", "fuzzer.cli", "--device", "cpu", "run", "--target", "selftest.fault",
            "--max-examples", str(max_examples), "--repros", str(tmp_path / "repros"), "--json",
            str(tmp_path / "summary.json"), "--quiet", *extra]
-    if not wait:
+    if not wait:  # a fresh interpreter in a session of its own: the test SIGKILLs it
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 start_new_session=True)
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    return python(*cmd[1:], env=env, timeout=600)
 
 
 @pytest.mark.parametrize("fault,signature", [("segfault", "crash:killed-by-SIGSEGV"),

@@ -153,11 +153,10 @@ print(json.dumps(sorted({(v.check, v.bug_class) for v in t.oracle(case, t.run(ca
     ("dcp-owner-ignores-interleave", 2, "dcp_filter"),
 ])
 def test_each_dcp_mutant_is_seen(mutant, interleave, check):
-    from tests.conftest import ROOT
+    from tests.conftest import python
 
     case = mixed(2, interleave)
-    run = subprocess.run([sys.executable, "-c", PROBE, mutant, case.to_json(None)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=600)
+    run = python("-c", PROBE, mutant, case.to_json(None), timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     failed = json.loads(run.stdout.strip().splitlines()[-1])
     assert [check, "G"] in failed, failed
@@ -166,7 +165,8 @@ def test_each_dcp_mutant_is_seen(mutant, interleave, check):
 @pytest.mark.vllm
 def test_real_ranks_over_gloo_find_a_mutant(tmp_path):
     run = attnfuzz("--device", "cpu", "run", "--target", "vllm.flashmla_sparse.dcp.ranks", "--inject",
-                   "dcp-empty-shard-lse-zero", "--max-examples", "6", "--no-shrink", "--reruns", "0", "--quiet",
+                   "dcp-empty-shard-lse-zero", "--max-examples", "6", "--max-findings", "1", "--no-shrink",
+                   "--reruns", "0", "--quiet",
                    "--repros", str(tmp_path / "repros"), "--json", str(tmp_path / "run.json"))
     summary = json.loads((tmp_path / "run.json").read_text())
     assert run.returncode == 1, run.stderr[-3000:]

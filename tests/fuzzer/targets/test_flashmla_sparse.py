@@ -126,27 +126,37 @@ def test_sparse_prefill_standin_masks_by_contract_and_reports_faults():
     assert [(v.op, v.argument) for v in found] == [("load", "k_cache")]
 
 
-def test_a_mutant_finding_gets_a_standalone_reproducer(tmp_path):
-    """The saved repro.py (torch + vLLM only, attnfuzz's support code in attnfuzz_support.py beside it) shows
-    the bug and exits 1."""
+def test_the_padded_heads_mutant_is_found_and_its_standalone_reproducer_shows_it(tmp_path):
+    """flashmla-padded-heads-out (class J, the output keeps FlashMLA's padded heads) found by a campaign of single
+    fresh steps (the head envelope needs no earlier step, and a step shrinks faster); the saved repro.py (torch +
+    vLLM only, attnfuzz's support code in attnfuzz_support.py beside it, the mutant inlined) shows the bug and
+    exits 1."""
     import json
     import subprocess
     import sys
 
+    from fuzzer.support.flashmla_runtime import _try_import
     from tests.conftest import attnfuzz
 
+    if FlashMLASparse("cpu").unavailable():
+        pytest.skip(FlashMLASparse("cpu").unavailable())
+    if _try_import("vllm.v1.attention.backends.mla.index_group") is None:
+        pytest.skip("the mutant edits 0.33's head slicing; older releases slice differently")
     run = attnfuzz("--device", "cpu", "run", "--target", "vllm.flashmla_sparse", "--inject", "flashmla-padded-heads-out",
-                   "--max-examples", "5", "--reruns", "0", "--max-steps", "1", "--quiet", "--repros", str(tmp_path / "repros"),
-                   "--json", str(tmp_path / "run.json"))
+                   "--max-examples", "20", "--max-findings", "1", "--reruns", "0", "--max-steps", "1", "--quiet",
+                   "--repros", str(tmp_path / "repros"), "--json", str(tmp_path / "run.json"), state=tmp_path / "state")
     if run.returncode == 2 and "not found in this vLLM" in run.stderr:
         pytest.skip("the mutant patches 0.33's padded-heads slice; this release has none to patch")
     assert run.returncode == 1, run.stderr[-3000:]
-    finding = json.loads((tmp_path / "run.json").read_text())["findings"][0]
-    repro = subprocess.run([sys.executable, "repro.py"], cwd=finding["path"], capture_output=True, text=True, timeout=600)
-    assert repro.returncode == 1 and "BUG:" in repro.stdout and "bug present" in repro.stdout, repro.stdout + repro.stderr[-2000:]
+    finding, *_ = json.loads((tmp_path / "run.json").read_text())["findings"]
+    assert finding["bug_classes"] == ["J"]
+    d = tmp_path / "repros" / finding["id"]
+    assert "python repro.py" in (d / "report.md").read_text()
+    repro = subprocess.run([sys.executable, "repro.py"], cwd=d, capture_output=True, text=True, timeout=600)
+    assert repro.returncode == 1 and "BUG: output has shape" in repro.stdout and "bug present" in repro.stdout, (
+        repro.stdout + repro.stderr[-2000:])
     # attnfuzz's support code comes from the generated file beside the script (its modules under their own
     # names), never from attnfuzz; the mutant is inlined
-    d = tmp_path / "repros" / finding["id"]
     script = (d / "repro.py").read_text()
     assert (d / "attnfuzz_support.py").is_file() and "def apply(" in script
     assert not [ln for ln in script.splitlines() if ln.strip().startswith(("import fuzzer", "from fuzzer", "from oracles"))]
