@@ -19,9 +19,11 @@ class Notes(TypedDict, total=False):
     cache_changed: str  # rows of the KV cache an attention call changed (it must write none)
     rerun_differs: str  # the last step run again on the same metadata gave other bits (nondeterminism)
     dcp_filter_call: dict[str, Any]  # how vLLM called the DCP filter (its block stride)
+    rank_batches: list[Any]  # each PCP x TP rank's share of the step, as the runner partitioned it (pcp_dcp)
     # what the harness and the reports read
     paths: list[str]  # vLLM's paths the case took (fuzzer/targets/probes.py)
     layer_routes: dict[str, Any]  # what this release's forward_impl offers a sparse impl
+    left_out: dict[str, str]  # backends sparse_mla.all did not run on this case, and why
     padded_tokens: int  # CUDA-graph padding tokens the case carried (their rows are not judged)
     cudagraph: dict[str, Any]  # a full-graph engine's captured sizes, the tokens a step replayed, emulated or not
     mtp_draft: str  # an MTP draft step's metadata: "update_draft_decode_metadata" (in place) or "rebuilt"
