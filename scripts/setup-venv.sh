@@ -15,7 +15,7 @@ if [ -x "$VENV/bin/python" ] && [ -f "$VENV/.attnfuzz-ready-$VLLM_VERSION" ]; th
   echo "setup-venv: $VENV is ready (vllm $VLLM_VERSION)"; exit 0
 fi
 "$PY" -m venv "$VENV"
-PIP=(pip_quiet "$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+PIP=(pip_quiet "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-compile)
 # pip warns once per package about this machine's local index folders when they are absent: drop that.
 pip_quiet() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 "${PIP[@]}" --upgrade pip
