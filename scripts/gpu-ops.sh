@@ -1,23 +1,46 @@
 #!/usr/bin/env bash
 # vLLM's compiled cache ops (_C_stable_libtorch: concat_and_cache_mla, cp_gather_and_upconvert_fp8_kv_cache,
-# gather_and_maybe_dequant_cache, cp_gather_cache, concat_mla_q) on the GPU test host. They and the bundle do not
-# fit one call (64 MiB: the ops 61 MB compressed, the bundle 33 MB), so it takes two, the second within the
-# ~30 s the machine stays warm:
+# gather_and_maybe_dequant_cache, cp_gather_cache, concat_mla_q) on the GPU test host. The ops (61 MB compressed),
+# the bundle (33 MB) and the working tree (about 6 MB) do not fit one call's 64 MiB, nor do the ops and the tree
+# alone any more, so `build` splits the compressed ops in two: part a travels alone, part b with the bundle, and
+# the second call comes within the ~30 s the machine stays warm:
 #
 #   here, once:   scripts/gpu-ops.sh build                          (../shared/gpu-host/build-ops.sh -> .gpu-ops)
-#   call 1:       carry [".gpu-ops"],    command `bash scripts/gpu-ops.sh unpack`
-#   call 2 on:    carry [".gpu-bundle"], command `bash scripts/gpu-ops.sh check && bash bench/scenario.sh ...`
+#   call 1:       carry [".gpu-ops/a"],                 command `bash scripts/gpu-ops.sh stash`
+#   call 2:       carry [".gpu-ops/b", ".gpu-bundle"],  command `bash scripts/gpu-ops.sh unpack && bash scripts/gpu-ops.sh check && bash bench/scenario.sh ...`
+#   later calls:  carry [".gpu-bundle"],                command `bash scripts/gpu-ops.sh check && ...`
 #
 # From then on scripts/gpu-host.sh (every scenario run) has vLLM load the real ops, and every result's
 # `emulated` list leaves them out. `check` exits 1 when they are not loaded (the machine went back between the
 # calls: start again at call 1).
 #
-#   scripts/gpu-ops.sh build [VLLM_VERSION=0.33.0] | unpack | check
+#   scripts/gpu-ops.sh build [VLLM_VERSION=0.33.0] | split | stash | unpack | check
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
+OPS=$ROOT/.gpu-ops
+STASH=/tmp/gpu-bundle-ops
+XZ=_C_stable_libtorch.abi3.so.xz
 case ${1:-} in
-  build) bash "$ROOT/../shared/gpu-host/build-ops.sh" "$ROOT/.gpu-ops" "${2:-0.33.0}";;
-  unpack) bash "$ROOT/.gpu-ops/unpack-ops.sh";;
+  build) bash "$ROOT/../shared/gpu-host/build-ops.sh" "$OPS" "${2:-0.33.0}" && "$0" split;;
+  split)  # part a: the first 48 MiB; part b: the rest, the checksum of the whole and the version
+    rm -rf "$OPS/a" "$OPS/b" && mkdir -p "$OPS/a" "$OPS/b"
+    head -c $((48 << 20)) "$OPS/$XZ" > "$OPS/a/$XZ.part-a"
+    tail -c +$(((48 << 20) + 1)) "$OPS/$XZ" > "$OPS/b/$XZ.part-b"
+    (cd "$OPS" && sha256sum "$XZ") > "$OPS/b/SHA256SUMS"
+    cp "$OPS/VERSION" "$OPS/b/"
+    du -b "$OPS/a/$XZ.part-a" "$OPS/b/$XZ.part-b";;
+  stash)  # call 1, on the GPU host
+    mkdir -p "$STASH" && cp "$OPS/a/$XZ.part-a" "$STASH/"
+    echo "gpu-ops: part a stashed in $STASH ($(du -b "$STASH/$XZ.part-a" | cut -f1) bytes)";;
+  unpack)  # call 2, on the GPU host: part a from the stash, part b carried
+    if [ ! -f "$STASH/$XZ.part-a" ]; then
+      echo "gpu-ops: part a is not stashed (the machine went back after call 1): start again at call 1" >&2; exit 1
+    fi
+    cat "$STASH/$XZ.part-a" "$OPS/b/$XZ.part-b" > "$STASH/$XZ"
+    (cd "$STASH" && sha256sum -c "$OPS/b/SHA256SUMS" >/dev/null) || { echo "gpu-ops: checksum mismatch" >&2; exit 1; }
+    xz -dc "$STASH/$XZ" > "$STASH/_C_stable_libtorch.abi3.so" && rm -f "$STASH/$XZ" "$STASH/$XZ.part-a"
+    cp "$OPS/b/VERSION" "$STASH/"
+    echo "gpu-ops: ops for vLLM $(cat "$STASH/VERSION") unpacked in $STASH";;
   check)
     "$ROOT/scripts/gpu-host.sh" python3 -c "
 import torch, vllm.platforms.cuda  # noqa: F401  (cuda.py imports _C_stable_libtorch)
@@ -33,5 +56,5 @@ missing = [n for n in names if not has(n)]
 print('gpu-ops: vLLM cache ops', 'missing: ' + ', '.join(missing) if missing else 'loaded: ' + ', '.join(names))
 raise SystemExit(1 if missing else 0)" 2>&1 | grep '^gpu-ops:'
     exit "${PIPESTATUS[0]}";;
-  *) echo "usage: scripts/gpu-ops.sh build [VERSION] | unpack | check" >&2; exit 2;;
+  *) echo "usage: scripts/gpu-ops.sh build [VERSION] | split | stash | unpack | check" >&2; exit 2;;
 esac
