@@ -42,6 +42,9 @@ from fuzzer.run.host import host_targets, import_vllm
 # A finding is kept as first seen: shrinking one can take a thousand cases, and the gate's time must stay bounded
 # (`attnfuzz run` with the campaign's target, dtype and seed shrinks it).
 NO_SHRINK = ("--no-shrink",)
+# The gate fails on a campaign's first new finding, so the campaign ends there: a backend that loses the CUDA
+# context on every case would otherwise cost a fresh worker per case until the campaign's timeout.
+STOP_AT_FIRST = ("--max-findings", "1")
 PASSING = {"known", "now-passes", "fixed"}
 
 
@@ -144,15 +147,19 @@ class CampaignResult:
 
 
 def gate_specs(device: str, unavailable: dict[str, str | None], kv_cache_dtypes: dict[str, tuple[str, ...]],
-               seed: int, scale: float, only: list[str] | None = None) -> tuple[list[CampaignSpec], list[CampaignResult]]:
-    """The campaigns to run, and those skipped (target not runnable here) as results already."""
+               seed: int, scale: float, only: list[str] | None = None,
+               known: dict[str, tuple[str, ...]] | None = None) -> tuple[list[CampaignSpec], list[CampaignResult]]:
+    """The campaigns to run, and those skipped (target not runnable here) as results already. `known`: target ->
+    signatures of its known open bugs, passed as `run --known` (hit again, they neither stop the campaign nor
+    fail it)."""
     specs, skipped = [], []
     for target, why in unavailable.items():
         if target in budgets.NOT_FUZZED or (only and target not in only):
             continue
         n = budgets.examples(device, target, "gate", scale)
         for dtype in kv_cache_dtypes.get(target) or (None,):
-            spec = CampaignSpec(target, n, seed, kv_cache_dtype=dtype, extra=NO_SHRINK)
+            known_args = tuple(a for sig in (known or {}).get(target, ()) for a in ("--known", sig))
+            spec = CampaignSpec(target, n, seed, kv_cache_dtype=dtype, extra=NO_SHRINK + STOP_AT_FIRST + known_args)
             if why:
                 skipped.append(CampaignResult(spec.name, target, dtype, n, "skipped", reason=why))
             else:
@@ -172,6 +179,8 @@ def judge_campaign(o: CampaignOutcome, known: dict[tuple[str, str], str] | None 
     if o.error:
         r.outcome, r.reason, r.log = "error", o.error, o.log_tail(30)
         return r
+    for sig in sorted(s.get("known_hits") or {}):  # `run --known`: hit again, counted, not saved
+        r.known.append(f"{sig} ({known.get((o.spec.target, sig), 'known')})")
     for f in o.findings:
         key = (o.spec.target, f.get("signature", ""))
         if key in known:
@@ -261,11 +270,13 @@ def main(args: argparse.Namespace, device: str) -> int:
 
     campaign_results: list[CampaignResult] = []
     if not args.no_campaigns:
-        specs, skipped = gate_specs(device, unavailable, dtypes, args.seed, args.budget_scale, only)
+        known = {(rec.target, rec.signature): rec.id for rec in records if rec.expects_bug(vllm_version)}
+        per_target: dict[str, tuple[str, ...]] = {}
+        for target, sig in known:
+            per_target[target] = per_target.get(target, ()) + (sig,)
+        specs, skipped = gate_specs(device, unavailable, dtypes, args.seed, args.budget_scale, only, per_target)
         for s in skipped:
             print(f"  campaign {s.name}: skipped ({s.reason})", flush=True)
-
-        known = {(rec.target, rec.signature): rec.id for rec in records if rec.expects_bug(vllm_version)}
 
         def report(o: CampaignOutcome) -> None:
             r = judge_campaign(o, known, args.min_pair_coverage)
