@@ -86,6 +86,8 @@ class Finding:
             "bug_classes": sorted({v.bug_class for v in self.verdicts if v.bug_class}),
             "verdicts": [vars(v) for v in self.verdicts],
             "error": None if o.error_type is None else f"{o.error_type}: {o.error}",
+            # where it raised: a crash finding's one clue when only finding.json comes back from a host
+            "traceback": o.notes.get("traceback") if o.error_type is not None else None,
             "memory": [v.describe() for v in o.memory],
             "real": list(o.real),
             "emulated": list(o.emulated),
@@ -108,7 +110,7 @@ class Finding:
         error_type, _, error = (d.get("error") or "").partition(": ")
         obs = Observation(record.target, record.host.get("device", "cpu"), error_type=error_type or None,
                           error=error or None, real=tuple(d.get("real", ())), emulated=tuple(d.get("emulated", ())),
-                          notes={"resumed": True})
+                          notes={"resumed": True, **({"traceback": d["traceback"]} if d.get("traceback") else {})})
         host = HostInfo(**{k: tuple(v) if isinstance(v, list) else v for k, v in record.host.items()
                            if k in HostInfo.__dataclass_fields__})
         return cls(record.target, record.signature, case, list(record.failed), obs, host, record.inject,

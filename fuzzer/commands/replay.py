@@ -47,6 +47,8 @@ def main(args, device: str) -> int:
     failed = [v for v in target.oracle(case, obs) if not v.ok]
     for v in failed:
         print(f"BUG [{v.check}] {v.detail}")
+    if failed and obs.error_type is not None and obs.notes.get("traceback"):
+        print(f"where it raised:\n{obs.notes['traceback'].rstrip()}")
     print(f"{record.target} on {case.summary()}: {'still failing' if failed else 'passes (fixed)'}")
     if failed and (args.save_repro or args.standalone):
 
