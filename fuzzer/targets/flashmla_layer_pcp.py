@@ -147,9 +147,12 @@ class PcpStep:
         cache = self.target.cache(case, dev, guards, name=f"kv_cache (rank {w})")
         with set_current_vllm_config(cfg), torch.inference_mode():
             # The cache holds the rank's DCP shard of the context (what earlier steps wrote); the layer writes
-            # the step's own tokens.
-            self.write(inp.kv_c[self.context_slots], inp.k_pe[self.context_slots], cache,
-                       rank_slot_mapping(case, self.context_slots, dcp_rank))
+            # the step's own tokens. No context, no write: the runner never writes none, and vLLM's writer
+            # launches a grid of one block per token with no launch check (an empty grid's launch error would
+            # surface at the next launch; bench/cache_ops_check.py's 0-token row checks the real op).
+            if len(self.context_slots):
+                self.write(inp.kv_c[self.context_slots], inp.k_pe[self.context_slots], cache,
+                           rank_slot_mapping(case, self.context_slots, dcp_rank))
             manager, local = pcp_runtime.rank_batch(self.batch, d.pcp, p, d.size, dcp_rank, d.interleave, dev)
             rows = manager._local_gather_idx  # the batch token of each of the rank's rows (padding: token 0)
             n = local.num_tokens
@@ -261,7 +264,8 @@ def pcp_repro(target, finding) -> ReproSpec:
                    kv_c_new=inp.kv_c[new], k_pe_new=inp.k_pe[new], expected_out=expected)
     for r in range(d.size):  # each DCP rank's cache (its shard of the context) and global slot mapping
         cache = target.cache(case, dev)
-        write(inp.kv_c[context], inp.k_pe[context], cache, rank_slot_mapping(case, context, r))
+        if len(context):
+            write(inp.kv_c[context], inp.k_pe[context], cache, rank_slot_mapping(case, context, r))
         width = cache.shape[-1]
         tensors[f"kv_cache_rows.dcp{r}"] = cache.as_strided((case.num_blocks * case.stride_rows, width), (width, 1))
         tensors[f"slot_mapping.dcp{r}"] = rank_slot_mapping(case, new, r)

@@ -14,7 +14,7 @@ def test_the_check_s_cases_run_in_bounds_through_the_standins():
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     rows = [line for line in done.stdout.splitlines() if " cases " in line]
-    assert len(rows) == 6 and all("   0 differ" in r for r in rows), done.stdout
+    assert len(rows) == 7 and all("   0 differ" in r for r in rows), done.stdout
 
 
 def test_forcing_the_standins_hides_the_compiled_ops(monkeypatch):
