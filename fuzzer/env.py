@@ -46,12 +46,14 @@ def prepare_process(device: str | None = None) -> str:
     if device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
         os.environ["TRITON_INTERPRET"] = "1"
-        # One intra-op thread unless told otherwise: the interpreter is single-threaded Python, and torch's
-        # OpenMP pool stalls on every small op while another process holds the other cores (measured on the
-        # 2-core CI host: a campaign took 83 s beside a second one, 52 s with one thread each).
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        if "torch" in sys.modules:
-            sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    # Few intra-op threads unless told otherwise. CPU: one; the interpreter is single-threaded Python, and torch's
+    # OpenMP pool stalls on every small op while another process holds the other cores (measured on the 2-core CI
+    # host: a campaign took 83 s beside a second one, 52 s with one thread each). GPU host: two, what
+    # bench/scenario.sh has always set; a gate run without it (every process an OpenMP pool of all 16 cores, four
+    # campaigns at a time) ran its campaigns 3 to 10 times slower on the H200 host (2026-12-03, not re-measured).
+    os.environ.setdefault("OMP_NUM_THREADS", "1" if device == "cpu" else "2")
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     # vLLM writes caches and distributed-init files: keep them inside the campaign's own directory.
     STATE_DIR.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("VLLM_CACHE_ROOT", str((STATE_DIR / "vllm-cache").resolve()))
