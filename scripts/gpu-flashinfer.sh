@@ -9,12 +9,12 @@
 #   here, once:  scripts/gpu-flashinfer.sh build        (PYTHON=a python with torch; FI_WHEEL=a local copy of the wheel)
 #
 #   with vLLM's cache ops (scripts/gpu-ops.sh):
-#     call 1:  carry [".gpu-ops/a", ".gpu-flashinfer/p1"]                 (62 MB)
+#     call 1:  carry [".gpu-ops/a", ".gpu-flashinfer/p1"]                 (58 MiB)
 #              bash scripts/gpu-ops.sh stash && bash scripts/gpu-flashinfer.sh stash
-#     call 2:  carry [".gpu-ops/b", ".gpu-bundle", ".gpu-flashinfer/p2"]  (59 MB)
+#     call 2:  carry [".gpu-ops/b", ".gpu-bundle", ".gpu-flashinfer/p2"]  (56 MiB)
 #              bash scripts/gpu-ops.sh unpack && bash scripts/gpu-flashinfer.sh install && bash scripts/gpu-flashinfer.sh check && ...
 #   without them, one call:
-#     call 1:  carry [".gpu-bundle", ".gpu-flashinfer/p1", ".gpu-flashinfer/p2"]   (51 MB)
+#     call 1:  carry [".gpu-bundle", ".gpu-flashinfer/p1", ".gpu-flashinfer/p2"]   (48 MiB)
 #              bash scripts/gpu-flashinfer.sh install && bash scripts/gpu-flashinfer.sh check && ...
 #   later calls while the machine is warm: carry [".gpu-bundle"], nothing to install again.
 #
@@ -90,7 +90,7 @@ for kv in (torch.bfloat16, torch.float8_e4m3fn):
   sizes)  # what each call of the sequence above carries, against the 64 MiB limit
     tree=$(cd "$ROOT" && git ls-files -co --exclude-standard -z | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
     size() { local t=$tree d; for d in "$@"; do [ -e "$ROOT/$d" ] || { echo "missing $d"; return; }
-             t=$((t + $(du -sb "$ROOT/$d" | cut -f1))); done; echo "$t bytes ($((t * 100 / (64 << 20)))% of 64 MiB)"; }
+             t=$((t + $(du -sbL "$ROOT/$d" | cut -f1))); done; echo "$t bytes ($((t * 100 / (64 << 20)))% of 64 MiB)"; }
     echo "working tree: $tree bytes"
     echo "ops call 1 [.gpu-ops/a .gpu-flashinfer/p1]:             $(size .gpu-ops/a .gpu-flashinfer/p1)"
     echo "ops call 2 [.gpu-ops/b .gpu-bundle .gpu-flashinfer/p2]: $(size .gpu-ops/b .gpu-bundle .gpu-flashinfer/p2)"
