@@ -120,9 +120,23 @@ for kv in (torch.bfloat16, torch.float8_e4m3fn):
       python3 -m pip install -q --no-index --no-deps --no-compile --target "$HOST/ninja" "$HOST"/parts/ninja-*.whl
       NINJA_DIR=$HOST/ninja/bin
     fi
-    NVCC_DIR=""
-    if ! command -v nvcc >/dev/null; then
-      for c in "${CUDA_HOME:-}" /usr/local/cuda; do [ -n "$c" ] && [ -x "$c/bin/nvcc" ] && { NVCC_DIR=$c/bin; break; }; done
+    # FlashInfer takes CUDA_HOME, else `which nvcc`/../..: a wrapper script on PATH (/usr/local/bin/nvcc) would give
+    # /usr/local, without include/ and lib64/libcudart.so. The toolkit is the first that has bin/nvcc and libcudart.
+    CUDA=""
+    for c in "${CUDA_HOME:-}" /usr/local/cuda "$(dirname "$(dirname "$(readlink -f "$(command -v nvcc || echo /nonexistent)")")")"; do
+      if [ -n "$c" ] && [ -x "$c/bin/nvcc" ] && ls "$c"/lib64/libcudart.so* >/dev/null 2>&1; then CUDA=$c; break; fi
+    done
+    [ -n "$CUDA" ] || echo "gpu-flashinfer: no CUDA toolkit with bin/nvcc and lib64/libcudart.so found: the JIT build will fail" >&2
+    # The module links with -lcuda (from $CUDA/lib64/stubs or the linker's paths): where neither has libcuda.so, a
+    # link to the driver's libcuda.so.1 in a folder of its own, passed through FLASHINFER_EXTRA_LDFLAGS.
+    LIBCUDA_DIR=""
+    if [ ! -e "$CUDA/lib64/stubs/libcuda.so" ] && ! ldconfig -p 2>/dev/null | grep -q 'libcuda\.so '; then
+      drv=$(ldconfig -p 2>/dev/null | awk '/libcuda\.so\.1 /{print $NF; exit}')
+      for d in /usr/local/nvidia/lib64 /usr/local/nvidia/lib /usr/lib/x86_64-linux-gnu /usr/lib64; do
+        [ -n "$drv" ] && break; [ -e "$d/libcuda.so.1" ] && drv=$d/libcuda.so.1
+      done
+      if [ -n "$drv" ]; then mkdir -p "$HOST/lib" && ln -sfn "$drv" "$HOST/lib/libcuda.so" && LIBCUDA_DIR=$HOST/lib
+      else echo "gpu-flashinfer: no libcuda.so.1 found: the JIT module's link (-lcuda) will fail" >&2; fi
     fi
     cat > "$HOST/env.sh" <<EOF
 # Written by scripts/gpu-flashinfer.sh install; sourced by scripts/gpu-host.sh when ATTNFUZZ_FLASHINFER=real.
@@ -131,11 +145,12 @@ export FLASHINFER_WORKSPACE_BASE=$HOST/ws
 export FLASHINFER_CUDA_ARCH_LIST=9.0a
 export FLASHINFER_NVCC_THREADS=\${FLASHINFER_NVCC_THREADS:-4}
 ${NINJA_DIR:+export PATH="$NINJA_DIR:\$PATH"}
-${NVCC_DIR:+export PATH="$NVCC_DIR:\$PATH"}
+${CUDA:+export CUDA_HOME=$CUDA PATH="$CUDA/bin:\$PATH"}
+${LIBCUDA_DIR:+export FLASHINFER_EXTRA_LDFLAGS="-L$LIBCUDA_DIR"}
 EOF
     echo "$(cat "$HOST/parts/VERSION") $sum" > "$HOST/.ready"
     echo "gpu-flashinfer: flashinfer $(cat "$HOST/parts/VERSION") installed in $HOST/site ($(du -sm "$HOST/site" | cut -f1) MB)," \
-         "ninja $(command -v ninja || echo "$NINJA_DIR/ninja"), nvcc $(command -v nvcc || echo "$NVCC_DIR/nvcc")";;
+         "ninja $(command -v ninja || echo "$NINJA_DIR/ninja"), CUDA_HOME ${CUDA:-none}${LIBCUDA_DIR:+, libcuda $drv}";;
   check)  # on the GPU host, after install
     [ -f "$HOST/.ready" ] || { echo "gpu-flashinfer: not installed (the machine went back: start again at call 1)" >&2; exit 2; }
     ATTNFUZZ_FLASHINFER=real PYTHONUNBUFFERED=1 "$ROOT/scripts/gpu-host.sh" python3 "$HELPER" check;;
