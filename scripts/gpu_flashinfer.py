@@ -158,7 +158,6 @@ def check() -> int:
     run as vLLM's FLASHINFER_MLA_SPARSE_SM90 calls them, against a float32 reference."""
     import importlib.metadata
     import inspect
-    import math
     import os
     import time
     import warnings
@@ -187,7 +186,24 @@ def check() -> int:
         print(f"gpu-flashinfer: vLLM not importable ({e}); gate not checked")
         failed += 1
 
-    dev = torch.device("cuda")
+    failed += run_cases(BatchMLAPagedAttentionWrapper, torch.device("cuda"))
+    print("gpu-flashinfer:", "check passed" if not failed else f"{failed} check(s) failed")
+    return 1 if failed else 0
+
+
+def run_cases(wrapper_cls, dev) -> int:
+    """The plan+run cases of `check` with wrapper_cls on dev (here: attnfuzz's stand-in on the CPU, a dry run of
+    this code); the number that failed."""
+    import math
+    import time
+
+    import torch
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    failed = 0
     ckv_dim, kpe_dim = 512, 64
     sm_scale = 1.0 / math.sqrt(192)
     g = torch.Generator(device=dev).manual_seed(0)
@@ -203,7 +219,7 @@ def check() -> int:
             kv_indices = torch.zeros(max_tokens * topk, dtype=torch.int32, device=dev)
             kv_len_arr = torch.full((max_tokens,), topk, dtype=torch.int32, device=dev)
             kv_indptr = torch.zeros(max_tokens + 1, dtype=torch.int32, device=dev)
-            w = BatchMLAPagedAttentionWrapper(
+            w = wrapper_cls(
                 ws, qo_indptr=torch.zeros(max_tokens + 1, dtype=torch.int32, device=dev), kv_indptr=kv_indptr,
                 kv_indices=kv_indices, kv_len_arr=kv_len_arr, use_cuda_graph=True, backend="fa3")
             qo = torch.clamp(torch.arange(max_tokens + 1, dtype=torch.int32), max=tokens)
@@ -217,7 +233,7 @@ def check() -> int:
             t = time.time()
             w.plan(qo, kvp, kv_indices[:n_idx], lens_all, heads, ckv_dim, kpe_dim, 1, False, sm_scale,
                    q_data_type=torch.bfloat16, kv_data_type=kv_dtype)
-            torch.cuda.synchronize()
+            sync()
             plan_s = time.time() - t
             q_nope = torch.randn(tokens, heads, ckv_dim, device=dev, generator=g).to(torch.bfloat16)
             q_pe = torch.randn(tokens, heads, kpe_dim, device=dev, generator=g).to(torch.bfloat16)
@@ -238,7 +254,7 @@ def check() -> int:
             ckv, kpe = cache[..., :ckv_dim], cache[..., ckv_dim:]
             t = time.time()
             out = w.run(q_nope, q_pe, ckv, kpe, **kw)
-            torch.cuda.synchronize()
+            sync()
             run_s = time.time() - t
             # Reference: each token attends to its own selected rows; ckv is both K (with kpe) and V.
             c = torch.cat([cache[..., :ckv_dim].float() * scale, cache[..., ckv_dim:].float()], -1).squeeze(1)
@@ -256,8 +272,7 @@ def check() -> int:
             print(f"gpu-flashinfer: kv {str(kv_dtype).split('.')[-1]:13s} {scaling or '':13s} heads {heads:3d}: "
                   f"plan {plan_s:6.1f}s (the first per KV dtype: nvcc's JIT build, unless cached) run {run_s:6.2f}s "
                   f"max|out-ref| {err:.4f} (< {tol}) {'ok' if ok else 'FAILED'}")
-    print("gpu-flashinfer:", "check passed" if not failed else f"{failed} check(s) failed")
-    return 1 if failed else 0
+    return failed
 
 
 def main(argv: list[str]) -> int:
