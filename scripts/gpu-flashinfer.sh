@@ -28,6 +28,11 @@
 # with ckv_scale_arr) and head count (16, 64, 128) as vLLM calls it, against a float32 reference; exits 1 when any
 # of it fails, 2 when FlashInfer is not installed (the machine went back: start again at call 1).
 #
+# Tried off the host (GPU_FLASHINFER_HOST=another folder): the parts stash, join and unpack; the packed files import
+# (`flashinfer.mla` with a CPU torch and tvm_ffi 0.1.11, vLLM's gate true with nvcc and ninja on PATH); nvcc 13.0 builds
+# both MLA modules (bf16, e4m3 KV) from them alone, every header it read packed (122 s for one on 2 busy cores);
+# check's cases run clean on the CPU against attnfuzz's stand-in. Only the host runs FlashInfer's kernels.
+#
 #   scripts/gpu-flashinfer.sh build [VERSION] | split | sizes | stash | install | check | env
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
