@@ -39,5 +39,14 @@ if [ -d "$ROOT/.gpu-extra/whl" ]; then
   [ -d /tmp/gpu-extra/site ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/gpu-extra/site "$ROOT"/.gpu-extra/whl/*.whl
   export PYTHONPATH="$PYTHONPATH:/tmp/gpu-extra/site"
 fi
+# Real FlashInfer (scripts/gpu-flashinfer.sh install put it in /tmp/gpu-flashinfer), for the runs that ask for it
+# with ATTNFUZZ_FLASHINFER=real only: an importable FlashInfer changes what vLLM picks elsewhere (has_flashinfer()).
+if [ "${ATTNFUZZ_FLASHINFER:-}" = real ]; then
+  if [ ! -f "${GPU_FLASHINFER_HOST:-/tmp/gpu-flashinfer}/env.sh" ]; then
+    echo "gpu-host.sh: ATTNFUZZ_FLASHINFER=real, but FlashInfer is not installed (scripts/gpu-flashinfer.sh install)" >&2
+    exit 2
+  fi
+  source "${GPU_FLASHINFER_HOST:-/tmp/gpu-flashinfer}/env.sh"
+fi
 if [ "${1:-}" = "attnfuzz" ]; then shift; exec python3 -m fuzzer.cli "$@"; fi
 exec "$@"
