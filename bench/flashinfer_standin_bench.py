@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """The FlashInfer stand-in's plan() and run() alone (`fuzzer.support.standins.flashinfer_mla`), as vLLM's
 FLASHINFER_MLA_SPARSE_SM90 drives them (graph-mode wrapper, one batch row per token, pages of one token), against
-an earlier revision's (--old): seconds per call (median of --reps after a warm-up) and the torch operators one
-run() dispatches (on a GPU each is a kernel launch or a copy, the plan's read-back a sync).
+an earlier revision's (--old): seconds per call (median of --reps after a warm-up), the torch operators one run()
+dispatches (views and allocations not counted: on a GPU those on device tensors are each a launch or a copy), and
+on a GPU the host syncs one run() makes.
 
   PYTHONPATH=. .venv/bin/python bench/flashinfer_standin_bench.py --old REV [--device cuda] [--shapes NAME,...]
 
@@ -90,12 +91,24 @@ def timed(fn, reps, device):
     return statistics.median(times)
 
 
+# Operators that only make views or allocate: no kernel on a GPU.
+VIEWS = {"view", "as_strided", "reshape", "_reshape_alias", "unsqueeze", "squeeze", "slice", "select", "permute",
+         "expand", "t", "transpose", "alias", "detach", "empty", "empty_strided", "empty_like", "lift_fresh",
+         "resolve_conj", "resolve_neg", "unbind", "split", "narrow", "view_as", "_unsafe_view", "result_type",
+         "_local_scalar_dense", "item", "is_nonzero", "size", "stride", "numel", "dim", "to", "flatten", "resize_",
+         "as_strided_", "real", "contiguous", "scalar_tensor"}
+
+
 def operators(fn) -> int:
+    """The torch operators one call runs, views and allocations not counted, nor an operator's own callees."""
     from torch.profiler import profile
 
     with profile() as prof:
         fn()
-    return sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
+    def work(e) -> bool:
+        return e.name.startswith("aten::") and e.name[6:] not in VIEWS
+
+    return sum(1 for e in prof.events() if work(e) and not any(work(c) for c in e.cpu_children))
 
 
 def syncs(fn) -> int:
@@ -116,7 +129,10 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--shapes", default="cpu-case,cpu-case-fp8-128h,mid-128h")
+    ap.add_argument("--gpu-chunks", action="store_true", help="the new stand-in's chunks as large as on a GPU")
     args = ap.parse_args()
+    if args.gpu_chunks:
+        new.CHUNK_BYTES["cpu"] = new.CHUNK_BYTES["cuda"]
     old = load_old(args.old)
     cuda = args.device == "cuda"
     print("| shape (tokens, heads, top-k, fp8) | plan s old / new | run s old / new | run's torch ops old / new |"
