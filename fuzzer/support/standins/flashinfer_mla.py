@@ -667,199 +667,243 @@ class BatchMLAPagedAttentionWrapper:
         return (out, lse) if return_lse else out
 
 
-KEY_CHUNK_BYTES = 64 << 20  # fp32 keys gathered at once (works x positions x width): bounds the stand-in's memory
+# Bytes of fp32 keys and scores emulated at once (works x positions x (width + the CTA rows' scores)): a CPU
+# campaign's workers share a small host's memory; on a GPU each chunk costs launches, so a 512-token step takes few.
+CHUNK_BYTES = {"cpu": 64 << 20, "cuda": 1 << 30}
+WORK_FIELDS = ("q_indptr", "kv_indptr", "partial_indptr", "q_len", "kv_len", "q_start", "kv_start", "kv_end")
+MERGE_FIELDS = ("merge_packed_offset_start", "merge_packed_offset_end", "merge_partial_packed_offset_start",
+                "merge_partial_packed_offset_end", "merge_partial_stride")
+
+
+class _Checks:
+    """The launch's out-of-range accesses, found on the device as it runs and reported (`_report`, in the order
+    the kernel reaches them) at its end: one host sync for all of them, not one each."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple] = []
+
+    def add(self, argument: str, bad: torch.Tensor, index: torch.Tensor, limit: int, elem_bytes: int,
+            access: str = "load") -> None:
+        self.pending.append((argument, bad, index, limit, elem_bytes, access))
+
+    def report(self) -> None:
+        if self.pending:
+            hits = torch.stack([bad.any() for _, bad, *_ in self.pending]).tolist()
+            for hit, (argument, bad, index, limit, elem_bytes, access) in zip(hits, self.pending):
+                if hit:
+                    _report(argument, bad, index, limit, elem_bytes, access)
+        self.pending.clear()
+
+
+def _ranges(starts: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(owner, value) of every element of the ranges [start, start + count), laid end to end (host int64)."""
+    owner = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    offset = torch.arange(int(counts.sum())) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    return owner, starts[owner] + offset
 
 
 def _mla_kernel(launch: _Launch, q_nope, q_pe, ckv, kpe, out, lse, lse_base_e: bool, ckv_scale_arr, fp8: bool) -> None:
-    """BatchMLAPageAttentionHopperKernel (see the module docstring), then its merge stage."""
+    """BatchMLAPageAttentionHopperKernel (see the module docstring), then its merge stage: every work item's CTAs at
+    once (in chunks of works), on the tensors' device, the plan read on the host in one copy."""
     info = launch.plan_info
     bx, by = info[0], info[1]
     dev = q_nope.device
     heads, d_ckv, d_kpe = q_nope.shape[1], q_nope.shape[2], q_pe.shape[2]
     ws = launch.int_workspace.view(torch.int32)
-    ws_cpu = ws.cpu()
+    n_ws = ws.numel()
+    # The plan's arrays as the kernel reads them (vLLM's clamp rewrote kv_end on the device): the span they occupy.
+    spans = [(info[_FIELD["work_indptr"]] // 4, by + 1)] + [(info[_FIELD[n]] // 4, MAX_WORKS) for n in WORK_FIELDS] \
+        + [(info[_FIELD[n]] // 4, bx * by) for n in MERGE_FIELDS]
+    host = (ws[: max(0, min(n_ws, max(at + count for at, count in spans)))] if min(at for at, _ in spans) >= 0
+            else ws).cpu()
 
     def array(name: str, count: int, start: int = 0) -> torch.Tensor:
         at = info[_FIELD[name]] // 4 + start
-        if at + count > ws_cpu.numel():
-            _violation("int_workspace_buffer", at + count - 1, ws_cpu.numel(), 4)
+        if at + count > n_ws:
+            _violation("int_workspace_buffer", at + count - 1, n_ws, 4)
             return torch.zeros(count, dtype=torch.int64)
-        return ws_cpu[at: at + count].long()
+        return host[at: at + count].long()
 
-    work_indptr = array("work_indptr", by + 1).tolist()
-    ids = [w for y in range(by) for w in range(work_indptr[y], work_indptr[y + 1])]
-    past = [w for w in ids if not 0 <= w < MAX_WORKS]
-    if past:  # a work id outside the planner's arrays: the kernel reads other arrays' (or no) memory
-        _violation("int_workspace_buffer (work arrays)", past[0], MAX_WORKS, 4, inside=True)
-    ids = [w for w in ids if 0 <= w < MAX_WORKS]
-    names = ("q_indptr", "kv_indptr", "partial_indptr", "q_len", "kv_len", "q_start", "kv_start", "kv_end")
-    full = {name: array(name, MAX_WORKS) for name in names}
-    work = {name: full[name][torch.tensor(ids, dtype=torch.long)] if ids else torch.zeros(0, dtype=torch.long)
-            for name in names}
+    work_indptr = array("work_indptr", by + 1)
+    _, ids = _ranges(work_indptr[:-1], (work_indptr[1:] - work_indptr[:-1]).clamp(min=0))
+    past = (ids < 0) | (ids >= MAX_WORKS)
+    if bool(past.any()):  # a work id outside the planner's arrays: the kernel reads other arrays' (or no) memory
+        _violation("int_workspace_buffer (work arrays)", int(ids[past][0]), MAX_WORKS, 4, inside=True)
+    ids = ids[~past]
+    work = torch.stack([array(name, MAX_WORKS)[ids] for name in WORK_FIELDS])  # [8, works], host
     num_pages, page_size = ckv.shape[0], launch.page_size
-    flat_idx = launch.kv_indices.reshape(-1).cpu().long()
+    flat_idx = launch.kv_indices.reshape(-1)
     ckv_rows = ckv.reshape(num_pages * ckv.shape[1], d_ckv)
     kpe_rows = kpe.reshape(num_pages * kpe.shape[1], d_kpe)
     fw = launch.float_workspace.view(-1).view(torch.uint8)
-    head_dim_o = d_ckv
     partial_rows = 2 * bx * by * CTA_TILE_Q  # the plan's partial buffers: 2 x clusters x cluster tile rows
-    partial_o = fw[info[_FIELD["partial_o"]]: info[_FIELD["partial_o"]] + partial_rows * head_dim_o * 2].view(
-        torch.bfloat16).view(partial_rows, head_dim_o)
+    partial_o = fw[info[_FIELD["partial_o"]]: info[_FIELD["partial_o"]] + partial_rows * d_ckv * 2].view(
+        torch.bfloat16).view(partial_rows, d_ckv)
     partial_lse = fw[info[_FIELD["partial_lse"]]: info[_FIELD["partial_lse"]] + partial_rows * 4].view(torch.float32)
-
-    # One entry per CTA (work x blockIdx.x): its 64 packed query rows.
-    n_work = len(ids)
+    checks = _Checks()
+    n_work = work.shape[1]
     if n_work:
-        x = torch.arange(bx).repeat(n_work)
-        w_of = torch.arange(n_work).repeat_interleave(bx)
-        j = torch.arange(CTA_TILE_Q)
-        packed = (work["q_start"][w_of] + x * CTA_TILE_Q)[:, None] + j  # [C, 64]
-        q_local, head = packed // heads, packed % heads
-        live_row = q_local < work["q_len"][w_of][:, None]
-        token = work["q_indptr"][w_of][:, None] + q_local
-        # KV positions of each work's tiles
-        kv_start, kv_end, kv_len, kv_indptr = (work[n] for n in ("kv_start", "kv_end", "kv_len", "kv_indptr"))
+        kv_start, kv_end = work[WORK_FIELDS.index("kv_start")], work[WORK_FIELDS.index("kv_end")]
         tiles = ((kv_end + CTA_TILE_KV - 1) // CTA_TILE_KV - kv_start // CTA_TILE_KV).clamp(min=0)
-        span = int(tiles.max()) * CTA_TILE_KV if n_work else 0
-        per = max(1, KEY_CHUNK_BYTES // max(1, span * (d_ckv + d_kpe) * 4 * max(1, bx)))
+        per_work = int(tiles.max()) * CTA_TILE_KV * 4 * (d_ckv + d_kpe + 3 * bx * CTA_TILE_Q)
+        per = max(1, CHUNK_BYTES.get(dev.type, CHUNK_BYTES["cpu"]) // max(1, per_work))
+        work_dev = torch.cat([work, tiles[None]]).to(dev)  # one copy to the device
+        scales = _kv_scales(launch, fp8)
         for c0 in range(0, n_work, per):
-            _cta_chunk(c0, min(n_work, c0 + per), bx, span, tiles, kv_start, kv_end, kv_len, kv_indptr, work,
-                       token, head, live_row, q_nope, q_pe, ckv_rows, kpe_rows, flat_idx, page_size, num_pages,
-                       launch, fp8, ckv_scale_arr, out, lse, lse_base_e, partial_o, partial_lse, partial_rows)
-    _merge(info, ws_cpu, heads, bx * by, partial_o, partial_lse, partial_rows, out, lse, lse_base_e)
+            c1 = min(n_work, c0 + per)
+            _work_chunk(work_dev[:-1, c0:c1], work_dev[-1, c0:c1], int(tiles[c0:c1].max()) * CTA_TILE_KV, bx, heads,
+                        q_nope, q_pe, ckv_rows, kpe_rows, flat_idx, page_size, num_pages, launch.sm_scale, scales,
+                        ckv_scale_arr, out, lse, lse_base_e, partial_o, partial_lse, partial_rows, checks)
+    _merge(info, host, heads, bx * by, partial_o, partial_lse, partial_rows, out, lse, lse_base_e, checks)
+    checks.report()
 
 
-def _dequant(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """repack_fp8_kv_to_bf16: e4m3 -> bf16, times the scale as bf16 (__hmul2: a bf16 product)."""
-    s = torch.tensor(scale, dtype=torch.float32).to(torch.bfloat16).float()
-    return (x.float() * s).to(torch.bfloat16).float()
+def _kv_scales(launch: _Launch, fp8: bool) -> tuple[float, float] | None:
+    """repack_fp8_kv_to_bf16's scales, as bf16 (__hmul2: a bf16 product): ckv's, kpe's; None for a 16-bit cache."""
+    if not fp8:
+        return None
+    return tuple(float(torch.tensor(s, dtype=torch.float32).to(torch.bfloat16)) for s in (launch.ckv_scale,
+                                                                                           launch.kpe_scale))
 
 
-def _cta_chunk(c0, c1, bx, span, tiles, kv_start, kv_end, kv_len, kv_indptr, work, token, head, live_row,
-               q_nope, q_pe, ckv_rows, kpe_rows, flat_idx, page_size, num_pages, launch, fp8, ckv_scale_arr, out, lse,
-               lse_base_e, partial_o, partial_lse, partial_rows) -> None:
+def _work_chunk(work, tiles, span, bx, heads, q_nope, q_pe, ckv_rows, kpe_rows, flat_idx, page_size, num_pages,
+                sm_scale, scales, ckv_scale_arr, out, lse, lse_base_e, partial_o, partial_lse, partial_rows,
+                checks: _Checks) -> None:
+    """Works [W] of the launch, each with its cluster's bx CTAs of 64 query rows ([W, bx x 64] rows) over its KV
+    positions kv_start + [0, span), every tensor on the device."""
     dev = q_nope.device
-    w = torch.arange(c0, c1)
-    pos = kv_start[w][:, None] + torch.arange(span)  # [W, span]
-    in_tiles = torch.arange(span)[None, :] < tiles[w][:, None] * CTA_TILE_KV
-    highest = (pos - kv_start[w][:, None]) // CTA_TILE_KV == (tiles[w] - 1)[:, None]
-    read = in_tiles & (pos < kv_len[w][:, None])  # rows whose page comes from kv_indices
-    at = kv_indptr[w][:, None] * page_size + pos  # the packed block iterator
+    q_indptr, kv_indptr, partial, q_len, kv_len, q_start, kv_start, kv_end = work
+    rel = torch.arange(span, device=dev)[None, :]
+    pos = kv_start[:, None] + rel  # [W, span]
+    in_tiles = rel < tiles[:, None] * CTA_TILE_KV
+    highest = rel // CTA_TILE_KV == (tiles - 1)[:, None]
+    read = in_tiles & (pos < kv_len[:, None])  # rows whose page comes from kv_indices
+    at = kv_indptr[:, None] * page_size + pos  # the packed block iterator
     entry = at // page_size
     bad_entry = read & ((entry < 0) | (entry >= flat_idx.numel()))
-    if bad_entry.any():
-        _report("kv_indices", bad_entry, entry, flat_idx.numel(), 4)
-    page = torch.where(read & ~bad_entry, flat_idx[entry.clamp(0, max(flat_idx.numel() - 1, 0))], 0)
+    checks.add("kv_indices", bad_entry, entry, flat_idx.numel(), 4)
+    page = torch.where(read & ~bad_entry, flat_idx[entry.clamp(0, max(flat_idx.numel() - 1, 0))].long(), 0)
     row = page * page_size + at % page_size
     page_zero = in_tiles & ~read & ~highest  # lower tiles past kv_len: page 0 (prefetch_offset's index 0)
     row = torch.where(page_zero, at % page_size, row)
     loaded = (read & ~bad_entry) | page_zero
     bad_page = loaded & ((page < 0) | (page >= num_pages))
-    if bad_page.any():
-        _report("ckv_cache", bad_page, page, num_pages, ckv_rows.shape[-1] * ckv_rows.element_size() * page_size)
+    checks.add("ckv_cache", bad_page, page, num_pages, ckv_rows.shape[-1] * ckv_rows.element_size() * page_size)
     loaded &= ~bad_page
-    mask = in_tiles & (pos < kv_end[w][:, None])  # scores past kv_end: -inf
+    mask = in_tiles & (pos < kv_end[:, None])  # scores past kv_end: -inf
     mask &= loaded | (in_tiles & ~read & highest)  # zero-filled rows of the highest tile score 0, not -inf
-    rows = row.clamp(0, max(ckv_rows.shape[0] - 1, 0)).to(dev)
-    k_ckv = ckv_rows[rows].float() if ckv_rows.shape[0] else torch.zeros(*row.shape, ckv_rows.shape[-1], device=dev)
-    k_kpe = kpe_rows[rows].float() if kpe_rows.shape[0] else torch.zeros(*row.shape, kpe_rows.shape[-1], device=dev)
-    if fp8:
+    rows = row.clamp(0, max(ckv_rows.shape[0] - 1, 0))
+    if scales is not None:  # fp8: bf16(bf16(x) * bf16(scale))
         if ckv_scale_arr is not None:  # per token, per 128 channels, applied in fp32 then rounded to bf16
-            scales = ckv_scale_arr.reshape(-1, ckv_scale_arr.shape[-1])[rows].repeat_interleave(128, dim=-1)
-            k_ckv = (ckv_rows[rows].float().to(torch.bfloat16).float() * scales).to(torch.bfloat16).float()
+            s = ckv_scale_arr.reshape(-1, ckv_scale_arr.shape[-1])[rows].repeat_interleave(128, dim=-1)
+            k_ckv = (ckv_rows[rows].float().to(torch.bfloat16).float() * s).to(torch.bfloat16).float()
         else:
-            k_ckv = _dequant(ckv_rows[rows], launch.ckv_scale)
-        k_kpe = _dequant(kpe_rows[rows], launch.kpe_scale)
-    zero = (~loaded).to(dev)[..., None]
-    k_ckv, k_kpe = k_ckv.masked_fill(zero, 0.0), k_kpe.masked_fill(zero, 0.0)  # never read (skipped) or zero-filled
-    # The CTAs of these works: [W * bx, 64] rows
-    ctas = torch.arange(c0 * bx, c1 * bx)
-    wc = torch.arange(c1 - c0).repeat_interleave(bx)  # the chunk-local work of each CTA
-    tok, hd, live = token[ctas], head[ctas], live_row[ctas]
+            k_ckv = (ckv_rows[rows].float() * scales[0]).to(torch.bfloat16).float()
+        k_kpe = (kpe_rows[rows].float() * scales[1]).to(torch.bfloat16).float()
+    else:
+        k_ckv = ckv_rows[rows].float() if ckv_rows.shape[0] else torch.zeros(*row.shape, ckv_rows.shape[-1], device=dev)
+        k_kpe = kpe_rows[rows].float() if kpe_rows.shape[0] else torch.zeros(*row.shape, kpe_rows.shape[-1], device=dev)
+    zero = ~loaded[..., None]
+    k_ckv.masked_fill_(zero, 0.0), k_kpe.masked_fill_(zero, 0.0)  # never read (skipped) or zero-filled
+    # The query rows of each work's CTAs: row x * 64 + j is CTA x's row j, packed row q_start + x * 64 + j.
+    packed = q_start[:, None] + torch.arange(bx * CTA_TILE_Q, device=dev)[None, :]  # [W, R]
+    q_local, head = packed // heads, packed % heads
+    live = q_local < q_len[:, None]
+    tok = q_indptr[:, None] + q_local
     bad_q = live & (tok >= q_nope.shape[0])
-    if bad_q.any():
-        _report("q_nope", bad_q, tok * q_nope.shape[1] + hd, q_nope.shape[0] * q_nope.shape[1],
-                q_nope.shape[-1] * q_nope.element_size())
-    readable = live & ~bad_q  # a row past q: its read skipped (zeros), its write still attempted
-    t_idx, h_idx = tok.clamp(0, max(q_nope.shape[0] - 1, 0)).to(dev), hd.to(dev)
-    qn = q_nope[t_idx, h_idx].float().masked_fill(~readable.to(dev)[..., None], 0.0)  # [C, 64, d]
-    qp = q_pe[t_idx, h_idx].float().masked_fill(~readable.to(dev)[..., None], 0.0)
-    s = torch.einsum("crd,ckd->crk", qn, k_ckv[wc.to(dev)]) + torch.einsum("crd,ckd->crk", qp, k_kpe[wc.to(dev)])
-    s = (s * launch.sm_scale).masked_fill(~mask[wc].to(dev)[:, None, :], float("-inf"))
-    row_lse = torch.logsumexp(s, dim=-1)  # [C, 64], natural log
+    checks.add("q_nope", bad_q, tok * q_nope.shape[1] + head, q_nope.shape[0] * q_nope.shape[1],
+               q_nope.shape[-1] * q_nope.element_size())
+    readable = (live & ~bad_q)[..., None]  # a row past q: its read skipped (zeros), its write still attempted
+    t_idx = tok.clamp(0, max(q_nope.shape[0] - 1, 0))
+    qn = q_nope[t_idx, head].float().masked_fill_(~readable, 0.0)  # [W, R, d]
+    qp = q_pe[t_idx, head].float().masked_fill_(~readable, 0.0)
+    s = torch.einsum("wrd,wkd->wrk", qn, k_ckv).add_(torch.einsum("wrd,wkd->wrk", qp, k_kpe))
+    s.mul_(sm_scale).masked_fill_(~mask[:, None, :], float("-inf"))
+    row_lse = torch.logsumexp(s, dim=-1)  # [W, R], natural log
     empty = torch.isinf(row_lse) & (row_lse < 0)
-    p = torch.exp(s - torch.where(empty, 0.0, row_lse)[..., None]).masked_fill(empty[..., None], 0.0)
-    o = torch.einsum("crk,ckd->crd", p, k_ckv[wc.to(dev)])  # a work with no key: 0 (normalize_d_: 1/d -> 0)
+    p = s.sub_(torch.where(empty, 0.0, row_lse)[..., None]).exp_().masked_fill_(empty[..., None], 0.0)
+    o = torch.einsum("wrk,wkd->wrd", p, k_ckv)  # a work with no key: 0 (normalize_d_: 1/d -> 0)
     lse2 = row_lse * LOG2E  # the kernel's base-2 LSE, -inf for an empty row
-    partial = work["partial_indptr"][w][wc]  # [C]
-    x_of = torch.arange(c1 * bx - c0 * bx) % bx
     final = (partial < 0)[:, None] & live
-    if final.any():
-        bad_o = final & (tok >= out.shape[0])
-        if bad_o.any():
-            _report("o", bad_o, tok * out.shape[1] + hd, out.shape[0] * out.shape[1],
-                    out.shape[-1] * out.element_size(), "store")
-        final &= ~bad_o
-        ft, fh = tok[final].to(dev), hd[final].to(dev)
-        out[ft, fh] = o[final.to(dev)].to(out.dtype)
-        if lse is not None:
-            lse[ft, fh] = (row_lse if lse_base_e else lse2)[final.to(dev)]
+    bad_o = final & (tok >= out.shape[0])
+    checks.add("o", bad_o, tok * out.shape[1] + head, out.shape[0] * out.shape[1], out.shape[-1] * out.element_size(),
+               "store")
+    at_rows = (final & ~bad_o).nonzero(as_tuple=True)
+    ft, fh = tok[at_rows], head[at_rows]
+    out[ft, fh] = o[at_rows].to(out.dtype)
+    if lse is not None:
+        lse[ft, fh] = (row_lse if lse_base_e else lse2)[at_rows]
     split = (partial >= 0)[:, None] & live
-    if split.any():
-        prow = partial[:, None] + x_of[:, None] * CTA_TILE_Q + torch.arange(CTA_TILE_Q)[None, :]
-        bad_p = split & (prow >= partial_rows)
-        if bad_p.any():
-            _report("float_workspace_buffer (partial_o)", bad_p, prow, partial_rows, partial_o.shape[-1] * 2, "store")
-        split &= ~bad_p
-        pr = prow[split].to(dev)
-        partial_o[pr] = o[split.to(dev)].to(torch.bfloat16)
-        partial_lse[pr] = lse2[split.to(dev)]
+    prow = partial[:, None] + torch.arange(bx * CTA_TILE_Q, device=dev)[None, :]
+    bad_p = split & (prow >= partial_rows)
+    checks.add("float_workspace_buffer (partial_o)", bad_p, prow, partial_rows, partial_o.shape[-1] * 2, "store")
+    at_rows = (split & ~bad_p).nonzero(as_tuple=True)
+    pr = prow[at_rows]
+    partial_o[pr] = o[at_rows].to(torch.bfloat16)
+    partial_lse[pr] = lse2[at_rows]
 
 
-def _merge(info, ws_cpu, heads, ctas, partial_o, partial_lse, partial_rows, out, lse, lse_base_e) -> None:
+def _merge(info, host, heads, ctas, partial_o, partial_lse, partial_rows, out, lse, lse_base_e,
+           checks: _Checks) -> None:
     """DevicePersistentMergeStates: CTA c merges rows [start, end) of its packed range from partial rows
-    pstart + local, + stride, ... < pend (state_t: m = -inf, d = 1, merged in fp32; an all-empty state gives 0)."""
-    num = ctas
-
+    pstart + local, + stride, ... < pend (state_t: m = -inf, d = 1, merged in fp32; an all-empty state gives 0).
+    Every CTA's rows at once: the rows of one count of partials together, each sum over its own k terms (padding
+    would regroup the reductions)."""
     def array(name):
         at = info[_FIELD[name]] // 4
-        return ws_cpu[at: at + num].long().tolist()
+        return host[at: at + ctas].long()
 
-    starts, ends = array("merge_packed_offset_start"), array("merge_packed_offset_end")
-    pstarts, pends, strides = (array(n) for n in ("merge_partial_packed_offset_start",
-                                                  "merge_partial_packed_offset_end", "merge_partial_stride"))
-    dev = out.device
-    for c in range(num):
-        length = ends[c] - starts[c]
-        if length <= 0:
-            continue
-        local = torch.arange(length)
-        final = starts[c] + local
-        q, r = final // heads, final % heads
-        k = max(0, _ceil_div(pends[c] - pstarts[c] - 0, strides[c])) if strides[c] > 0 else 0
-        rows = pstarts[c] + local[:, None] + strides[c] * torch.arange(max(k, 1))[None, :]
-        use = rows < pends[c]
-        bad = use & ((rows >= partial_rows) | (rows < 0))
-        if bad.any():
-            _report("float_workspace_buffer (partial_o)", bad, rows, partial_rows, partial_o.shape[-1] * 2)
-        use &= ~bad
-        rr = rows.clamp(0, partial_rows - 1).to(dev)
-        po, pl = partial_o[rr].float(), partial_lse[rr]
-        pl = torch.where(use.to(dev), pl, float("-inf"))
-        m = pl.max(dim=1).values
-        weight = torch.exp2(pl - torch.where(torch.isinf(m) & (m < 0), 0.0, m)[:, None])
-        weight = torch.where(use.to(dev), weight, 0.0).nan_to_num(0.0)
-        d = weight.sum(dim=1)
-        merged = (po * weight[..., None]).masked_fill(~use.to(dev)[..., None], 0.0).sum(dim=1)
-        merged = merged * torch.where(d > 0, 1.0 / d, 0.0)[:, None]
-        bad_o = q >= out.shape[0]
-        if bad_o.any():
-            _report("o", bad_o, q * heads + r, out.shape[0] * heads, out.shape[-1] * out.element_size(), "store")
-        ok = ~bad_o
-        out[q[ok].to(dev), r[ok].to(dev)] = merged[ok.to(dev)].to(out.dtype)
-        if lse is not None:
-            value = m + torch.log2(d)
-            lse[q[ok].to(dev), r[ok].to(dev)] = (value / LOG2E if lse_base_e else value)[ok.to(dev)]
+    starts, ends, pstarts, pends, strides = (array(n) for n in MERGE_FIELDS)
+    length = (ends - starts).clamp(min=0)
+    k = torch.where(strides > 0, (-(-(pends - pstarts) // strides.clamp(min=1))).clamp(min=0), 0).clamp(min=1)
+    cta, final = _ranges(starts, length)  # one entry per merged row, CTA by CTA
+    if not len(cta):
+        return
+    order = torch.sort(k[cta], stable=True).indices  # by k, CTA order within
+    cta, final = cta[order], final[order]
+    kr = k[cta]
+    # per row: first partial row, its end, stride, packed row; one copy to the device
+    rows_dev = torch.stack([pstarts[cta] + final - starts[cta], pends[cta], strides[cta], final]).to(out.device)
+    width = partial_o.shape[-1]
+    bounds = torch.searchsorted(kr, torch.unique(kr), right=True).tolist()
+    begin = 0
+    for end in bounds:
+        cols = int(kr[begin])
+        per = max(1, CHUNK_BYTES.get(out.device.type, CHUNK_BYTES["cpu"]) // (cols * (width + 4) * 4))
+        for n0 in range(begin, end, per):
+            _merge_rows(rows_dev[:, n0: min(end, n0 + per)], cols, heads, partial_o, partial_lse, partial_rows, out,
+                        lse, lse_base_e, checks)
+        begin = end
+
+
+def _merge_rows(rows_of, cols, heads, partial_o, partial_lse, partial_rows, out, lse, lse_base_e,
+                checks: _Checks) -> None:
+    """Merged rows [first partial row, its end, stride, packed row] x N, each over `cols` partials."""
+    dev, width = out.device, partial_o.shape[-1]
+    first, pend, stride, f = rows_of
+    col = torch.arange(cols, device=dev)[None, :]
+    rows = first[:, None] + stride[:, None] * col
+    use = rows < pend[:, None]
+    bad = use & ((rows >= partial_rows) | (rows < 0))
+    checks.add("float_workspace_buffer (partial_o)", bad, rows, partial_rows, width * 2)
+    use &= ~bad
+    rr = rows.clamp(0, partial_rows - 1)
+    po, pl = partial_o[rr].float(), partial_lse[rr]
+    pl = torch.where(use, pl, float("-inf"))
+    m = pl.max(dim=1).values
+    weight = torch.exp2(pl - torch.where(torch.isinf(m) & (m < 0), 0.0, m)[:, None])
+    weight = torch.where(use, weight, 0.0).nan_to_num(0.0)
+    d = weight.sum(dim=1)
+    merged = (po * weight[..., None]).masked_fill(~use[..., None], 0.0).sum(dim=1)
+    merged = merged * torch.where(d > 0, 1.0 / d, 0.0)[:, None]
+    q, r = f // heads, f % heads
+    bad_o = q >= out.shape[0]
+    checks.add("o", bad_o, q * heads + r, out.shape[0] * heads, out.shape[-1] * out.element_size(), "store")
+    ok = (~bad_o).nonzero(as_tuple=True)
+    out[q[ok], r[ok]] = merged[ok].to(out.dtype)
+    if lse is not None:
+        value = m + torch.log2(d)
+        lse[q[ok], r[ok]] = (value / LOG2E if lse_base_e else value)[ok]
 
 
 # -- import as `flashinfer.mla` ------------------------------------------------------------------------------------

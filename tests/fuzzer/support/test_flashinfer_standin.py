@@ -49,10 +49,15 @@ def _reference(q, kv_rows, pages, kv, counts):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("heads,fp8", [(16, False), (128, False), (16, True)])
-def test_run_is_attention_over_each_row_s_pages_with_splits_clusters_and_fp8_dequant(heads, fp8):
+@pytest.mark.parametrize("heads,fp8,one_work_a_chunk", [(16, False, False), (128, False, False), (16, True, False),
+                                                       (128, True, True)])
+def test_run_is_attention_over_each_row_s_pages_with_splits_clusters_and_fp8_dequant(heads, fp8, one_work_a_chunk,
+                                                                                     monkeypatch):
     """Long rows are split over KV chunks and merged; 128 heads take clusters of 2 CTAs; an fp8 cache is read as
-    bf16(bf16(x) * bf16(scale)), ckv_scale for the latent and kpe_scale for RoPE."""
+    bf16(bf16(x) * bf16(scale)), ckv_scale for the latent and kpe_scale for RoPE. The emulation's chunks of works
+    (and of merged rows) change nothing but its memory."""
+    if one_work_a_chunk:
+        monkeypatch.setitem(fi.CHUNK_BYTES, "cpu", 1)
     g = torch.Generator().manual_seed(1)
     w, bufs = _wrapper()
     lens = [3, 200, 1, 50, 0, 120]
@@ -97,7 +102,10 @@ def test_the_int_workspace_holds_flashinfer_s_work_arrays_and_a_clamped_kv_end_s
     torch.testing.assert_close(out.float(), _reference(q, cache[:, 0].float(), pages, kv, [7, 7, 7]), atol=2e-2, rtol=2e-2)
 
 
-def test_pages_outside_the_cache_and_rows_past_q_are_memory_violations_and_skipped():
+@pytest.mark.parametrize("one_work_a_chunk", [False, True])
+def test_pages_outside_the_cache_and_rows_past_q_are_memory_violations_and_skipped(one_work_a_chunk, monkeypatch):
+    if one_work_a_chunk:  # each chunk's checks reported at the launch's end, as in one
+        monkeypatch.setitem(fi.CHUNK_BYTES, "cpu", 1)
     w, bufs = _wrapper()
     kv = _plan(w, bufs, [4, 4])
     bufs["kv_indices"][: int(kv[-1])] = torch.tensor([1, 2, 99, 3, 1, 1, 1, 1], dtype=torch.int32)
