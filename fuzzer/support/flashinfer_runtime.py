@@ -3,16 +3,20 @@ attnfuzz_support.py carries this file): the backend class, the KV-cache spec vLL
 the engine's objects in the order vLLM makes them (the impl with the layer, then the builder, which looks the
 layer up in the forward context and takes its impl's top-k buffer). torch and vLLM only (plus attnfuzz's stand-ins).
 
-FlashInfer is not installed on any attnfuzz host: the builder's `_SM90State` imports `flashinfer.mla` in its
-constructor, which gets attnfuzz's stand-in of FlashInfer 0.7.2.post1's BatchMLAPagedAttentionWrapper
-(`fuzzer.support.standins.flashinfer_mla`) for that import only. vLLM itself would not pick this backend here
-(`has_flashinfer_sm90_nope_mla()` is False without FlashInfer >= 0.6.18); every result names the stand-in.
+The builder's `_SM90State` imports `flashinfer.mla` in its constructor. On a GPU host where real FlashInfer
+imports and passes vLLM's own gate (`scripts/gpu-flashinfer.sh`, with ATTNFUZZ_FLASHINFER=real) that import gets
+FlashInfer itself; everywhere else (and with ATTNFUZZ_STANDIN_OPS=1) it gets attnfuzz's stand-in of FlashInfer
+0.7.2.post1's BatchMLAPagedAttentionWrapper (`fuzzer.support.standins.flashinfer_mla`), for that import only, and
+every result names the stand-in. vLLM itself would not pick this backend without FlashInfer
+(`has_flashinfer_sm90_nope_mla()` is False there).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
+import os
 from types import SimpleNamespace
 
 import torch
@@ -26,9 +30,31 @@ EMULATED = ("BatchMLAPagedAttentionWrapper (flashinfer.mla: FlashInfer 0.7.2.pos
 
 
 @functools.cache
+def real_flashinfer(device: str) -> str | None:
+    """FlashInfer's version where its own BatchMLAPagedAttentionWrapper runs: a GPU host on which `flashinfer.mla`
+    imports and vLLM's gate for this backend passes, unless ATTNFUZZ_STANDIN_OPS=1 asks for the stand-ins. None:
+    the stand-in runs."""
+    if device != "cuda" or os.environ.get("ATTNFUZZ_STANDIN_OPS") == "1":
+        return None
+    try:
+        import flashinfer
+        from flashinfer.mla import BatchMLAPagedAttentionWrapper  # noqa: F401
+    except Exception:  # absent, or a broken install: the stand-in, named as such
+        return None
+    return getattr(flashinfer, "__version__", "?") if vllm_gate() else None
+
+
+@functools.cache
 def backend(device: str = "cuda"):
-    """(vLLM's FlashInferMLASparseSM90Backend, the stand-ins it runs with here: FlashInfer's wrapper on every host)."""
-    return importlib.import_module(BACKEND_MODULE).FlashInferMLASparseSM90Backend, EMULATED
+    """(vLLM's FlashInferMLASparseSM90Backend, the stand-ins it runs with here: FlashInfer's wrapper unless the host
+    has FlashInfer itself)."""
+    return importlib.import_module(BACKEND_MODULE).FlashInferMLASparseSM90Backend, \
+        (() if real_flashinfer(device) else EMULATED)
+
+
+def flashinfer_part(device: str) -> str:
+    """How results name FlashInfer's wrapper where it is real."""
+    return f"FlashInfer {real_flashinfer(device)}'s BatchMLAPagedAttentionWrapper (fa3 planner, SM90 kernel, JIT-built)"
 
 
 @functools.cache
@@ -80,6 +106,7 @@ def engine(backend_cls, cfg, spec, heads: int, kv_cache_dtype: str, topk_indices
                             _k_scale=torch.tensor(k_scale, dtype=torch.float32, device=device), _k_scale_float=k_scale)
     layer._use_sparse_mha = functools.partial(MLAAttention._use_sparse_mha, layer)
     cfg.compilation_config.static_forward_context[LAYER] = layer
-    with flashinfer_mla.importable():  # _SM90State imports flashinfer.mla here
+    # _SM90State imports flashinfer.mla here: FlashInfer's own where the host has it, else the stand-in
+    with contextlib.nullcontext() if real_flashinfer(device) else flashinfer_mla.importable():
         builder = backend_cls.get_builder_cls()(spec, [LAYER], cfg, torch.device(device))
     return impl, layer, builder

@@ -53,7 +53,7 @@ from strategies.tensors import HEAD_SIZE, fp8_kv_scale
 class FlashInferMLASparseSM90(FlashMLASparse):
     name = "vllm.flashinfer_sparse_sm90"
     summary = ("FlashInfer sparse-MLA backend for Hopper (FLASHINFER_MLA_SPARSE_SM90): builder + plan/clamp + "
-               "impl.forward_mqa, bf16 and fp8 (FlashInfer a stand-in)")
+               "impl.forward_mqa, bf16 and fp8 (FlashInfer a stand-in unless the GPU host has it)")
     bug_classes = "A B C D H I J K M"
     real_parts = ("FlashInferMLASparseSM90Builder (FlashInferMLASparseMetadataBuilder, the sparse-MLA builder)",
                   "_SM90State.plan (host lengths, plan reuse) and its Triton `_clamp_work_kv_end`",
@@ -84,6 +84,8 @@ class FlashInferMLASparseSM90(FlashMLASparse):
             self.shims.append("vLLM's has_flashinfer_sm90_nope_mla() is False here (no FlashInfer >= 0.6.18): vLLM would "
                               "not pick this backend on this host; it runs as with FlashInfer installed (its stand-in)")
         self.real_parts = type(self).real_parts
+        if flashinfer_runtime.real_flashinfer(self.device):
+            self.real_parts += (flashinfer_runtime.flashinfer_part(self.device),)
         self.cfg = self.runtime(str(STATE_DIR))
         self.block_stride_rows = remap_api().has_block_stride_rows
 
@@ -97,7 +99,8 @@ class FlashInferMLASparseSM90(FlashMLASparse):
     def run(self, case):
         if case.cudagraph != "none" and self.device != "cpu":
             raise HarnessError(f"case.cudagraph {case.cudagraph!r}: {self.name}'s FlashInfer stand-in reads its plan on "
-                               "the host, which a CUDA graph cannot capture; full graphs are emulated on a CPU only")
+                               "the host, which a CUDA graph cannot capture, and graphs of FlashInfer itself are not "
+                               "wired yet; full graphs are emulated on a CPU only")
         return super().run(case)
 
     @staticmethod
@@ -139,7 +142,7 @@ class FlashInferMLASparseSM90(FlashMLASparse):
 _ENGINE = """\
     k_scale = {k_scale!r}  # the layer's kv-cache scale (1.0: vLLM's default)
     # The impl, the layer vLLM registers it on (the builder reads both), then the builder, whose _SM90State
-    # imports flashinfer.mla (attnfuzz's stand-in of FlashInfer's wrapper, for that import only).
+    # imports flashinfer.mla (FlashInfer's own on a GPU host that has it, else attnfuzz's stand-in of its wrapper).
     impl, layer, builder = sm90.engine(Backend, cfg, spec, case.heads, case.kv_cache_dtype, {topk}, k_scale, DEVICE)
 """
 
@@ -190,6 +193,6 @@ def sm90_repro(spec: ReproSpec, case) -> ReproSpec:
         changed[field_name] = text
     about = spec.about + (" FLASHINFER_MLA_SPARSE_SM90: FlashInfer's BatchMLAPagedAttentionWrapper is attnfuzz's "
                           "stand-in (flashinfer.mla, imported by the builder), FlashInfer 0.7.2.post1's planner and "
-                          "kernel semantics.")
+                          "kernel semantics, unless the GPU host has FlashInfer itself (the script prints which).")
     return dataclasses.replace(spec, about=about, support={**spec.support, "sm90": "fuzzer.support.flashinfer_runtime"},
                                **changed)

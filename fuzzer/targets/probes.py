@@ -233,6 +233,7 @@ PROBES: tuple[Probe, ...] = (
     Probe(FLASHINFER_SM90, "_SM90State.pack_indices", "sm90.pack_indices"),
     Probe(FLASHINFER_STANDIN, "mla_plan", after=_flashinfer_plan),
     Probe(FLASHINFER_STANDIN, "BatchMLAPagedAttentionWrapper.run", "kernel.flashinfer_mla"),
+    Probe("flashinfer.mla", "BatchMLAPagedAttentionWrapper.run", "kernel.flashinfer_mla"),  # FlashInfer's own
     Probe(FLASHMLA, "FlashMLASparseImpl._bf16_flash_mla_kernel", "kernel.bf16_sparse", before=_bf16_kernel_heads),
     Probe(FLASHMLA, "FlashMLASparseImpl._fp8_flash_mla_kernel", "kernel.fp8_decode", before=_fp8_kernel_heads),
     # the top-k index conversion, wherever it is looked up

@@ -178,3 +178,33 @@ def test_an_emulated_graph_replays_the_launch_it_captured():
     assert w._plan_info[0] == 1
     replayed, eager = graph.replay()["out"], forward(None)["out"]
     assert torch.isfinite(eager[:4]).all() and not torch.isfinite(replayed[:4]).all()
+
+
+def test_flashinfer_itself_runs_only_on_a_gpu_host_that_has_it_and_passes_vllm_s_gate(monkeypatch):
+    """The target takes FlashInfer's own wrapper where `flashinfer.mla` imports on a GPU host and vLLM's gate passes;
+    the stand-in everywhere else, and wherever ATTNFUZZ_STANDIN_OPS=1."""
+    import sys
+    import types
+
+    from fuzzer.support import flashinfer_runtime as rt
+
+    top, mla = types.ModuleType("flashinfer"), types.ModuleType("flashinfer.mla")
+    top.__version__, mla.BatchMLAPagedAttentionWrapper = "0.7.2.post1", object
+    top.mla = mla
+    monkeypatch.setitem(sys.modules, "flashinfer", top)
+    monkeypatch.setitem(sys.modules, "flashinfer.mla", mla)
+    monkeypatch.setattr(rt, "vllm_gate", lambda: True)
+    monkeypatch.delenv("ATTNFUZZ_STANDIN_OPS", raising=False)
+    rt.real_flashinfer.cache_clear()
+    try:
+        assert rt.real_flashinfer("cuda") == "0.7.2.post1" and rt.real_flashinfer("cpu") is None
+        assert "0.7.2.post1" in rt.flashinfer_part("cuda")
+        rt.real_flashinfer.cache_clear()
+        monkeypatch.setattr(rt, "vllm_gate", lambda: False)  # too old for vLLM: the stand-in
+        assert rt.real_flashinfer("cuda") is None
+        rt.real_flashinfer.cache_clear()
+        monkeypatch.setattr(rt, "vllm_gate", lambda: True)
+        monkeypatch.setenv("ATTNFUZZ_STANDIN_OPS", "1")
+        assert rt.real_flashinfer("cuda") is None
+    finally:
+        rt.real_flashinfer.cache_clear()
