@@ -63,7 +63,7 @@ def swa_slots(case: Case, req: int, positions: torch.Tensor) -> torch.Tensor:
 
 
 def compressed_slots(case: Case, req: int, entries: torch.Tensor) -> torch.Tensor:
-    """The compressed K cache slots of request `req`'s compressed entries (256 // ratio entries a block)."""
+    """The compressed K cache slots of request `req`'s compressed entries (compressed_block_size // ratio entries a block)."""
     per_block = case.dsv4.entries_per_block
     row = torch.tensor(case.dsv4.compressed_block_table[case.table_row(req)], dtype=torch.int64)
     return row[entries // per_block] * per_block + entries % per_block
@@ -94,8 +94,7 @@ def _inputs(case: Case, device: str) -> Dsv4Inputs:
     swa, comp = [], []
     for r in case.requests:
         swa.append(_latents(r.seq_len, scale, case.values, gd, device))
-        comp.append(_latents(r.seq_len // d.compress_ratio if d.compress_ratio > 1 else 0, scale, case.values, gd,
-                             device))
+        comp.append(_latents(r.seq_len // d.compress_ratio if d.compressed else 0, scale, case.values, gd, device))
     positions, token_req, slots, qsl = [], [], [], [0]
     for i, r in enumerate(case.requests):
         pos = torch.arange(r.context_len, r.seq_len)
@@ -121,7 +120,7 @@ def _inputs(case: Case, device: str) -> Dsv4Inputs:
         positions=positions.to(device), token_request=token_req.to(device), query_start_loc=i32(qsl),
         seq_lens=i32([r.seq_len for r in case.requests]), slot_mapping=slots.to(device),
         block_table=i32(case.block_table),
-        compressed_block_table=i32(d.compressed_block_table) if d.compress_ratio > 1 else None,
+        compressed_block_table=i32(d.compressed_block_table) if d.compressed else None,
         swa_values=tuple(swa), compressed_values=tuple(comp),
         topk_indices=topk.to(device), q=q.to(torch.bfloat16).to(device), attn_sink=sink.to(device))
 
@@ -134,24 +133,25 @@ def _latents(n: int, scale: float, values: str, g: torch.Generator, device: str)
     return x.to(torch.bfloat16)
 
 
-def c4_valid_count(position: int, index_topk: int) -> int:
-    """Valid ids of a C4 indexer row at `position`: every visible compressed entry, up to index_topk."""
-    return min((position + 1) // 4, index_topk)
+def c4_valid_count(position: int, index_topk: int, ratio: int = 4) -> int:
+    """Valid ids of an indexer row at `position` (C4A; V4.1's C1A, C2A): every visible compressed entry, up to
+    index_topk."""
+    return min((position + 1) // ratio, index_topk)
 
 
 def _indexer_rows(case: Case, positions: torch.Tensor, token_req: torch.Tensor, g: torch.Generator) -> torch.Tensor:
-    """The C4 indexer's top-k rows: min(n, index_topk) distinct local ids of the n = (p + 1) // 4 visible compressed
-    entries, valid ids first, -1 after (sparse_attn_indexer's top_k_per_row, and the short-context fill, which gives
-    0, 1, ..., n - 1); padding tokens select nothing. Layers of another ratio do not read the buffer: its rows are
-    out of range there, so that a read shows."""
+    """The indexer's top-k rows (C4A; V4.1's C1A and C2A, ratio R): min(n, index_topk) distinct local ids of the
+    n = (p + 1) // R visible compressed entries, valid ids first, -1 after (sparse_attn_indexer's top_k_per_row, and
+    the short-context fill, which gives 0, 1, ..., n - 1); padding tokens select nothing. Layers that do not read the
+    buffer get rows out of range, so that a read shows."""
     d, width = case.dsv4, case.topk_width
-    if d.compress_ratio != 4:
+    if not d.indexed:
         return torch.full((len(positions), width), TOPK_POISON, dtype=torch.int32)
     rows = torch.full((len(positions), width), -1, dtype=torch.int32)
     for t, (p, r) in enumerate(zip(positions.tolist(), token_req.tolist())):
         if r < 0:
             continue
-        n, k = (p + 1) // 4, c4_valid_count(p, width)
+        n, k = (p + 1) // d.compress_ratio, c4_valid_count(p, width, d.compress_ratio)
         ids = torch.arange(k) if d.c4_order == "ascending" else torch.randperm(n, generator=g)[:k]
         rows[t, :k] = ids.to(torch.int32)
     return rows
