@@ -9,7 +9,7 @@ The reference, for the token at position p of request r (ratio R, window W, inde
            C128: every compressed entry 0 .. (p + 1) // 128 - 1
 V4.1 differs from V4 only in which layers read what: ratio 0 is the sliding-window-only layer, ratios 1 and 2 read
 the indexer's top-k like C4 (ratio 1: one compressed entry per token), there is no C128A; the record on every arch
-but SM100 is V4's 584 bytes, so the same decoder reads both.
+but SM100 is V4's 584 bytes (fp8_ds_mla_v4), on SM100 the interleaved 528-byte MXFP8 one (fp8_ds_mla_v41).
     out_h = sum_j e^{s_j} v_j / (sum_j e^{s_j} + e^{sink_h}),  s_j = 512^-0.5 q_h . k_j,  K = V = the record's value
 read from the cache bytes at the slots the case's own block tables give (fp8_ds_mla_v4 decodes them). Only the
 case's heads are judged (vLLM pads q with zero heads to 64 or 128; the model drops their output).
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from oracles import fp8_ds_mla_v4 as v4
+from oracles import fp8_ds_mla_v4, fp8_ds_mla_v41
 from oracles.attention import error_margin, sparse_mla_reference, tolerance
 from oracles.verdict import Verdict, passed
 from strategies.dsv4_tensors import (
@@ -151,6 +151,7 @@ def _records(case, swa_pages, compressed_pages, device) -> tuple[dict, list[Verd
     if d.compressed:
         caches.append(("compressed", compressed_pages, d.entries_per_block))
     found, verdicts = {}, []
+    v4 = fp8_ds_mla_v41 if d.kv_record == fp8_ds_mla_v41.ENTRY else fp8_ds_mla_v4  # the record's own decoder
     for name, pages, entries in caches:
         worst = None
         for i, _ in enumerate(case.requests):

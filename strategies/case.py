@@ -145,6 +145,9 @@ class Dsv4:
     # V4.1: "own", the layer is its compressed cache's kv source; "shared", it reads the cache (and the metadata
     # keyed by its prefix) of the kv-source layer below it, as V4.1's kv_source_layer_ids share one.
     kv_source: str = "own"
+    # The bytes a cache record takes: 584, V4's record (V4.1 off SM100 too); 528, V4.1's MXFP8 record, which its
+    # layer writes on SM100 (`_use_v41_mxfp8_kv_record`), interleaved: each token's scales after its data.
+    kv_record: int = 584
 
     @property
     def entries_per_block(self) -> int:
@@ -266,7 +269,8 @@ class Case:
                          + (f" mtp={d.num_speculative_tokens}" if d.num_speculative_tokens else "")
                          + (f" c4_order={d.c4_order}" if d.indexed else "") + f" attn_sink={d.attn_sink}"
                          + (f" max_model_len={d.max_model_len}" if d.max_model_len else "")
-                         + (f" block={d.compressed_block_size} kv_source={d.kv_source}" if d.version == "4.1" else ""))
+                         + (f" block={d.compressed_block_size} kv_source={d.kv_source} record={d.kv_record}"
+                            if d.version == "4.1" else ""))
         if self.earlier:
             extra.append(f"after {len(self.earlier)} earlier step(s) of {'/'.join(str(e.num_tokens) for e in self.earlier)} tokens")
         return f"[{reqs}] topk={self.topk_width} block={self.block_size} {' '.join(extra)}".strip()
@@ -423,6 +427,8 @@ def _validate_dsv4(case: "Case") -> None:
     ratios = V41_COMPRESS_RATIOS if d.version == "4.1" else COMPRESS_RATIOS
     _check(d.compress_ratio in ratios, "dsv4.compress_ratio", f"one of {ratios}, got {d.compress_ratio}")
     block = d.compressed_block_size
+    _check(d.kv_record == 584 or (d.version == "4.1" and d.kv_record == 528), "dsv4.kv_record",
+           f"584, or 528 for V4.1, got {d.kv_record}")
     _check(d.kv_source == "own" or (d.version == "4.1" and d.kv_source == "shared"), "dsv4.kv_source",
            f"'own', or 'shared' for V4.1, got {d.kv_source!r}")
     _check(block == DSV4_BLOCK_SIZE if d.version == "4" else block in V41_BLOCK_SIZES, "dsv4.compressed_block_size",

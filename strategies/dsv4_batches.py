@@ -40,16 +40,17 @@ DSV4_KNOBS = ("compress_ratio", "window_size", "topk_width", "heads", "decodes",
               "max_model_len")
 # DeepSeek-V4.1 only: its compressed K cache's block (SM90's 64 or 128), and whether the layer owns that cache or
 # reads the one of the kv-source layer below it (compressed_cache_prefix).
-DSV41_KNOBS = ("compressed_block", "kv_source")
+DSV41_KNOBS = ("compressed_block", "kv_source", "kv_record")
 
 
 @dataclass(frozen=True)
 class Dsv4Features:
     compress_ratios: tuple[int, ...] = COMPRESS_RATIOS
     version: str = "4"  # "4.1": DeepSeek-V4.1's layer (V41_FEATURES)
+    kv_records: tuple[int, ...] = (584,)  # V4.1: also 528 (SM100's MXFP8 record) where the decode kernel reads it
 
 
-V41_FEATURES = Dsv4Features(compress_ratios=V41_COMPRESS_RATIOS, version="4.1")
+V41_FEATURES = Dsv4Features(compress_ratios=V41_COMPRESS_RATIOS, version="4.1", kv_records=(584, 528))
 
 
 def dsv4_knobs(p: Profile, f: Dsv4Features) -> dict[str, tuple[str, ...]]:
@@ -57,7 +58,7 @@ def dsv4_knobs(p: Profile, f: Dsv4Features) -> dict[str, tuple[str, ...]]:
     names = DSV4_KNOBS + (DSV41_KNOBS if f.version == "4.1" else ())
     return _domains(names, compress_ratio=map(str, f.compress_ratios), window_size=map(str, s.window_sizes),
                     topk_width=map(str, s.topk_widths), heads=map(str, s.heads), table_layout=("arange", "permuted"),
-                    compressed_block=map(str, V41_BLOCK_SIZES))
+                    compressed_block=map(str, V41_BLOCK_SIZES), kv_record=map(str, f.kv_records))
 
 
 def dsv4_space(p: Profile, f: Dsv4Features) -> CaseSpace:
@@ -171,7 +172,8 @@ def dsv4_cases(draw, p: Profile, f: Dsv4Features, knobs: dict[str, tuple[str, ..
         dsv4=Dsv4(compress_ratio=ratio, window_size=w, compressed_block_table=comp, num_speculative_tokens=k,
                   c4_order=c("c4_order") if indexed else "scored", attn_sink=c("attn_sink"),
                   max_model_len=max_model_len, **(dict(version="4.1", compressed_block_size=block,
-                                                       kv_source=c("kv_source") if compressed else "own")
+                                                       kv_source=c("kv_source") if compressed else "own",
+                                                       kv_record=int(c("kv_record")))
                                                   if v41 else {})),
     ).validate()
 

@@ -96,6 +96,8 @@ KNOBS = _knobs(
                                "entry), 1 (sliding window only)"),
     Knob("window_size", (), "sliding_window (values: the profile's)"),
     Knob("compressed_block", ("64", "128"), "DeepSeek-V4.1: the compressed K cache's block (SM90's 64, else 128)"),
+    Knob("kv_record", ("584", "528"), "DeepSeek-V4.1: the caches' record, V4's 584 bytes or SM100's interleaved "
+                                      "528-byte MXFP8 one"),
     Knob("kv_source", ("own", "shared"), "DeepSeek-V4.1: the layer owns its compressed cache, or reads the kv-source "
                                          "layer's (compressed_cache_prefix)"),
     Knob("decode_lengths", ("uniform", "mixed"), "MTP decodes of one query length, or of several (require_uniform=False)"),
@@ -247,6 +249,7 @@ def dsv4_features(case: Case, decodes) -> dict[str, set[str]]:
             f["decode_lengths"] = {"uniform" if len({r.query_len for r in decodes}) == 1 else "mixed"}
     if d.version == "4.1":
         f["compressed_block"] = {str(d.compressed_block_size)}
+        f["kv_record"] = {str(d.kv_record)}
         if d.compressed:
             f["kv_source"] = {d.kv_source}
     if d.compress_ratio > 1:

@@ -6,7 +6,7 @@ reading the indexer's top-k; the compressed K cache is owned by the kv-source la
 and a consumer reads its source's cache and metadata through `compressed_cache_prefix`; its block is the backend's
 kernel block size (64 on SM90, 128 elsewhere) and the SWA cache's block is 32. On every arch but SM100 both caches
 hold V4's 584-byte record (`_use_v41_mxfp8_kv_record`), which is what this module sets up; the 528-byte MXFP8 record
-(SM100's FlashMLA only) is not. The layer is made with `__new__` and given the attributes its `forward_mqa` reads, as
+(SM100's FlashMLA only) too, where the decode kernel that reads it is a stand-in. The layer is made with `__new__` and given the attributes its `forward_mqa` reads, as
 its `__init__` sets them (the `__init__` needs a TP group, linears, CUDA events and DeepGEMM).
 torch and vLLM only (plus attnfuzz's stand-in modules).
 """
@@ -28,7 +28,6 @@ from fuzzer.support.dsv4_runtime import (  # noqa: F401  the pieces V4.1 shares 
     cpu_shims,
     guard_buffers,
     metadata_outputs,
-    paged,
 )
 from fuzzer.support.flashmla_runtime import _has_flashmla_kernels, model_config
 from fuzzer.support.standins import flashmla_ops
@@ -44,6 +43,7 @@ MAX_MODEL_LEN = 163840
 SOURCE_LAYER = {1: 0, 2: 2}
 CONSUMER_LAYER = {1: 1, 2: 3}
 SWA_ONLY_LAYER = 4
+V41_ENTRY_BYTES = 528  # the MXFP8 record V4.1's layer writes on SM100 (512 fp8 + 16 UE8M0, interleaved)
 
 
 def layer_prefix(layer_id: int) -> str:
@@ -92,15 +92,27 @@ def dsv41_config(device: str, state_dir: str):
     return cfg
 
 
-def compressed_spec(compress_ratio: int, block_size: int):
+def page_alignment(record: int) -> int:
+    """DeepseekV4Attention's kv_page_alignment: V4's 576-byte TMA stride, 512 for V4.1's record (SM100)."""
+    return 512 if record == V41_ENTRY_BYTES else 576
+
+
+def compressed_spec(compress_ratio: int, block_size: int, record: int = ENTRY_BYTES):
     """The kv-source layer's compressed K cache spec, as DeepseekV4Attention.get_kv_cache_spec (V4.1) declares it
-    for fp8_ds_mla off SM100 (the V4 record: 584 bytes, pages aligned to 576), in blocks of `block_size` tokens."""
+    for fp8_ds_mla, in blocks of `block_size` tokens: off SM100 the 584-byte V4 record (pages aligned to 576), on
+    SM100 the 528-byte MXFP8 one (aligned to 512)."""
     from vllm.v1.kv_cache_interface import MLAAttentionSpec, get_kv_quant_mode
 
     return MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=HEAD_DIM, dtype=torch.uint8,
-                            tokens_per_state=compress_ratio, cache_dtype_str="fp8_ds_mla", alignment=576,
-                            model_version="deepseek_v4", kv_quant_mode=get_kv_quant_mode("fp8_ds_mla"),
-                            state_content_bytes=ENTRY_BYTES)
+                            tokens_per_state=compress_ratio, cache_dtype_str="fp8_ds_mla",
+                            alignment=page_alignment(record), model_version="deepseek_v4",
+                            kv_quant_mode=get_kv_quant_mode("fp8_ds_mla"), state_content_bytes=record)
+
+
+def paged(raw: torch.Tensor, entries_per_block: int, record: int = ENTRY_BYTES) -> torch.Tensor:
+    """The [num_blocks, entries, record bytes] view of a raw [num_blocks, page_bytes] cache, as the runner binds it."""
+    pages, page_bytes = raw.shape
+    return torch.as_strided(raw, (pages, entries_per_block, record), (page_bytes, record, 1))
 
 
 def layer_ids(compress_ratio: int, kv_source: str) -> tuple[int, int | None]:
@@ -112,9 +124,12 @@ def layer_ids(compress_ratio: int, kv_source: str) -> tuple[int, int | None]:
     return (source if kv_source == "own" else CONSUMER_LAYER[compress_ratio]), source
 
 
-def swa_cache_layer(cfg, layer_id: int, window_size: int, block_size: int = SWA_BLOCK_SIZE):
-    """vLLM's DeepseekV4SWACache as the V4.1 layer makes it off SM100 (584-byte records, 576-byte page alignment,
-    no block-stride alignment, no bounded replay); it registers itself in the forward context under its prefix."""
+def swa_cache_layer(cfg, layer_id: int, window_size: int, block_size: int = SWA_BLOCK_SIZE,
+                    record: int = ENTRY_BYTES):
+    """vLLM's DeepseekV4SWACache as the V4.1 layer makes it (no bounded replay): off SM100 584-byte records, pages
+    aligned to 576; on SM100 (`record` 528) MXFP8 records, pages aligned to 512 and a block stride of whole rows of
+    both caches' records (lcm of the two: FlashMLA reads the interleaved records as rows of the whole cache). It
+    registers itself in the forward context under its prefix."""
     from vllm.config import set_current_vllm_config
 
     swa = importlib.import_module(SWA_MODULE)
@@ -124,8 +139,9 @@ def swa_cache_layer(cfg, layer_id: int, window_size: int, block_size: int = SWA_
     with set_current_vllm_config(cfg):
         return swa.DeepseekV4SWACache(head_dim=HEAD_DIM, window_size=window_size, dtype=torch.uint8, prefix=prefix,
                                       cache_config=cfg.cache_config, backend_cls=layer_cls.swa_backend_cls,
-                                      block_size=block_size, packed_bytes_per_token=ENTRY_BYTES,
-                                      packed_page_alignment=576, packed_block_stride_alignment=None)
+                                      block_size=block_size, packed_bytes_per_token=record,
+                                      packed_page_alignment=page_alignment(record),
+                                      packed_block_stride_alignment=record if record == V41_ENTRY_BYTES else None)
 
 
 def _bare_layer(cfg, layer_id: int, compress_ratio: int, source_id: int | None):

@@ -9,13 +9,16 @@ compress ratios 0 (sliding window only), 1 and 2 (`Case.dsv4`, version "4.1"). W
 show: a ratio-1 layer reads a full-length compressed cache through the indexer's top-k (V4's ratio 1 was the
 sliding-window layer), the compressed block is the kernel block size (64 or 128 tokens), the SWA block is 32, and a
 consumer layer reads its kv-source layer's cache and metadata (`compressed_cache_prefix`). The caches hold V4's
-584-byte record (what the layer writes on every arch but SM100), written by attnfuzz's torch writer; the indexer's
-top-k rows are inputs. Where the host lacks FlashMLA's compiled kernels (any CPU) they are bounds-checked
-stand-ins. Not covered: PCP (the builders' rank-local slots), SWA bounded replay, the SM100-only 528-byte MXFP8
-record and the mega-attention backend. A finding has no standalone reproducer yet (repro_spec None).
+584-byte record (what the layer writes on every arch but SM100) or SM100's interleaved 528-byte MXFP8 record (knob
+`kv_record`; drawn where FlashMLA's decode is a stand-in or SM100's), written by attnfuzz's torch writer; the
+indexer's top-k rows are inputs. Where the host lacks FlashMLA's compiled kernels (any CPU) they are bounds-checked
+stand-ins. Not covered: PCP (the builders' rank-local slots), SWA bounded replay, the NVFP4 compressed record and
+the mega-attention backend. A finding has no standalone reproducer yet (repro_spec None).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
@@ -24,9 +27,13 @@ from fuzzer.support import dsv41_runtime as runtime
 from fuzzer.support.flashmla_runtime import _try_import, define_missing_c_queries
 from fuzzer.support.interp.corrections import CORRECTIONS, install_corrections
 from fuzzer.support.standins.cpu_shims import install_cpu_shims
-from fuzzer.targets.dsv4_flashmla import WRITER, Dsv4FlashMLA
+from fuzzer.targets.dsv4_flashmla import Dsv4FlashMLA
 from fuzzer.targets.probes import observe_paths
 from strategies.dsv4_batches import V41_FEATURES, dsv4_space
+
+WRITER = ("cache writes: attnfuzz's torch writers of the 584-byte and 528-byte records (byte-equal to vLLM's Triton "
+          "quantize_and_insert_k_cache, bytes_per_token 584 or 528) in place of the layer's fused insert and the "
+          "compressor")
 
 
 class Dsv41FlashMLA(Dsv4FlashMLA):
@@ -62,7 +69,10 @@ class Dsv41FlashMLA(Dsv4FlashMLA):
         self.cfg = runtime.dsv41_config(self.device, str(STATE_DIR))
 
     def cases(self, profile):
-        return dsv4_space(profile, V41_FEATURES)
+        # SM100's MXFP8 record only where its decode kernel runs: the stand-in reads it; SM90's FlashMLA does not
+        sm100 = self.device != "cpu" and torch.cuda.get_device_capability()[0] == 10
+        emulated = "flash_mla_with_kvcache" in getattr(self, "emulated", ("flash_mla_with_kvcache",))
+        return dsv4_space(profile, V41_FEATURES if emulated or sm100 else replace(V41_FEATURES, kv_records=(584,)))
 
     def run(self, case):
         from vllm.config import set_current_vllm_config  # deferred: vLLM loads after fuzzer.env prepares the process
@@ -85,15 +95,15 @@ class Dsv41FlashMLA(Dsv4FlashMLA):
         def call():
             outputs: dict = {}
             # vLLM's objects are made inside the observed call: what they raise is an observation, not ours.
-            swa_layer = runtime.swa_cache_layer(cfg, layer_id, d.window_size, case.block_size)
+            swa_layer = runtime.swa_cache_layer(cfg, layer_id, d.window_size, case.block_size, d.kv_record)
             swa_spec = swa_layer.get_kv_cache_spec(cfg)
             assert swa_raw.shape[1] == swa_spec.page_size_bytes, (swa_raw.shape, swa_spec.page_size_bytes)
-            swa_layer.kv_cache = runtime.paged(swa_raw, case.block_size)
+            swa_layer.kv_cache = runtime.paged(swa_raw, case.block_size, d.kv_record)
             kv_cache = None
             if comp_raw is not None:
-                spec = runtime.compressed_spec(d.compress_ratio, d.compressed_block_size)
+                spec = runtime.compressed_spec(d.compress_ratio, d.compressed_block_size, d.kv_record)
                 assert comp_raw.shape[1] == spec.page_size_bytes, (comp_raw.shape, spec.page_size_bytes)
-                kv_cache = runtime.paged(comp_raw, d.entries_per_block)
+                kv_cache = runtime.paged(comp_raw, d.entries_per_block, d.kv_record)
             heads = layer_cls.get_padded_num_q_heads(case.heads)  # vLLM's padding of the layer's q heads
             assert heads == inputs.q.shape[1], (heads, inputs.q.shape)
             layer = runtime.attention_layers(cfg, d.compress_ratio, d.kv_source, swa_layer, kv_cache, s.topk_buffer,

@@ -208,6 +208,9 @@ def _dsv41_prefill(args: tuple, kwargs: dict) -> Iterator[str]:
 
 def _dsv41_gather(args: tuple, kwargs: dict) -> Iterator[str]:
     yield "dsv41.dequant_gather.compressed" if _arg(args, kwargs, "gather_lens", 3) is None else "dsv41.dequant_gather.swa"
+    cache = _arg(args, kwargs, "k_cache", 1)
+    if getattr(cache, "shape", (0,))[-1] == 528:  # V4.1's interleaved MXFP8 record: its own gather kernel
+        yield "dsv41.dequant_gather.mxfp8"
 
 
 def _dsv41_decode_kernel(args: tuple, kwargs: dict) -> Iterator[str]:
@@ -312,7 +315,8 @@ KNOWN_PATHS: tuple[str, ...] = (
     "dsv4.kernel.decode.extra", "dsv4.kernel.prefill",
     *(f"dsv41.{route}.{kind}" for route in ("decode", "prefill")
       for kind in ("swa_only", "c1a", "c2a", "c1a.shared", "c2a.shared")),
-    "dsv41.global_topk", "dsv41.dequant_gather.compressed", "dsv41.dequant_gather.swa", "dsv41.combine",
+    "dsv41.global_topk", "dsv41.dequant_gather.compressed", "dsv41.dequant_gather.swa", "dsv41.dequant_gather.mxfp8",
+    "dsv41.combine",
     "dsv41.kernel.decode.swa", "dsv41.kernel.decode.extra", "dsv41.kernel.prefill", "pcp_dcp.prefill_shards", "pcp_dcp.prefill_shards.split",
     "pcp_dcp.prefill_shards.whole", "pcp_dcp.kv_gather", "pcp.cache_inputs_gather", "pcp.finalize_decode",
 )

@@ -1,6 +1,6 @@
-"""The DeepSeek-V4.1 mutants on CPU, in one process of their own (mutants patch vLLM process-wide; the two patch
+"""The DeepSeek-V4.1 mutants on CPU, in one process of their own (mutants patch vLLM process-wide; the three patch
 different code): each fails the step made to trigger it, under its class and at its check, and a step that
-triggers neither passes. `attnfuzz selftest --targets vllm.dsv41.flashmla` finds each by search."""
+triggers none of them passes. `attnfuzz selftest --targets vllm.dsv41.flashmla` finds each by search."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from strategies.case import Case, Dsv4, Request
 from tests.fuzzer.mutants.test_dsv4_mutants import PROBE
 
 
-def step(request, table, ratio, ctable=(), window=32):
+def step(request, table, ratio, ctable=(), window=32, record=584):
     return Case(requests=(request,), num_decodes=int(request.query_len == 1), block_size=32, block_table=(table,),
                 topk_width=128, topk=(), kv_cache_dtype="fp8_ds_mla", seed=4,
                 dsv4=Dsv4(compress_ratio=ratio, window_size=window, compressed_block_table=ctable, version="4.1",
-                          compressed_block_size=64)).validate()
+                          compressed_block_size=64, kv_record=record)).validate()
 
 
 JOBS = [  # (mutant, step, verdicts it must give among others)
@@ -24,7 +24,9 @@ JOBS = [  # (mutant, step, verdicts it must give among others)
      {"N:output"}),
     ("dsv41-combine-topk-len-off-by-one", step(Request(4, 0), (1,), 2, ((1,),)),  # a C2A prefill: positions 1, 3
      {"N:output"}),
-    (None, step(Request(1, 40), (1, 2), 2, ((1,),)), set()),  # a C2A decode: neither fires
+    # an SWA-only MXFP8 prefill: the "scales" it reads are other records' fp8 bytes and unwritten (0xFF, NaN) ones
+    ("dsv41-mxfp8-scales-not-interleaved", step(Request(3, 0), (1,), 0, record=528), {"N:nan"}),
+    (None, step(Request(1, 40), (1, 2), 2, ((1,),), record=528), set()),  # a C2A MXFP8 decode: none fires
 ]
 
 

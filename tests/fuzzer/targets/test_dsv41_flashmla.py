@@ -1,6 +1,6 @@
 """The `vllm.dsv41.flashmla` target on CPU: vLLM's DeepSeek-V4.1 builders and V4.1's
 DeepseekV4FlashMLAAttention.forward_mqa (decode and prefill routes, compress ratios 0, 1, 2, the layer owning its
-compressed cache or reading its kv source's) with FlashMLA stand-ins, judged by oracles/dsv4.py; a short clean
+compressed cache or reading its kv source's; V4's 584-byte record and SM100's 528-byte one) with FlashMLA stand-ins, judged by oracles/dsv4.py; a short clean
 campaign through the CLI."""
 
 import functools
@@ -26,12 +26,12 @@ def target():
 
 
 def step(requests, num_decodes, table, ratio, ctable=(), window=32, k=0, pad=0, heads=16, sink="finite", block=64,
-         source="own"):
+         source="own", record=584):
     return Case(requests=tuple(requests), num_decodes=num_decodes, block_size=32, block_table=tuple(table),
                 topk_width=128, topk=(), heads=heads, kv_cache_dtype="fp8_ds_mla", seed=9, padded_tokens=pad,
                 dsv4=Dsv4(compress_ratio=ratio, window_size=window, compressed_block_table=tuple(ctable),
                           num_speculative_tokens=k, attn_sink=sink, version="4.1", compressed_block_size=block,
-                          kv_source=source)).validate()
+                          kv_source=source, kv_record=record)).validate()
 
 
 CASES = {
@@ -52,6 +52,11 @@ CASES = {
     # C2A prefill, 128-token compressed blocks, kv source shared
     "c2_shared_prefill": (step([Request(5, 20)], 0, [(1,)], 2, [(1,)], block=128, source="shared"),
                           {"batch.prefill_only", "dsv41.prefill.c2a.shared", "dsv41.dequant_gather.compressed"}),
+    # SM100's interleaved 528-byte MXFP8 record in both caches: a C1A prefill after 30 cached tokens (its window
+    # crosses the SWA block edge at 32) and a decode
+    "c1_mxfp8": (step([Request(1, 70), Request(3, 30)], 1, [(1, 2, 3), (4, 5, 0)], 1, [(1, 2), (3, 0)], record=528),
+                 {"batch.mixed", "dsv41.decode.c1a", "dsv41.prefill.c1a", "dsv41.dequant_gather.mxfp8",
+                  "dsv41.kernel.decode.extra"}),
     # SWA only (ratio 0): a prefill whose windows are clipped at positions < window
     "swa_prefill": (step([Request(6, 0)], 0, [(1,)], 0, k=2, sink="none"),
                     {"batch.prefill_only", "dsv41.prefill.swa_only", "dsv41.kernel.prefill"}),
