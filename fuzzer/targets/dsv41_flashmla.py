@@ -13,7 +13,7 @@ consumer layer reads its kv-source layer's cache and metadata (`compressed_cache
 `kv_record`; drawn where FlashMLA's decode is a stand-in or SM100's), written by attnfuzz's torch writer; the
 indexer's top-k rows are inputs. Where the host lacks FlashMLA's compiled kernels (any CPU) they are bounds-checked
 stand-ins. Not covered: PCP (the builders' rank-local slots), SWA bounded replay, the NVFP4 compressed record and
-the mega-attention backend. A finding has no standalone reproducer yet (repro_spec None).
+the mega-attention backend. A finding's repro.py is the V4 target's, making V4.1's objects.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from fuzzer.support import dsv41_runtime as runtime
 from fuzzer.support.flashmla_runtime import _try_import, define_missing_c_queries
 from fuzzer.support.interp.corrections import CORRECTIONS, install_corrections
 from fuzzer.support.standins.cpu_shims import install_cpu_shims
-from fuzzer.targets.dsv4_flashmla import Dsv4FlashMLA
+from fuzzer.repro_spec import ReproSpec
+from fuzzer.targets.dsv4_flashmla import _REPRO_SETUP, Dsv4FlashMLA
 from fuzzer.targets.probes import observe_paths
 from strategies.dsv4_batches import V41_FEATURES, dsv4_space
 
@@ -144,5 +145,55 @@ class Dsv41FlashMLA(Dsv4FlashMLA):
         obs.emulated = self.emulated
         return obs
 
-    def repro_spec(self, finding):
-        return None  # not yet: the V4 target's reproducer does not make V4.1's layers (see the module docstring)
+    def repro_spec(self, finding) -> ReproSpec:
+        """The V4 target's reproducer (the same saved step and judge) making V4.1's objects: its SWA cache layer of
+        the case's record, its layer (and kv source) from dsv41_runtime, the compressed builder under the source's
+        prefix."""
+        d = finding.case.dsv4
+        spec = super().repro_spec(finding)
+        compressed = d.compressed
+        return replace(
+            spec, constants={**spec.constants, "KV_SOURCE": d.kv_source, "KV_RECORD": d.kv_record,
+                             "COMPRESSED_BLOCK_SIZE": d.compressed_block_size, "HEADS": finding.case.heads},
+            support={**spec.support, "runtime": runtime.__name__},
+            setup=_REPRO_SETUP.replace("dsv4_config", "dsv41_config").replace(
+                "from vllm.models.deepseek_v4.nvidia.flashmla", f"from {runtime.FLASHMLA_LAYER_MODULE}").replace(
+                "raw pages of 584-byte records", "raw pages of KV_RECORD-byte records"),
+            call=_REPRO_CALL.format(kv_cache=_REPRO_KV_CACHE[compressed]) + (_REPRO_COMPRESSED if compressed else "")
+            + _REPRO_FORWARD + (_REPRO_COMPRESSED_MD if compressed else ""))
+
+
+# The calls of run(), on the loaded step (the V4 reproducer's setup and forward; V4.1's layers and builders).
+_REPRO_CALL = """\
+layer_id, source_id = runtime.layer_ids(COMPRESS_RATIO, KV_SOURCE)  # the layer under test, its kv source
+swa_layer = runtime.swa_cache_layer(cfg, layer_id, WINDOW_SIZE, SWA_BLOCK_SIZE, KV_RECORD)  # DeepseekV4SWACache
+swa_layer.kv_cache = runtime.paged(swa_pages, SWA_BLOCK_SIZE, KV_RECORD)
+kv_cache = {kv_cache}
+# V4.1's DeepseekV4FlashMLAAttention made without its __init__ (it needs a TP group, linears, CUDA events and
+# DeepGEMM), with the attributes forward_mqa reads, set as __init__ sets them; a consumer's kv source beside it
+layer = runtime.attention_layers(cfg, COMPRESS_RATIO, KV_SOURCE, swa_layer, kv_cache, T["topk_indices_buffer"],
+                                 T["attn_sink"], HEADS)
+with set_current_vllm_config(cfg), torch.inference_mode():
+    swa_spec = swa_layer.get_kv_cache_spec(cfg)
+    swa_builder = Layer.swa_backend_cls.get_builder_cls()(swa_spec, [swa_layer.prefix], cfg, torch.device(DEVICE))
+    check = runtime.guard_buffers(swa_builder)  # its persistent buffers poisoned: stray writes show
+    metadata = {{swa_layer.prefix: swa_builder.build(0, common("swa"))}}
+    found += check(metadata[swa_layer.prefix])
+"""
+_REPRO_KV_CACHE = {True: "runtime.paged(compressed_pages, ENTRIES_PER_BLOCK, KV_RECORD)  # the kv source's compressed cache",
+                   False: "None  # a sliding-window layer has no compressed K cache"}
+_REPRO_COMPRESSED = """\
+    spec = runtime.compressed_spec(COMPRESS_RATIO, COMPRESSED_BLOCK_SIZE, KV_RECORD)
+    source = runtime.layer_prefix(source_id)  # the compressed cache's KV-cache group is the kv source's
+    builder = Layer.backend_cls.get_builder_cls()(spec, [source], cfg, torch.device(DEVICE))
+    metadata[source] = builder.build(0, common("compressed"))
+"""
+_REPRO_FORWARD = """\
+    md = runtime.metadata_outputs(metadata[swa_layer.prefix])
+    out = torch.full_like(T["q"], float("nan"))
+    with set_forward_context(metadata, cfg):
+        layer.forward_mqa(T["q"], None, T["positions"], out)
+"""
+_REPRO_COMPRESSED_MD = """\
+    md["compressed_slot_mapping"] = metadata[source].slot_mapping.clone()
+"""
