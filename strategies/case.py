@@ -151,7 +151,8 @@ class Dsv4:
 
     @property
     def entries_per_block(self) -> int:
-        return self.compressed_block_size // self.compress_ratio
+        """Compressed entries a block of the compressed K cache holds; 0 for V4.1's sliding-window layer (ratio 0)."""
+        return self.compressed_block_size // self.compress_ratio if self.compress_ratio else 0
 
     @property
     def compressed(self) -> bool:

@@ -40,3 +40,25 @@ def test_a_mutant_finding_gets_a_reproducer_that_shows_it_and_passes_without_it(
     run = subprocess.run([sys.executable, "-c", TWICE, str(d)], cwd=d, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and "EXIT [0, 1]" in run.stdout, run.stdout + run.stderr[-3000:]
     assert "no bug: fixed" in run.stdout and "BUG:" in run.stdout, run.stdout
+
+
+def test_a_sliding_window_finding_gets_a_reproducer(tmp_path):
+    """A ratio-0 step (no compressed cache; 0 entries a compressed block) renders too."""
+    from fuzzer.artifacts.repro import write_repro
+    from fuzzer.env import host_info
+    from fuzzer.observation import Observation
+    from fuzzer.records import Finding
+    from fuzzer.targets.dsv41_flashmla import Dsv41FlashMLA
+    from oracles.verdict import Verdict
+
+    t = Dsv41FlashMLA("cpu")
+    case = Case(requests=(Request(3, 0),), num_decodes=0, block_size=32, block_table=((1,),), topk_width=128, topk=(),
+                kv_cache_dtype="fp8_ds_mla", seed=4,
+                dsv4=Dsv4(compress_ratio=0, window_size=32, version="4.1", compressed_block_size=64,
+                          kv_record=528)).validate()
+    verdict = Verdict("nan", False, "3 non-finite outputs", "N", where="nan")
+    finding = Finding(t.name, verdict.signature, case, [verdict], Observation(t.name, "cpu"), host_info("cpu"),
+                      "dsv41-mxfp8-scales-not-interleaved", 1, 1.0)
+    script = (write_repro(finding, t, tmp_path / "repros") / "repro.py").read_text()
+    assert "kv_cache = None" in script and "COMPRESS_RATIO = 0" in script
+    compile(script, "repro.py", "exec")
