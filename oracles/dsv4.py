@@ -1,12 +1,15 @@
-"""Verdicts for a DeepSeek-V4 attention step (vLLM's FLASHMLA_SPARSE_DSV4 route): the metadata its builders made,
+"""Verdicts for a DeepSeek-V4 or V4.1 attention step (vLLM's FLASHMLA_SPARSE_DSV4 / _DSV41 routes): the metadata its builders made,
 checked exactly against each kernel's definition; the caches' records against the values written; and the output
 against an fp64 reference of DeepSeek-V4's sparse attention built from positions, the window, the compress ratio,
 the C4 top-k and the block tables, never from vLLM's metadata.
 
 The reference, for the token at position p of request r (ratio R, window W, index_topk K):
     keys = the SWA cache's records of r's positions max(0, p - W + 1) .. p
-         + C4:   the compressed entries top-k[t, :min((p + 1) // 4, K)] (local entry ids)
+         + C4 (V4.1: C1, C2): the compressed entries top-k[t, :min((p + 1) // R, K)] (local entry ids)
            C128: every compressed entry 0 .. (p + 1) // 128 - 1
+V4.1 differs from V4 only in which layers read what: ratio 0 is the sliding-window-only layer, ratios 1 and 2 read
+the indexer's top-k like C4 (ratio 1: one compressed entry per token), there is no C128A; the record on every arch
+but SM100 is V4's 584 bytes (fp8_ds_mla_v4), on SM100 the interleaved 528-byte MXFP8 one (fp8_ds_mla_v41).
     out_h = sum_j e^{s_j} v_j / (sum_j e^{s_j} + e^{sink_h}),  s_j = 512^-0.5 q_h . k_j,  K = V = the record's value
 read from the cache bytes at the slots the case's own block tables give (fp8_ds_mla_v4 decodes them). Only the
 case's heads are judged (vLLM pads q with zero heads to 64 or 128; the model drops their output).
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from oracles import fp8_ds_mla_v4 as v4
+from oracles import fp8_ds_mla_v4, fp8_ds_mla_v41
 from oracles.attention import error_margin, sparse_mla_reference, tolerance
 from oracles.verdict import Verdict, passed
 from strategies.dsv4_tensors import (
@@ -80,7 +83,7 @@ def expected_metadata(case, c128a_width: int | None = None) -> dict[str, torch.T
         md["prefill_swa_indices"], md["prefill_swa_lens"] = swa_rows(tokens[td:])
         md["prefill_gather_lens"] = torch.tensor([r.query_len + min(r.context_len, d.window_size - 1)
                                                   for r in case.requests[nd:]])
-    if d.compress_ratio == 1:
+    if not d.compressed:
         return md
     ratio = d.compress_ratio
     md["compressed_slot_mapping"] = torch.tensor([
@@ -145,9 +148,10 @@ def _records(case, swa_pages, compressed_pages, device) -> tuple[dict, list[Verd
     inputs = materialize_dsv4_inputs(case, device)
     d = case.dsv4
     caches = [("swa", swa_pages, case.block_size)]
-    if d.compress_ratio > 1:
+    if d.compressed:
         caches.append(("compressed", compressed_pages, d.entries_per_block))
     found, verdicts = {}, []
+    v4 = fp8_ds_mla_v41 if d.kv_record == fp8_ds_mla_v41.ENTRY else fp8_ds_mla_v4  # the record's own decoder
     for name, pages, entries in caches:
         worst = None
         for i, _ in enumerate(case.requests):
@@ -190,9 +194,9 @@ def reference(case, records, device: str = "cpu"):
             continue
         r, p = tok
         row = offsets["swa", r][list(window(case, p))].tolist()
-        n = (p + 1) // d.compress_ratio if d.compress_ratio > 1 else 0
-        if d.compress_ratio == 4:
-            row += offsets["compressed", r][topk[t, : c4_valid_count(p, case.topk_width)]].tolist()
+        n = (p + 1) // d.compress_ratio if d.compressed else 0
+        if d.indexed:
+            row += offsets["compressed", r][topk[t, : c4_valid_count(p, case.topk_width, d.compress_ratio)]].tolist()
         elif d.compress_ratio == 128:
             row += offsets["compressed", r][:n].tolist()
         rows.append(row)

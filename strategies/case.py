@@ -40,6 +40,14 @@ MAX_DECODE_QUERY_LEN = 4  # uniform decodes incl. MTP (1 + up to 3 draft tokens)
 # DeepSeek-V4 (Case.dsv4): compress ratios (1: sliding window only, 4: C4A with the indexer's top-k, 128: C128A over
 # every compressed entry), how the indexer orders a C4 row's valid ids, and what the layer's attention sink holds.
 COMPRESS_RATIOS = (4, 128, 1)
+# DeepSeek-V4.1 (Dsv4.version "4.1"): 0 sliding window only, 1 a full-length compressed cache, 2 one compressed entry
+# per two tokens; both compressed kinds attend over the indexer's top-k (vllm/models/deepseek_v41/sparse_mla.py).
+V41_COMPRESS_RATIOS = (1, 2, 0)
+DSV4_VERSIONS = ("4", "4.1")
+# V4.1's compressed K cache block: the backend's kernel block size, 64 on SM90 and 128 elsewhere
+# (DeepseekV4SparseMLABackend.get_supported_kernel_block_sizes); its SWA cache's is 32 (DeepseekV4Attention).
+V41_BLOCK_SIZES = (64, 128)
+V41_SWA_BLOCK_SIZE = 32
 C4_ORDERS = ("scored", "ascending")  # top_k_per_row by score (any order), or the short-context fill's 0, 1, 2, ...
 ATTN_SINKS = ("finite", "none", "large")  # weights of order 1, -inf (no sink: make_attention_sink's init), ~ +6
 DSV4_BLOCK_SIZE = 256  # tokens a block of the compressed K cache covers (the backend's kernel block size)
@@ -130,10 +138,31 @@ class Dsv4:
     # The engine's max_model_len (0: the harness's default, far past any context): it sizes the C128A top-k rows
     # and bounds the prefill workspace a chunk may take (the chunk plan), so a tight one packs prefills apart.
     max_model_len: int = 0
+    # "4.1": DeepSeek-V4.1's layer (FLASHMLA_SPARSE_DSV41), ratios V41_COMPRESS_RATIOS, its compressed K cache in
+    # blocks of `compressed_block_size` tokens; "4": DeepSeek-V4's, blocks of DSV4_BLOCK_SIZE.
+    version: str = "4"
+    compressed_block_size: int = DSV4_BLOCK_SIZE
+    # V4.1: "own", the layer is its compressed cache's kv source; "shared", it reads the cache (and the metadata
+    # keyed by its prefix) of the kv-source layer below it, as V4.1's kv_source_layer_ids share one.
+    kv_source: str = "own"
+    # The bytes a cache record takes: 584, V4's record (V4.1 off SM100 too); 528, V4.1's MXFP8 record, which its
+    # layer writes on SM100 (`_use_v41_mxfp8_kv_record`), interleaved: each token's scales after its data.
+    kv_record: int = 584
 
     @property
     def entries_per_block(self) -> int:
-        return DSV4_BLOCK_SIZE // self.compress_ratio
+        """Compressed entries a block of the compressed K cache holds; 0 for V4.1's sliding-window layer (ratio 0)."""
+        return self.compressed_block_size // self.compress_ratio if self.compress_ratio else 0
+
+    @property
+    def compressed(self) -> bool:
+        """The layer reads a compressed K cache: V4's ratios 4 and 128, V4.1's 1 and 2."""
+        return self.compress_ratio > (0 if self.version == "4.1" else 1)
+
+    @property
+    def indexed(self) -> bool:
+        """The layer's compressed keys are the indexer's top-k rows (C4A; V4.1's C1A and C2A), not every entry."""
+        return self.compress_ratio == 4 or (self.version == "4.1" and self.compress_ratio in (1, 2))
 
 
 @dataclass(frozen=True)
@@ -237,10 +266,12 @@ class Case:
             extra.append("mtp_draft")
         if self.dsv4 is not None:
             d = self.dsv4
-            extra.append(f"dsv4: compress_ratio={d.compress_ratio} window={d.window_size} heads={self.heads}"
+            extra.append(f"dsv{d.version}: compress_ratio={d.compress_ratio} window={d.window_size} heads={self.heads}"
                          + (f" mtp={d.num_speculative_tokens}" if d.num_speculative_tokens else "")
-                         + (f" c4_order={d.c4_order}" if d.compress_ratio == 4 else "") + f" attn_sink={d.attn_sink}"
-                         + (f" max_model_len={d.max_model_len}" if d.max_model_len else ""))
+                         + (f" c4_order={d.c4_order}" if d.indexed else "") + f" attn_sink={d.attn_sink}"
+                         + (f" max_model_len={d.max_model_len}" if d.max_model_len else "")
+                         + (f" block={d.compressed_block_size} kv_source={d.kv_source} record={d.kv_record}"
+                            if d.version == "4.1" else ""))
         if self.earlier:
             extra.append(f"after {len(self.earlier)} earlier step(s) of {'/'.join(str(e.num_tokens) for e in self.earlier)} tokens")
         return f"[{reqs}] topk={self.topk_width} block={self.block_size} {' '.join(extra)}".strip()
@@ -393,7 +424,16 @@ def _validate_dsv4(case: "Case") -> None:
     """What a DeepSeek-V4 step must be: vLLM's split of its batch, the window's blocks in the SWA table, every
     compressed entry's block in the compressed table, one fresh step of an eager engine."""
     d, n = case.dsv4, len(case.requests)
-    _check(d.compress_ratio in COMPRESS_RATIOS, "dsv4.compress_ratio", f"one of {COMPRESS_RATIOS}, got {d.compress_ratio}")
+    _check(d.version in DSV4_VERSIONS, "dsv4.version", f"one of {DSV4_VERSIONS}, got {d.version!r}")
+    ratios = V41_COMPRESS_RATIOS if d.version == "4.1" else COMPRESS_RATIOS
+    _check(d.compress_ratio in ratios, "dsv4.compress_ratio", f"one of {ratios}, got {d.compress_ratio}")
+    block = d.compressed_block_size
+    _check(d.kv_record == 584 or (d.version == "4.1" and d.kv_record == 528), "dsv4.kv_record",
+           f"584, or 528 for V4.1, got {d.kv_record}")
+    _check(d.kv_source == "own" or (d.version == "4.1" and d.kv_source == "shared"), "dsv4.kv_source",
+           f"'own', or 'shared' for V4.1, got {d.kv_source!r}")
+    _check(block == DSV4_BLOCK_SIZE if d.version == "4" else block in V41_BLOCK_SIZES, "dsv4.compressed_block_size",
+           f"{DSV4_BLOCK_SIZE} for V4, one of {V41_BLOCK_SIZES} for V4.1, got {block}")
     w = d.window_size
     _check(w >= 16 and w & (w - 1) == 0, "dsv4.window_size", f"a power of two >= 16 (the combine kernel's arange), got {w}")
     _check(0 <= d.num_speculative_tokens <= DSV4_MAX_SPECULATIVE, "dsv4.num_speculative_tokens",
@@ -433,16 +473,16 @@ def _validate_dsv4(case: "Case") -> None:
     used = [b for row in table for b in row if b]
     _check(len(used) == len(set(used)), "block_table", "a block id used twice (requests share no SWA block here)")
     ctable = d.compressed_block_table
-    if d.compress_ratio == 1:
-        _check(not ctable, "dsv4.compressed_block_table", "ratio 1 (SWA only) has no compressed cache")
+    if not d.compressed:
+        _check(not ctable, "dsv4.compressed_block_table", "a sliding-window-only layer has no compressed cache")
         return
     _check(len(ctable) == len(table), "dsv4.compressed_block_table", f"one row per block_table row ({len(table)})")
     width = len(ctable[0]) if ctable else 0
     for i, r in enumerate(case.requests):
         row = ctable[case.table_row(i)]
-        blocks = -(-r.seq_len // DSV4_BLOCK_SIZE)
+        blocks = -(-r.seq_len // block)
         _check(len(row) == width and blocks <= width and all(b > 0 for b in row[:blocks]),
-               f"dsv4.compressed_block_table[{i}]", f"{r.seq_len} tokens need {blocks} blocks of {DSV4_BLOCK_SIZE} "
+               f"dsv4.compressed_block_table[{i}]", f"{r.seq_len} tokens need {blocks} blocks of {block} "
                f"(ids > 0) in a row of the table's width {width}")
     used = [b for row in ctable for b in row if b]
     _check(all(b >= 0 for row in ctable for b in row) and len(used) == len(set(used)), "dsv4.compressed_block_table",

@@ -19,7 +19,16 @@ from dataclasses import dataclass
 from hypothesis import strategies as st
 
 from strategies.batches import CaseSpace, _domains
-from strategies.case import COMPRESS_RATIOS, DSV4_BLOCK_SIZE, Case, Dsv4, Request
+from strategies.case import (
+    COMPRESS_RATIOS,
+    DSV4_BLOCK_SIZE,
+    V41_BLOCK_SIZES,
+    V41_COMPRESS_RATIOS,
+    V41_SWA_BLOCK_SIZE,
+    Case,
+    Dsv4,
+    Request,
+)
 from strategies.profiles import Profile
 from strategies.swarm import Swarm, category
 
@@ -29,17 +38,27 @@ DSV4_KNOBS = ("compress_ratio", "window_size", "topk_width", "heads", "decodes",
          "window_context", "padding_rows", "padded_tokens", "prefills", "prefill_context", "window_edge",
          "state_fill", "c4_valid", "c4_order", "attn_sink", "values", "table_layout", "table_last_column", "swa_freed",
               "max_model_len")
+# DeepSeek-V4.1 only: its compressed K cache's block (SM90's 64 or 128), and whether the layer owns that cache or
+# reads the one of the kv-source layer below it (compressed_cache_prefix).
+DSV41_KNOBS = ("compressed_block", "kv_source", "kv_record")
 
 
 @dataclass(frozen=True)
 class Dsv4Features:
     compress_ratios: tuple[int, ...] = COMPRESS_RATIOS
+    version: str = "4"  # "4.1": DeepSeek-V4.1's layer (V41_FEATURES)
+    kv_records: tuple[int, ...] = (584,)  # V4.1: also 528 (SM100's MXFP8 record) where the decode kernel reads it
+
+
+V41_FEATURES = Dsv4Features(compress_ratios=V41_COMPRESS_RATIOS, version="4.1", kv_records=(584, 528))
 
 
 def dsv4_knobs(p: Profile, f: Dsv4Features) -> dict[str, tuple[str, ...]]:
     s = p.dsv4
-    return _domains(DSV4_KNOBS, compress_ratio=map(str, f.compress_ratios), window_size=map(str, s.window_sizes),
-                    topk_width=map(str, s.topk_widths), heads=map(str, s.heads), table_layout=("arange", "permuted"))
+    names = DSV4_KNOBS + (DSV41_KNOBS if f.version == "4.1" else ())
+    return _domains(names, compress_ratio=map(str, f.compress_ratios), window_size=map(str, s.window_sizes),
+                    topk_width=map(str, s.topk_widths), heads=map(str, s.heads), table_layout=("arange", "permuted"),
+                    compressed_block=map(str, V41_BLOCK_SIZES), kv_record=map(str, f.kv_records))
 
 
 def dsv4_space(p: Profile, f: Dsv4Features) -> CaseSpace:
@@ -57,14 +76,18 @@ def dsv4_cases(draw, p: Profile, f: Dsv4Features, knobs: dict[str, tuple[str, ..
 
     ratio, w = int(c("compress_ratio")), int(c("window_size"))
     topk, heads = int(c("topk_width")), int(c("heads"))
-    bs = SWA_BLOCK_SIZE
+    v41 = f.version == "4.1"
+    bs = V41_SWA_BLOCK_SIZE if v41 else SWA_BLOCK_SIZE
+    compressed = ratio > (0 if v41 else 1)  # Dsv4.compressed
+    indexed = ratio == 4 or (v41 and ratio in (1, 2))  # Dsv4.indexed
+    block = int(c("compressed_block")) if v41 else DSV4_BLOCK_SIZE
     k = draw(st.integers(1, s.max_speculative)) if c("decode_query_len") == "mtp" else 0
     threshold = 1 + k
     mixed = bool(k) and c("decode_lengths") == "mixed"
 
     def prefill_cap(q: int) -> int:  # the longest sequence a prefill of q tokens may have (its gathers' cost)
         cap = q + s.max_prefill_context
-        return min(cap, (s.max_prefill_compressed + 1) * ratio - 1) if ratio > 1 else cap
+        return min(cap, (s.max_prefill_compressed + 1) * ratio - 1) if compressed else cap
 
     budget, reqs = s.max_tokens, []
     n_dec = draw(st.integers(1, s.max_decodes)) if c("decodes") == "some" else 0
@@ -117,15 +140,19 @@ def dsv4_cases(draw, p: Profile, f: Dsv4Features, knobs: dict[str, tuple[str, ..
         fill = c("state_fill")
         i = live[-1]
         m = draw(st.integers(1, max(1, cap(i) // ratio)))
-        delta = {"full": 0, "one_before": -1, "one_after": 1, "partial": draw(st.integers(2, max(2, ratio - 2)))}[fill]
+        delta = {"full": 0, "one_before": -1, "one_after": 1,
+                 "partial": min(draw(st.integers(2, max(2, ratio - 2))), ratio - 1)}[fill]
         place(i, m * ratio + delta - 1)  # the sequence (its last token + 1) ends there
-    if ratio == 4:
+    if indexed:  # an indexer row with n = min((p + 1) // ratio, topk) valid ids: p's range for each n
         valid = c("c4_valid")
         i = live[len(live) // 2]
-        lo, hi = {"zero": (0, 2), "one": (3, 6), "some": (7, 4 * topk - 2), "all": (4 * topk - 1, 4 * topk + 64)}[valid]
-        place(i, draw(st.integers(lo, hi)))
+        r_ = ratio
+        lo, hi = {"zero": (0, r_ - 2), "one": (r_ - 1, 2 * r_ - 2), "some": (2 * r_ - 1, r_ * topk - 2),
+                  "all": (r_ * topk - 1, r_ * topk + 64)}[valid]
+        if lo <= hi:  # ratio 1 has no position whose row is empty
+            place(i, draw(st.integers(lo, hi)))
 
-    # Block tables: the SWA cache's (64-token blocks), and the compressed K cache's (256-token blocks).
+    # Block tables: the SWA cache's (blocks of bs tokens), and the compressed K cache's (blocks of `block` tokens).
     permuted = c("table_layout") == "permuted"
     spare = c("table_last_column") == "spare"
     freed = c("swa_freed") == "freed"
@@ -133,8 +160,8 @@ def dsv4_cases(draw, p: Profile, f: Dsv4Features, knobs: dict[str, tuple[str, ..
     swa_first = [max(0, r.context_len - w + 1) // bs if freed and r.query_len else 0 for r in reqs]
     swa = _table(draw, [range(a, b) for a, b in zip(swa_first, swa_needed)], swa_needed, spare, permuted)
     comp = ()
-    if ratio > 1:
-        needed = [-(-r.seq_len // DSV4_BLOCK_SIZE) for r in reqs]
+    if compressed:
+        needed = [-(-r.seq_len // block) for r in reqs]
         comp = _table(draw, [range(n) for n in needed], needed, spare, permuted)
     longest = max(r.seq_len for r in reqs)
     max_model_len = longest + draw(st.integers(0, 64)) if c("max_model_len") == "tight" else 0
@@ -143,8 +170,11 @@ def dsv4_cases(draw, p: Profile, f: Dsv4Features, knobs: dict[str, tuple[str, ..
         heads=heads, kv_cache_dtype="fp8_ds_mla", values=c("values"), seed=draw(st.integers(0, 2**16)),
         padded_tokens=draw(st.integers(1, 4)) if c("padded_tokens") == "some" else 0,
         dsv4=Dsv4(compress_ratio=ratio, window_size=w, compressed_block_table=comp, num_speculative_tokens=k,
-                  c4_order=c("c4_order") if ratio == 4 else "scored", attn_sink=c("attn_sink"),
-                  max_model_len=max_model_len),
+                  c4_order=c("c4_order") if indexed else "scored", attn_sink=c("attn_sink"),
+                  max_model_len=max_model_len, **(dict(version="4.1", compressed_block_size=block,
+                                                       kv_source=c("kv_source") if compressed else "own",
+                                                       kv_record=int(c("kv_record")))
+                                                  if v41 else {})),
     ).validate()
 
 

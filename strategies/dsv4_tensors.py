@@ -31,8 +31,14 @@ def padded_heads(heads: int) -> int:
     return 64 if heads <= 64 else 128
 
 
-def page_bytes(entries_per_block: int) -> int:
-    """A page of the 584-byte layout: the entries' data rows, their scale rows, padded to a multiple of 576."""
+V41_ENTRY_BYTES, V41_DATA_BYTES, V41_QUANT_BLOCK = 528, 512, 32  # V4.1's MXFP8 record (SM100): 512 fp8, 16 UE8M0
+
+
+def page_bytes(entries_per_block: int, record: int = ENTRY_BYTES) -> int:
+    """A page of the 584-byte layout: the entries' data rows, their scale rows, padded to a multiple of 576; of
+    V4.1's 528-byte one: whole interleaved records, padded to a multiple of 512."""
+    if record == V41_ENTRY_BYTES:
+        return -(-entries_per_block * V41_ENTRY_BYTES // 512) * 512
     return -(-entries_per_block * ENTRY_BYTES // DATA_BYTES) * DATA_BYTES
 
 
@@ -63,7 +69,7 @@ def swa_slots(case: Case, req: int, positions: torch.Tensor) -> torch.Tensor:
 
 
 def compressed_slots(case: Case, req: int, entries: torch.Tensor) -> torch.Tensor:
-    """The compressed K cache slots of request `req`'s compressed entries (256 // ratio entries a block)."""
+    """The compressed K cache slots of request `req`'s compressed entries (compressed_block_size // ratio entries a block)."""
     per_block = case.dsv4.entries_per_block
     row = torch.tensor(case.dsv4.compressed_block_table[case.table_row(req)], dtype=torch.int64)
     return row[entries // per_block] * per_block + entries % per_block
@@ -94,8 +100,7 @@ def _inputs(case: Case, device: str) -> Dsv4Inputs:
     swa, comp = [], []
     for r in case.requests:
         swa.append(_latents(r.seq_len, scale, case.values, gd, device))
-        comp.append(_latents(r.seq_len // d.compress_ratio if d.compress_ratio > 1 else 0, scale, case.values, gd,
-                             device))
+        comp.append(_latents(r.seq_len // d.compress_ratio if d.compressed else 0, scale, case.values, gd, device))
     positions, token_req, slots, qsl = [], [], [], [0]
     for i, r in enumerate(case.requests):
         pos = torch.arange(r.context_len, r.seq_len)
@@ -121,7 +126,7 @@ def _inputs(case: Case, device: str) -> Dsv4Inputs:
         positions=positions.to(device), token_request=token_req.to(device), query_start_loc=i32(qsl),
         seq_lens=i32([r.seq_len for r in case.requests]), slot_mapping=slots.to(device),
         block_table=i32(case.block_table),
-        compressed_block_table=i32(d.compressed_block_table) if d.compress_ratio > 1 else None,
+        compressed_block_table=i32(d.compressed_block_table) if d.compressed else None,
         swa_values=tuple(swa), compressed_values=tuple(comp),
         topk_indices=topk.to(device), q=q.to(torch.bfloat16).to(device), attn_sink=sink.to(device))
 
@@ -134,24 +139,25 @@ def _latents(n: int, scale: float, values: str, g: torch.Generator, device: str)
     return x.to(torch.bfloat16)
 
 
-def c4_valid_count(position: int, index_topk: int) -> int:
-    """Valid ids of a C4 indexer row at `position`: every visible compressed entry, up to index_topk."""
-    return min((position + 1) // 4, index_topk)
+def c4_valid_count(position: int, index_topk: int, ratio: int = 4) -> int:
+    """Valid ids of an indexer row at `position` (C4A; V4.1's C1A, C2A): every visible compressed entry, up to
+    index_topk."""
+    return min((position + 1) // ratio, index_topk)
 
 
 def _indexer_rows(case: Case, positions: torch.Tensor, token_req: torch.Tensor, g: torch.Generator) -> torch.Tensor:
-    """The C4 indexer's top-k rows: min(n, index_topk) distinct local ids of the n = (p + 1) // 4 visible compressed
-    entries, valid ids first, -1 after (sparse_attn_indexer's top_k_per_row, and the short-context fill, which gives
-    0, 1, ..., n - 1); padding tokens select nothing. Layers of another ratio do not read the buffer: its rows are
-    out of range there, so that a read shows."""
+    """The indexer's top-k rows (C4A; V4.1's C1A and C2A, ratio R): min(n, index_topk) distinct local ids of the
+    n = (p + 1) // R visible compressed entries, valid ids first, -1 after (sparse_attn_indexer's top_k_per_row, and
+    the short-context fill, which gives 0, 1, ..., n - 1); padding tokens select nothing. Layers that do not read the
+    buffer get rows out of range, so that a read shows."""
     d, width = case.dsv4, case.topk_width
-    if d.compress_ratio != 4:
+    if not d.indexed:
         return torch.full((len(positions), width), TOPK_POISON, dtype=torch.int32)
     rows = torch.full((len(positions), width), -1, dtype=torch.int32)
     for t, (p, r) in enumerate(zip(positions.tolist(), token_req.tolist())):
         if r < 0:
             continue
-        n, k = (p + 1) // 4, c4_valid_count(p, width)
+        n, k = (p + 1) // d.compress_ratio, c4_valid_count(p, width, d.compress_ratio)
         ids = torch.arange(k) if d.c4_order == "ascending" else torch.randperm(n, generator=g)[:k]
         rows[t, :k] = ids.to(torch.int32)
     return rows
@@ -187,12 +193,39 @@ def write_v4_records(pages: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, 
     pages[block[:, None], cols] = scales
 
 
+def v41_records(k: torch.Tensor) -> torch.Tensor:
+    """bf16 [n, 512] -> records uint8 [n, 528] as vLLM's `_quantize_and_insert_k_mxfp8_kernel` writes them: per
+    32-wide block the exponent e = ceil(log2(max(amax, 1e-4) / 448)) (fp32), the block as float8_e4m3fn of
+    clamp(x / 2^e, +-448), then the 16 bytes e + 127."""
+    x = k.float().view(-1, V41_DATA_BYTES // V41_QUANT_BLOCK, V41_QUANT_BLOCK)
+    exponent = torch.ceil(torch.log2(x.abs().amax(dim=-1).clamp(min=1e-4) / FP8_MAX))
+    fp8 = (x / torch.exp2(exponent)[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return torch.cat([fp8.view(torch.uint8).view(-1, V41_DATA_BYTES), (exponent + 127).clamp(0, 255).to(torch.uint8)],
+                     dim=-1)
+
+
+def write_v41_records(pages: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, entries_per_block: int) -> None:
+    """Write bf16 [n, 512] at `slots` of a raw cache of 528-byte records: slot s's whole record (data, then its
+    scales) at byte (s % entries) * 528 of page s // entries."""
+    if not len(slots):
+        return
+    slots = slots.to(pages.device).long()
+    cols = (slots % entries_per_block)[:, None] * V41_ENTRY_BYTES + torch.arange(V41_ENTRY_BYTES, device=pages.device)
+    pages[(slots // entries_per_block)[:, None], cols] = v41_records(k)
+
+
+def _writer(case: Case):
+    return write_v41_records if case.dsv4.kv_record == V41_ENTRY_BYTES else write_v4_records
+
+
 def swa_pages(case: Case, inputs: Dsv4Inputs, num_blocks: int, device) -> torch.Tensor:
     """The SWA cache, poisoned (0xFF) where the model wrote nothing, holding every position its table keeps."""
-    pages = torch.full((num_blocks, page_bytes(case.block_size)), POISON, dtype=torch.uint8, device=device)
+    pages = torch.full((num_blocks, page_bytes(case.block_size, case.dsv4.kv_record)), POISON, dtype=torch.uint8,
+                       device=device)
+    write = _writer(case)
     for i, _ in enumerate(case.requests):
         pos = written_swa_positions(case, i)
-        write_v4_records(pages, swa_slots(case, i, pos), inputs.swa_values[i][pos.to(inputs.swa_values[i].device)],
+        write(pages, swa_slots(case, i, pos), inputs.swa_values[i][pos.to(inputs.swa_values[i].device)],
                          case.block_size)
     return pages
 
@@ -201,10 +234,12 @@ def compressed_pages(case: Case, inputs: Dsv4Inputs, num_blocks: int, device) ->
     """The compressed K cache, poisoned where the compressor wrote nothing, holding each request's seq_len // ratio
     completed entries (the compressor writes those of the step's own tokens before the attention call)."""
     per_block = case.dsv4.entries_per_block
-    pages = torch.full((num_blocks, page_bytes(per_block)), POISON, dtype=torch.uint8, device=device)
+    pages = torch.full((num_blocks, page_bytes(per_block, case.dsv4.kv_record)), POISON, dtype=torch.uint8,
+                       device=device)
+    write = _writer(case)
     for i, _ in enumerate(case.requests):
         entries = torch.arange(len(inputs.compressed_values[i]))
-        write_v4_records(pages, compressed_slots(case, i, entries), inputs.compressed_values[i], per_block)
+        write(pages, compressed_slots(case, i, entries), inputs.compressed_values[i], per_block)
     return pages
 
 

@@ -95,6 +95,11 @@ KNOBS = _knobs(
     Knob("compress_ratio", (), "DeepSeek-V4 layer type: 4 (C4A, the indexer's top-k), 128 (C128A, every compressed "
                                "entry), 1 (sliding window only)"),
     Knob("window_size", (), "sliding_window (values: the profile's)"),
+    Knob("compressed_block", ("64", "128"), "DeepSeek-V4.1: the compressed K cache's block (SM90's 64, else 128)"),
+    Knob("kv_record", ("584", "528"), "DeepSeek-V4.1: the caches' record, V4's 584 bytes or SM100's interleaved "
+                                      "528-byte MXFP8 one"),
+    Knob("kv_source", ("own", "shared"), "DeepSeek-V4.1: the layer owns its compressed cache, or reads the kv-source "
+                                         "layer's (compressed_cache_prefix)"),
     Knob("decode_lengths", ("uniform", "mixed"), "MTP decodes of one query length, or of several (require_uniform=False)"),
     Knob("window_context", ("short", "near", "long"),
          "a decode's sequence: within the window (clipped at position < window), up to two blocks past it, or far past"),
@@ -242,12 +247,17 @@ def dsv4_features(case: Case, decodes) -> dict[str, set[str]]:
                                for r in decodes}
         if d.num_speculative_tokens:
             f["decode_lengths"] = {"uniform" if len({r.query_len for r in decodes}) == 1 else "mixed"}
+    if d.version == "4.1":
+        f["compressed_block"] = {str(d.compressed_block_size)}
+        f["kv_record"] = {str(d.kv_record)}
+        if d.compressed:
+            f["kv_source"] = {d.kv_source}
     if d.compress_ratio > 1:
         fill = {0: "full", d.compress_ratio - 1: "one_before", 1: "one_after"}
         f["state_fill"] = {fill.get(r.seq_len % d.compress_ratio, "partial") for r in case.requests if r.query_len}
-    if d.compress_ratio == 4:
+    if d.indexed:
         width = case.topk_width
-        counts = {min((p + 1) // 4, width) for p in positions}
+        counts = {min((p + 1) // d.compress_ratio, width) for p in positions}
         f["c4_valid"] = {"zero" if n == 0 else "one" if n == 1 else "all" if n == width else "some" for n in counts}
         f["c4_order"] = {d.c4_order}
     return f
@@ -283,9 +293,11 @@ REQUIRES: dict[tuple[str, str | None], tuple[tuple[str, tuple[str, ...] | None],
     ("fp8_scale", None): (("kv_cache_dtype", ("fp8_ds_mla", "fp8")),),
     ("decode_lengths", None): (("decode_query_len", ("mtp",)),),
     ("window_context", None): (("decodes", ("some",)),),
-    ("state_fill", None): (("compress_ratio", ("4", "128")),),
+    ("state_fill", None): (("compress_ratio", ("4", "128", "2")),),
+    # V4's "1" is its sliding-window layer: a V4.1 swarm does not pin these two (they are drawn for its ratios 1, 2)
     ("c4_valid", None): (("compress_ratio", ("4",)),),
     ("c4_order", None): (("compress_ratio", ("4",)),),
+    ("kv_source", None): (("compress_ratio", ("1", "2")),),
 }
 
 

@@ -88,14 +88,14 @@ class Dsv4FlashMLA(Target):
         poisoned), each KV-cache group's slots of the step's tokens."""
         d = case.dsv4
         inputs = materialize_dsv4_inputs(case, dev)
-        comp_raw = compressed_pages(case, inputs, num_blocks(d.compressed_block_table), dev) if d.compress_ratio > 1 \
-            else None
+        comp_raw = compressed_pages(case, inputs, num_blocks(d.compressed_block_table), dev) if d.compressed else None
         topk_buffer = torch.full((case.num_actual_tokens + 16, case.topk_width), TOPK_POISON, dtype=torch.int32,
                                  device=dev)
         topk_buffer[: case.num_actual_tokens] = inputs.topk_indices
         return SimpleNamespace(inputs=inputs, swa_raw=swa_pages(case, inputs, num_blocks(case.block_table), dev),
                                comp_raw=comp_raw, topk_buffer=topk_buffer, swa_slots=inputs.slot_mapping,
-                               compressed_slots=None if comp_raw is None else _compressed_token_slots(inputs))
+                               compressed_slots=None if comp_raw is None else
+                               _compressed_token_slots(inputs, d.compressed_block_size))
 
     def run(self, case):
         from vllm.config import set_current_vllm_config  # deferred: vLLM loads after fuzzer.env prepares the process
@@ -208,13 +208,13 @@ class Dsv4FlashMLA(Target):
             bounds_checked=cpu)
 
 
-def _compressed_token_slots(inputs) -> torch.Tensor:
-    """The step's tokens' slots in the compressed K cache's group (its table of 256-token blocks), as the runner
-    gives them to the builder, which maps them to compressed entries' slots; -1 for padding tokens."""
+def _compressed_token_slots(inputs, block_size: int) -> torch.Tensor:
+    """The step's tokens' slots in the compressed K cache's group (its table of `block_size`-token blocks), as the
+    runner gives them to the builder, which maps them to compressed entries' slots; -1 for padding tokens."""
     table, real, pos = inputs.compressed_block_table, inputs.token_request >= 0, inputs.positions
     rows = table[inputs.token_request.clamp(min=0)].long()
-    blocks = rows.gather(1, (pos // runtime.BLOCK_SIZE)[:, None].clamp(max=table.shape[1] - 1)).flatten()
-    return torch.where(real, blocks * runtime.BLOCK_SIZE + pos % runtime.BLOCK_SIZE, -1)
+    blocks = rows.gather(1, (pos // block_size)[:, None].clamp(max=table.shape[1] - 1)).flatten()
+    return torch.where(real, blocks * block_size + pos % block_size, -1)
 
 
 _REPRO_CPU_PREPARE = REPRO_CPU_PREPARE + "runtime.cpu_shims()  # the workspace manager: no accelerator cache to empty\n"

@@ -44,6 +44,7 @@ DSV4_LAYER = "vllm.models.deepseek_v4.nvidia.flashmla"
 DSV4_SPARSE_MLA = "vllm.models.deepseek_v4.sparse_mla"
 DSV4_SWA = "vllm.v1.attention.backends.mla.sparse_swa"
 DSV4_COMPRESSOR_UTILS = "vllm.v1.attention.backends.mla.compressor_utils"
+DSV41_LAYER = "vllm.models.deepseek_v41.nvidia.flashmla"
 V32_ATTENTION = "vllm.models.deepseek_v32.attention"
 
 Classify = Callable[[tuple, dict], Iterable[str]]
@@ -188,6 +189,34 @@ def _dsv4_gather(args: tuple, kwargs: dict) -> Iterator[str]:
     yield "dsv4.dequant_gather.compressed" if _arg(args, kwargs, "gather_lens", 3) is None else "dsv4.dequant_gather.swa"
 
 
+def _dsv41_layer_type(args: tuple, kwargs: dict) -> str:
+    # V4.1's layer: ratio 0 is the sliding-window layer, 1 and 2 read the indexer's top-k; "shared" when it reads a
+    # kv-source layer's compressed cache (compressed_cache_prefix not its own)
+    layer = args[0]
+    ratio = getattr(layer, "compress_ratio", None)
+    kind = {0: "swa_only", 1: "c1a", 2: "c2a"}.get(ratio, f"ratio{ratio}")
+    return kind + (".shared" if ratio and not getattr(layer, "is_kv_source", True) else "")
+
+
+def _dsv41_decode(args: tuple, kwargs: dict) -> Iterator[str]:
+    yield f"dsv41.decode.{_dsv41_layer_type(args, kwargs)}"
+
+
+def _dsv41_prefill(args: tuple, kwargs: dict) -> Iterator[str]:
+    yield f"dsv41.prefill.{_dsv41_layer_type(args, kwargs)}"
+
+
+def _dsv41_gather(args: tuple, kwargs: dict) -> Iterator[str]:
+    yield "dsv41.dequant_gather.compressed" if _arg(args, kwargs, "gather_lens", 3) is None else "dsv41.dequant_gather.swa"
+    cache = _arg(args, kwargs, "k_cache", 1)
+    if getattr(cache, "shape", (0,))[-1] == 528:  # V4.1's interleaved MXFP8 record: its own gather kernel
+        yield "dsv41.dequant_gather.mxfp8"
+
+
+def _dsv41_decode_kernel(args: tuple, kwargs: dict) -> Iterator[str]:
+    yield "dsv41.kernel.decode.extra" if kwargs.get("extra_k_cache") is not None else "dsv41.kernel.decode.swa"
+
+
 def _dsv4_decode_kernel(args: tuple, kwargs: dict) -> Iterator[str]:
     yield "dsv4.kernel.decode.extra" if kwargs.get("extra_k_cache") is not None else "dsv4.kernel.decode.swa"
 
@@ -258,6 +287,15 @@ PROBES: tuple[Probe, ...] = (
     Probe(DSV4_LAYER, "combine_topk_swa_indices", "dsv4.combine"),
     Probe(DSV4_LAYER, "flash_mla_with_kvcache", before=_dsv4_decode_kernel),
     Probe(DSV4_LAYER, "flash_mla_sparse_fwd", "dsv4.kernel.prefill"),
+    # DeepSeek-V4.1 (FLASHMLA_SPARSE_DSV41): its layer's routes, gathers, combine and FlashMLA calls (the SWA
+    # builder's kernels and the compressed slot mapping are V4's, recorded above)
+    Probe(DSV41_LAYER, "DeepseekV4FlashMLAAttention._forward_decode", before=_dsv41_decode),
+    Probe(DSV41_LAYER, "DeepseekV4FlashMLAAttention._forward_prefill", before=_dsv41_prefill),
+    Probe(DSV41_LAYER, "compute_global_topk_indices_and_lens", "dsv41.global_topk"),
+    Probe(DSV41_LAYER, "dequantize_and_gather_k_cache", before=_dsv41_gather),
+    Probe(DSV41_LAYER, "combine_topk_swa_indices", "dsv41.combine"),
+    Probe(DSV41_LAYER, "flash_mla_with_kvcache", before=_dsv41_decode_kernel),
+    Probe(DSV41_LAYER, "flash_mla_sparse_fwd", "dsv41.kernel.prefill"),
 )
 
 # Every name a probe can record, for reports (paths never seen are worth showing too).
@@ -275,7 +313,12 @@ KNOWN_PATHS: tuple[str, ...] = (
     "dsv4.c128a_topk_metadata", "dsv4.decode.swa_only", "dsv4.decode.c4a", "dsv4.decode.c128a",
     "dsv4.prefill.swa_only", "dsv4.prefill.c4a", "dsv4.prefill.c128a", "dsv4.global_topk",
     "dsv4.dequant_gather.compressed", "dsv4.dequant_gather.swa", "dsv4.combine", "dsv4.kernel.decode.swa",
-    "dsv4.kernel.decode.extra", "dsv4.kernel.prefill", "pcp_dcp.prefill_shards", "pcp_dcp.prefill_shards.split",
+    "dsv4.kernel.decode.extra", "dsv4.kernel.prefill",
+    *(f"dsv41.{route}.{kind}" for route in ("decode", "prefill")
+      for kind in ("swa_only", "c1a", "c2a", "c1a.shared", "c2a.shared")),
+    "dsv41.global_topk", "dsv41.dequant_gather.compressed", "dsv41.dequant_gather.swa", "dsv41.dequant_gather.mxfp8",
+    "dsv41.combine",
+    "dsv41.kernel.decode.swa", "dsv41.kernel.decode.extra", "dsv41.kernel.prefill", "pcp_dcp.prefill_shards", "pcp_dcp.prefill_shards.split",
     "pcp_dcp.prefill_shards.whole", "pcp_dcp.kv_gather", "pcp.cache_inputs_gather", "pcp.finalize_decode",
 )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fuzzer.targets.base import Target
 from fuzzer.targets.dcp_filter import DcpFilter
 from fuzzer.targets.dsv4_flashmla import Dsv4FlashMLA
+from fuzzer.targets.dsv41_flashmla import Dsv41FlashMLA
 from fuzzer.targets.flashattn_layer import FlashAttnMLASparseLayer
 from fuzzer.targets.flashattn_sparse import FlashAttnMLASparse
 from fuzzer.targets.flashinfer_sparse_sm90 import FlashInferMLASparseSM90
@@ -34,6 +35,7 @@ TARGETS: dict[str, type[Target]] = {
     FlashInferMLASparseSM90.name: FlashInferMLASparseSM90,
     SparseMLAAll.name: SparseMLAAll,
     Dsv4FlashMLA.name: Dsv4FlashMLA,
+    Dsv41FlashMLA.name: Dsv41FlashMLA,
     SelftestFault.name: SelftestFault,  # harness self-test, not vLLM
 }
 

@@ -42,3 +42,27 @@ def test_torch_writer_equals_vllms_triton_writer(entries):
     assert not violations
     write_v4_records(ours, slots, k, entries)
     assert torch.equal(ours, theirs), (ours != theirs).nonzero()[:8].tolist()
+
+
+@pytest.mark.parametrize("entries", [32, 64])  # V4.1 pages: an SWA page of 32 records, a C2 page of 64 // 2
+def test_torch_writer_equals_vllms_triton_writer_of_the_v41_record(entries):
+    """V4.1's 528-byte MXFP8 record (SM100): the torch writer against vLLM's `_quantize_and_insert_k_mxfp8_kernel`
+    (deepseek_v41's `quantize_and_insert_k_cache` with bytes_per_token=528), byte for byte."""
+    from fuzzer.support.interp.corrections import install_corrections
+    from fuzzer.support.interp.sanitizer import SANITIZER
+    from fuzzer.support.standins.cpu_shims import install_cpu_shims
+    from strategies.dsv4_tensors import write_v41_records
+    from vllm.models.deepseek_v41.common.ops.cache_utils import quantize_and_insert_k_cache
+
+    install_cpu_shims()
+    install_corrections()
+    k = latents()
+    blocks = len(k) // entries + 3
+    slots = torch.randperm((blocks - 1) * entries, generator=torch.Generator().manual_seed(1))[: len(k)] + entries
+    theirs = torch.full((blocks, page_bytes(entries, 528)), 255, dtype=torch.uint8)
+    ours = theirs.clone()
+    with SANITIZER.install().collect() as violations:
+        quantize_and_insert_k_cache(k, theirs, slots, block_size=entries, bytes_per_token=528)
+    assert not violations
+    write_v41_records(ours, slots, k, entries)
+    assert torch.equal(ours, theirs), (ours != theirs).nonzero()[:8].tolist()

@@ -20,6 +20,8 @@ from fuzzer.support.standins.cache_ops import concat_and_cache_mla as plain_conc
 NOPE, TILE, SCALES_AT, ROPE_AT, ENTRY_BYTES, FP8_MAX = 512, 128, 512, 528, 656, 448.0
 # DeepSeek-V4 record: a 576-byte data row (448 fp8 NoPE, 64 bf16 RoPE) and an 8-byte scale row (7 UE8M0 + pad)
 V4_NOPE, V4_BLOCK, V4_DATA, V4_SCALES, V4_ENTRY_BYTES = 448, 64, 576, 8, 584
+# DeepSeek-V4.1 record (SM100's ModelType::V41): 512 fp8 values, then their 16 UE8M0 scales (one per 32), interleaved
+V41_DIM, V41_BLOCK, V41_ENTRY_BYTES = 512, 32, 528
 
 
 def _violation(op: str, argument: str, access: str, index: int, limit: int, elem_bytes: int) -> None:
@@ -115,6 +117,17 @@ def _v4_records(k_cache: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return torch.cat([nope, data[:, V4_NOPE:].contiguous().view(torch.bfloat16).float()], dim=-1)
 
 
+def _v41_records(k_cache: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """fp32 [n, 512] of the DeepSeek-V4.1 records (528 bytes a token) at `idx` (valid, page * page_size + offset) of
+    k_cache [pages, page_size, 1, 528]: record i of a page at byte i * 528, its 512 fp8 values then 16 scales."""
+    pages, page_size = k_cache.shape[:2]
+    page = torch.as_strided(k_cache, (pages, k_cache.stride(0)), (k_cache.stride(0), 1))
+    block, offset = idx // page_size, idx % page_size
+    rec = page[block[:, None], offset[:, None] * V41_ENTRY_BYTES + torch.arange(V41_ENTRY_BYTES, device=idx.device)]
+    data = rec[:, :V41_DIM].contiguous().view(torch.float8_e4m3fn).float().view(-1, V41_DIM // V41_BLOCK, V41_BLOCK)
+    return (data * torch.exp2(rec[:, V41_DIM:].float() - 127.0)[..., None]).reshape(-1, V41_DIM)
+
+
 def _decode_keys(op: str, k_cache, indices, topk_length, b: int, s_q: int, argument: str):
     """(keys fp32 [b * s_q, topk, d], invalid [b * s_q, topk]) one sparse decode list reads: -1 is skipped, anything
     else outside the cache a fault (reported, then skipped), and entries past a row's topk_length are not read."""
@@ -127,6 +140,8 @@ def _decode_keys(op: str, k_cache, indices, topk_length, b: int, s_q: int, argum
     safe = idx.masked_fill(invalid, 0)
     if k_cache.shape[-1] == V4_ENTRY_BYTES:
         keys = _v4_records(k_cache, safe.flatten()).view(*idx.shape, -1)
+    elif k_cache.shape[-1] == V41_ENTRY_BYTES:
+        keys = _v41_records(k_cache, safe.flatten()).view(*idx.shape, -1)
     else:  # entries honour the page stride of a strided cache
         keys = dequantize_fp8_ds_mla(k_cache[:, :, 0][safe // page_size, safe % page_size]).float()
     return keys, invalid
@@ -137,7 +152,8 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
                            attn_sink=None, extra_k_cache=None, extra_indices_in_kvcache=None, topk_length=None,
                            extra_topk_length=None, out=None, enable_batch_invariant=False):
     """Sparse fp8 decode (`sparse_decode_fwd`) only: q [b, s_q, h_q, d], k_cache uint8 [pages, page_size, 1, bytes]
-    in the layout its bytes per token name (656: DeepSeek-V3.2, d 576; 584: DeepSeek-V4, d 512), indices
+    in the layout its bytes per token name (656: DeepSeek-V3.2, d 576; 584: DeepSeek-V4, d 512; 528: DeepSeek-V4.1's
+    MXFP8 record, which only SM100's kernel reads, d 512), indices
     [b, s_q, topk] = page * page_size + offset, -1 invalid; only the leftmost topk_length[i] of batch i's indices
     are read. extra_k_cache / extra_indices_in_kvcache / extra_topk_length: a second list attended together with the
     first. attn_sink [h_q] scales the output by exp(lse) / (exp(lse) + exp(attn_sink)). Returns out
@@ -145,7 +161,8 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
     meta = tile_scheduler_metadata
     assert isinstance(meta, FlashMLASchedMeta) and num_splits is None
     assert indices is not None and is_fp8_kvcache and not causal, "stand-in covers sparse fp8 decode only"
-    assert k_cache.shape[-1] in (ENTRY_BYTES, V4_ENTRY_BYTES), f"{k_cache.shape[-1]} bytes a token: not a layout here"
+    assert k_cache.shape[-1] in (ENTRY_BYTES, V4_ENTRY_BYTES, V41_ENTRY_BYTES), \
+        f"{k_cache.shape[-1]} bytes a token: not a layout here"
     assert (extra_k_cache is None) == (extra_indices_in_kvcache is None), "extra_k_cache comes with its indices"
     config = (q.shape[0], q.shape[1], q.shape[2], k_cache.shape[1], k_cache.shape[2], causal, is_fp8_kvcache,
               indices.shape[-1], None if extra_k_cache is None else extra_k_cache.shape[1],

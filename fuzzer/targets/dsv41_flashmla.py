@@ -1,0 +1,199 @@
+"""`vllm.dsv41.flashmla`: DeepSeek-V4.1's sparse attention on vLLM's FLASHMLA_SPARSE_DSV41 route, one step.
+
+The DeepSeek-V4 target (dsv4_flashmla.py) run on V4.1's own classes: vLLM's DeepseekSparseSWAFlashMLAMetadataBuilder
+(V4.1's, on DeepseekV41SparseSWAMetadataBuilder: tile-scheduler plans per V4.1 layer type) and
+DeepseekV4FlashMLAMetadataBuilder of `vllm.models.deepseek_v41` (the compressed slot mapping; no C128A metadata), and
+V4.1's `DeepseekV4FlashMLAAttention.forward_mqa`, decode and prefill routes (the global top-k conversion, V4.1's
+dequantizing gather and top-k/window combine, all Triton, then FlashMLA's sparse decode and prefill kernels), for
+compress ratios 0 (sliding window only), 1 and 2 (`Case.dsv4`, version "4.1"). What V4.1 adds that a step can
+show: a ratio-1 layer reads a full-length compressed cache through the indexer's top-k (V4's ratio 1 was the
+sliding-window layer), the compressed block is the kernel block size (64 or 128 tokens), the SWA block is 32, and a
+consumer layer reads its kv-source layer's cache and metadata (`compressed_cache_prefix`). The caches hold V4's
+584-byte record (what the layer writes on every arch but SM100) or SM100's interleaved 528-byte MXFP8 record (knob
+`kv_record`; drawn where FlashMLA's decode is a stand-in or SM100's), written by attnfuzz's torch writer; the
+indexer's top-k rows are inputs. Where the host lacks FlashMLA's compiled kernels (any CPU) they are bounds-checked
+stand-ins. Not covered: PCP (the builders' rank-local slots), SWA bounded replay, the NVFP4 compressed record and
+the mega-attention backend. A finding's repro.py is the V4 target's, making V4.1's objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from fuzzer.env import STATE_DIR
+from fuzzer.support import dsv41_runtime as runtime
+from fuzzer.support.flashmla_runtime import _try_import, define_missing_c_queries
+from fuzzer.support.interp.corrections import CORRECTIONS, install_corrections
+from fuzzer.support.standins.cpu_shims import install_cpu_shims
+from fuzzer.repro_spec import ReproSpec
+from fuzzer.targets.dsv4_flashmla import _REPRO_SETUP, Dsv4FlashMLA
+from fuzzer.targets.probes import observe_paths
+from strategies.dsv4_batches import V41_FEATURES, dsv4_space
+
+WRITER = ("cache writes: attnfuzz's torch writers of the 584-byte and 528-byte records (byte-equal to vLLM's Triton "
+          "quantize_and_insert_k_cache, bytes_per_token 584 or 528) in place of the layer's fused insert and the "
+          "compressor")
+
+
+class Dsv41FlashMLA(Dsv4FlashMLA):
+    name = "vllm.dsv41.flashmla"
+    summary = ("DeepSeek-V4.1 sparse attention (FLASHMLA_SPARSE_DSV41): SWA + compressed-KV builders and the layer's "
+               "forward_mqa, compress ratios 0/1/2, own or shared (kv-source) compressed cache")
+    bug_classes = "C H J K N"
+    real_parts = ("DeepseekSparseSWAFlashMLAMetadataBuilder (V4.1)", "DeepseekV4FlashMLAMetadataBuilder (V4.1)",
+                  "DeepseekV4FlashMLAAttention.forward_mqa (V4.1)",
+                  "Triton: SWA indices/lens, prefill gather lens, compressed slot mapping, global top-k, "
+                  "dequantize-and-gather, top-k/SWA combine")
+
+    def unavailable(self) -> str | None:
+        for module in (runtime.FLASHMLA_LAYER_MODULE, runtime.SPARSE_MLA_MODULE, runtime.SWA_MODULE):
+            try:
+                if _try_import(module) is None:
+                    return f"this vLLM has no {module} (DeepSeek-V4.1 attention)"
+            except Exception as e:  # a module that is there but cannot import here
+                return f"cannot import {module}: {type(e).__name__}: {e}"
+        return None
+
+    def prepare(self) -> None:
+        self.shims: list[str] = list(define_missing_c_queries())
+        if self.device == "cpu":
+            install_corrections()
+            self.shims += [*install_cpu_shims(), *runtime.cpu_shims(),
+                           *(f"interpreter correction: {c}" for c in CORRECTIONS)]
+        self.shims.append("DeepseekV4FlashMLAAttention (V4.1) made without __init__ (it needs a TP group, linears, "
+                          "CUDA events and DeepGEMM): the attributes forward_mqa reads set as __init__ sets them")
+        self.emulated = (*runtime.install_standins(self.device), WRITER)
+        self.real_parts = type(self).real_parts + (("FlashMLA's CUDA kernels (vllm._flashmla_C)",)
+                                                   if "flash_mla_with_kvcache" not in self.emulated else ())
+        self.cfg = runtime.dsv41_config(self.device, str(STATE_DIR))
+
+    def cases(self, profile):
+        # SM100's MXFP8 record only where its decode kernel runs: the stand-in reads it; SM90's FlashMLA does not
+        sm100 = self.device != "cpu" and torch.cuda.get_device_capability()[0] == 10
+        emulated = "flash_mla_with_kvcache" in getattr(self, "emulated", ("flash_mla_with_kvcache",))
+        return dsv4_space(profile, V41_FEATURES if emulated or sm100 else replace(V41_FEATURES, kv_records=(584,)))
+
+    def run(self, case):
+        from vllm.config import set_current_vllm_config  # deferred: vLLM loads after fuzzer.env prepares the process
+        from vllm.forward_context import set_forward_context
+
+        dev, d = self.device, case.dsv4
+        s = self.step(case, dev)
+        inputs, swa_raw, comp_raw = s.inputs, s.swa_raw, s.comp_raw
+        cfg = runtime.configure(self.cfg, window_size=d.window_size, index_topk=case.topk_width,
+                                num_speculative_tokens=d.num_speculative_tokens,
+                                max_num_batched_tokens=s.topk_buffer.shape[0], max_model_len=d.max_model_len)
+        layer_cls = _try_import(runtime.FLASHMLA_LAYER_MODULE).DeepseekV4FlashMLAAttention
+        layer_id, source_id = runtime.layer_ids(d.compress_ratio, d.kv_source)
+        notes: dict = {"shims": tuple(self.shims)}
+
+        def common(table, slots):
+            return runtime.common_metadata(inputs.query_start_loc, inputs.seq_lens, table, slots, inputs.positions,
+                                           case.num_actual_tokens)
+
+        def call():
+            outputs: dict = {}
+            # vLLM's objects are made inside the observed call: what they raise is an observation, not ours.
+            swa_layer = runtime.swa_cache_layer(cfg, layer_id, d.window_size, case.block_size, d.kv_record)
+            swa_spec = swa_layer.get_kv_cache_spec(cfg)
+            assert swa_raw.shape[1] == swa_spec.page_size_bytes, (swa_raw.shape, swa_spec.page_size_bytes)
+            swa_layer.kv_cache = runtime.paged(swa_raw, case.block_size, d.kv_record)
+            kv_cache = None
+            if comp_raw is not None:
+                spec = runtime.compressed_spec(d.compress_ratio, d.compressed_block_size, d.kv_record)
+                assert comp_raw.shape[1] == spec.page_size_bytes, (comp_raw.shape, spec.page_size_bytes)
+                kv_cache = runtime.paged(comp_raw, d.entries_per_block, d.kv_record)
+            heads = layer_cls.get_padded_num_q_heads(case.heads)  # vLLM's padding of the layer's q heads
+            assert heads == inputs.q.shape[1], (heads, inputs.q.shape)
+            layer = runtime.attention_layers(cfg, d.compress_ratio, d.kv_source, swa_layer, kv_cache, s.topk_buffer,
+                                             inputs.attn_sink.clone(), case.heads)
+            with set_current_vllm_config(cfg), torch.inference_mode():
+                swa_builder = layer_cls.swa_backend_cls.get_builder_cls()(swa_spec, [swa_layer.prefix], cfg,
+                                                                          torch.device(dev))
+                check = runtime.guard_buffers(swa_builder)
+                metadata = {swa_layer.prefix: swa_builder.build(0, common(inputs.block_table, s.swa_slots))}
+                overruns = check(metadata[swa_layer.prefix])
+                compressed_md = None
+                if comp_raw is not None:
+                    # the kv source's KV-cache group: its builder, its metadata under its prefix
+                    source = runtime.layer_prefix(source_id)
+                    builder = layer_cls.backend_cls.get_builder_cls()(spec, [source], cfg, torch.device(dev))
+                    compressed_md = metadata[source] = builder.build(0, common(inputs.compressed_block_table,
+                                                                               s.compressed_slots))
+                if overruns:
+                    notes["buffer_overrun"] = overruns
+                outputs.update({f"md.{k}": v for k, v in runtime.metadata_outputs(metadata[swa_layer.prefix],
+                                                                                 None).items()})
+                if compressed_md is not None:
+                    outputs["md.compressed_slot_mapping"] = compressed_md.slot_mapping.clone()
+                before = [swa_raw.clone(), None if comp_raw is None else comp_raw.clone()]
+                out = torch.full_like(inputs.q, float("nan"))
+                with set_forward_context(metadata, cfg):
+                    layer.forward_mqa(inputs.q, None, inputs.positions, out)
+            changed = [f"{name} cache: {int((after != was).any(dim=1).sum())} of {len(was)} pages"
+                       for name, after, was in (("SWA", swa_raw, before[0]), ("compressed", comp_raw, before[1]))
+                       if was is not None and not torch.equal(after, was)]
+            if changed:
+                notes["cache_changed"] = "; ".join(changed)
+            outputs.update(out=out, swa_pages=swa_raw, compressed_pages=comp_raw)
+            return outputs
+
+        obs = observe_paths(self.observe, call)
+        obs.notes.update(notes)
+        obs.emulated = self.emulated
+        return obs
+
+    def repro_spec(self, finding) -> ReproSpec:
+        """The V4 target's reproducer (the same saved step and judge) making V4.1's objects: its SWA cache layer of
+        the case's record, its layer (and kv source) from dsv41_runtime, the compressed builder under the source's
+        prefix."""
+        d = finding.case.dsv4
+        spec = super().repro_spec(finding)
+        compressed = d.compressed
+        return replace(
+            spec, constants={**spec.constants, "KV_SOURCE": d.kv_source, "KV_RECORD": d.kv_record,
+                             "COMPRESSED_BLOCK_SIZE": d.compressed_block_size, "HEADS": finding.case.heads},
+            support={**spec.support, "runtime": runtime.__name__},
+            setup=_REPRO_SETUP.replace("dsv4_config", "dsv41_config").replace(
+                "from vllm.models.deepseek_v4.nvidia.flashmla", f"from {runtime.FLASHMLA_LAYER_MODULE}").replace(
+                "raw pages of 584-byte records", "raw pages of KV_RECORD-byte records"),
+            call=_REPRO_CALL.format(kv_cache=_REPRO_KV_CACHE[compressed]) + (_REPRO_COMPRESSED if compressed else "")
+            + _REPRO_FORWARD + (_REPRO_COMPRESSED_MD if compressed else ""))
+
+
+# The calls of run(), on the loaded step (the V4 reproducer's setup and forward; V4.1's layers and builders).
+_REPRO_CALL = """\
+layer_id, source_id = runtime.layer_ids(COMPRESS_RATIO, KV_SOURCE)  # the layer under test, its kv source
+swa_layer = runtime.swa_cache_layer(cfg, layer_id, WINDOW_SIZE, SWA_BLOCK_SIZE, KV_RECORD)  # DeepseekV4SWACache
+swa_layer.kv_cache = runtime.paged(swa_pages, SWA_BLOCK_SIZE, KV_RECORD)
+kv_cache = {kv_cache}
+# V4.1's DeepseekV4FlashMLAAttention made without its __init__ (it needs a TP group, linears, CUDA events and
+# DeepGEMM), with the attributes forward_mqa reads, set as __init__ sets them; a consumer's kv source beside it
+layer = runtime.attention_layers(cfg, COMPRESS_RATIO, KV_SOURCE, swa_layer, kv_cache, T["topk_indices_buffer"],
+                                 T["attn_sink"], HEADS)
+with set_current_vllm_config(cfg), torch.inference_mode():
+    swa_spec = swa_layer.get_kv_cache_spec(cfg)
+    swa_builder = Layer.swa_backend_cls.get_builder_cls()(swa_spec, [swa_layer.prefix], cfg, torch.device(DEVICE))
+    check = runtime.guard_buffers(swa_builder)  # its persistent buffers poisoned: stray writes show
+    metadata = {{swa_layer.prefix: swa_builder.build(0, common("swa"))}}
+    found += check(metadata[swa_layer.prefix])
+"""
+_REPRO_KV_CACHE = {True: "runtime.paged(compressed_pages, ENTRIES_PER_BLOCK, KV_RECORD)  # the kv source's compressed cache",
+                   False: "None  # a sliding-window layer has no compressed K cache"}
+_REPRO_COMPRESSED = """\
+    spec = runtime.compressed_spec(COMPRESS_RATIO, COMPRESSED_BLOCK_SIZE, KV_RECORD)
+    source = runtime.layer_prefix(source_id)  # the compressed cache's KV-cache group is the kv source's
+    builder = Layer.backend_cls.get_builder_cls()(spec, [source], cfg, torch.device(DEVICE))
+    metadata[source] = builder.build(0, common("compressed"))
+"""
+_REPRO_FORWARD = """\
+    md = runtime.metadata_outputs(metadata[swa_layer.prefix])
+    out = torch.full_like(T["q"], float("nan"))
+    with set_forward_context(metadata, cfg):
+        layer.forward_mqa(T["q"], None, T["positions"], out)
+"""
+_REPRO_COMPRESSED_MD = """\
+    md["compressed_slot_mapping"] = metadata[source].slot_mapping.clone()
+"""
