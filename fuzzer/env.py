@@ -48,9 +48,10 @@ def prepare_process(device: str | None = None) -> str:
         os.environ["TRITON_INTERPRET"] = "1"
     # Few intra-op threads unless told otherwise. CPU: one; the interpreter is single-threaded Python, and torch's
     # OpenMP pool stalls on every small op while another process holds the other cores (measured on the 2-core CI
-    # host: a campaign took 83 s beside a second one, 52 s with one thread each). GPU host: two, what
-    # bench/scenario.sh has always set; a gate run without it (every process an OpenMP pool of all 16 cores, four
-    # campaigns at a time) ran its campaigns 3 to 10 times slower on the H200 host (2026-12-03, not re-measured).
+    # host: a campaign took 83 s beside a second one, 52 s with one thread each). GPU host: two, as
+    # bench/scenario.sh sets; its campaign and worker processes run several at a time (a gate's four campaigns, a
+    # fleet's eight workers), each doing the oracle's and the harness's torch work on the CPU, and a pool of every
+    # core in each oversubscribes the host.
     os.environ.setdefault("OMP_NUM_THREADS", "1" if device == "cpu" else "2")
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))

@@ -2,7 +2,7 @@
 # vLLM's compiled cache ops (_C_stable_libtorch: concat_and_cache_mla, cp_gather_and_upconvert_fp8_kv_cache,
 # gather_and_maybe_dequant_cache, cp_gather_cache, concat_mla_q) on the GPU test host. The ops (61 MB compressed),
 # the bundle (33 MB) and the working tree (about 6 MB) do not fit one call's 64 MiB, nor do the ops and the tree
-# alone any more, so `build` splits the compressed ops in two: part a travels alone, part b with the bundle, and
+# alone, so `build` splits the compressed ops in two: part a travels alone, part b with the bundle, and
 # the second call comes within the ~30 s the machine stays warm:
 #
 #   here, once:   scripts/gpu-ops.sh build                          (../shared/gpu-host/build-ops.sh -> .gpu-ops)
