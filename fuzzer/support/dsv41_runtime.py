@@ -23,14 +23,14 @@ from fuzzer.support.dsv4_runtime import (  # noqa: F401  the pieces V4.1 shares 
     GUARDED,
     HEAD_DIM,
     ROPE_DIM,
+    bind_standins,
     common_metadata,
     configure,
     cpu_shims,
     guard_buffers,
     metadata_outputs,
 )
-from fuzzer.support.flashmla_runtime import _has_flashmla_kernels, model_config
-from fuzzer.support.standins import flashmla_ops
+from fuzzer.support.flashmla_runtime import model_config
 
 FLASHMLA_LAYER_MODULE = "vllm.models.deepseek_v41.nvidia.flashmla"
 SWA_MODULE = "vllm.v1.attention.backends.mla.sparse_swa"
@@ -64,15 +64,7 @@ HF_CONFIG = dict(architectures=["DeepseekV41ForCausalLM"], model_type="deepseek_
 def install_standins(device: str) -> tuple[str, ...]:
     """Bind the FlashMLA stand-ins where DeepSeek-V4.1's layer module and the shared SWA builder look the compiled
     entry points up: for a host without `_flashmla_C`, or CPU tensors. The real ones otherwise."""
-    if device != "cpu" and _has_flashmla_kernels():
-        return ()
-    layer = importlib.import_module(FLASHMLA_LAYER_MODULE)
-    layer.flash_mla_with_kvcache = flashmla_ops.flash_mla_with_kvcache
-    layer.flash_mla_sparse_fwd = flashmla_ops.flash_mla_sparse_fwd
-    swa = importlib.import_module(SWA_MODULE)
-    swa.get_mla_metadata = flashmla_ops.get_mla_metadata
-    swa.FlashMLASchedMeta = flashmla_ops.FlashMLASchedMeta
-    return ("flash_mla_with_kvcache", "flash_mla_sparse_fwd", "get_mla_metadata")
+    return bind_standins(device, FLASHMLA_LAYER_MODULE, SWA_MODULE)
 
 
 @functools.cache

@@ -51,12 +51,18 @@ HF_CONFIG = dict(architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v
 def install_standins(device: str) -> tuple[str, ...]:
     """Bind the FlashMLA stand-ins where DeepSeek-V4's modules look the compiled entry points up: for a host
     without `_flashmla_C`, or tensors on the CPU (the CUDA kernels cannot take them). The real ones otherwise."""
+    return bind_standins(device, FLASHMLA_LAYER_MODULE, SWA_MODULE)
+
+
+def bind_standins(device: str, layer_module: str, swa_module: str) -> tuple[str, ...]:
+    """The FlashMLA stand-ins bound in a DeepSeek-V4-family layer module and its SWA builder's module where this
+    host needs them (install_standins); the names of those bound."""
     if device != "cpu" and _has_flashmla_kernels():
         return ()
-    layer = importlib.import_module(FLASHMLA_LAYER_MODULE)
+    layer = importlib.import_module(layer_module)
     layer.flash_mla_with_kvcache = flashmla_ops.flash_mla_with_kvcache
     layer.flash_mla_sparse_fwd = flashmla_ops.flash_mla_sparse_fwd
-    swa = importlib.import_module(SWA_MODULE)
+    swa = importlib.import_module(swa_module)
     swa.get_mla_metadata = flashmla_ops.get_mla_metadata
     swa.FlashMLASchedMeta = flashmla_ops.FlashMLASchedMeta
     return ("flash_mla_with_kvcache", "flash_mla_sparse_fwd", "get_mla_metadata")

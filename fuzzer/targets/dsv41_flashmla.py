@@ -22,11 +22,8 @@ from dataclasses import replace
 
 import torch
 
-from fuzzer.env import STATE_DIR
 from fuzzer.support import dsv41_runtime as runtime
-from fuzzer.support.flashmla_runtime import _try_import, define_missing_c_queries
-from fuzzer.support.interp.corrections import CORRECTIONS, install_corrections
-from fuzzer.support.standins.cpu_shims import install_cpu_shims
+from fuzzer.support.flashmla_runtime import _try_import
 from fuzzer.repro_spec import ReproSpec
 from fuzzer.targets.dsv4_flashmla import _REPRO_SETUP, Dsv4FlashMLA
 from fuzzer.targets.probes import observe_paths
@@ -47,27 +44,13 @@ class Dsv41FlashMLA(Dsv4FlashMLA):
                   "Triton: SWA indices/lens, prefill gather lens, compressed slot mapping, global top-k, "
                   "dequantize-and-gather, top-k/SWA combine")
 
-    def unavailable(self) -> str | None:
-        for module in (runtime.FLASHMLA_LAYER_MODULE, runtime.SPARSE_MLA_MODULE, runtime.SWA_MODULE):
-            try:
-                if _try_import(module) is None:
-                    return f"this vLLM has no {module} (DeepSeek-V4.1 attention)"
-            except Exception as e:  # a module that is there but cannot import here
-                return f"cannot import {module}: {type(e).__name__}: {e}"
-        return None
+    runtime = runtime
+    model = "DeepSeek-V4.1"
+    writer = WRITER
 
-    def prepare(self) -> None:
-        self.shims: list[str] = list(define_missing_c_queries())
-        if self.device == "cpu":
-            install_corrections()
-            self.shims += [*install_cpu_shims(), *runtime.cpu_shims(),
-                           *(f"interpreter correction: {c}" for c in CORRECTIONS)]
-        self.shims.append("DeepseekV4FlashMLAAttention (V4.1) made without __init__ (it needs a TP group, linears, "
-                          "CUDA events and DeepGEMM): the attributes forward_mqa reads set as __init__ sets them")
-        self.emulated = (*runtime.install_standins(self.device), WRITER)
-        self.real_parts = type(self).real_parts + (("FlashMLA's CUDA kernels (vllm._flashmla_C)",)
-                                                   if "flash_mla_with_kvcache" not in self.emulated else ())
-        self.cfg = runtime.dsv41_config(self.device, str(STATE_DIR))
+    @staticmethod
+    def config(device: str, state_dir: str):
+        return runtime.dsv41_config(device, state_dir)
 
     def cases(self, profile):
         # SM100's MXFP8 record only where its decode kernel runs: the stand-in reads it; SM90's FlashMLA does not

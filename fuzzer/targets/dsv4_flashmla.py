@@ -57,11 +57,22 @@ class Dsv4FlashMLA(Target):
     kv_cache_dtypes = ("fp8_ds_mla",)
     outputs_stay_on_device = True  # the caches and outputs are judged where they are (oracles/dsv4.py moves what it reads)
 
+    # What a model version of this family (V4.1: dsv41_flashmla.py) sets: its runtime module, its name in messages,
+    # its process-wide config and what its cache writer is.
+    runtime = runtime
+    model = "DeepSeek-V4"
+    writer = WRITER
+
+    @staticmethod
+    def config(device: str, state_dir: str):
+        return runtime.dsv4_config(device, state_dir)
+
     def unavailable(self) -> str | None:
-        for module in (runtime.FLASHMLA_LAYER_MODULE, runtime.SPARSE_MLA_MODULE, runtime.SWA_MODULE):
+        rt = self.runtime
+        for module in (rt.FLASHMLA_LAYER_MODULE, rt.SPARSE_MLA_MODULE, rt.SWA_MODULE):
             try:
                 if _try_import(module) is None:
-                    return f"this vLLM has no {module} (DeepSeek-V4 attention)"
+                    return f"this vLLM has no {module} ({self.model} attention)"
             except Exception as e:  # a module that is there but cannot import here
                 return f"cannot import {module}: {type(e).__name__}: {e}"
         return None
@@ -70,14 +81,14 @@ class Dsv4FlashMLA(Target):
         self.shims: list[str] = list(define_missing_c_queries())
         if self.device == "cpu":
             install_corrections()
-            self.shims += [*install_cpu_shims(), *runtime.cpu_shims(),
+            self.shims += [*install_cpu_shims(), *self.runtime.cpu_shims(),
                            *(f"interpreter correction: {c}" for c in CORRECTIONS)]
-        self.shims.append("DeepseekV4FlashMLAAttention made without __init__ (it needs a TP group, linears, CUDA "
-                          "events and DeepGEMM): the attributes forward_mqa reads set as __init__ sets them")
-        self.emulated = (*runtime.install_standins(self.device), WRITER)
+        self.shims.append(f"DeepseekV4FlashMLAAttention ({self.model}) made without __init__ (it needs a TP group, "
+                          "linears, CUDA events and DeepGEMM): the attributes forward_mqa reads set as __init__ sets them")
+        self.emulated = (*self.runtime.install_standins(self.device), self.writer)
         self.real_parts = type(self).real_parts + (("FlashMLA's CUDA kernels (vllm._flashmla_C)",)
                                                    if "flash_mla_with_kvcache" not in self.emulated else ())
-        self.cfg = runtime.dsv4_config(self.device, str(STATE_DIR))
+        self.cfg = self.config(self.device, str(STATE_DIR))
 
     def cases(self, profile):
         return dsv4_space(profile, Dsv4Features())
