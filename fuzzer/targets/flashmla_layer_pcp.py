@@ -123,8 +123,9 @@ class PcpStep:
         self.cfg = configure(target.cfg, case, max_num_batched_tokens=self.topk_all.shape[0])
         self.spec = MLAAttentionSpec(block_size=case.block_size, num_kv_heads=1, head_size=HEAD_SIZE,
                                      dtype=torch.bfloat16, cache_dtype_str=case.kv_cache_dtype)
-        self.new_slots = _cat([inp.slot_of[i][r.context_len:] for i, r in enumerate(whole.requests)])
-        self.context_slots = _cat([inp.slot_of[i][:r.context_len] for i, r in enumerate(whole.requests)])
+        # On the device, as the runner's slot mappings are: vLLM's writer and PCP conversion index with them.
+        self.new_slots = _cat([inp.slot_of[i][r.context_len:] for i, r in enumerate(whole.requests)]).to(dev)
+        self.context_slots = _cat([inp.slot_of[i][:r.context_len] for i, r in enumerate(whole.requests)]).to(dev)
         self.batch = pcp_runtime.global_batch([r.query_len for r in case.requests], [r.context_len for r in case.requests],
                                               [i >= case.num_decodes for i in range(len(case.requests))], dev)
         self.ranks, self.groups = pcp_runtime.emulated_world(d.pcp, d.tp, d.size, self.cfg, dev)
