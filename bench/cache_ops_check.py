@@ -6,9 +6,9 @@ stand-in and through the real op on copies of the same tensors:
   gather_and_maybe_dequant_cache (bf16; fp8_ds_mla as   the workspace compared bit for bit (NaN == NaN)
     flat fp8, the misuse behind vLLM issue 48611 bug 2)
   concat_mla_q                                          q_out compared bit for bit
-  concat_and_cache_mla with 0 tokens (fp8_ds_mla)       whether the next kernel launch fails after it (the real
-    op launches a grid of num_tokens blocks with no launch check: an empty grid's launch error would surface at
-    whatever launches next, far from its cause)
+  concat_and_cache_mla with 0 tokens (fp8_ds_mla, bf16) whether it fails, at once or at the next kernel launch
+    (the real op launches a grid of num_tokens blocks with no launch check: an empty grid's launch error surfaces
+    at whatever launches next, far from its cause; the stand-in raises at the call)
 Caches start as random bytes, outputs as NaN, so a row an op writes and the other does not shows. Out-of-bounds
 misuse is not run through the real op (it would corrupt device memory): the stand-ins' bounds checks are tested
 on their own in tests/. Prints one row per op; --json FILE writes them. Exit 0 all equal, 1 a difference, 2 the
@@ -44,7 +44,7 @@ from fuzzer.support.standins import cache_ops, flashmla_ops  # noqa: E402
 # The misuse last: should the real op fault on it, the CUDA context is lost for whatever runs after it.
 OPS = ("concat_and_cache_mla[bf16]", "concat_and_cache_mla[fp8_ds_mla]", "cp_gather_and_upconvert_fp8_kv_cache",
        "gather_and_maybe_dequant_cache[bf16]", "concat_mla_q", "concat_and_cache_mla[fp8_ds_mla, 0 tokens]",
-       "gather_and_maybe_dequant_cache[fp8_ds_mla as flat fp8]")
+       "concat_and_cache_mla[bf16, 0 tokens]", "gather_and_maybe_dequant_cache[fp8_ds_mla as flat fp8]")
 NOPE, ROPE, ENTRY = 512, 64, 656
 
 
@@ -194,15 +194,19 @@ def case_concat_mla_q(d: Draw):
     return bits_equal(mine, real), f"{t} tokens, {h} heads into {heads_out}"
 
 
-def after_empty_write(write) -> str:
-    """What the first kernel launch after `write` of 0 tokens raises ('' if nothing): PyTorch checks the last
-    launch error after each of its own launches, so a pending one from the write surfaces there."""
+def after_empty_write(write, kv_cache_dtype: str) -> str:
+    """What a write of 0 tokens leads to: '' if nothing, else the error and where it came (the write itself, as
+    the stand-in raises, or the first kernel launch after it: PyTorch checks the last launch error after each of
+    its own launches, so a pending one from the write surfaces there)."""
     num_blocks, block_size = 2, 64
-    cache = torch.zeros((num_blocks, block_size, ENTRY), dtype=torch.uint8, device=DEVICE)
+    if kv_cache_dtype == "fp8_ds_mla":
+        cache = torch.zeros((num_blocks, block_size, ENTRY), dtype=torch.uint8, device=DEVICE)
+    else:
+        cache = torch.zeros((num_blocks, block_size, NOPE + ROPE), dtype=torch.bfloat16, device=DEVICE)
     empty = torch.zeros(0, NOPE + ROPE, dtype=torch.bfloat16, device=DEVICE)
     try:
         write(empty[:, :NOPE], empty[:, NOPE:], cache, torch.zeros(0, dtype=torch.long, device=DEVICE),
-              "fp8_ds_mla", torch.ones(1, device=DEVICE))
+              kv_cache_dtype, torch.ones(1, device=DEVICE))
     except Exception as e:  # refused outright: as clear as it gets
         return f"the write raised {type(e).__name__}: {str(e).splitlines()[0][:200]}"
     try:
@@ -214,9 +218,11 @@ def after_empty_write(write) -> str:
     return ""
 
 
-def case_empty_concat_and_cache(d: Draw):
-    mine, real = after_empty_write(flashmla_ops.concat_and_cache_mla), after_empty_write(real_ops().concat_and_cache_mla)
-    return (mine == real, f"stand-in: {mine or 'nothing'}; real: {real or 'nothing'}"), "0 tokens"
+def case_empty_concat_and_cache(d: Draw, kv_cache_dtype: str):
+    """Equal when both fail or neither does: the stand-in cannot leave a launch error pending, so it raises at once."""
+    mine = after_empty_write(flashmla_ops.concat_and_cache_mla, kv_cache_dtype)
+    real = after_empty_write(real_ops().concat_and_cache_mla, kv_cache_dtype)
+    return (bool(mine) == bool(real), f"stand-in: {mine or 'nothing'}; real: {real or 'nothing'}"), "0 tokens"
 
 
 CASES = {
@@ -225,8 +231,9 @@ CASES = {
     OPS[2]: case_cp_gather_fp8,
     OPS[3]: lambda d: case_gather_dequant(d, "bf16"),
     OPS[4]: case_concat_mla_q,
-    OPS[5]: case_empty_concat_and_cache,
-    OPS[6]: lambda d: case_gather_dequant(d, "fp8_ds_mla"),
+    OPS[5]: lambda d: case_empty_concat_and_cache(d, "fp8_ds_mla"),
+    OPS[6]: lambda d: case_empty_concat_and_cache(d, "auto"),
+    OPS[7]: lambda d: case_gather_dequant(d, "fp8_ds_mla"),
 }
 
 

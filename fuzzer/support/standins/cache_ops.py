@@ -14,6 +14,19 @@ def _violation(op: str, argument: str, index: int, limit: int, elem_bytes: int, 
         inside_allocation=False))
 
 
+class EmptyLaunch(RuntimeError):
+    """A stand-in asked for what its CUDA op launches with an empty grid: the launch fails (cudaErrorInvalidValue)
+    and, unchecked, PyTorch raises it at the next kernel launch; the stand-in raises at the call instead."""
+
+
+def refuse_empty_grid(op: str, num_tokens: int) -> None:
+    """The CUDA op launches one block per token with no launch check, so 0 tokens is a failed launch that surfaces
+    as "CUDA error: invalid argument" wherever the next launch is (bench/cache_ops_check.py's 0-token rows)."""
+    if num_tokens == 0:
+        raise EmptyLaunch(f"CUDA error: invalid argument (attnfuzz stand-in of {op}: called with 0 tokens; the real "
+                          "op's empty grid fails to launch and the next kernel launch raises this error)")
+
+
 def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
                          slot_mapping: torch.Tensor, kv_cache_dtype: str, scale: torch.Tensor,
                          skip_scale: bool = False) -> None:
@@ -27,6 +40,7 @@ def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch
     """
     if kv_cache_dtype not in ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3"):
         raise ValueError(f"attnfuzz's concat_and_cache_mla stand-in does not write kv_cache_dtype={kv_cache_dtype!r}")
+    refuse_empty_grid("concat_and_cache_mla", slot_mapping.shape[0])
     num_blocks, block_size = kv_cache.shape[:2]
     if kv_cache_dtype.startswith("fp8"):
         x = torch.cat([kv_c, k_pe], dim=-1).float()

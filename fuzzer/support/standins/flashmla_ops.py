@@ -15,6 +15,7 @@ import torch
 
 from fuzzer.support.interp.sanitizer import SANITIZER, MemoryViolation
 from fuzzer.support.standins.cache_ops import concat_and_cache_mla as plain_concat_and_cache_mla
+from fuzzer.support.standins.cache_ops import refuse_empty_grid
 
 # fp8_ds_mla entry: 512 fp8 NoPE | 4 fp32 tile scales | 64 bf16 RoPE = 656 bytes
 NOPE, TILE, SCALES_AT, ROPE_AT, ENTRY_BYTES, FP8_MAX = 512, 128, 512, 528, 656, 448.0
@@ -249,6 +250,7 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, sca
     unquantized dtypes go to the plain stand-in."""
     if kv_cache_dtype != "fp8_ds_mla":
         return plain_concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale)
+    refuse_empty_grid("concat_and_cache_mla", slot_mapping.shape[0])
     num_blocks, block_size = kv_cache.shape[:2]
     slots, capacity = slot_mapping.long(), num_blocks * block_size
     for slot in slots[slots >= capacity].tolist()[:8]:
