@@ -52,11 +52,19 @@ class Dsv41FlashMLA(Dsv4FlashMLA):
     def config(device: str, state_dir: str):
         return runtime.dsv41_config(device, state_dir)
 
-    def cases(self, profile):
-        # SM100's MXFP8 record only where its decode kernel runs: the stand-in reads it; SM90's FlashMLA does not
+    # A campaign whose cases run in a worker plans in a process that never ran prepare(): the records come from it.
+    PLANNED = ("kv_records",)
+
+    def prepare(self) -> None:
+        super().prepare()
+        # SM100's MXFP8 record only where a decode kernel reads it: the stand-in does, SM90's FlashMLA refuses it
+        # (vLLM writes it on SM100 only: `_use_v41_mxfp8_kv_record`).
         sm100 = self.device != "cpu" and torch.cuda.get_device_capability()[0] == 10
-        emulated = "flash_mla_with_kvcache" in getattr(self, "emulated", ("flash_mla_with_kvcache",))
-        return dsv4_space(profile, V41_FEATURES if emulated or sm100 else replace(V41_FEATURES, kv_records=(584,)))
+        emulated = "flash_mla_with_kvcache" in self.emulated
+        self.kv_records = V41_FEATURES.kv_records if emulated or sm100 else (584,)
+
+    def cases(self, profile):
+        return dsv4_space(profile, replace(V41_FEATURES, kv_records=tuple(self.kv_records)))
 
     def run(self, case):
         from vllm.config import set_current_vllm_config  # deferred: vLLM loads after fuzzer.env prepares the process
