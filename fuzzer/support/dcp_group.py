@@ -224,6 +224,29 @@ def installed_groups(**groups) -> None:
     finally:
         for name, group in saved.items():
             setattr(parallel_state, name, group)
+        forget_groups()
+
+
+# vLLM caches per group coordinator for the engine's life (functools.cache keyed by the group): with a new emulated
+# world every case, each key would keep its case's ranks (their layers, caches, workspaces) alive for good; the
+# PCP target grew 180 MB a case on the CPU and its workers ran out of the H200's 140 GB.
+GROUP_KEYED_CACHES = ("vllm.v1.attention.ops.dcp", ("get_direct_dcp_a2a_workspace", "get_direct_dcp_q_gather_workspace",
+                                                    "get_direct_dcp_kv_gather_workspace"))
+
+
+def forget_groups() -> None:
+    """Empty vLLM's per-group caches (the emulated groups of a finished step are never used again)."""
+    import importlib
+
+    module_name, names = GROUP_KEYED_CACHES
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:  # an older release without the direct DCP paths
+        return
+    for name in names:
+        cached = getattr(module, name, None)
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
 
 
 def context_parallel_groups(pcp: int, tp: int, dcp: int) -> dict[str, list[list[int]]]:
