@@ -30,7 +30,7 @@ from fuzzer.artifacts.junit import JUnitCase, JUnitSuite, write_junit
 from fuzzer.env import STATE_DIR, host_info
 from fuzzer.commands.gate import GateError, find_repros
 from fuzzer.errors import RecordError, UsageError
-from fuzzer.mutants import MUTANTS, load
+from fuzzer.mutants import MUTANTS, load, unavailable_on
 from fuzzer.run.campaign_process import CampaignOutcome, CampaignSpec, run_campaigns
 from fuzzer.run.host import host_targets, import_vllm
 
@@ -130,7 +130,7 @@ def plan(device: str, unavailable: dict[str, str | None], seed: int, scale: floa
         for target in mod.TARGETS:
             if targets and target not in targets:
                 continue
-            why = unavailable.get(target, f"unknown target {target}")
+            why = unavailable.get(target, f"unknown target {target}") or unavailable_on(mod, device)
             if why:
                 skipped.append(SelftestRow(name, mod.BUG_CLASS, target, "skipped", reason=why))
             else:

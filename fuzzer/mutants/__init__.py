@@ -1,7 +1,8 @@
 """Injected bugs: each file patches vLLM the way a real bug would and names its bug class.
 
 A mutant module is standalone (torch, triton and vLLM only) so that a reproducer can inline it; it
-defines BUG_CLASS, TARGETS and `apply()`. Add one: a file here, one line in MUTANTS.
+defines BUG_CLASS, TARGETS and `apply()`, and may define `unavailable(device)`: why no case on this host can
+reach the code it breaks (None: it can). Add one: a file here, one line in MUTANTS.
 `--inject` also takes any Python file; it runs after vLLM is imported and may patch anything.
 """
 
@@ -52,6 +53,12 @@ APPLIED: list[str] = []  # what `inject` applied in this process (a multi-proces
 
 class MutantError(RuntimeError):
     """The mutant cannot be applied to the installed vLLM (the code it patches is not there)."""
+
+
+def unavailable_on(mod: ModuleType, device: str) -> str | None:
+    """Why the mutant cannot be found on this host (its own `unavailable(device)`), or None."""
+    hook = getattr(mod, "unavailable", None)
+    return hook(device) if hook else None
 
 
 def load(name: str) -> ModuleType:

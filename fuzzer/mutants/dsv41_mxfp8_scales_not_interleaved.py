@@ -10,6 +10,16 @@ BUG_CLASS = "N"
 TARGETS = ("vllm.dsv41.flashmla",)
 
 
+def unavailable(device: str) -> str | None:
+    if device == "cuda":
+        import torch
+
+        if torch.cuda.get_device_capability()[0] != 10:
+            return ("the 528-byte MXFP8 record is SM100's: vLLM writes it on SM100 only (`_use_v41_mxfp8_kv_record`), "
+                    "so no case on this GPU reaches the gather")
+    return None
+
+
 def apply():
     patch_kernel("vllm.models.deepseek_v41.common.ops.cache_utils", "_dequantize_and_gather_k_mxfp8_kernel", [(
         "token_scale_ptr = token_data_ptr + head_dim",

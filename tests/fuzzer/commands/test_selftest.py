@@ -99,6 +99,19 @@ def test_plan_covers_every_builtin_mutant():
                                                    (None, "vllm.dcp_filter")] and not skipped
 
 
+def test_a_mutant_no_case_on_this_gpu_can_reach_is_skipped_with_its_reason(monkeypatch):
+    """SM100's MXFP8 record: an H200 (SM90) draws none, so the mutant of its gather is skipped there, not missed."""
+    import torch
+
+    name, target = "dsv41-mxfp8-scales-not-interleaved", "vllm.dsv41.flashmla"
+    for major, runs_it in ((9, False), (10, True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, major=major: (major, 0))
+        runs, skipped = plan("cuda", {target: None}, 1, 1.0, [name], clean=False)
+        assert bool(runs) == runs_it and (runs_it or "SM100" in skipped[0].reason), (major, skipped)
+    runs, _ = plan("cpu", {target: None}, 1, 1.0, [name], clean=False)  # the stand-in reads the record
+    assert runs
+
+
 def test_markdown_table_has_a_row_per_campaign(tmp_path):
     rows = [judge_mutant("remap-count-past-table", "B", _outcome(tmp_path, 1, [_finding(["B"], 22, 5.3)])),
             judge_clean(_outcome(tmp_path, 0, inject=None))]
