@@ -38,6 +38,10 @@ MLA_SOURCES = (
     "csrc/batch_mla_sm90_plan.cu", "csrc/batch_mla_sm90_run.cu", "csrc/batch_mla_sm90_binding.cu",
     "csrc/batch_mla_plan.cu", "csrc/batch_mla_run.cu", "csrc/batch_mla_binding.cu",
 )
+# vLLM's MLA prefill concatenates k_nope and k_pe through FlashInfer wherever it imports
+# (`torch.ops.vllm.flashinfer_concat_mla_k`: gen_concat_mla_module, flashinfer/jit/dsv3_optimizations.py, JIT-built
+# from csrc/ with csrc/ and include/ on the include path); without it every layer target fails at its first prefill.
+CONCAT_MLA_SOURCES = ("csrc/concat_mla.cu",)
 # Outside data/: the package's kernel sources for other modules (experimental/*/csrc, moe_ep/kernel_src, ...) are
 # left out; everything else (Python, json tables read at import or plan time) goes.
 DROP_OUTSIDE_DATA = (".cu", ".cuh", ".c", ".h", ".cpp", ".cc", ".hpp", ".md")
@@ -82,7 +86,7 @@ def manifest(site: Path, gen_dir: Path) -> tuple[list[str], dict]:
     files.update(p.relative_to(site).as_posix() for p in data.glob("*.py"))
     for tree in INCLUDE_TREES:
         files.update(p.relative_to(site).as_posix() for p in (data / tree).rglob("*") if p.is_file())
-    for src in MLA_SOURCES:
+    for src in MLA_SOURCES + CONCAT_MLA_SOURCES:
         if not (data / src).is_file():
             raise SystemExit(f"gpu_flashinfer: {src} is not in the wheel")
         files.add(f"flashinfer/data/{src}")
@@ -92,6 +96,7 @@ def manifest(site: Path, gen_dir: Path) -> tuple[list[str], dict]:
     sources = sorted(gen_dir.glob("*.cu")) + sorted(gen_dir.glob("*.inc"))
     if len(sources) < 4:
         raise SystemExit(f"gpu_flashinfer: no generated sources in {gen_dir}")
+    sources += [data / src for src in CONCAT_MLA_SOURCES]
     reached, unresolved = include_closure(sources, dirs)
     csrc_reached = []
     for p in reached:
@@ -187,8 +192,31 @@ def check() -> int:
         failed += 1
 
     failed += run_cases(BatchMLAPagedAttentionWrapper, torch.device("cuda"))
+    failed += concat_mla_case(torch.device("cuda"))
     print("gpu-flashinfer:", "check passed" if not failed else f"{failed} check(s) failed")
     return 1 if failed else 0
+
+
+def concat_mla_case(dev) -> int:
+    """FlashInfer's concat_mla_k as vLLM's MLA prefill calls it (k [T, H, 192] from k_nope [T, H, 128] and k_pe
+    [T, 1, 64] broadcast over the heads; its JIT build timed) against torch.cat; 1 if it differs."""
+    import time
+
+    import torch
+    from flashinfer.concat_ops import concat_mla_k
+
+    t_, h = 37, 16
+    g = torch.Generator(device=dev).manual_seed(1)
+    k_nope = torch.randn(t_, h, 128, device=dev, generator=g).to(torch.bfloat16)
+    k_pe = torch.randn(t_, 1, 64, device=dev, generator=g).to(torch.bfloat16)
+    k = torch.full((t_, h, 192), float("nan"), dtype=torch.bfloat16, device=dev)
+    t = time.time()
+    concat_mla_k(k, k_nope, k_pe)
+    torch.cuda.synchronize()
+    same = torch.equal(k, torch.cat([k_nope, k_pe.expand(t_, h, 64)], dim=-1))
+    print(f"gpu-flashinfer: concat_mla_k {t_} tokens x {h} heads: {time.time() - t:.1f}s (nvcc's JIT build, unless "
+          f"cached) {'equal to torch.cat' if same else 'DIFFERS from torch.cat'}")
+    return 0 if same else 1
 
 
 def run_cases(wrapper_cls, dev) -> int:

@@ -51,6 +51,9 @@ def test_manifest_packs_the_include_trees_the_mla_sources_and_what_they_reach_in
     _write(data / "include" / "flashinfer" / "utils.cuh")
     for src in gfi.MLA_SOURCES:
         _write(data / src)
+    # vLLM's MLA prefill JIT-builds FlashInfer's concat_mla_k from csrc/concat_mla.cu: it and what it reaches go.
+    _write(data / "csrc" / "concat_mla.cu", '#include "tvm_ffi_utils.h"\n#include <flashinfer/concat_mla.cuh>\n')
+    _write(data / "include" / "flashinfer" / "concat_mla.cuh")
     _write(data / "csrc" / "tvm_ffi_utils.h", "#include <tvm/ffi/function.h>\n")
     _write(data / "csrc" / "unrelated.cuh")  # in csrc, reached by nothing: left out
     _write(data / "cutlass" / "examples" / "big.cu")  # outside the include trees: left out
@@ -63,6 +66,7 @@ def test_manifest_packs_the_include_trees_the_mla_sources_and_what_they_reach_in
     assert "flashinfer/data/cutlass/examples/big.cu" not in files
     assert "flashinfer_python-0.7.2.post1.dist-info/METADATA" in files
     assert all(f"flashinfer/data/{t}/keep.h" in files for t in gfi.INCLUDE_TREES)
-    assert all(f"flashinfer/data/{s}" in files for s in gfi.MLA_SOURCES)
-    assert info["csrc_reached"] == ["flashinfer/data/csrc/tvm_ffi_utils.h"] and info["missing"] == []
+    assert all(f"flashinfer/data/{s}" in files for s in gfi.MLA_SOURCES + gfi.CONCAT_MLA_SOURCES)
+    assert info["csrc_reached"] == ["flashinfer/data/csrc/concat_mla.cu", "flashinfer/data/csrc/tvm_ffi_utils.h"]
+    assert info["missing"] == []
     assert info["unresolved"] == ["cuda_runtime.h", "tvm/ffi/function.h"]
