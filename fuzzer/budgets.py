@@ -45,7 +45,7 @@ BUDGETS: dict[str, dict[str, Budget]] = {
         "vllm.flashmla_sparse.layer.pcp_dcp": Budget(gate=60, selftest=40),
         "vllm.flashattn_sparse": Budget(gate=100, selftest=60),
         "vllm.flashattn_sparse.layer": Budget(gate=60, selftest=40),
-        "vllm.flashinfer_sparse_sm90": Budget(gate=100, selftest=60),  # FlashInfer a torch stand-in there too
+        "vllm.flashinfer_sparse_sm90": Budget(gate=100, selftest=60),  # FlashInfer real where it imports (28 s a dtype)
         "vllm.sparse_mla.all": Budget(gate=100, selftest=40),
         "vllm.dsv4.flashmla": Budget(gate=150, selftest=40),
         "vllm.dsv41.flashmla": Budget(gate=150, selftest=40),
