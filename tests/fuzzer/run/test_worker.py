@@ -110,7 +110,7 @@ print("vllm imported by:", sorted(m for m in sys.modules if m == "vllm" or m.sta
 def test_a_campaigns_parent_plans_every_target_without_vllm():
     """The parent of a worker campaign draws cases from what the worker's prepare() reported (`Target.PLANNED`):
     it never imports vLLM itself, which would add vLLM's import (6-21 s) to every campaign's clock."""
-    plans = json.dumps({"block_stride_rows": True, "world": 2})
+    plans = json.dumps({"block_stride_rows": True, "world": 2, "kv_records": [584, 528]})
     r = subprocess.run([sys.executable, "-c", PARENT_PLANS, plans], cwd=ROOT, capture_output=True, text=True,
                        timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert r.returncode == 0, r.stderr[-3000:]
