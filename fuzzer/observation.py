@@ -28,6 +28,7 @@ class Notes(TypedDict, total=False):
     cudagraph: dict[str, Any]  # a full-graph engine's captured sizes, the tokens a step replayed, emulated or not
     mtp_draft: str  # an MTP draft step's metadata: "update_draft_decode_metadata" (in place) or "rebuilt"
     shims: tuple[str, ...]  # CPU shims and interpreter corrections in force
+    second_opinion: str  # the other implementation that also ran the step (vLLM's CPU kernel), judged on its own
     allocator_poisoned: bool  # the caching allocator's free memory was poisoned before the call
     traceback: str  # where the code under test raised
     log_tail: str  # a crashed or hung worker's last output
