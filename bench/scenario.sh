@@ -6,7 +6,7 @@
 #
 #   SCENARIO     a file name under bench/scenarios/ (or a path)
 #   RUN...       only the runs whose names match these shell patterns (`v023-*`)
-#   --device     default: cuda where nvidia-smi and .gpu-bundle/activate.sh exist, else cpu
+#   --device     default: cuda where nvidia-smi and the GPU bundle (carried, or kept from an earlier call) exist, else cpu
 #   --jobs N     runs at a time, started in file order (default 1: a figure is measured alone on the machine)
 #   --deadline S no run starts after S seconds, and a run's limit is cut to what is left (a device call has
 #                a limit of its own, and what was not packed by then is lost)
@@ -57,7 +57,7 @@ SCENARIO=$(basename "$FILE")
 PATTERNS=("$@")
 
 if [ -z "$DEVICE" ]; then
-  if command -v nvidia-smi >/dev/null && [ -f .gpu-bundle/activate.sh ]; then DEVICE=cuda; else DEVICE=cpu; fi
+  if command -v nvidia-smi >/dev/null && { [ -f .gpu-bundle/activate.sh ] || [ -f /tmp/gpu-bundle/activate.sh ]; }; then DEVICE=cuda; else DEVICE=cpu; fi
 fi
 if [ -z "$WORK" ]; then WORK=/tmp/attnfuzz-scenario/$SCENARIO; rm -rf "$WORK"
 elif [ -n "$(ls -A "$WORK" 2>/dev/null)" ]; then echo "scenario.sh: --work $WORK is not empty" >&2; exit 2; fi

@@ -11,7 +11,16 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 VER=""
 if [ "${1:-}" = "--vllm" ]; then VER=$2; shift 2; fi
 [ "${1:-}" = "--" ] && shift
-source "$ROOT/.gpu-bundle/activate.sh" >/dev/null
+# The bundle travels in one call of a machine; activate.sh installs it in /tmp/gpu-bundle and a copy of it stays
+# there, so later calls of the same machine need not carry .gpu-bundle again (room for other packs).
+if [ -f "$ROOT/.gpu-bundle/activate.sh" ]; then
+  source "$ROOT/.gpu-bundle/activate.sh" >/dev/null
+  [ -f /tmp/gpu-bundle/activate.sh ] || cp "$ROOT/.gpu-bundle/activate.sh" /tmp/gpu-bundle/activate.sh
+elif [ -f /tmp/gpu-bundle/.ready ] && [ -f /tmp/gpu-bundle/activate.sh ]; then
+  source /tmp/gpu-bundle/activate.sh >/dev/null
+else
+  echo "gpu-host.sh: no .gpu-bundle carried and none installed on this machine (carry .gpu-bundle)" >&2; exit 2
+fi
 if [ -n "$VER" ]; then
   SRC=/tmp/vllm-$VER/src
   if [ ! -d "$SRC/vllm" ]; then
@@ -26,10 +35,28 @@ if [ -n "$VER" ]; then
   if [ -d "$ROOT/.gpu-extra/so-$VER" ]; then cp -u "$ROOT/.gpu-extra/so-$VER"/*.so "$SRC/vllm/"; fi
   export PYTHONPATH="$SRC:/tmp/gpu-bundle/site"
 fi
+# vLLM 0.33.0's own vllm_flash_attn with its FA3 extension (scripts/gpu-kernels.sh install fa3), for the runs that ask
+# with ATTNFUZZ_FA3=real: a tree of links to the bundle's vllm/ with that package in place of the bundle's import
+# stand-in, so that other runs on the machine keep theirs.
+FA3_TAG=""
+if [ "${ATTNFUZZ_FA3:-}" = real ]; then
+  KH=${GPU_KERNELS_HOST:-/tmp/gpu-kernels}
+  [ -f "$KH/fa3/.ready" ] || { echo "gpu-host.sh: ATTNFUZZ_FA3=real, but FA3 is not installed (scripts/gpu-kernels.sh install fa3)" >&2; exit 2; }
+  [ -z "$VER" ] || { echo "gpu-host.sh: ATTNFUZZ_FA3=real is vLLM 0.33.0's FA3, not $VER's" >&2; exit 2; }
+  BUNDLE_VLLM=/tmp/gpu-bundle/src/vllm OVER=$KH/fa3/src/vllm
+  mkdir -p "$OVER"
+  for e in "$BUNDLE_VLLM"/* "$BUNDLE_VLLM"/.[!.]*; do
+    [ -e "$e" ] || continue
+    n=$(basename "$e"); [ "$n" = vllm_flash_attn ] || [ -L "$OVER/$n" ] || ln -s "$e" "$OVER/$n"
+  done
+  [ -L "$OVER/vllm_flash_attn" ] || ln -s "$KH/fa3/site/vllm_flash_attn" "$OVER/vllm_flash_attn"
+  export PYTHONPATH="$KH/fa3/src${PYTHONPATH#/tmp/gpu-bundle/src}"
+  FA3_TAG=-fa3
+fi
 # vLLM's sources seen through a path with /site-packages/ in it: Hypothesis then treats vLLM as third-party
 # and does not parse all of its modules for constants at the first draw (10 s per process on the host).
 SRC_DIR=${PYTHONPATH%%:*}
-LINK=/tmp/attnfuzz-vllm/${VER:-bundle}/site-packages
+LINK=/tmp/attnfuzz-vllm/${VER:-bundle}$FA3_TAG/site-packages
 mkdir -p "$(dirname "$LINK")"
 [ "$(readlink "$LINK" 2>/dev/null)" = "$SRC_DIR" ] || ln -sfn "$SRC_DIR" "$LINK"  # jobs start at once
 export PYTHONPATH="$LINK${PYTHONPATH#"$SRC_DIR"}"
@@ -47,6 +74,13 @@ if [ "${ATTNFUZZ_FLASHINFER:-}" = real ]; then
     exit 2
   fi
   source "${GPU_FLASHINFER_HOST:-/tmp/gpu-flashinfer}/env.sh"
+fi
+# The CuTe-DSL stack (scripts/gpu-kernels.sh install cutedsl), for the runs that ask with ATTNFUZZ_CUTEDSL=real:
+# vLLM's has_cutedsl() (is `cutlass` importable) then routes DeepSeek-V4's dequant-gather to its CuTe-DSL kernel.
+if [ "${ATTNFUZZ_CUTEDSL:-}" = real ]; then
+  KH=${GPU_KERNELS_HOST:-/tmp/gpu-kernels}
+  [ -f "$KH/cutedsl/.ready" ] || { echo "gpu-host.sh: ATTNFUZZ_CUTEDSL=real, but CuTe-DSL is not installed (scripts/gpu-kernels.sh install cutedsl)" >&2; exit 2; }
+  export PYTHONPATH="$PYTHONPATH:$KH/cutedsl/site:$KH/cutedsl/site/nvidia_cutlass_dsl/dsl_packages"
 fi
 if [ "${1:-}" = "attnfuzz" ]; then shift; exec python3 -m fuzzer.cli "$@"; fi
 exec "$@"

@@ -107,6 +107,16 @@ def configure(cfg, *, window_size: int, index_topk: int, num_speculative_tokens:
     return cfg
 
 
+def has_cutedsl() -> bool:
+    """vLLM's own test for its CuTe-DSL kernels (`cutlass` importable), which DeepSeek-V4's dequantize-and-gather takes
+    in the Triton kernel's place when it passes; False for a release without the test."""
+    try:
+        from vllm.utils.import_utils import has_cutedsl as vllm_has_cutedsl
+    except ImportError:
+        return False
+    return bool(vllm_has_cutedsl())
+
+
 def compressed_spec(compress_ratio: int):
     """The compressed K cache's spec, as DeepseekV4Attention.get_kv_cache_spec declares it for fp8_ds_mla."""
     from vllm.v1.kv_cache_interface import MLAAttentionSpec, get_kv_quant_mode

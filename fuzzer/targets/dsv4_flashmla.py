@@ -91,6 +91,11 @@ class Dsv4FlashMLA(Target):
         self.emulated = (*self.runtime.install_standins(self.device), self.writer)
         self.real_parts = type(self).real_parts + (("FlashMLA's CUDA kernels (vllm._flashmla_C)",)
                                                    if "flash_mla_with_kvcache" not in self.emulated else ())
+        if self.device == "cuda" and runtime.has_cutedsl():
+            # vLLM's has_cutedsl() (`cutlass` importable: scripts/gpu-kernels.sh, ATTNFUZZ_CUTEDSL=real) sends the
+            # fp8 records' dequantize-and-gather to the CuTe-DSL kernel instead of the Triton one.
+            self.real_parts += ("CuTe-DSL dequantize-and-gather (deepseek_v4/nvidia/ops/dequant_gather_k_cutedsl.py) "
+                                "in the Triton kernel's place",)
         self.cfg = self.config(self.device, str(STATE_DIR))
 
     def cases(self, profile):
