@@ -45,11 +45,17 @@ if [ "${ATTNFUZZ_FA3:-}" = real ]; then
   [ -z "$VER" ] || { echo "gpu-host.sh: ATTNFUZZ_FA3=real is vLLM 0.33.0's FA3, not $VER's" >&2; exit 2; }
   BUNDLE_VLLM=/tmp/gpu-bundle/src/vllm OVER=$KH/fa3/src/vllm
   mkdir -p "$OVER"
+  # vllm's siblings too: its dist-info (without it vLLM's version is unknown, and vLLM then takes the host for a
+  # CPU build and turns Triton off)
+  for e in /tmp/gpu-bundle/src/*; do
+    n=$(basename "$e"); [ "$n" = vllm ] || [ -L "$KH/fa3/src/$n" ] || ln -s "$e" "$KH/fa3/src/$n" 2>/dev/null || [ -L "$KH/fa3/src/$n" ]
+  done
   for e in "$BUNDLE_VLLM"/* "$BUNDLE_VLLM"/.[!.]*; do
     [ -e "$e" ] || continue
-    n=$(basename "$e"); [ "$n" = vllm_flash_attn ] || [ -L "$OVER/$n" ] || ln -s "$e" "$OVER/$n"
+    # runs start at once: a link another run made between the test and ln is as good as this one's
+    n=$(basename "$e"); [ "$n" = vllm_flash_attn ] || [ -L "$OVER/$n" ] || ln -s "$e" "$OVER/$n" 2>/dev/null || [ -L "$OVER/$n" ]
   done
-  [ -L "$OVER/vllm_flash_attn" ] || ln -s "$KH/fa3/site/vllm_flash_attn" "$OVER/vllm_flash_attn"
+  [ -L "$OVER/vllm_flash_attn" ] || ln -s "$KH/fa3/site/vllm_flash_attn" "$OVER/vllm_flash_attn" 2>/dev/null || [ -L "$OVER/vllm_flash_attn" ]
   export PYTHONPATH="$KH/fa3/src${PYTHONPATH#/tmp/gpu-bundle/src}"
   FA3_TAG=-fa3
 fi
