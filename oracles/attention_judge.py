@@ -113,6 +113,12 @@ ROW_ARGUMENTS = {REMAP_KERNEL: REMAP_ROW_ARGUMENTS, "_clamp_work_kv_end": ("req_
                  "BatchMLAPagedAttentionWrapper": ("q_nope", "o")}
 
 
+# A kernel that checks its arguments before launching refuses the same contract break as an error: FA3's mha_fwd
+# (the real one on a GPU host, and its stand-in) takes one seqused_k count a batch, and a full batch's counts with a
+# token subset (the seed bug at FLASH_ATTN_MLA_SPARSE's call site) stop there, before any memory is touched.
+ROW_CONTRACT_ERRORS = ("seqused_k must have shape (batch_size)",)
+
+
 def _memory_class(violation) -> str:
     argument = getattr(violation, "argument", None)
     row_contract = any(kernel in violation.kernel and argument in arguments for kernel, arguments in ROW_ARGUMENTS.items())
@@ -127,7 +133,9 @@ def _call_verdicts(obs) -> tuple[list[Verdict], bool]:
     for what in obs.notes.get("buffer_overrun", []):
         verdicts.append(Verdict("memory", False, what, "A", where="buffer_overrun"))
     if obs.error_type is not None:
-        return verdicts + [Verdict("error", False, f"{obs.error_type}: {obs.error}", where=obs.error_type)], False
+        row_contract = any(message in str(obs.error) for message in ROW_CONTRACT_ERRORS)
+        return verdicts + [Verdict("error", False, f"{obs.error_type}: {obs.error}", "A" if row_contract else "",
+                                   where=obs.error_type)], False
     if obs.notes.get("cache_changed"):
         verdicts.append(Verdict("cache", False, f"the KV cache changed during an attention call that must only read "
                                                 f"it: {obs.notes['cache_changed']}", "H", where="cache"))

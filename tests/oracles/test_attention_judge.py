@@ -35,3 +35,19 @@ def test_wrong_scale_and_flat_layout_are_seen():
     flat[:, :576] = (torch.cat([inputs.kv_c, inputs.k_pe], -1)[slots].float().clamp(-448, 448)
                      .to(torch.float8_e4m3fn).view(torch.uint8))  # flat fp8 with no tile scales (class E)
     assert not judge_fp8_ds_mla_entries(case, inputs, slots, flat)[1].ok
+
+
+def test_a_kernel_refusing_a_per_token_argument_s_shape_is_class_a():
+    """FA3 refuses one seqused_k count per token of another batch before it launches (the seed bug at
+    FLASH_ATTN_MLA_SPARSE's call site, seen with the real kernel on the H200): the same row contract as an access past
+    the remap's per-token arrays. Other errors keep no class."""
+    from types import SimpleNamespace
+
+    from oracles.attention_judge import _call_verdicts
+
+    def obs(error):
+        return SimpleNamespace(memory=[], notes={}, error_type="RuntimeError", error=error)
+
+    refused = _call_verdicts(obs("mha_fwd, hopper/flash_api.cpp:910, seqused_k must have shape (batch_size)"))[0]
+    assert [v.bug_class for v in refused] == ["A"] and not refused[0].ok
+    assert [v.bug_class for v in _call_verdicts(obs("CUDA error: an illegal memory access"))[0]] == [""]

@@ -16,7 +16,9 @@ The paged form FA3 takes from vLLM's FLASH_ATTN_MLA_SPARSE backend (`block_table
 block_table[b, j // page_size] at offset j % page_size, for j < seqused_k[b]; with q_v the score is
 q.k + q_v.v (FA3's QV path). A batch with no key gets what FA3's epilogue stores for it (`store_zero`): output 0,
 LSE -inf. A page id outside k's pages, or a table entry read past block_table's end, is a memory violation,
-recorded; that key is skipped.
+recorded; that key is skipped. Arguments FA3's mha_fwd refuses before it launches (hopper/flash_api.cpp: seqused_k
+not int32 or not one count a batch, a page table not int32) are refused the same way, with its message: on the
+H200 the real kernel refused a seqused_k of the whole batch's length handed to it with a token subset.
 """
 
 from __future__ import annotations
@@ -98,6 +100,13 @@ def _paged_qv(q, k, v, cu_seqlens_q, seqused_k, block_table, q_v, scale, causal,
     total_q, heads, d_v = q.shape[0], q.shape[1], v.shape[-1]
     num_pages, page_size, kv_heads = k.shape[0], k.shape[1], k.shape[2]
     group = heads // kv_heads
+    # mha_fwd's argument checks (CHECK_SHAPE / TORCH_CHECK), in its words
+    if seqused_k.dtype != torch.int32:
+        raise RuntimeError("seqused_k must have dtype int32")
+    if tuple(seqused_k.shape) != (cu_seqlens_q.numel() - 1,):
+        raise RuntimeError("seqused_k must have shape (batch_size)")
+    if block_table.dtype != torch.int32:
+        raise RuntimeError("page_table must have dtype torch.int32")
     if out is None:
         out = torch.empty(total_q, heads, d_v, dtype=q.dtype, device=q.device)
     lse = torch.full((heads, total_q), float("-inf"), dtype=torch.float32, device=q.device)

@@ -10,7 +10,7 @@ import torch
 
 from fuzzer.support.interp.sanitizer import SANITIZER
 from fuzzer.support.standins.flash_attn_ops import flash_attn_varlen_func
-from tests.conftest import attnfuzz
+from tests.conftest import ROOT, attnfuzz
 
 
 def _paged(q, k, v, q_v, block_table, seqused_k):
@@ -47,6 +47,24 @@ def test_a_page_outside_the_cache_is_a_memory_violation():
     del SANITIZER.violations[before:]
     assert len(found) == 1 and found[0].argument == "k" and not found[0].inside_allocation
     assert torch.isfinite(out).all()  # the key it could not read is skipped, not read as garbage
+
+
+def test_the_fa3_standin_refuses_a_seqused_k_of_another_batch_as_fa3_does():
+    """The real FA3 (H200) refused the seed bug's full-batch counts with a token subset before launching: so must its
+    stand-in, rather than read the extra counts."""
+    q, kv = torch.zeros(2, 1, 8), torch.zeros(4, 1, 1, 24)
+    table = torch.zeros(2, 2, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"seqused_k must have shape \(batch_size\)"):
+        _paged(q, kv[..., 16:], kv[..., :16], torch.zeros(2, 1, 16), table, torch.ones(3, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="seqused_k must have dtype int32"):
+        _paged(q, kv[..., 16:], kv[..., :16], torch.zeros(2, 1, 16), table, torch.ones(2, dtype=torch.int64))
+
+
+def test_the_fa3_check_s_cases_run_through_the_standin():
+    """bench/fa3_check.py (the stand-in against the real FA3 on the GPU host) with the stand-in on both sides."""
+    done = subprocess.run([sys.executable, "bench/fa3_check.py", "--cases", "12", "--against", "standins"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "12 cases, 0 differ" in done.stdout, done.stdout + done.stderr
 
 
 @pytest.mark.vllm
