@@ -29,8 +29,8 @@ CHECKS: dict[str, str] = {
     "layout": "valid indices are not where the mode puts them (compaction, padding)",
     "values": "index values differ from the documented remap",
     "output": "attention output outside the tolerance of the fp32 reference",
-    "cpu_second_opinion": "vLLM's own CPU kernel, run on the same step as a second opinion, outside the tolerance of "
-                          "the fp32 reference",
+    "cpu_second_opinion": "vLLM's own CPU implementation (its layer and kernel), run on the same step as a second "
+                          "opinion, outside the tolerance of the fp32 reference",
     "lse": "LSE outside the tolerance of the fp32 reference",
     "dcp_rank_out": "a rank's partial output over its own share is off",
     "pcp_rank_rows": "a PCP rank's own rows (a prefill every rank runs whole; one copy is kept) are off",

