@@ -19,14 +19,13 @@ the mega-attention backend. A finding's repro.py is the V4 target's, making V4.1
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import torch
 
 from fuzzer.support import dsv41_runtime as runtime
-from fuzzer.support.flashmla_runtime import _try_import
 from fuzzer.repro_spec import ReproSpec
 from fuzzer.targets.dsv4_flashmla import _REPRO_SETUP, Dsv4FlashMLA
-from fuzzer.targets.probes import observe_paths
 from strategies.dsv4_batches import V41_FEATURES, dsv4_space
 
 WRITER = ("cache writes: attnfuzz's torch writers of the 584-byte and 528-byte records (byte-equal to vLLM's Triton "
@@ -66,75 +65,32 @@ class Dsv41FlashMLA(Dsv4FlashMLA):
     def cases(self, profile):
         return dsv4_space(profile, replace(V41_FEATURES, kv_records=tuple(self.kv_records)))
 
-    def run(self, case):
-        from vllm.config import set_current_vllm_config  # deferred: vLLM loads after fuzzer.env prepares the process
-        from vllm.forward_context import set_forward_context
+    # V4.1's compressed builder is not guarded, and vLLM's CPU layer reads V4's record only
+    guard_compressed_builder = False
+    cpu_second_opinion = False
 
-        dev, d = self.device, case.dsv4
-        s = self.step(case, dev)
-        inputs, swa_raw, comp_raw = s.inputs, s.swa_raw, s.comp_raw
-        cfg = runtime.configure(self.cfg, window_size=d.window_size, index_topk=case.topk_width,
-                                num_speculative_tokens=d.num_speculative_tokens,
-                                max_num_batched_tokens=s.topk_buffer.shape[0], max_model_len=d.max_model_len)
-        layer_cls = _try_import(runtime.FLASHMLA_LAYER_MODULE).DeepseekV4FlashMLAAttention
+    def layer_objects(self, cfg, case, s) -> SimpleNamespace:
+        """V4.1's objects: the SWA cache layer of the case's record, the compressed spec of its block size and record,
+        the layer under test (and its kv source, a consumer's), the compressed group under the source's prefix."""
+        d = case.dsv4
         layer_id, source_id = runtime.layer_ids(d.compress_ratio, d.kv_source)
-        notes: dict = {"shims": tuple(self.shims)}
+        swa_layer = runtime.swa_cache_layer(cfg, layer_id, d.window_size, case.block_size, d.kv_record)
+        swa_layer.kv_cache = runtime.paged(s.swa_raw, case.block_size, d.kv_record)
+        spec = kv_cache = None
+        if s.comp_raw is not None:
+            spec = runtime.compressed_spec(d.compress_ratio, d.compressed_block_size, d.kv_record)
+            kv_cache = runtime.paged(s.comp_raw, d.entries_per_block, d.kv_record)
+        layer = runtime.attention_layers(cfg, d.compress_ratio, d.kv_source, swa_layer, kv_cache, s.topk_buffer,
+                                         s.inputs.attn_sink.clone(), case.heads)
+        prefix = runtime.layer_prefix(source_id) if source_id is not None else None
+        return SimpleNamespace(swa_layer=swa_layer, spec=spec, layer=layer, compressed_prefix=prefix)
 
-        def common(table, slots):
-            return runtime.common_metadata(inputs.query_start_loc, inputs.seq_lens, table, slots, inputs.positions,
-                                           case.num_actual_tokens)
-
-        def call():
-            outputs: dict = {}
-            # vLLM's objects are made inside the observed call: what they raise is an observation, not ours.
-            swa_layer = runtime.swa_cache_layer(cfg, layer_id, d.window_size, case.block_size, d.kv_record)
-            swa_spec = swa_layer.get_kv_cache_spec(cfg)
-            assert swa_raw.shape[1] == swa_spec.page_size_bytes, (swa_raw.shape, swa_spec.page_size_bytes)
-            swa_layer.kv_cache = runtime.paged(swa_raw, case.block_size, d.kv_record)
-            kv_cache = None
-            if comp_raw is not None:
-                spec = runtime.compressed_spec(d.compress_ratio, d.compressed_block_size, d.kv_record)
-                assert comp_raw.shape[1] == spec.page_size_bytes, (comp_raw.shape, spec.page_size_bytes)
-                kv_cache = runtime.paged(comp_raw, d.entries_per_block, d.kv_record)
-            heads = layer_cls.get_padded_num_q_heads(case.heads)  # vLLM's padding of the layer's q heads
-            assert heads == inputs.q.shape[1], (heads, inputs.q.shape)
-            layer = runtime.attention_layers(cfg, d.compress_ratio, d.kv_source, swa_layer, kv_cache, s.topk_buffer,
-                                             inputs.attn_sink.clone(), case.heads)
-            with set_current_vllm_config(cfg), torch.inference_mode():
-                swa_builder = layer_cls.swa_backend_cls.get_builder_cls()(swa_spec, [swa_layer.prefix], cfg,
-                                                                          torch.device(dev))
-                check = runtime.guard_buffers(swa_builder)
-                metadata = {swa_layer.prefix: swa_builder.build(0, common(inputs.block_table, s.swa_slots))}
-                overruns = check(metadata[swa_layer.prefix])
-                compressed_md = None
-                if comp_raw is not None:
-                    # the kv source's KV-cache group: its builder, its metadata under its prefix
-                    source = runtime.layer_prefix(source_id)
-                    builder = layer_cls.backend_cls.get_builder_cls()(spec, [source], cfg, torch.device(dev))
-                    compressed_md = metadata[source] = builder.build(0, common(inputs.compressed_block_table,
-                                                                               s.compressed_slots))
-                if overruns:
-                    notes["buffer_overrun"] = overruns
-                outputs.update({f"md.{k}": v for k, v in runtime.metadata_outputs(metadata[swa_layer.prefix],
-                                                                                 None).items()})
-                if compressed_md is not None:
-                    outputs["md.compressed_slot_mapping"] = compressed_md.slot_mapping.clone()
-                before = [swa_raw.clone(), None if comp_raw is None else comp_raw.clone()]
-                out = torch.full_like(inputs.q, float("nan"))
-                with set_forward_context(metadata, cfg):
-                    layer.forward_mqa(inputs.q, None, inputs.positions, out)
-            changed = [f"{name} cache: {int((after != was).any(dim=1).sum())} of {len(was)} pages"
-                       for name, after, was in (("SWA", swa_raw, before[0]), ("compressed", comp_raw, before[1]))
-                       if was is not None and not torch.equal(after, was)]
-            if changed:
-                notes["cache_changed"] = "; ".join(changed)
-            outputs.update(out=out, swa_pages=swa_raw, compressed_pages=comp_raw)
-            return outputs
-
-        obs = observe_paths(self.observe, call)
-        obs.notes.update(notes)
-        obs.emulated = self.emulated
-        return obs
+    def metadata_outputs(self, swa_md, compressed_md) -> dict:
+        """The SWA builder's metadata, and of V4.1's compressed builder only its slot mapping (it has no C128A)."""
+        out = runtime.metadata_outputs(swa_md, None)
+        if compressed_md is not None:
+            out["compressed_slot_mapping"] = compressed_md.slot_mapping.clone()
+        return out
 
     def repro_spec(self, finding) -> ReproSpec:
         """The V4 target's reproducer (the same saved step and judge) making V4.1's objects: its SWA cache layer of

@@ -115,61 +115,81 @@ class Dsv4FlashMLA(Target):
                                compressed_slots=None if comp_raw is None else
                                _compressed_token_slots(inputs, d.compressed_block_size))
 
+    # What V4.1's target (dsv41_flashmla.py) changes of run(): the objects it makes, what it reads of the compressed
+    # builder's metadata, whether that builder's buffers are guarded, whether vLLM's CPU layer gives a second opinion.
+    guard_compressed_builder = True
+    cpu_second_opinion = True  # vLLM's CPU layer reads V4's 584-byte record
+
+    def layer_objects(self, cfg, case, s) -> SimpleNamespace:
+        """vLLM's objects for the step, made inside the observed call: the SWA cache layer (pages bound) and its spec,
+        the compressed cache's spec (None at ratio 1), the attention layer, the compressed KV-cache group's prefix."""
+        d = case.dsv4
+        swa_layer = runtime.swa_cache_layer(cfg, d.window_size, case.block_size)
+        swa_layer.kv_cache = runtime.paged(s.swa_raw, case.block_size)
+        spec = kv_cache = None
+        if s.comp_raw is not None:
+            spec = runtime.compressed_spec(d.compress_ratio)
+            kv_cache = runtime.paged(s.comp_raw, d.entries_per_block)
+        layer = runtime.attention_layer(cfg, d.compress_ratio, swa_layer, kv_cache, s.topk_buffer,
+                                        s.inputs.attn_sink.clone())
+        return SimpleNamespace(swa_layer=swa_layer, spec=spec, layer=layer, compressed_prefix=runtime.LAYER)
+
+    def metadata_outputs(self, swa_md, compressed_md) -> dict:
+        return runtime.metadata_outputs(swa_md, compressed_md)
+
     def run(self, case):
         from vllm.config import set_current_vllm_config  # deferred: vLLM loads after fuzzer.env prepares the process
         from vllm.forward_context import set_forward_context
 
-        dev, d = self.device, case.dsv4
+        rt, dev, d = self.runtime, self.device, case.dsv4
         s = self.step(case, dev)
         inputs, swa_raw, comp_raw = s.inputs, s.swa_raw, s.comp_raw
-        cfg = runtime.configure(self.cfg, window_size=d.window_size, index_topk=case.topk_width,
-                                num_speculative_tokens=d.num_speculative_tokens,
-                                max_num_batched_tokens=s.topk_buffer.shape[0], max_model_len=d.max_model_len)
-        layer_cls = _try_import(runtime.FLASHMLA_LAYER_MODULE).DeepseekV4FlashMLAAttention
+        cfg = rt.configure(self.cfg, window_size=d.window_size, index_topk=case.topk_width,
+                           num_speculative_tokens=d.num_speculative_tokens,
+                           max_num_batched_tokens=s.topk_buffer.shape[0], max_model_len=d.max_model_len)
+        layer_cls = _try_import(rt.FLASHMLA_LAYER_MODULE).DeepseekV4FlashMLAAttention
+        second_opinion = self.cpu_second_opinion and self.device == "cpu" and vllm_cpu_ops.load()
         notes: dict = {"shims": tuple(self.shims)}
 
         def common(table, slots):
-            return runtime.common_metadata(inputs.query_start_loc, inputs.seq_lens, table, slots, inputs.positions,
-                                           case.num_actual_tokens)
+            return rt.common_metadata(inputs.query_start_loc, inputs.seq_lens, table, slots, inputs.positions,
+                                      case.num_actual_tokens)
 
         def call():
             outputs: dict = {}
             # vLLM's objects are made inside the observed call: what they raise is an observation, not ours.
-            swa_layer = runtime.swa_cache_layer(cfg, d.window_size, case.block_size)
+            objs = self.layer_objects(cfg, case, s)
+            swa_layer, spec = objs.swa_layer, objs.spec
             swa_spec = swa_layer.get_kv_cache_spec(cfg)
             assert swa_raw.shape[1] == swa_spec.page_size_bytes, (swa_raw.shape, swa_spec.page_size_bytes)
-            swa_layer.kv_cache = runtime.paged(swa_raw, case.block_size)
-            kv_cache = None
-            if comp_raw is not None:
-                spec = runtime.compressed_spec(d.compress_ratio)
-                assert comp_raw.shape[1] == spec.page_size_bytes, (comp_raw.shape, spec.page_size_bytes)
-                kv_cache = runtime.paged(comp_raw, d.entries_per_block)
+            assert comp_raw is None or comp_raw.shape[1] == spec.page_size_bytes, (comp_raw.shape, spec.page_size_bytes)
             heads = layer_cls.get_padded_num_q_heads(case.heads)  # vLLM's padding of the layer's q heads
             assert heads == inputs.q.shape[1], (heads, inputs.q.shape)
-            layer = runtime.attention_layer(cfg, d.compress_ratio, swa_layer, kv_cache, s.topk_buffer,
-                                            inputs.attn_sink.clone())
             with set_current_vllm_config(cfg), torch.inference_mode():
                 swa_builder = layer_cls.swa_backend_cls.get_builder_cls()(swa_spec, [swa_layer.prefix], cfg,
                                                                           torch.device(dev))
-                check = runtime.guard_buffers(swa_builder)
+                check = rt.guard_buffers(swa_builder)
                 metadata = {swa_layer.prefix: swa_builder.build(0, common(inputs.block_table, s.swa_slots))}
                 overruns = check(metadata[swa_layer.prefix])
-                if comp_raw is not None:
-                    builder = layer_cls.backend_cls.get_builder_cls()(spec, [runtime.LAYER], cfg, torch.device(dev))
-                    check = runtime.guard_buffers(builder)
-                    metadata[runtime.LAYER] = builder.build(0, common(inputs.compressed_block_table,
-                                                                      s.compressed_slots))
-                    overruns += check(metadata[runtime.LAYER])
+                compressed_md = None
+                if comp_raw is not None:  # the compressed KV-cache group (V4.1: the kv source's): its builder
+                    builder = layer_cls.backend_cls.get_builder_cls()(spec, [objs.compressed_prefix], cfg,
+                                                                      torch.device(dev))
+                    check = rt.guard_buffers(builder) if self.guard_compressed_builder else None
+                    compressed_md = metadata[objs.compressed_prefix] = builder.build(
+                        0, common(inputs.compressed_block_table, s.compressed_slots))
+                    if check is not None:
+                        overruns += check(compressed_md)
                 if overruns:
                     notes["buffer_overrun"] = overruns
-                outputs.update({f"md.{k}": v for k, v in runtime.metadata_outputs(metadata[swa_layer.prefix],
-                                                                                 metadata.get(runtime.LAYER)).items()})
+                outputs.update({f"md.{k}": v for k, v in self.metadata_outputs(metadata[swa_layer.prefix],
+                                                                              compressed_md).items()})
                 before = [swa_raw.clone(), None if comp_raw is None else comp_raw.clone()]
                 out = torch.full_like(inputs.q, float("nan"))
                 with set_forward_context(metadata, cfg):
-                    if self.device == "cpu" and vllm_cpu_ops.load():
-                        outputs["cpu_layer_out"] = vllm_cpu_ops.cpu_forward_mqa(layer, inputs.q, inputs.positions)
-                    layer.forward_mqa(inputs.q, None, inputs.positions, out)
+                    if second_opinion:
+                        outputs["cpu_layer_out"] = vllm_cpu_ops.cpu_forward_mqa(objs.layer, inputs.q, inputs.positions)
+                    objs.layer.forward_mqa(inputs.q, None, inputs.positions, out)
             changed = [f"{name} cache: {int((after != was).any(dim=1).sum())} of {len(was)} pages"
                        for name, after, was in (("SWA", swa_raw, before[0]), ("compressed", comp_raw, before[1]))
                        if was is not None and not torch.equal(after, was)]
@@ -180,7 +200,7 @@ class Dsv4FlashMLA(Target):
 
         obs = observe_paths(self.observe, call)
         obs.notes.update(notes)
-        if self.device == "cpu" and vllm_cpu_ops.load():
+        if second_opinion:
             obs.notes["second_opinion"] = (f"vLLM's CPU layer ({vllm_cpu_ops.CPU_LAYER}.forward_mqa) on every token, "
                                            f"with {vllm_cpu_ops.load()}")
         obs.emulated = self.emulated
