@@ -21,16 +21,18 @@
 #                 in an earlier call of the same machine (scripts/gpu-host.sh keeps it in /tmp/gpu-bundle).
 #   then:         bash scripts/gpu-kernels.sh check fa3|cutedsl    (exit 0 usable, 1 broken, 2 not installed)
 #
-#   scripts/gpu-kernels.sh build NAME | sizes | stash NAME | install NAME | check NAME | dir NAME
+#   scripts/gpu-kernels.sh build NAME | split NAME | sizes | stash NAME | install NAME | check NAME | dir NAME
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 HOST=${GPU_KERNELS_HOST:-/tmp/gpu-kernels}
+PACKS=${GPU_KERNELS_PACKS:-$ROOT}  # where .gpu-NAME lives (another folder only to try the travel out: tests/)
 PY=${PYTHON:-$ROOT/.venv/bin/python}
 PLAT=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
       --platform manylinux2014_x86_64 --platform any)
 CUTEDSL_WHEELS=("nvidia-cutlass-dsl==4.8.0" "nvidia-cutlass-dsl-libs-base==4.8.0" "nvidia-cutlass-dsl-libs-core==4.8.0"
                 "nvidia-cutlass-dsl-libs-cu13==4.8.0" "quack-kernels==0.6.5")
-usage() { echo "usage: scripts/gpu-kernels.sh build NAME | sizes | stash NAME | install NAME | check NAME | dir NAME  (NAME: fa3, cutedsl)" >&2; exit 2; }
+usage() { echo "usage: scripts/gpu-kernels.sh build NAME | split NAME | sizes | stash NAME | install NAME | check NAME | dir NAME  (NAME: fa3, cutedsl)" >&2; exit 2; }
+parts_of() { case $1 in fa3) echo 1;; cutedsl) echo 2;; esac; }  # cutedsl's 69.6 MB do not fit one call
 pack_name() { case ${1:-} in fa3|cutedsl) echo "$1";; *) usage;; esac; }
 
 split_pack() {  # $1 pack dir, $2 tarball, $3 parts: equal cuts into p1..pN, the checksum and version in the last
@@ -50,7 +52,7 @@ split_pack() {  # $1 pack dir, $2 tarball, $3 parts: equal cuts into p1..pN, the
 case ${1:-} in
   build)
     NAME=$(pack_name "${2:-}")
-    DIR=$ROOT/.gpu-$NAME TMP=$(mktemp -d)
+    DIR=$PACKS/.gpu-$NAME TMP=$(mktemp -d)
     trap 'rm -rf "$TMP"' EXIT
     mkdir -p "$DIR"
     if [ "$NAME" = fa3 ]; then
@@ -60,7 +62,7 @@ case ${1:-} in
       (cd "$(dirname "$FA")" && tar cf - --owner=0 --group=0 --sort=name --exclude=__pycache__ \
         --exclude='_vllm_fa2_C*' vllm_flash_attn) | xz -6 -T2 > "$DIR/$NAME.tar.xz"
       echo "vllm $VER" > "$DIR/VERSION"
-      split_pack "$DIR" "$NAME.tar.xz" 1
+      split_pack "$DIR" "$NAME.tar.xz" "$(parts_of "$NAME")"
     else
       mkdir -p "$DIR/dl"
       "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${PLAT[@]}" \
@@ -71,8 +73,11 @@ case ${1:-} in
       # read, so gpu-host.sh names that folder on PYTHONPATH itself.
       (cd "$TMP/site" && tar cf - --owner=0 --group=0 --sort=name --exclude=__pycache__ .) | xz -6 -T2 > "$DIR/$NAME.tar.xz"
       printf '%s\n' "${CUTEDSL_WHEELS[*]}" > "$DIR/VERSION"
-      split_pack "$DIR" "$NAME.tar.xz" 2
+      split_pack "$DIR" "$NAME.tar.xz" "$(parts_of "$NAME")"
     fi;;
+  split)  # again, from .gpu-NAME/NAME.tar.xz and VERSION
+    NAME=$(pack_name "${2:-}")
+    split_pack "$PACKS/.gpu-$NAME" "$NAME.tar.xz" "$(parts_of "$NAME")";;
   sizes)  # what each call carries, against the 64 MiB limit
     tree=$(cd "$ROOT" && git ls-files -co --exclude-standard -z | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
     for d in .gpu-fa3/p1 .gpu-cutedsl/p1 .gpu-cutedsl/p2; do
@@ -81,7 +86,7 @@ case ${1:-} in
     done;;
   stash|install)
     NAME=$(pack_name "${2:-}")
-    DIR=$ROOT/.gpu-$NAME PARTS=$HOST/$NAME/parts TAR=$NAME.tar.xz
+    DIR=$PACKS/.gpu-$NAME PARTS=$HOST/$NAME/parts TAR=$NAME.tar.xz
     mkdir -p "$PARTS"
     for d in "$DIR"/p*/; do [ -d "$d" ] && cp "$d"* "$PARTS/"; done
     if [ "$1" = stash ]; then echo "gpu-kernels: $NAME stashed in $PARTS: $(ls "$PARTS" | tr '\n' ' ')"; exit 0; fi
