@@ -44,7 +44,7 @@ def real_kernel():
     except ImportError as e:
         return None, f"vllm.vllm_flash_attn does not import: {e}"
     if not fa.FA3_AVAILABLE:
-        return None, f"FA3's extension did not load: {fa.FA3_UNAVAILABLE_REASON if hasattr(fa, 'FA3_UNAVAILABLE_REASON') else ''}"
+        return None, f"FA3's extension did not load: {getattr(fa, 'FA3_UNAVAILABLE_REASON', None)}"
     return fa.flash_attn_varlen_func, ""
 
 
