@@ -10,7 +10,8 @@ stand-in's (fp32, rounded to bf16) within attention's bf16 tolerance; rows with 
 Prints one row; --json FILE writes it. Exit 0 all agree, 1 a difference, 2 FA3 cannot run on this host.
 `--against standins` runs the stand-in on both sides, on the CPU: a check of this script, for hosts without FA3.
 
-  ATTNFUZZ_FA3=real scripts/gpu-host.sh python3 bench/fa3_check.py [--cases 300] [--seed 0] [--json FILE] [--against real|standins]
+  ATTNFUZZ_FA3=real scripts/gpu-host.sh python3 bench/fa3_check.py [--cases 300] [--seed 0] [--json FILE]
+      [--against real|standins]
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def tensors(c: dict, g: torch.Generator):
 
 
 def call(fn, q_nope, q_rope, kv_rows, table, valid):
-    """The call FlashAttnMLASparseImpl._forward_mqa_kernel makes (vllm/v1/attention/backends/mla/flashattn_mla_sparse.py)."""
+    """The call FlashAttnMLASparseImpl._forward_mqa_kernel makes (v1/attention/backends/mla/flashattn_mla_sparse.py)."""
     v_cache = kv_rows[:, :NOPE].unsqueeze(1).unsqueeze(1)
     k_cache = kv_rows[:, NOPE:].unsqueeze(1).unsqueeze(1)
     cu_seqlens_q = torch.arange(q_rope.shape[0] + 1, dtype=torch.int32, device=q_rope.device)

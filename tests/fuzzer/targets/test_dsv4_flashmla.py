@@ -78,7 +78,8 @@ def test_vllm_s_cpu_layer_gives_a_second_opinion_on_every_token(name):
     second = [v for v in t.oracle(case, obs) if v.check == "cpu_second_opinion"]
     assert len(second) == 1 and second[0].ok and second[0].margin < 0.5, second
     assert obs.outputs["cpu_layer_out"].shape[0] >= case.num_actual_tokens
-    assert "DeepseekV4CPUAttention" in obs.notes["second_opinion"] and "flash_mla_with_kvcache_cpu" in obs.notes["second_opinion"]
+    note = obs.notes["second_opinion"]
+    assert "DeepseekV4CPUAttention" in note and "flash_mla_with_kvcache_cpu" in note
 
 
 def test_a_short_clean_campaign(tmp_path):
@@ -136,3 +137,20 @@ def test_a_mutant_finding_gets_a_reproducer_that_shows_it_and_passes_without_it(
     standalone = write_standalone(finding, t, tmp_path / "standalone").read_text()
     assert "SUPPORT = {" in standalone and "def judge_dsv4(" in standalone and "def apply(" in standalone
     compile(standalone, "repro.py", "exec")
+
+
+def test_the_cutedsl_check_s_cases_run_through_the_triton_gather():
+    """bench/cutedsl_check.py (vLLM's CuTe-DSL dequantize-and-gather against its Triton one, on the GPU host) with the
+    Triton kernel on both sides, interpreted: its cases are valid inputs for both records and gather something."""
+    import re
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    done = subprocess.run([sys.executable, "bench/cutedsl_check.py", "--cases", "3", "--against", "triton"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = re.findall(r"\[(v4-584|v41-mxfp8-528)\]: 3 cases, 0 differ \(\d+ bf16 elements compared, (\d+) of them",
+                      done.stdout)
+    assert [r[0] for r in rows] == ["v4-584", "v41-mxfp8-528"] and all(int(r[1]) > 0 for r in rows), done.stdout
