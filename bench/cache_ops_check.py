@@ -25,16 +25,11 @@ import json
 import sys
 import time
 
-from fuzzer.env import prepare_process
-from fuzzer.errors import UsageError
+from fuzzer.env import prepare_check_process
 
-# Read before argparse: the device must be set up (prepare_process) before torch is imported.
+# Read before argparse: the device must be set up before torch is imported.
 AGAINST = "standins" if "standins" in sys.argv else "real"
-try:
-    DEVICE = prepare_process("cpu" if AGAINST == "standins" else "cuda")
-except UsageError as e:
-    print(f"cache_ops_check: cannot compare: {e}")
-    sys.exit(2)
+DEVICE = prepare_check_process("cache_ops_check", "standins")
 import torch  # noqa: E402
 
 from fuzzer.support import flashmla_runtime  # noqa: E402

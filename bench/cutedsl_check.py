@@ -22,16 +22,10 @@ import json
 import sys
 import time
 
-from fuzzer.env import prepare_process
-from fuzzer.errors import UsageError
+from fuzzer.env import prepare_check_process
 
-# Read before argparse: the device must be set up (prepare_process) before torch is imported.
-AGAINST = "triton" if "triton" in sys.argv else "cutedsl"
-try:
-    DEVICE = prepare_process("cpu" if AGAINST == "triton" else "cuda")
-except UsageError as e:
-    print(f"cutedsl_check: cannot compare: {e}")
-    sys.exit(2)
+# Read before argparse: the device must be set up before torch is imported.
+DEVICE = prepare_check_process("cutedsl_check", "triton")
 import torch  # noqa: E402
 
 HEAD_DIM = 512

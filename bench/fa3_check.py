@@ -21,16 +21,10 @@ import json
 import sys
 import time
 
-from fuzzer.env import prepare_process
-from fuzzer.errors import UsageError
+from fuzzer.env import prepare_check_process
 
-# Read before argparse: the device must be set up (prepare_process) before torch is imported.
-AGAINST = "standins" if "standins" in sys.argv else "real"
-try:
-    DEVICE = prepare_process("cpu" if AGAINST == "standins" else "cuda")
-except UsageError as e:
-    print(f"fa3_check: cannot compare: {e}")
-    sys.exit(2)
+# Read before argparse: the device must be set up before torch is imported.
+DEVICE = prepare_check_process("fa3_check", "standins")
 import torch  # noqa: E402
 
 from fuzzer.support.standins.flash_attn_ops import flash_attn_varlen_func as standin  # noqa: E402

@@ -62,6 +62,17 @@ def prepare_process(device: str | None = None) -> str:
     return device
 
 
+def prepare_check_process(script: str, offline_word: str) -> str:
+    """For the bench/*_check.py scripts, which compare two implementations on the GPU host: the device, prepared before
+    torch is imported: the CPU where the command line holds `offline_word` (their offline form, one implementation on
+    both sides), else the GPU. A host that cannot be prepared ends the script with exit 2: could not compare."""
+    try:
+        return prepare_process("cpu" if offline_word in sys.argv else "cuda")
+    except UsageError as e:
+        print(f"{script}: cannot compare: {e}")
+        sys.exit(2)
+
+
 @dataclass(frozen=True)
 class HostInfo:
     device: str

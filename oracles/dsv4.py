@@ -259,8 +259,7 @@ def judge_dsv4(case, obs) -> list[Verdict]:
                                               f"reference is finite: an unwritten cache slot read?)", "N", where="nan"))
     margin = error_margin(torch.where(torch.isfinite(out), out, out_ref), out_ref, atol, rtol)
     if margin > 1:
-        err = ((out - out_ref).abs() / (atol + rtol * out_ref.abs())).nan_to_num(0)
-        t, h, c = (int(x) for x in (err == err.max()).nonzero()[0])
+        t, h, c = _worst(out, out_ref, atol, rtol, non_finite=0.0)  # non-finite outputs: the `nan` check's
         verdicts.append(Verdict("output", False, f"output off by {margin:.2f}x the tolerance (atol {atol:.3g}, rtol "
                                                  f"{rtol}); worst at token {t} head {h} dim {c}: {out[t, h, c]:.4g} vs "
                                                  f"{out_ref[t, h, c]:.4g}", "N", margin=margin, where="output"))
@@ -268,6 +267,12 @@ def judge_dsv4(case, obs) -> list[Verdict]:
     if not verdicts:
         verdicts.append(passed("output", f"{real} tokens within tolerance; metadata as defined", margin=margin))
     return verdicts + second
+
+
+def _worst(out, ref, atol: float, rtol: float, non_finite: float) -> tuple[int, int, int]:
+    """(token, head, dim) of the element furthest outside the tolerance; a non-finite one counts as `non_finite`."""
+    err = ((out - ref).abs() / (atol + rtol * ref.abs())).nan_to_num(non_finite)
+    return tuple(int(x) for x in (err == err.max()).nonzero()[0])
 
 
 def _second_opinion(cpu_out, out_ref, atol: float, rtol: float, heads: int) -> list[Verdict]:
@@ -280,9 +285,8 @@ def _second_opinion(cpu_out, out_ref, atol: float, rtol: float, heads: int) -> l
     margin = error_margin(torch.where(torch.isfinite(cpu), cpu, ref), ref, atol, rtol)
     if bool(torch.isfinite(cpu).all()) and margin <= 1:
         return [passed("cpu_second_opinion", f"vLLM's CPU layer agrees on {rows} tokens", margin=margin)]
-    err = ((cpu - ref).abs() / (atol + rtol * ref.abs())).nan_to_num(float("inf"))
-    t, h, c = (int(x) for x in (err == err.max()).nonzero()[0])
+    t, h, c = _worst(cpu, ref, atol, rtol, non_finite=float("inf"))
     return [Verdict("cpu_second_opinion", False, f"vLLM's CPU layer (DeepseekV4CPUAttention.forward_mqa) off by "
-                                                 f"{margin:.2f}x the tolerance on token {t} head {h} dim {c}: {cpu[t, h, c]:.4g} "
-                                                 f"vs {ref[t, h, c]:.4g}", "N", margin=margin,
+                                                 f"{margin:.2f}x the tolerance on token {t} head {h} dim {c}: "
+                                                 f"{cpu[t, h, c]:.4g} vs {ref[t, h, c]:.4g}", "N", margin=margin,
                     where="cpu_second_opinion")]

