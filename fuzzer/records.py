@@ -244,8 +244,9 @@ class RunSummary:
     duplicates_merged: int | None = None
     known: list[dict] | None = None  # findings already in the signature index: counted, not saved again
     pending: list[dict] | None = None  # findings only a killed worker holds: its next run saves them
+    mps: str | None = None  # `--mps`: "started" (the fleet's own daemon) or "already serving"
 
-    _FLEET_ONLY = ("database", "workers", "duplicates_merged", "known", "pending")
+    _FLEET_ONLY = ("database", "workers", "duplicates_merged", "known", "pending", "mps")
 
     def write(self, path: Path) -> None:
         doc = asdict(self)

@@ -78,6 +78,9 @@ def add_parser(sub) -> None:
     r.add_argument("--workers", type=fleet.parse_workers, default=None, metavar="N|auto",
                    help="run N campaigns (auto: one per GPU; 1 on a CPU) with seeds S, S+1, ... on one example "
                         "database, and merge their findings, deduplicated across workers, runs and hosts")
+    r.add_argument("--mps", action="store_true",
+                   help="with --workers on a GPU: the workers share each GPU through CUDA's MPS daemon (one already "
+                        "serving, else one of the fleet's own), so their kernels run side by side, not time-sliced")
     r.add_argument("--db", metavar="PATH|redis://host:port/n", default=None,
                    help="Hypothesis's example database (default .attnfuzz/examples): a directory on a shared "
                         "filesystem or a Redis server shares failures between workers and hosts")
@@ -113,6 +116,8 @@ def validate(args, device: str) -> None:
                          f"{', '.join(cls.kv_cache_dtypes) or 'no kv cache'}")
     if args.cudagraph and args.cudagraph not in cls.cudagraph_modes:
         raise UsageError(f"--cudagraph {args.cudagraph}: {args.target} takes {', '.join(cls.cudagraph_modes)}")
+    if args.mps and (args.workers is None or device != "cuda"):
+        raise UsageError("--mps: for --workers on a GPU (--device cuda); it shares a GPU between worker processes")
     if args.sanitizer and device != "cuda":
         raise UsageError("--sanitizer needs a GPU (on CPU every interpreted load and store is bounds-checked)")
     if args.inject:

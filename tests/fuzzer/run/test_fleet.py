@@ -15,7 +15,7 @@ from hypothesis.database import InMemoryExampleDatabase
 
 from fuzzer.cli import parser
 from fuzzer.errors import UsageError
-from fuzzer.run import fleet
+from fuzzer.run import fleet, mps
 from fuzzer.search import database
 from strategies.case import Case, Request, TopkSpec
 from tests.conftest import ROOT, python
@@ -69,15 +69,82 @@ def test_plan_gives_distinct_seeds_gpus_and_state(tmp_path, monkeypatch):
 
 def test_worker_command_passes_options_through_and_sets_its_own(tmp_path):
     args = _args("--workers", "2", "--seed", "5", "--inject", "remap-no-length-check", "--time-budget", "8h",
-                 "--no-shrink", "--json", "/x/merged.json", "--quiet")
+                 "--no-shrink", "--json", "/x/merged.json", "--quiet", "--mps")
     plan = fleet.plan_workers(args.workers, "cpu", args.seed, tmp_path)[1]
     cmd = fleet.worker_command(args, "cpu", plan, "/shared/db")
     assert cmd[cmd.index("--seed") + 1] == "6" and cmd[cmd.index("--db") + 1] == "/shared/db"
     assert cmd[cmd.index("--json") + 1] == str(plan.summary) and cmd[cmd.index("--repros") + 1] == str(plan.repros)
     assert cmd[cmd.index("--inject") + 1] == "remap-no-length-check" and "--no-shrink" in cmd
     assert cmd[cmd.index("--time-budget") + 1] == "8h"  # as given
-    assert "--workers" not in cmd and "--quiet" not in cmd and "/x/merged.json" not in cmd
+    assert "--workers" not in cmd and "--quiet" not in cmd and "/x/merged.json" not in cmd and "--mps" not in cmd
     assert parser().parse_args(cmd[3:]).workers is None  # the worker is a plain campaign
+
+
+# -- MPS: the fleet's own control daemon, through a stand-in for nvidia-cuda-mps-control (the real one: GPU host) --
+
+_CONTROL = """#!/bin/sh
+# nvidia-cuda-mps-control as the fleet uses it: -d starts the daemon (its control pipe appears in
+# CUDA_MPS_PIPE_DIRECTORY); "quit" on stdin ends it (the pipe goes).
+[ -n "$REFUSE" ] && { echo "$REFUSE" >&2; exit 1; }
+if [ "$1" = -d ]; then
+  echo "$CUDA_VISIBLE_DEVICES $CUDA_MPS_LOG_DIRECTORY" > "$CUDA_MPS_PIPE_DIRECTORY/started-for"
+  touch "$CUDA_MPS_PIPE_DIRECTORY/control"; exit 0
+fi
+read -r cmd; [ "$cmd" = quit ] && rm "$CUDA_MPS_PIPE_DIRECTORY/control"
+"""
+
+
+@pytest.fixture
+def control(tmp_path, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / mps.CONTROL).write_text(_CONTROL)
+    (bin_dir / mps.CONTROL).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    monkeypatch.setattr(mps, "DEFAULT_PIPE_DIRECTORY", str(tmp_path / "nvidia-mps"))  # none serves by default
+    return tmp_path
+
+
+def test_mps_daemon_of_the_fleet_s_own_serves_its_workers_and_is_quit(control):
+    daemon = mps.start(["0", "1"])
+    pipe = daemon.pipe_directory
+    assert daemon.started and (control / "nvidia-mps").exists() is False
+    assert open(f"{pipe}/started-for").read().split() == ["0,1", daemon.log_directory]
+    plan = fleet.plan_workers(2, "cpu", 0, control / "w")[0]
+    env = fleet._worker_env(plan, daemon)
+    assert env["CUDA_MPS_PIPE_DIRECTORY"] == pipe and env["CUDA_MPS_LOG_DIRECTORY"] == daemon.log_directory
+    assert len(f"{pipe}/control") < 108  # a Unix socket's path
+    mps.stop(daemon)
+    assert not os.path.exists(pipe)
+
+
+def test_mps_daemon_already_serving_is_used_and_left_running(control):
+    serving = control / "nvidia-mps"
+    serving.mkdir()
+    (serving / "control").touch()
+    daemon = mps.start(["0"])
+    assert not daemon.started and daemon.pipe_directory == str(serving) and mps.serving() == str(serving)
+    mps.stop(daemon)
+    assert (serving / "control").exists()
+
+
+def test_mps_daemon_that_cannot_start_is_a_usage_error_naming_why(control, monkeypatch):
+    monkeypatch.setenv("REFUSE", "An instance of this daemon is already running")
+    with pytest.raises(UsageError, match="did not start a daemon.*already running"):
+        mps.start(["0"])
+    monkeypatch.setenv("PATH", str(control / "nowhere"))
+    with pytest.raises(UsageError, match="not on PATH"):
+        mps.start(["0"])
+
+
+def test_mps_is_for_workers_on_a_gpu(tmp_path):
+    from fuzzer.commands import run
+
+    for argv, device in ((("--mps",), "cuda"), (("--mps", "--workers", "2"), "cpu")):
+        args = _args(*argv, "--repros", str(tmp_path))
+        with pytest.raises(UsageError, match="--mps: for --workers on a GPU"):
+            run.validate(args, device)
 
 
 # -- the database and the signature index --------------------------------------------------------------------
