@@ -57,6 +57,13 @@ def python(*args: str, cwd: Path | None = None, env: dict | None = None, input: 
     return subprocess.run(cmd, cwd=cwd or ROOT, env=env, input=input, capture_output=True, text=True, timeout=timeout)
 
 
+def run_repro(directory: Path, *, timeout: int = 600, fresh: bool = False) -> subprocess.CompletedProcess:
+    """`python repro.py` in a saved finding's DIRECTORY. Forked from the preloaded interpreter (vLLM imported, the
+    environment a CPU reproducer sets before its imports already set) unless `fresh`: test_run's seed-bug test runs
+    its reproducer in a new interpreter as a stranger would, and the gate runs every one of repros/ that way."""
+    return python("repro.py", cwd=directory, timeout=timeout, fresh=fresh)
+
+
 def attnfuzz(*args: str, cwd: Path | None = None, timeout: int = 900, state: Path | None = None,
              fresh: bool = False) -> subprocess.CompletedProcess:
     """Run the CLI in a process of its own (mutants patch vLLM process-wide; `python` above says which); `state`: a

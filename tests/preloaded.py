@@ -11,8 +11,10 @@ exit status, uncaught exceptions, non-daemon threads, atexit handlers), then lea
 
 What must see a fresh interpreter does not come here (conftest's `fresh=True`): a command whose test is about the
 start-up itself (what it refuses before vLLM loads, `--device cuda` on a CPU host, a release module hidden from the
-import), a process the test signals or leaves running, and every saved reproducer (`python repro.py` runs as a
-user runs it).
+import), a process the test signals or leaves running, and one saved reproducer end to end (test_run's seed bug:
+`python repro.py` as a user runs it; the gate runs each of repros/ that way too). Other reproducers come here: a
+CPU reproducer's first lines set the environment this server already has before vLLM loads, and what a reproducer
+imports is tests/fuzzer/artifacts/test_repro.py's.
 
 Protocol (one command at a time): a JSON request per line on the server's stdin; the server answers with a line
 {"pid": N} once the child runs, then {"status": S} (os.waitstatus_to_exitcode) when it has ended.

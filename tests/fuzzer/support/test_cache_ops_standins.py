@@ -2,16 +2,13 @@
 the GPU host) draws valid cases: here its cases run through the stand-ins on both sides, each in bounds; and
 ATTNFUZZ_STANDIN_OPS=1 makes a host with the compiled ops report them missing, so the stand-ins take their place."""
 
-import subprocess
-import sys
 
 from fuzzer.support import flashmla_runtime
-from tests.conftest import ROOT
+from tests.conftest import ROOT, python
 
 
 def test_the_check_s_cases_run_in_bounds_through_the_standins():
-    done = subprocess.run([sys.executable, "bench/cache_ops_check.py", "--cases", "25", "--against", "standins"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = python("bench/cache_ops_check.py", "--cases", "25", "--against", "standins", cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     rows = [line for line in done.stdout.splitlines() if " cases " in line]
     assert len(rows) == 8 and all("   0 differ" in r for r in rows), done.stdout

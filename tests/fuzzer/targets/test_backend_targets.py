@@ -1,15 +1,13 @@
 """Whole-backend targets on CPU: vLLM's pure-Triton sparse-MLA backend (builder, impl, kernels)."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from fuzzer.support.interp.sanitizer import SANITIZER
 from fuzzer.support.standins.cache_ops import concat_and_cache_mla
-from tests.conftest import attnfuzz
+from tests.conftest import attnfuzz, run_repro
 
 
 def test_concat_and_cache_mla_standin_writes_slots_and_checks_bounds():
@@ -55,5 +53,5 @@ def test_fully_masked_tile_mutant_is_found_and_reproduced(tmp_path):
     assert "I" in finding["bug_classes"] and finding["verdicts"][0]["check"] == "nan"
     assert finding["emulated"] == ["concat_and_cache_mla"]  # the CPU has no compiled cache ops
     d = tmp_path / "repros" / finding["id"]
-    repro = subprocess.run([sys.executable, "repro.py"], cwd=d, capture_output=True, text=True, timeout=300)
+    repro = run_repro(d)
     assert repro.returncode == 1 and "BUG:" in repro.stdout and "non-finite" in repro.stdout, repro.stdout + repro.stderr

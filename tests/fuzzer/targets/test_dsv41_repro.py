@@ -4,6 +4,7 @@ reading its kv source's compressed cache of 528-byte records) shows the injected
 import pytest
 
 from strategies.case import Case, Dsv4, Request
+from tests.conftest import python
 from tests.fuzzer.targets.test_dsv4_flashmla import TWICE
 
 pytestmark = pytest.mark.vllm
@@ -12,8 +13,6 @@ pytestmark = pytest.mark.vllm
 def test_a_mutant_finding_gets_a_reproducer_that_shows_it_and_passes_without_it(tmp_path):
     """dsv41-combine-topk-len-off-by-one on a C2A prefill (built here, not searched): repro.py (torch + vLLM only,
     the support code beside it) exits 1 naming the output, and 0 with the injected bug left out."""
-    import subprocess
-    import sys
 
     from fuzzer.artifacts.repro import SUPPORT_FILE, write_repro
     from fuzzer.env import host_info
@@ -37,7 +36,7 @@ def test_a_mutant_finding_gets_a_reproducer_that_shows_it_and_passes_without_it(
     assert (d / SUPPORT_FILE).is_file() and "def apply(" in script and "deepseek_v41" in script
     assert "runtime.attention_layers(" in script and "layer.forward_mqa(" in script and "KV_RECORD = 528" in script
     (d / "fixed.py").write_text(script.replace("apply()  # the injected bug", "pass  # no injected bug"))
-    run = subprocess.run([sys.executable, "-c", TWICE, str(d)], cwd=d, capture_output=True, text=True, timeout=600)
+    run = python("-c", TWICE, str(d), cwd=d, timeout=600)
     assert run.returncode == 0 and "EXIT [0, 1]" in run.stdout, run.stdout + run.stderr[-3000:]
     assert "no bug: fixed" in run.stdout and "BUG:" in run.stdout, run.stdout
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from strategies.case import Case, Dsv4, Request
-from tests.conftest import attnfuzz
+from tests.conftest import attnfuzz, python
 
 pytestmark = pytest.mark.vllm
 
@@ -103,8 +103,6 @@ def test_a_mutant_finding_gets_a_reproducer_that_shows_it_and_passes_without_it(
     """The finding of dsv4-compressed-slot-partial-state on the step its test makes (built here, not searched): its
     repro.py (torch + vLLM only, the support code beside it) exits 1 naming the compressed slot mapping, and 0 with
     the injected bug left out; `replay --standalone`'s single file inlines the support code."""
-    import subprocess
-    import sys
 
     from fuzzer.artifacts.repro import SUPPORT_FILE, write_repro, write_standalone
     from fuzzer.env import host_info
@@ -130,7 +128,7 @@ def test_a_mutant_finding_gets_a_reproducer_that_shows_it_and_passes_without_it(
     assert not [ln for ln in script.splitlines()
                 if ln.strip().startswith(("import fuzzer", "from fuzzer", "from oracles"))]
     (d / "fixed.py").write_text(script.replace("apply()  # the injected bug", "pass  # no injected bug"))
-    run = subprocess.run([sys.executable, "-c", TWICE, str(d)], cwd=d, capture_output=True, text=True, timeout=600)
+    run = python("-c", TWICE, str(d), cwd=d, timeout=600)
     assert run.returncode == 0 and "EXIT [0, 1]" in run.stdout, run.stdout + run.stderr[-3000:]
     assert "no bug: fixed" in run.stdout and "BUG: metadata compressed_slot_mapping" in run.stdout, run.stdout
     assert "stand-ins for ops this host lacks: flash_mla_with_kvcache" in run.stdout
@@ -143,13 +141,10 @@ def test_the_cutedsl_check_s_cases_run_through_the_triton_gather():
     """bench/cutedsl_check.py (vLLM's CuTe-DSL dequantize-and-gather against its Triton one, on the GPU host) with the
     Triton kernel on both sides, interpreted: its cases are valid inputs for both records and gather something."""
     import re
-    import subprocess
-    import sys
 
     from tests.conftest import ROOT
 
-    done = subprocess.run([sys.executable, "bench/cutedsl_check.py", "--cases", "3", "--against", "triton"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = python("bench/cutedsl_check.py", "--cases", "3", "--against", "triton", cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     rows = re.findall(r"\[(v4-584|v41-mxfp8-528)\]: 3 cases, 0 differ \(\d+ bf16 elements compared, (\d+) of them",
                       done.stdout)

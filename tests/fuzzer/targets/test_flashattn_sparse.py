@@ -2,15 +2,13 @@
 place (`update_draft_decode_metadata`), through the CLI."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from fuzzer.support.interp.sanitizer import SANITIZER
 from fuzzer.support.standins.flash_attn_ops import flash_attn_varlen_func
-from tests.conftest import ROOT, attnfuzz
+from tests.conftest import ROOT, attnfuzz, python, run_repro
 
 
 def _paged(q, k, v, q_v, block_table, seqused_k):
@@ -62,8 +60,7 @@ def test_the_fa3_standin_refuses_a_seqused_k_of_another_batch_as_fa3_does():
 
 def test_the_fa3_check_s_cases_run_through_the_standin():
     """bench/fa3_check.py (the stand-in against the real FA3 on the GPU host) with the stand-in on both sides."""
-    done = subprocess.run([sys.executable, "bench/fa3_check.py", "--cases", "12", "--against", "standins"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = python("bench/fa3_check.py", "--cases", "12", "--against", "standins", cwd=ROOT, timeout=300)
     assert done.returncode == 0 and "12 cases, 0 differ" in done.stdout, done.stdout + done.stderr
 
 
@@ -80,6 +77,5 @@ def test_a_draft_update_bug_is_found_by_mtp_draft_steps_and_reproduced(tmp_path)
     (finding, *_) = json.loads((tmp_path / "t.json").read_text())["findings"]
     assert "M" in finding["bug_classes"] and any(v["check"] == "draft" for v in finding["verdicts"])
     assert finding["emulated"][0] == "flash_attn_varlen_func"  # the CPU has no FA3: named in every result
-    repro = subprocess.run([sys.executable, "repro.py"], cwd=tmp_path / "repros" / finding["id"], capture_output=True,
-                           text=True, timeout=300)
+    repro = run_repro(tmp_path / "repros" / finding["id"])
     assert repro.returncode == 1 and "update_draft_decode_metadata" in repro.stdout, repro.stdout + repro.stderr

@@ -5,14 +5,13 @@ stand-in; judged as the campaign judges. The built-in mutant (class A at this ba
 import dataclasses
 import functools
 import importlib.util
-import subprocess
-import sys
 
 import pytest
 
 from fuzzer.env import host_info
 from oracles.verdict import primary
 from strategies.case import Case, Request, TopkSpec
+from tests.conftest import python, run_repro
 
 pytestmark = pytest.mark.vllm
 W = 128
@@ -103,12 +102,12 @@ def mutant_finding(tmp_path_factory):
 
 
 def test_the_mutant_s_reproducer_shows_the_bug(mutant_finding):
-    run = subprocess.run([sys.executable, "repro.py"], cwd=mutant_finding, capture_output=True, text=True, timeout=300)
+    run = run_repro(mutant_finding)
     assert run.returncode == 1 and "q_nope" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
 
 
 def test_the_mutant_s_reproducer_passes_without_the_mutant(mutant_finding):
     script = (mutant_finding / "repro.py").read_text()
     (mutant_finding / "fixed.py").write_text(script.replace("apply()  # the injected bug", "pass  # no injected bug"))
-    run = subprocess.run([sys.executable, "fixed.py"], cwd=mutant_finding, capture_output=True, text=True, timeout=300)
+    run = python("fixed.py", cwd=mutant_finding, timeout=300)
     assert run.returncode == 0 and "no bug: fixed" in run.stdout, run.stdout[-2000:] + run.stderr[-3000:]

@@ -2,8 +2,6 @@
 (every rank emulated in one process; real ranks as processes over gloo), with and without the DCP mutants."""
 
 import json
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -15,7 +13,7 @@ from hypothesis import strategies as st
 from fuzzer.support.dcp_group import EmulatedDcpGroup, EmulatedGroup, LockstepRanks, context_parallel_groups
 from oracles.dcp import owner_and_local, rank_slots, undivided
 from strategies.case import Case, Dcp, Request, TopkSpec, rank_owned_positions
-from tests.conftest import attnfuzz
+from tests.conftest import attnfuzz, run_repro
 
 
 # -- the emulated group ------------------------------------------------------------------------------------
@@ -172,8 +170,7 @@ def test_real_ranks_over_gloo_find_a_mutant(tmp_path):
     assert run.returncode == 1, run.stderr[-3000:]
     (finding,) = [f for f in summary["findings"] if "G" in f["bug_classes"]]
     # Its reproducer (ranks emulated in one process, torch + vLLM only) shows it too.
-    repro = subprocess.run([sys.executable, "repro.py"], cwd=finding["path"], capture_output=True, text=True,
-                           timeout=600)
+    repro = run_repro(finding["path"])
     assert repro.returncode == 1, repro.stdout + repro.stderr[-3000:]
     assert "not -inf (the merge's identity)" in repro.stdout and "real ranks" in (Path(finding["path"]) / "repro.py").read_text()
 

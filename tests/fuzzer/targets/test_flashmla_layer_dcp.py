@@ -6,6 +6,7 @@ import functools
 import pytest
 
 from strategies.case import Case, Dcp, Request, TopkSpec
+from tests.conftest import python
 
 pytestmark = pytest.mark.vllm
 
@@ -60,8 +61,6 @@ def test_a_finding_gets_a_reproducer_that_emulates_the_ranks_and_shows_it(tmp_pa
     decode with context on both ranks, a short prefill with cached context (dense MHA, the DCP context gather).
     repro.py (torch + vLLM only, the support code beside it) runs every rank's layer over the in-process DCP
     group, exits 1 on the merged output, and 0 with the injected bug left out."""
-    import subprocess
-    import sys
 
     from fuzzer.artifacts.repro import SUPPORT_FILE, write_repro
     from fuzzer.env import host_info
@@ -81,6 +80,6 @@ def test_a_finding_gets_a_reproducer_that_emulates_the_ranks_and_shows_it(tmp_pa
     assert (d / SUPPORT_FILE).is_file() and "layer.forward_impl(" in script and "dcp.LockstepRanks(DCP_SIZE)" in script
     assert not [ln for ln in script.splitlines() if ln.strip().startswith(("import fuzzer", "from fuzzer", "from oracles"))]
     (d / "fixed.py").write_text(script.replace("apply()  # the injected bug", "pass  # no injected bug"))
-    run = subprocess.run([sys.executable, "-c", TWICE, str(d)], cwd=d, capture_output=True, text=True, timeout=600)
+    run = python("-c", TWICE, str(d), cwd=d, timeout=600)
     assert run.returncode == 0 and "EXIT [0, 1]" in run.stdout, run.stdout + run.stderr[-3000:]
     assert "merged output off by" in run.stdout and "'mha_tokens': 6" in run.stdout, run.stdout

@@ -4,13 +4,12 @@ gather, judged as the layer over the undivided context; its mutants and reproduc
 
 import functools
 import importlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from strategies.case import Case, Dcp, Request, TopkSpec, pcp_splits
+from tests.conftest import python
 
 pytestmark = pytest.mark.vllm
 
@@ -126,6 +125,6 @@ def test_a_finding_gets_a_reproducer_that_emulates_every_rank_and_shows_it(tmp_p
     assert (d / SUPPORT_FILE).is_file() and "pcp.rank_batch(" in script and "ranks.run(rank_step)" in script
     assert not [ln for ln in script.splitlines() if ln.strip().startswith(("import fuzzer", "from fuzzer", "from oracles"))]
     (d / "fixed.py").write_text(script.replace("apply()  # the injected bug", "pass  # no injected bug"))
-    run = subprocess.run([sys.executable, "-c", TWICE, str(d)], cwd=d, capture_output=True, text=True, timeout=600)
+    run = python("-c", TWICE, str(d), cwd=d, timeout=600)
     assert run.returncode == 0 and "EXIT [0, 1]" in run.stdout, run.stdout + run.stderr[-3000:]
     assert "merged output off by" in run.stdout and "PCP 2 x TP 1 ranks" in run.stdout, run.stdout

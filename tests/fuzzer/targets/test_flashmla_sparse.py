@@ -11,6 +11,7 @@ from fuzzer.support.interp.sanitizer import SANITIZER
 from fuzzer.targets.flashmla_sparse import FlashMLASparse
 from strategies.case import Case, Request, TopkSpec
 from strategies.profiles import PROFILES
+from tests.conftest import run_repro
 
 pytestmark = pytest.mark.vllm
 
@@ -132,8 +133,6 @@ def test_the_padded_heads_mutant_is_found_and_its_standalone_reproducer_shows_it
     vLLM only, attnfuzz's support code in attnfuzz_support.py beside it, the mutant inlined) shows the bug and
     exits 1."""
     import json
-    import subprocess
-    import sys
 
     from fuzzer.support.flashmla_runtime import _try_import
     from tests.conftest import attnfuzz
@@ -152,7 +151,7 @@ def test_the_padded_heads_mutant_is_found_and_its_standalone_reproducer_shows_it
     assert finding["bug_classes"] == ["J"]
     d = tmp_path / "repros" / finding["id"]
     assert "python repro.py" in (d / "report.md").read_text()
-    repro = subprocess.run([sys.executable, "repro.py"], cwd=d, capture_output=True, text=True, timeout=600)
+    repro = run_repro(d)
     assert repro.returncode == 1 and "BUG: output has shape" in repro.stdout and "bug present" in repro.stdout, (
         repro.stdout + repro.stderr[-2000:])
     # attnfuzz's support code comes from the generated file beside the script (its modules under their own

@@ -3,8 +3,6 @@ vLLM's Triton backend and FlashInfer's SM90 one on cases whose rows are the inde
 stand-ins), judged against the reference and pairwise."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,7 +10,7 @@ import torch
 from fuzzer.observation import Observation
 from oracles.backends import judge_backends
 from strategies.case import Case, Request, TopkSpec
-from tests.conftest import attnfuzz
+from tests.conftest import attnfuzz, run_repro
 
 CASE = Case(requests=(Request(1, 40), Request(3, 20)), num_decodes=1, block_size=64, block_table=((1,), (2,)),
             topk_width=128, topk=(TopkSpec(30), TopkSpec(12)), heads=16, seed=3).validate()
@@ -52,6 +50,5 @@ def test_a_bug_in_one_backend_is_found_as_the_one_out_of_line_and_reproduced_alo
     assert "FLASHMLA_SPARSE, FLASH_ATTN_MLA_SPARSE, which agree" in backends[0]["detail"]  # every backend ran
     assert {part.split(":")[0] for part in finding["real"]} == {"FLASHMLA_SPARSE", "FLASH_ATTN_MLA_SPARSE", "XPU_MLA_SPARSE",
                                                                 "FLASHINFER_MLA_SPARSE_SM90"}
-    repro = subprocess.run([sys.executable, "repro.py"], cwd=tmp_path / "repros" / finding["id"], capture_output=True,
-                           text=True, timeout=300)
+    repro = run_repro(tmp_path / "repros" / finding["id"])
     assert repro.returncode == 1 and "BUG:" in repro.stdout, repro.stdout + repro.stderr

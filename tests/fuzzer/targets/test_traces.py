@@ -1,12 +1,10 @@
 """Traces on the FlashMLA targets: one builder, impl, cache and top-k buffer across steps, through the CLI."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import attnfuzz
+from tests.conftest import attnfuzz, run_repro
 
 pytestmark = pytest.mark.vllm
 
@@ -33,8 +31,7 @@ def test_a_stale_persistent_buffer_is_found_by_traces_and_not_by_single_steps(tm
     assert "earlier step" in finding["summary"]
     assert any(v["check"] == "stateful" for v in finding["verdicts"])  # the failing step passes alone
     # Its reproducer runs the trace's steps on one builder and impl, and shows the bug without attnfuzz.
-    repro = subprocess.run([sys.executable, "repro.py"], cwd=tmp_path / "repros" / finding["id"], capture_output=True,
-                           text=True, timeout=300)
+    repro = run_repro(tmp_path / "repros" / finding["id"])
     assert repro.returncode == 1, repro.stdout + repro.stderr
     assert "BUG:" in repro.stdout
     # The same campaign on single fresh steps: nothing to find.
@@ -61,7 +58,6 @@ def test_metadata_rebuilt_out_of_place_is_found_by_graph_replay(tmp_path):
     (finding,) = _findings(tmp_path / "t.json")
     assert "M" in finding["bug_classes"] and any(v["check"] == "graph" for v in finding["verdicts"])
     assert any("CUDA graph" in e for e in finding["emulated"])
-    repro = subprocess.run([sys.executable, "repro.py"], cwd=tmp_path / "repros" / finding["id"], capture_output=True,
-                           text=True, timeout=300)
+    repro = run_repro(tmp_path / "repros" / finding["id"])
     assert repro.returncode == 1, repro.stdout + repro.stderr
     assert "replayed from its CUDA graph" in repro.stdout and "CUDA graph capture/replay" in repro.stdout
