@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import time
@@ -74,7 +75,18 @@ class ReproResult:
     returncode: int | None = None
     seconds: float = 0.0
     detail: str = ""
+    emulated: list[str] = field(default_factory=list)  # the stand-ins the reproducer said it ran on
     log: str = ""
+
+
+# What a reproducer prints of the stand-ins it carried for ops this host lacks (every template that has any).
+STAND_INS_LINE = re.compile(r"stand-ins for ops this host lacks: (.*)$", re.M)
+
+
+def reported_stand_ins(output: str) -> list[str]:
+    m = STAND_INS_LINE.search(output)
+    names = m.group(1).strip() if m else "none"
+    return [] if names == "none" else [n.strip() for n in names.split(",") if n.strip()]
 
 
 def find_repros(root: Path) -> list[FindingRecord]:
@@ -122,11 +134,15 @@ def replay(record: FindingRecord, device: str, vllm_version: str, unavailable: d
     }[outcome]
     if record.sanitizer and outcome == "now-passes":
         detail += f" (made under compute-sanitizer --tool {record.sanitizer}: run plainly it may not show)"
-    tail = "\n".join(log.read_text(errors="replace").strip().splitlines()[-15:])
+    output = log.read_text(errors="replace")
+    tail = "\n".join(output.strip().splitlines()[-15:])
     if outcome == "broken" and (why := [ln for ln in tail.splitlines() if ln.startswith("COULD NOT RUN")]):
         detail += f"; {why[-1]}"
+    emulated = reported_stand_ins(output)
+    if emulated:
+        detail += f" (stand-ins: {', '.join(emulated)})"
     return ReproResult(**base, expected="present" if expects else "absent", outcome=outcome, returncode=rc,
-                       seconds=seconds, detail=detail, log=tail)
+                       seconds=seconds, detail=detail, emulated=emulated, log=tail)
 
 
 # -- campaigns -----------------------------------------------------------------------------------------
@@ -143,7 +159,13 @@ class CampaignResult:
     reason: str = ""
     findings: list[dict] = field(default_factory=list)
     known: list[str] = field(default_factory=list)  # findings that are known open bugs: "<signature> (<repro id>)"
+    emulated: list[str] = field(default_factory=list)  # ops attnfuzz's stand-ins served (the host lacked them)
     log: str = ""
+
+    @property
+    def figures(self) -> str:
+        return (f"{self.examples} cases in {self.seconds:.1f} s ({self.wall_seconds:.0f} s with start-up)"
+                + (f", stand-ins: {', '.join(self.emulated)}" if self.emulated else ""))
 
 
 def gate_specs(device: str, unavailable: dict[str, str | None], kv_cache_dtypes: dict[str, tuple[str, ...]],
@@ -175,7 +197,8 @@ def judge_campaign(o: CampaignOutcome, known: dict[tuple[str, str], str] | None 
     known = known or {}
     s = o.summary or {}
     r = CampaignResult(o.spec.name, o.spec.target, o.spec.kv_cache_dtype, o.spec.max_examples, "passed",
-                       examples=s.get("examples", 0), seconds=s.get("seconds", 0.0), wall_seconds=round(o.wall_seconds, 1))
+                       examples=s.get("examples", 0), seconds=s.get("seconds", 0.0), wall_seconds=round(o.wall_seconds, 1),
+                       emulated=o.emulated)
     if o.error:
         r.outcome, r.reason, r.log = "error", o.error, o.log_tail(30)
         return r
@@ -213,7 +236,7 @@ def junit_suites(repros: list[ReproResult], campaigns: list[CampaignResult], pro
                                 stdout=f"{r.outcome}: {r.detail}\n{r.log}" if outcome == "passed" else ""))
     ccases = []
     for c in campaigns:
-        figures = f"{c.examples} cases in {c.seconds:.1f} s ({c.wall_seconds:.0f} s with start-up), budget {c.max_examples}"
+        figures = f"{c.figures}, budget {c.max_examples}"
         message = c.reason.splitlines()[0] if c.reason else figures
         ccases.append(JUnitCase(c.name, c.outcome, c.wall_seconds, message=message[:500],
                                 details=f"{c.reason}\n{figures}\n\n{c.log}".strip(),
@@ -280,8 +303,7 @@ def main(args: argparse.Namespace, device: str) -> int:
 
         def report(o: CampaignOutcome) -> None:
             r = judge_campaign(o, known, args.min_pair_coverage)
-            print(f"  campaign {r.name}: {r.outcome}, {r.examples} cases in {r.seconds:.1f} s "
-                  f"({r.wall_seconds:.0f} s with start-up){': ' + r.reason if r.reason else ''}", flush=True)
+            print(f"  campaign {r.name}: {r.outcome}, {r.figures}{': ' + r.reason if r.reason else ''}", flush=True)
 
         jobs = args.jobs or 2
         outcomes = run_campaigns(specs, device, out / "campaigns", budgets.CAMPAIGN_TIMEOUT_S[device], jobs, report)

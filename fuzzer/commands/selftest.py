@@ -53,6 +53,7 @@ class SelftestRow:
     seconds: float = 0.0
     wall_seconds: float = 0.0  # the campaign's process, vLLM imports included
     found_classes: list[str] = field(default_factory=list)
+    emulated: list[str] = field(default_factory=list)  # ops attnfuzz's stand-ins served (the host lacked them)
     reason: str = ""
 
     @property
@@ -68,7 +69,8 @@ def judge_mutant(mutant: str, bug_class: str, o: CampaignOutcome) -> SelftestRow
     s = o.summary or {}
     row = SelftestRow(mutant, bug_class, o.spec.target, "missed", examples=s.get("examples", 0),
                       seconds=s.get("seconds", 0.0), wall_seconds=round(o.wall_seconds, 1),
-                      found_classes=sorted({c for f in o.findings for c in f.get("bug_classes", [])}))
+                      found_classes=sorted({c for f in o.findings for c in f.get("bug_classes", [])}),
+                      emulated=o.emulated)
     if o.error:
         row.verdict, row.reason = "error", o.error
         return row
@@ -91,7 +93,8 @@ def judge_clean(o: CampaignOutcome) -> SelftestRow:
     s = o.summary or {}
     row = SelftestRow(None, "", o.spec.target, "clean", examples=s.get("examples", 0), seconds=s.get("seconds", 0.0),
                       wall_seconds=round(o.wall_seconds, 1),
-                      found_classes=sorted({c for f in o.findings for c in f.get("bug_classes", [])}))
+                      found_classes=sorted({c for f in o.findings for c in f.get("bug_classes", [])}),
+                      emulated=o.emulated)
     if o.error:
         row.verdict, row.reason = "error", o.error
     elif o.findings:
@@ -158,13 +161,13 @@ def failures(rows: list[SelftestRow], strict_classes: bool = False) -> list[Self
 
 def markdown_table(rows: list[SelftestRow]) -> str:
     lines = ["| mutant (class) | target | result | found after (cases / s) | classes found | campaign cases / s | "
-             "process s | note |", "|---|---|---|---|---|---|---|---|"]
+             "process s | stand-ins | note |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         found = f"{r.examples_to_find} / {r.seconds_to_find:.1f}" if r.examples_to_find is not None else "-"
         who = f"`{r.mutant}` ({r.bug_class})" if r.mutant else "clean run"
         lines.append(f"| {who} | `{r.target}` | {r.verdict} | {found} | {', '.join(r.found_classes) or '-'} | "
                      f"{r.examples} / {r.seconds:.1f} | "
-                     f"{r.wall_seconds:.0f} | {r.reason.replace('|', '/')[:200]} |")
+                     f"{r.wall_seconds:.0f} | {', '.join(r.emulated) or '-'} | {r.reason.replace('|', '/')[:200]} |")
     return "\n".join(lines)
 
 
@@ -227,8 +230,9 @@ def main(args: argparse.Namespace, device: str) -> int:
     def report(o: CampaignOutcome) -> None:
         r = judge(o)
         found = f" after {r.examples_to_find} cases ({r.seconds_to_find:.1f} s)" if r.examples_to_find is not None else ""
+        stand_ins = f", stand-ins: {', '.join(r.emulated)}" if r.emulated else ""
         print(f"  {r.name}: {r.verdict}{found}; {r.examples} cases in {r.seconds:.1f} s "
-              f"({r.wall_seconds:.0f} s with start-up){': ' + r.reason if r.reason else ''}", flush=True)
+              f"({r.wall_seconds:.0f} s with start-up){stand_ins}{': ' + r.reason if r.reason else ''}", flush=True)
 
     out = args.out or STATE_DIR / "selftest"
     jobs = args.jobs or 2

@@ -72,6 +72,12 @@ class CampaignOutcome:
         return list((self.summary or {}).get("findings", []))
 
     @property
+    def emulated(self) -> list[str]:
+        """The ops attnfuzz's stand-ins served in this campaign (the host lacked the compiled ones): every result
+        that reports the campaign names them."""
+        return sorted((self.summary or {}).get("emulated") or {})
+
+    @property
     def error(self) -> str | None:
         """Why the campaign itself did not complete (None when it did, with or without findings)."""
         if self.returncode is None:

@@ -10,7 +10,7 @@ import pytest
 
 from fuzzer import budgets
 from fuzzer.artifacts.junit import JUnitCase, JUnitSuite, write_junit
-from fuzzer.commands.gate import gate_specs, judge_campaign, junit_suites, replay, replay_outcome
+from fuzzer.commands.gate import gate_specs, judge_campaign, junit_suites, replay, replay_outcome, reported_stand_ins
 from fuzzer.errors import RecordError
 from fuzzer.records import read_finding, release_of
 from fuzzer.run.campaign_process import CampaignOutcome, CampaignSpec
@@ -103,6 +103,16 @@ def test_replay_runs_repro_py_in_its_own_process(tmp_path, status, rc, outcome):
         assert "NaN out" in r.detail and "BUG: x" in r.log
 
 
+def test_a_replay_names_the_stand_ins_its_reproducer_ran_on(tmp_path):
+    d = _repro(tmp_path, status="open")
+    (d / "repro.py").write_text("import sys\nprint('stand-ins for ops this host lacks: concat_and_cache_mla, "
+                                "flash_mla_sparse_fwd')\nprint('BUG: x')\nsys.exit(1)\n")
+    r = replay(read_finding(d), "cpu", "0.33.0", {"vllm.index_remap": None}, tmp_path / "logs", timeout_s=5)
+    assert r.outcome == "known" and r.emulated == ["concat_and_cache_mla", "flash_mla_sparse_fwd"]
+    assert "(stand-ins: concat_and_cache_mla, flash_mla_sparse_fwd)" in r.detail
+    assert reported_stand_ins("routes: mqa | stand-ins for ops this host lacks: none\n") == []
+
+
 def test_replay_skips_what_this_host_cannot_run(tmp_path):
     # No repro.py: attnfuzz replays it, so the target must run here.
     rec = read_finding(_repro(tmp_path))
@@ -150,6 +160,12 @@ FINDING = {"id": "index-remap-1234", "path": "/out/repros/index-remap-1234", "si
 
 def test_campaign_verdicts_from_recorded_summaries(tmp_path):
     assert judge_campaign(_outcome(tmp_path, 0)).outcome == "passed"
+    served = _outcome(tmp_path, 0)
+    served.summary["emulated"] = {"flash_attn_varlen_func": 40}  # a stand-in served the campaign: named
+    r = judge_campaign(served)
+    assert r.emulated == ["flash_attn_varlen_func"] and "stand-ins: flash_attn_varlen_func" in r.figures
+    (suite,) = [s for s in junit_suites([], [r], {}) if s.name == "campaigns"]
+    assert "stand-ins: flash_attn_varlen_func" in suite.cases[0].stdout
     failed = judge_campaign(_outcome(tmp_path, 1, [FINDING]))
     assert failed.outcome == "failed" and "out-of-bounds store" in failed.reason  # the primary verdict's title
     assert "/out/repros/index-remap-1234" in failed.reason

@@ -113,10 +113,15 @@ def test_a_mutant_no_case_on_this_gpu_can_reach_is_skipped_with_its_reason(monke
 
 
 def test_markdown_table_has_a_row_per_campaign(tmp_path):
+    clean = _outcome(tmp_path, 0, inject=None)
+    clean.summary["emulated"] = {"flash_mla_sparse_fwd": 40, "concat_and_cache_mla": 40}  # stand-in op -> cases
     rows = [judge_mutant("remap-count-past-table", "B", _outcome(tmp_path, 1, [_finding(["B"], 22, 5.3)])),
-            judge_clean(_outcome(tmp_path, 0, inject=None))]
+            judge_clean(clean)]
     table = markdown_table(rows).splitlines()
     assert len(table) == 4 and "| found | 22 / 5.3 | B |" in table[2] and "clean run" in table[3]
+    # Every result names the stand-ins a campaign ran on; "-" where it ran on the host's own ops only.
+    assert rows[1].emulated == ["concat_and_cache_mla", "flash_mla_sparse_fwd"]
+    assert "| concat_and_cache_mla, flash_mla_sparse_fwd |" in table[3] and "| - |" in table[2]
 
 
 @pytest.mark.vllm
