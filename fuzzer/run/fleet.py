@@ -339,7 +339,9 @@ def _report(args, plans, procs, merged: Merged, db: str, seconds: float, interru
     for plan, proc, s in zip(plans, procs, summaries):
         workers.append({"worker": plan.index, "seed": plan.seed, "gpu": plan.gpu, "exit": proc.returncode,
                         "examples": s["examples"] if s else None, "seconds": s["seconds"] if s else None,
-                        "cases_per_second": s["cases_per_second"] if s else None, "log": str(plan.log)})
+                        "cases_per_second": s["cases_per_second"] if s else None,
+                        # Each worker's own: shares of knob pairs do not add up (`--out DIR`: each worker's campaign.json in DIR/w<i>).
+                        "coverage": s.get("coverage") if s else None, "log": str(plan.log)})
     examples = sum(w["examples"] or 0 for w in workers)
     # Per-key case counts summed over the workers: checks, and which parts were vLLM's or attnfuzz's stand-ins.
     # And each stage's seconds (stage_seconds), summed the same way.

@@ -274,6 +274,7 @@ def test_two_workers_dedup_and_a_second_run_replays_first(tmp_path):
     # Stand-ins are named in the fleet's summary too (a CPU: FlashMLA's kernels are attnfuzz's).
     assert "flash_mla_sparse_fwd" in s2["emulated"] and "flash_mla_sparse_fwd" in s2["host"]["emulated_ops"]
     assert s2["allocator_poisoned"] == 0
+    assert {"pairs", "triples", "paths"} <= set(s2["workers"][0]["coverage"])  # each worker's coverage, as run's
     first = min(s2["known"], key=lambda f: f["examples_to_find"])
     assert first["examples_to_find"] == 1 and first["saved_as"]["id"] in saved
     assert {p.name for p in (tmp_path / "repros").iterdir()} == saved
