@@ -37,7 +37,7 @@ from fuzzer.artifacts.junit import JUnitCase, JUnitSuite, write_junit
 from fuzzer.env import STATE_DIR, host_info
 from fuzzer.errors import RecordError, UsageError
 from fuzzer.records import FindingRecord, read_finding, release_of, verdicts_title
-from fuzzer.run.campaign_process import CampaignOutcome, CampaignSpec, run_campaigns
+from fuzzer.run.campaign_process import CampaignOutcome, CampaignSpec, campaign_figures, run_campaigns
 from fuzzer.run.host import host_targets, import_vllm
 
 # A finding is kept as first seen: shrinking one can take a thousand cases, and the gate's time must stay bounded
@@ -164,8 +164,7 @@ class CampaignResult:
 
     @property
     def figures(self) -> str:
-        return (f"{self.examples} cases in {self.seconds:.1f} s ({self.wall_seconds:.0f} s with start-up)"
-                + (f", stand-ins: {', '.join(self.emulated)}" if self.emulated else ""))
+        return campaign_figures(self.examples, self.seconds, self.wall_seconds, self.emulated)
 
 
 def gate_specs(device: str, unavailable: dict[str, str | None], kv_cache_dtypes: dict[str, tuple[str, ...]],

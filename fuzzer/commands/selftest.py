@@ -31,7 +31,7 @@ from fuzzer.env import STATE_DIR, host_info
 from fuzzer.commands.gate import GateError, find_repros
 from fuzzer.errors import RecordError, UsageError
 from fuzzer.mutants import MUTANTS, load, unavailable_on
-from fuzzer.run.campaign_process import CampaignOutcome, CampaignSpec, run_campaigns
+from fuzzer.run.campaign_process import CampaignOutcome, CampaignSpec, campaign_figures, run_campaigns
 from fuzzer.run.host import host_targets, import_vllm
 
 # Time to find is the measure here: findings are kept as first seen (shrinking is tested elsewhere).
@@ -230,9 +230,8 @@ def main(args: argparse.Namespace, device: str) -> int:
     def report(o: CampaignOutcome) -> None:
         r = judge(o)
         found = f" after {r.examples_to_find} cases ({r.seconds_to_find:.1f} s)" if r.examples_to_find is not None else ""
-        stand_ins = f", stand-ins: {', '.join(r.emulated)}" if r.emulated else ""
-        print(f"  {r.name}: {r.verdict}{found}; {r.examples} cases in {r.seconds:.1f} s "
-              f"({r.wall_seconds:.0f} s with start-up){stand_ins}{': ' + r.reason if r.reason else ''}", flush=True)
+        figures = campaign_figures(r.examples, r.seconds, r.wall_seconds, r.emulated)
+        print(f"  {r.name}: {r.verdict}{found}; {figures}{': ' + r.reason if r.reason else ''}", flush=True)
 
     out = args.out or STATE_DIR / "selftest"
     jobs = args.jobs or 2

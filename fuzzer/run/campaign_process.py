@@ -59,6 +59,12 @@ class CampaignSpec:
         return argv + list(self.extra)
 
 
+def campaign_figures(examples: int, seconds: float, wall_seconds: float, emulated: list[str]) -> str:
+    """One campaign's figures as gate and selftest print them, with the stand-ins it ran on (none: nothing said)."""
+    return (f"{examples} cases in {seconds:.1f} s ({wall_seconds:.0f} s with start-up)"
+            + (f", stand-ins: {', '.join(emulated)}" if emulated else ""))
+
+
 @dataclass
 class CampaignOutcome:
     spec: CampaignSpec

@@ -340,7 +340,7 @@ def _report(args, plans, procs, merged: Merged, db: str, seconds: float, interru
         workers.append({"worker": plan.index, "seed": plan.seed, "gpu": plan.gpu, "exit": proc.returncode,
                         "examples": s["examples"] if s else None, "seconds": s["seconds"] if s else None,
                         "cases_per_second": s["cases_per_second"] if s else None,
-                        # Each worker's own: shares of knob pairs do not add up (`--out DIR`: each worker's campaign.json in DIR/w<i>).
+                        # Each worker's own: shares of knob pairs do not add up (`--out DIR`: DIR/w<i>/campaign.json).
                         "coverage": s.get("coverage") if s else None, "log": str(plan.log)})
     examples = sum(w["examples"] or 0 for w in workers)
     # Per-key case counts summed over the workers: checks, and which parts were vLLM's or attnfuzz's stand-ins.

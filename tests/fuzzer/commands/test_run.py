@@ -4,13 +4,11 @@ Each campaign runs in a fresh process: mutants patch vLLM process-wide.
 """
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import attnfuzz
+from tests.conftest import attnfuzz, run_repro
 
 pytestmark = pytest.mark.vllm
 
@@ -70,8 +68,7 @@ def test_seed_bug_is_found_shrunk_and_reproduced(tmp_path):
     # where it leaves every argument's allocation, so whether the smallest batches show the overrun depends on
     # where the allocator put the arguments (seen: 3 requests, and 5 once the example database was live).
     assert len(case["requests"]) <= 6 and sum(r["query_len"] for r in case["requests"]) <= 8
-    repro = subprocess.run([sys.executable, "repro.py"], cwd=repros / finding["id"],
-                           capture_output=True, text=True, timeout=300)
+    repro = run_repro(repros / finding["id"], timeout=300, fresh=True)  # a new interpreter, as a stranger runs it
     assert repro.returncode == 1, repro.stdout + repro.stderr
     assert "BUG: out-of-bounds store" in repro.stdout
     assert "attnfuzz" not in "".join(l for l in (repros / finding["id"] / "repro.py").read_text().splitlines()
