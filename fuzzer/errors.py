@@ -2,11 +2,19 @@
 
 0 tested and clean (at least one case ran, nothing found, not cut short), 1 findings, 2 could not test (usage,
 environment, harness; a reproducer that could not run its call), 3 interrupted before it finished, nothing
-found so far. Each command maps what it caught to one of them in one place (`fuzzer/cli.py`)."""
+found so far. Each command maps what it caught to one of them in one place (`fuzzer/cli.py`).
+
+Every exception class of attnfuzz is defined here, but for two families that cannot import this module:
+`strategies/errors.py` (CaseError: strategies sit on floor 1, below this module, and import nothing of fuzzer/;
+re-exported here) and `fuzzer/support/errors.py` (the stand-ins' and support code's errors: reproducers ship
+fuzzer/support/ without the rest of attnfuzz). A harness fault is a HarnessError subclass, raised where it happens
+and told apart by its type, never by its message (tests/test_errors.py checks both)."""
 
 from __future__ import annotations
 
 from enum import IntEnum
+
+from strategies.errors import CaseError  # noqa: F401 (re-exported: one place to import every error from)
 
 
 class ExitCode(IntEnum):
@@ -24,17 +32,85 @@ class RecordError(UsageError):
     """A malformed on-disk record (finding.json, a run summary, campaign.json): names the file and field."""
 
 
+class MutantError(RuntimeError):
+    """`--inject` cannot be applied: neither a built-in mutant nor a file, or the file raised (fuzzer/mutants)."""
+
+
+class GateError(ValueError):
+    """A malformed reproducer record or argument of `gate` or `selftest`: exit 2, naming the file and field."""
+
+
+class SanitizerUnavailable(RuntimeError):
+    """compute-sanitizer, cuda-python or a CUDA device is missing here (fuzzer/run/compute_sanitizer.py)."""
+
+
+# -- harness faults: attnfuzz's own failures, never findings ------------------------------------------------------
+
 class HarnessError(RuntimeError):
     """attnfuzz itself failed (not the code under test): the campaign stops with exit code 2."""
 
 
-class HarnessFailure(RuntimeError):
+class HarnessFailure(HarnessError):
     """attnfuzz's own code raised inside a worker process (its traceback is the message)."""
 
 
-class HarnessConfigError(RuntimeError):
+class HarnessConfigError(HarnessError):
     """attnfuzz built vLLM's inputs incompletely for this release: a harness bug, never a finding."""
 
 
 class WorkerError(RuntimeError):
     """A worker process could not be started or could not import what it needs: exit 2."""
+
+
+class WorkerUnavailable(WorkerError):
+    """The worker's target cannot run on this host or vLLM release (its `unavailable()`, asked in the worker)."""
+
+    def __init__(self, target: str, why: str):
+        super().__init__(f"worker for {target}: unavailable: {why}")
+        self.target, self.why = target, why
+
+
+class WorkerInjectError(WorkerError):
+    """The worker could not apply `--inject` (a MutantError there): the user's to fix, in the MutantError's words."""
+
+    def __init__(self, target: str, message: str):
+        super().__init__(f"worker for {target}: mutant: {message}")
+        self.target, self.message = target, message
+
+
+# -- what targets raise about vLLM and the code under test ----------------------------------------------------------
+
+class TargetUnavailable(RuntimeError):
+    """This vLLM release lacks what a target drives (fuzzer/targets/vllm_api.py): the target is unavailable."""
+
+
+class RankError(RuntimeError):
+    """One or more ranks of a multi-process target raised (each rank's error is named). `device_lost`: a rank's
+    error was one that loses the CUDA context (told by its type, on that rank), so the worker must be replaced."""
+
+    def __init__(self, message: str, device_lost: bool = False):
+        super().__init__(message)
+        self.device_lost = device_lost
+
+
+class CollectivesBroken(RuntimeError):
+    """vLLM's DCP group's collectives returned wrong values on known inputs, before any case ran."""
+
+
+# -- the search's own signals --------------------------------------------------------------------------------------
+
+class CaseFailed(Exception):
+    """Raised inside the Hypothesis test for a failing case; subclassed once per signature (fuzzer/search)."""
+
+
+class StopSearch(BaseException):
+    """Raised from a case to end the Hypothesis run at once (not an Exception: Hypothesis lets it through)."""
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM cut the command short (fuzzer/interrupt.py): exit 3. A BaseException, so that no
+    `except Exception` on its way (an import's, a target's) takes it for an error."""
+
+    def __init__(self, signal_name: str):
+        super().__init__(signal_name)
+        self.signal = signal_name

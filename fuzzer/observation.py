@@ -32,7 +32,10 @@ class Notes(TypedDict, total=False):
     allocator_poisoned: bool  # the caching allocator's free memory was poisoned before the call
     traceback: str  # where the code under test raised
     log_tail: str  # a crashed or hung worker's last output
-    device_lost: bool  # the case lost the CUDA context (the worker was replaced)
+    watchdog: dict[str, float]  # a hang: the watchdog's deadline, and the longer one a fresh worker hung past too
+    watchdog_retry: str  # the case passed the watchdog's deadline and gave its result on a fresh worker (no hang)
+    shrink_cut_short: bool  # a signal stopped the finding's shrink: its case is the smallest failing one so far
+    device_lost: bool  # the case lost the CUDA context, told by the exception's type (a worker is replaced)
     worker_recycled: str  # the worker was replaced after this case (why)
     sanitizer: str  # the compute-sanitizer tool the case ran under
     sanitizer_log: str  # compute-sanitizer's log for the case

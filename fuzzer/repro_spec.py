@@ -1,11 +1,13 @@
-"""What a target hands the reproducer renderer: data, never a script (`fuzzer.artifacts.repro` renders).
+"""What a target hands the reproducer renderer: data and functions, never code in strings
+(`fuzzer.artifacts.repro` renders).
 
 A reproducer's `main()` runs, top to bottom: `prepare` (what the target's prepare() did: stand-ins, shims),
-the injected bug if any, `setup` (load the saved step, build vLLM's config), `call` (the vLLM calls, inside
-the interpreter's bounds check on a CPU), then the judge named here, then `report`. Code snippets are
-statements at main()'s indentation; they may use the constants, the literal tensors, `T` (the tensors
-loaded from tensors.safetensors), `DEVICE`, the support modules under their aliases, and `found` (a list
-the call may add problems to that its own checks saw). The call assigns what the judge's arguments name.
+the injected bug if any, `setup` (the saved step loaded, vLLM's config built), `call` (the vLLM calls, inside
+the interpreter's bounds check on a CPU), then the judge named here, then prints `report`. Each of those is a
+`Call`: one line `assign = fn(param=expression, ...)`, where `fn` is the very function of `fuzzer.support`
+the target's run() calls; the reproducer shows its source. Expressions may use the constants, the literal
+tensors, `T` (the tensors loaded from tensors.safetensors), `DEVICE`, what earlier calls assigned, and
+`found` (a list a call may add the problems its own checks saw to).
 
 Leaf module: the standard library only.
 """
@@ -13,7 +15,7 @@ Leaf module: the standard library only.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 JUDGES = ("index", "index_contract", "attention", "dcp", "dsv4")  # fuzzer/artifacts/repro_judges.py: judge_<name>
 
@@ -31,16 +33,25 @@ class Judge:
 
 
 @dataclass(frozen=True)
+class Call:
+    """One line of a reproducer's main(): `assign = fn(param=expression, ...)` (`assign` empty: the value is
+    dropped). `fn` is a module-level function of `fuzzer.support`; its source is copied into repro.py."""
+
+    fn: Callable
+    args: Mapping[str, str] = field(default_factory=dict)  # parameter -> expression in main()'s scope
+    assign: str = ""
+    note: str = ""  # a comment at the end of the line: why this call is here
+
+
+@dataclass(frozen=True)
 class ReproSpec:
     about: str  # the docstring's lines after the finding's: the shrunk case, where the inputs come from
-    call: str  # the vLLM calls, top to bottom
+    call: tuple[Call, ...]  # the vLLM calls, top to bottom
     judge: Judge
-    prepare: str = ""  # before the injected bug: what the target's prepare() installs
-    setup: str = ""  # after it, outside the bounds check: the saved step loaded, vLLM's config built
-    report: str = ""  # after judging, before the BUG lines: what ran (routes, stand-ins)
-    imports: tuple[str, ...] = ()  # module-level import lines the snippets need (stdlib, torch, vLLM)
+    prepare: tuple[Call, ...] = ()  # before the injected bug: what the target's prepare() installs
+    setup: tuple[Call, ...] = ()  # after it, outside the bounds check: vLLM's config, the cache, the metadata
+    report: Mapping[str, str] = field(default_factory=dict)  # label -> expression, printed after judging
     constants: Mapping[str, Any] = field(default_factory=dict)  # NAME = repr(value), at module level
     literals: Mapping[str, Any] = field(default_factory=dict)  # int tensors written as torch.tensor literals
     tensors: Mapping[str, Any] = field(default_factory=dict)  # saved to tensors.safetensors, loaded as T
-    support: Mapping[str, str] = field(default_factory=dict)  # alias -> fuzzer.support module main() imports
     bounds_checked: bool = False  # run the call under the interpreter's bounds checker (CPU)

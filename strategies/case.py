@@ -19,6 +19,8 @@ import json
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
+from strategies.errors import CaseError  # noqa: F401 (re-exported: `from strategies.case import CaseError`)
+
 SCHEMA = 1
 # "fp8": vLLM's per-tensor fp8 (e4m3) cache, [576] bytes a token, both parts divided by the layer's k_scale (the
 # kv-cache dtype FLASHINFER_MLA_SPARSE_SM90 takes; FLASHMLA_SPARSE turns "fp8" into fp8_ds_mla instead).
@@ -52,10 +54,6 @@ C4_ORDERS = ("scored", "ascending")  # top_k_per_row by score (any order), or th
 ATTN_SINKS = ("finite", "none", "large")  # weights of order 1, -inf (no sink: make_attention_sink's init), ~ +6
 DSV4_BLOCK_SIZE = 256  # tokens a block of the compressed K cache covers (the backend's kernel block size)
 DSV4_MAX_SPECULATIVE = 7
-
-
-class CaseError(ValueError):
-    """A malformed case; the message starts with the path of the offending field."""
 
 
 @dataclass(frozen=True)

@@ -104,7 +104,7 @@ def _header_rows(doc: dict) -> list[tuple[str, str]]:
     h, o = doc["host"], doc.get("options", {})
     budget = (f"time budget {o['time_budget']:.0f} s" if o.get("time_budget") else
               f"max {o['max_examples']} cases" if o.get("max_examples") else "-")
-    return [
+    rows = [
         ("target", f"{doc['target']}" + (f" (bug injected: {doc['inject']})" if doc.get("inject") else "")),
         ("host", f"{h['device']} ({h['device_name']}), Python {h['python']}"),
         ("versions", f"vLLM {h['vllm']}, torch {h['torch']}, triton {h['triton']}"),
@@ -116,21 +116,46 @@ def _header_rows(doc: dict) -> list[tuple[str, str]]:
                   f"{doc.get('workers_started', 0)} worker(s) started"),
         ("findings", f"{len(doc['findings'])}" + (f"; later hits of found bugs: {sum(doc['repeats'].values())}"
                                                   if doc.get("repeats") else "")),
-        ("finished", doc.get("finished", "-")),
+        ("stopped" if doc.get("interrupted") else "finished", doc.get("finished", "-")),
     ]
+    if doc.get("interrupted"):  # first: no report of a cut-short run may read as a finished clean one
+        rows.insert(0, ("INTERRUPTED", _interrupted(doc)))
+    return rows
+
+
+def _interrupted(doc: dict) -> str:
+    """What an interrupted campaign's report says first: it did not finish, and what ran."""
+    how = f"by {doc['interrupted']}" if isinstance(doc["interrupted"], str) else ""
+    if not doc["examples"]:
+        return f"{how} in start-up, before the first case: nothing was tested".strip()
+    return f"{how} after {doc['examples']} case(s): the search did not finish".strip()
+
+
+def _no_findings(doc: dict) -> str:
+    """The findings section of a campaign that found nothing."""
+    if doc.get("interrupted"):
+        return f"None found, but the campaign was interrupted {_interrupted(doc)}."
+    return "None: every case passed every check."
 
 
 def _margin_table(doc: dict) -> dict[str, list[tuple[str, int]]]:
     return {check: sorted(bins.items(), key=lambda kv: bin_order(kv[0])) for check, bins in sorted(doc["margins"].items())}
 
 
+def _case_label(f: dict) -> str:
+    """What a finding's case is: shrunk, or kept unshrunk (--no-shrink, a shrink cut short); a record older than
+    the `shrunk` field says neither."""
+    return {True: "shrunk case", False: "case (not shrunk)"}.get(f.get("shrunk"), "case")
+
+
 def render_markdown(doc: dict) -> str:
     n = doc["examples"]
-    out = [f"# attnfuzz campaign: {doc['target']}", "", "| | |", "|---|---|"]
+    out = [f"# attnfuzz campaign: {doc['target']}{' (INTERRUPTED)' if doc.get('interrupted') else ''}", "", "| | |",
+           "|---|---|"]
     out += [f"| {k} | {v} |" for k, v in _header_rows(doc)]
     out += ["", f"## Findings ({len(doc['findings'])})", ""]
     if not doc["findings"]:
-        out += ["None: every case passed every check.", ""]
+        out += [_no_findings(doc), ""]
     for f in doc["findings"]:
         out += [f"### {f['id']}: {_title(f)}", "",
                 f"- classes: {', '.join(f['bug_classes']) or '-'}; signature `{f['signature']}`",
@@ -138,7 +163,7 @@ def render_markdown(doc: dict) -> str:
                 + ("re-runs: not run" if not f.get("reruns") else
                    f"came back {f['reruns']['reproduced']} of {f['reruns']['of']} re-runs"
                    + (" (FLAKY)" if f["reruns"]["flaky"] else "")),
-                f"- shrunk case: `{f['summary']}`",
+                f"- {_case_label(f)}: `{f['summary']}`",
                 f"- reproducer: [{f['path']}/repro.py]({f['path']}/repro.py), report [{f['path']}/report.md]({f['path']}/report.md)",
                 ""]
         for v in f["verdicts"]:
@@ -294,6 +319,7 @@ table{border-collapse:collapse;margin:6px 0}td,th{border:1px solid #d0d7de;paddi
 th{background:#f6f8fa}td.n{text-align:right;font-variant-numeric:tabular-nums}table.kv td:first-child{font-weight:600;background:#f6f8fa}
 .finding{border:1px solid #d0d7de;border-left:4px solid #cf222e;border-radius:6px;padding:6px 14px 10px;margin:12px 0}
 .clean{border-left:4px solid #1a7f37;padding:4px 12px;background:#dafbe1;border-radius:6px}
+.interrupted{border-left:4px solid #9a6700;padding:4px 12px;background:#fff8c5;border-radius:6px}
 .badge{display:inline-block;border-radius:10px;padding:0 8px;font-size:12px;background:#ddf4ff;color:#0969da;margin-right:4px}
 .badge.cls{background:#ffebe9;color:#cf222e}.diff{margin:4px 0 8px}.diff div{font:12px ui-monospace,Menlo,monospace;padding:1px 8px}
 .diff .exp{background:#dafbe1;color:#116329}.diff .got{background:#ffebe9;color:#82071e}.diff .at{color:#57606a;background:#f6f8fa}
@@ -312,12 +338,13 @@ def _e(x) -> str:
 
 def render_html(doc: dict) -> str:
     n = doc["examples"]
-    body = [f"<h1>attnfuzz campaign: <code>{_e(doc['target'])}</code></h1>", '<table class="kv">']
+    body = [f"<h1>attnfuzz campaign: <code>{_e(doc['target'])}</code>{' (INTERRUPTED)' if doc.get('interrupted') else ''}"
+            f"</h1>", '<table class="kv">']
     body += [f"<tr><td>{_e(k)}</td><td>{_e(v)}</td></tr>" for k, v in _header_rows(doc)] + ["</table>"]
 
     body.append(f"<h2>Findings ({len(doc['findings'])})</h2>")
     if not doc["findings"]:
-        body.append('<p class="clean">None: every case passed every check.</p>')
+        body.append(f'<p class="{"interrupted" if doc.get("interrupted") else "clean"}">{_e(_no_findings(doc))}</p>')
     for f in doc["findings"]:
         title = _title(f)
         reruns = ("re-runs: not run" if not f.get("reruns") else
@@ -327,7 +354,7 @@ def render_html(doc: dict) -> str:
         body += [f'<span class="badge cls">class {_e(c)}</span>' for c in f["bug_classes"]]
         body += [f'<span class="badge">{_e(f["signature"])}</span>',
                  f"found after {f['examples_to_find']} cases ({f['seconds_to_find']} s); {_e(reruns)}.<br>",
-                 f"Shrunk case: <code>{_e(f['summary'])}</code><br>",
+                 f"{_case_label(f).capitalize()}: <code>{_e(f['summary'])}</code><br>",
                  f'Reproducer: <a href="{_e(f["path"])}/repro.py"><code>{_e(f["path"])}/repro.py</code></a> '
                  f'(exits 1 while the bug is present), <a href="{_e(f["path"])}/report.md">report.md</a></p>', "<ul>"]
         for v in f["verdicts"]:

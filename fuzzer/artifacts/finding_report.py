@@ -1,4 +1,4 @@
-"""report.md for one finding: what differed, the shrunk case, versions, device, real vs emulated parts."""
+"""report.md for one finding: what differed, the case (shrunk or not), versions, device, real vs emulated parts."""
 
 from __future__ import annotations
 
@@ -12,6 +12,39 @@ def sanitizer_run_line(finding) -> str | None:
     return f"PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool {tool} python repro.py"
 
 
+def seen_by(finding) -> str:
+    """Who saw the failure: the watchdog (a hang, confirmed on a fresh worker), the worker's death, compute-sanitizer
+    (a memory report), the oracle (whatever else failed)."""
+    o, checks = finding.observation, {v.check for v in finding.verdicts}
+    tool, who = o.notes.get("sanitizer"), []
+    if tool and "memory" in checks:
+        who.append(f"compute-sanitizer {tool}")
+    hang = next((v for v in finding.verdicts if v.check == "hang"), None)
+    if hang is not None:
+        who.append(f"the watchdog: {hang.detail.split(' (watchdog)')[0]}")
+    died = o.error_type == "WorkerCrash" or any(v.where == "device_lost" for v in finding.verdicts)
+    if died:
+        who.append(f"the campaign: {o.error}" if o.error_type == "WorkerCrash" else
+                   "the worker: the case lost the CUDA context")
+    if checks - {"memory", "hang"} - ({"crash"} if died else set()):
+        who.append("the oracle" + (f" (cases ran under compute-sanitizer {tool})" if tool and "memory" not in checks
+                                   else ""))
+    return "; ".join(who) or "the oracle"
+
+
+def case_line(finding) -> str:
+    """The case as it was kept: shrunk, its shrink cut short (a signal, a killed campaign), or as first found."""
+    case = f"`{finding.case.summary()}`"
+    if finding.shrunk:
+        return f"shrunk to: {case}"
+    notes = finding.observation.notes
+    if notes.get("shrink_cut_short"):
+        return f"not shrunk to the end (a signal stopped its shrink): the smallest failing case so far, {case}"
+    if notes.get("resumed"):
+        return f"as a killed campaign left it (its shrink may not have finished): {case}"
+    return f"not shrunk (the campaign ran without shrinking, --no-shrink): the case as first found, {case}"
+
+
 def render_report(f) -> str:
     h, o = f.host, f.observation
     lines = [
@@ -20,12 +53,12 @@ def render_report(f) -> str:
         f"- target: `{f.target}`" + (f" (bug injected: `{f.inject}`)" if f.inject else ""),
         f"- signature: `{f.signature}`",
         f"- bug classes: {', '.join(sorted({v.bug_class for v in f.verdicts if v.bug_class})) or '-'}",
-        f"- found after {f.examples_to_find} cases, {f.seconds_to_find:.1f} s; shrunk to: `{f.case.summary()}`",
+        f"- found after {f.examples_to_find} cases, {f.seconds_to_find:.1f} s; {case_line(f)}",
         f"- host: {h.device} ({h.device_name}), vLLM {h.vllm}, torch {h.torch}, triton {h.triton}, Python {h.python}",
         f"- Triton: {'interpreter (TRITON_INTERPRET=1) with attnfuzz bounds checks' if h.interpreted else 'compiled, native'}",
         f"- real: {', '.join(o.real) or '-'}",
         f"- emulated (attnfuzz stand-ins): {', '.join(o.emulated) or 'none'}",
-        f"- seen by: {'compute-sanitizer ' + o.notes['sanitizer'] if o.notes.get('sanitizer') else 'the oracle'}"
+        f"- seen by: {seen_by(f)}"
         + (f" (memcheck re-run: {o.notes['memcheck_rerun']})" if o.notes.get("memcheck_rerun") else ""),
         "- re-runs: " + ("not run" if f.reruns is None else
                          f"FLAKY, came back {f.reruns[0]} of {f.reruns[1]} times" if f.flaky else

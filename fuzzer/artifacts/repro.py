@@ -12,19 +12,18 @@ for a bug report upstream. An injected mutant's source is inlined at the end: it
 
 from __future__ import annotations
 
-import ast
-import importlib.util
 import inspect
+import itertools
 from pathlib import Path
+from typing import Mapping
 
-from fuzzer.artifacts import repro_judges
+from fuzzer.artifacts import repro_judges, slicer
 from fuzzer.artifacts.finding_dir import save_finding
 from fuzzer.artifacts.finding_report import sanitizer_run_line
 from fuzzer.mutants import source
-from fuzzer.repro_spec import ReproSpec
+from fuzzer.repro_spec import Call, ReproSpec
 
 SUPPORT_FILE = "attnfuzz_support.py"
-SUPPORT_PACKAGE = "fuzzer.support"
 
 
 def compact_list(xs: list[int]) -> str:
@@ -65,47 +64,6 @@ def tensor_literal(name: str, t) -> str:
 
 # -- the support file ------------------------------------------------------------------------------------------
 
-def _imported_modules(name: str) -> set[str]:
-    """Every attnfuzz module `name` imports (in-function imports included), by its source."""
-    tree = ast.parse(inspect.getsource(importlib.import_module(name)))
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:  # relative: from the module's package
-                base = ".".join([*name.split(".")[:-node.level], *([base] if base else [])])
-            for a in node.names:  # `from package import module` names a module
-                found.add(f"{base}.{a.name}" if _is_submodule(base, a.name) else base)
-    return {m for m in found if m.split(".")[0] in ("fuzzer", "oracles", "strategies")}
-
-
-def _is_submodule(package: str, name: str) -> bool:
-    if package.split(".")[0] not in ("fuzzer", "oracles", "strategies"):
-        return False
-    spec = importlib.util.find_spec(package)
-    return spec.submodule_search_locations is not None and importlib.util.find_spec(f"{package}.{name}") is not None
-
-
-def support_modules(names) -> list[str]:
-    """`names` and every support module they import, transitively; packages come along empty."""
-    todo, seen = list(names), set()
-    while todo:
-        name = todo.pop()
-        if name in seen:
-            continue
-        if not name.startswith(SUPPORT_PACKAGE + "."):
-            raise ValueError(f"a reproducer's support module must be in {SUPPORT_PACKAGE}, not {name}")
-        seen.add(name)
-        for dep in _imported_modules(name):
-            if not dep.startswith(SUPPORT_PACKAGE + ".") and dep != SUPPORT_PACKAGE:
-                raise ValueError(f"{name} imports {dep}: support modules import nothing of attnfuzz but each other")
-            if importlib.util.find_spec(dep).submodule_search_locations is None:  # packages: empty
-                todo.append(dep)
-    return sorted(seen)
-
-
 _SUPPORT_LOADER = '''
 class _SupportFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Imports the modules of SUPPORT under their own names (their parent packages empty), ahead of any
@@ -131,33 +89,26 @@ class _SupportFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 sys.meta_path.insert(0, _SupportFinder())
-
-
-def __getattr__(name):  # `from attnfuzz_support import flashmla_runtime`: the module of that name
-    for module in SUPPORT:
-        if module.rsplit(".", 1)[-1] == name:
-            return importlib.import_module(module)
-    raise AttributeError(name)
 '''
 
 
-def support_body(modules: list[str]) -> str:
-    """SUPPORT (each module's source, verbatim) and the finder that imports them."""
+def support_body(sources: dict[str, str]) -> str:
+    """SUPPORT (each module's source as the reproducer needs it) and the finder that imports them."""
     entries = []
-    for name in modules:
-        source = inspect.getsource(importlib.import_module(name))
-        if "'''" in source:
+    for name, text in sources.items():
+        if "'''" in text:
             raise ValueError(f"{name}: a support module's source may not hold ''' (it is inlined in r''' quotes)")
-        entries.append(f"    {name!r}: r'''{source}''',")
+        entries.append(f"    {name!r}: r'''{text}''',")
     return ("import importlib.abc\nimport importlib.util\nimport linecache\nimport sys\n\n"
             "SUPPORT = {\n" + "\n".join(entries) + "\n}\n" + _SUPPORT_LOADER)
 
 
-def support_file(modules: list[str]) -> str:
-    listed = "".join(f"  {m}\n" for m in modules)
-    return ('"""attnfuzz\'s support code for repro.py beside it, generated. Each module verbatim from attnfuzz,\n'
-            f"importable under its own name once this file is imported (as inside attnfuzz):\n{listed}"
-            'Needs torch, numpy, triton and vLLM only."""\n\n' + support_body(modules))
+def support_file(sources: dict[str, str]) -> str:
+    listed = "".join(f"  {m}\n" for m in sources)
+    return ('"""attnfuzz\'s support code for repro.py beside it, generated: of each module below, the statements\n'
+            "repro.py reaches, verbatim, importable under the module's own name once this file is imported (as\n"
+            f"inside attnfuzz):\n{listed}"
+            'Needs torch, numpy, triton and vLLM only."""\n\n' + support_body(sources))
 
 
 # -- the script -----------------------------------------------------------------------------------------------
@@ -168,9 +119,29 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""
 os.environ["TRITON_INTERPRET"] = "1"
 """
 
-_MAIN = '''
+_EXITS = '''
+def could_not_run(stage, e):  # exit 2: no answer from vLLM, so nothing about the bug
+    traceback.print_exception(e, limit=-4)
+    print(f"COULD NOT RUN ({stage}): {type(e).__name__}: {e} - this says nothing about the bug (exit 2)")
+    return 2
+
+
+def vllms_answer(e):  # judged, unless a name or signature this vLLM lacks (met in this script or in attnfuzz's
+    # support code) or attnfuzz's bounds checker breaking (the error, or one it was raised from, passed through it)
+    frames = [f.filename for f in traceback.extract_tb(e.__traceback__)]
+    ours = frames[-1] == __file__ or frames[-1].startswith("<attnfuzz_support")
+    chain, cause = [], e
+    while cause is not None and cause not in chain:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    chain = [f.filename for c in chain for f in traceback.extract_tb(c.__traceback__)]
+    return not (isinstance(e, (ImportError, NameError)) or isinstance(e, (TypeError, AttributeError)) and ours
+                or any("fuzzer.support.interp.sanitizer" in f for f in chain))
+'''
+
+_MAIN = """
 def main():
-    try:  # importing vLLM and setting the step up: a failure here is not the bug's answer
+    try:  # setting the step up: a failure here is not the bug's answer
 {body}    except Exception as e:
         return could_not_run("the set-up", e)
     problems, error, found = [], None, []
@@ -185,21 +156,17 @@ def main():
         print("BUG:", p)
     print("vLLM", __import__("vllm").__version__, "-", "bug present" if problems else "no bug: fixed")
     return 1 if problems else 0
-
-
-def vllms_answer(e):  # judged; not a module, name or signature (at this script's line) this vLLM lacks, nor attnfuzz's checker breaking
-    here = traceback.extract_tb(e.__traceback__)[-1].filename == __file__
-    return not (isinstance(e, (ImportError, NameError)) or isinstance(e, (TypeError, AttributeError)) and here
-                or "InterpreterSanitizer" in str(e))
-
-
-def could_not_run(stage, e):  # exit 2: no answer from vLLM, so nothing about the bug
-    traceback.print_exception(e, limit=-4)
-    print(f"COULD NOT RUN ({{stage}}): {{type(e).__name__}}: {{e}} - this says nothing about the bug (exit 2)")
-    return 2
-'''
+"""
 
 _LOAD_TENSORS = 'T = load_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tensors.safetensors"), device=DEVICE)'
+_SANITIZER = "fuzzer.support.interp.sanitizer"
+_ENTRY = '''
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except Exception as e:  # in the check itself
+        sys.exit(could_not_run("the check", e))
+'''
 
 
 def _saw(verdicts) -> list[str]:
@@ -214,26 +181,49 @@ def _indent(code: str, n: int) -> str:
     return "".join((" " * n + ln if ln.strip() else "") + "\n" for ln in lines) if code.strip() else ""
 
 
+def _arguments(fn, given: Mapping[str, str], what: str) -> str:
+    """`fn`'s arguments from `given` (parameter -> expression), in its parameter order: positional while each
+    expression is the parameter's own name, by keyword after."""
+    params = inspect.signature(fn).parameters
+    if (unknown := set(given) - set(params)) and not any(v.kind is v.VAR_KEYWORD for v in params.values()):
+        raise ValueError(f"{what}: no parameter {', '.join(sorted(unknown))}")
+    if missing := [p for p, v in params.items() if p not in given and v.default is inspect.Parameter.empty
+                   and v.kind not in (v.VAR_POSITIONAL, v.VAR_KEYWORD)]:
+        raise ValueError(f"{what}: no expression for {', '.join(missing)}")
+    args, keyword = [], False
+    for p in (p for p in params if p in given):
+        keyword = keyword or given[p] != p or params[p].kind is inspect.Parameter.KEYWORD_ONLY
+        args.append(f"{p}={given[p]}" if keyword else p)
+    return ", ".join([*args, *(f"{p}={given[p]}" for p in given if p in unknown)])
+
+
+def _line(call: Call, width: int = 100) -> str:
+    """A Call as main()'s line (its arguments wrapped past `width`), its note as a comment above it."""
+    head = f"{call.assign} = " if call.assign else ""
+    args = _arguments(call.fn, call.args, call.fn.__name__).split(", ")
+    lines, line = [], f"{head}{call.fn.__name__}("
+    for k, arg in enumerate(args):
+        piece = arg + (", " if k < len(args) - 1 else ")")
+        if len(line) + len(piece.rstrip()) > width and line.strip().endswith(","):
+            lines.append(line.rstrip())
+            line = "    "
+        line += piece
+    if not args or args == [""]:
+        line = f"{head}{call.fn.__name__}()"
+    return (f"# {call.note}\n" if call.note else "") + "\n".join([*lines, line])
+
+
 def _judge_call(spec: ReproSpec) -> str:
     """`judge_<name>(...)` on the spec's expressions, in the function's parameter order."""
     fn = repro_judges.FUNCTIONS[spec.judge.name][-1]
-    params = inspect.signature(fn).parameters
     given = dict(spec.judge.args, **({"error": "error"} if spec.judge.name == "index_contract" else {}))
-    if unknown := set(given) - set(params):
-        raise ValueError(f"judge {spec.judge.name}: no parameter {', '.join(sorted(unknown))}")
-    if missing := [p for p, v in params.items() if p not in given and v.default is inspect.Parameter.empty]:
-        raise ValueError(f"judge {spec.judge.name}: no expression for {', '.join(missing)}")
-    args, keyword = [], False
-    for p in (p for p in params if p in given):
-        keyword = keyword or given[p] != p  # positional while each expression is the parameter's own name
-        args.append(f"{p}={given[p]}" if keyword else p)
-    return f"{fn.__name__}({', '.join(args)})"
+    return f"{fn.__name__}({_arguments(fn, given, f'judge {spec.judge.name}')})"
 
 
 def _header(finding, spec: ReproSpec, support: str | None) -> str:
     host, run = finding.host, sanitizer_run_line(finding)
     where = {None: "", "file": f"attnfuzz's support code it uses is in {SUPPORT_FILE} beside this file.\n",
-             "inline": "attnfuzz's support code it uses is inlined at the end of this file.\n"}[support]
+             "inline": "attnfuzz's support code it uses is inlined near the top of this file.\n"}[support]
     return (f'#!/usr/bin/env python3\n"""attnfuzz reproducer {finding.id}: {finding.title[:150]}\n\n'
             f"Found by attnfuzz target `{finding.target}` on vLLM {host.vllm}, {host.device} ({host.device_name})"
             + (f", with the injected bug `{finding.inject}` (inlined below)" if finding.inject else "") + ".\n"
@@ -245,50 +235,96 @@ def _header(finding, spec: ReproSpec, support: str | None) -> str:
             + (f'print("attnfuzz: this bug shows under compute-sanitizer:  {run}")\n' if run else ""))
 
 
+def _shown(spec: ReproSpec):
+    """The functions main() calls: those of the vLLM calls (`spec.call`) shown in repro.py, each once in order
+    of use; those of prepare and setup imported from the support file. Returns the shown ones with their
+    sources, the import lines repro.py needs, and the support roots its support file must carry."""
+    fns = list(dict.fromkeys(c.fn for c in spec.call))  # the vLLM calls: shown
+    helpers = list(dict.fromkeys(c.fn for c in (*spec.prepare, *spec.setup) if c.fn not in fns))  # imported
+    names = {fn.__name__ for fn in (*fns, *helpers)}
+    if len(names) != len(fns) + len(helpers):
+        raise ValueError("a reproducer calls two support functions of one name")
+    for fn in helpers:
+        if not slicer.is_support(fn.__module__):
+            raise ValueError(f"a reproducer calls support functions only, not {fn.__module__}.{fn.__qualname__}")
+    shown = [slicer.shown(fn, names) for fn in fns]
+    imports = [i for s in shown for i in s.imports]
+    imports += [(f"from {fn.__module__} import {fn.__name__}", fn.__name__, fn) for fn in helpers]
+    roots = {r for s in shown for r in s.roots} | {(fn.__module__, fn.__name__) for fn in helpers}
+    if spec.bounds_checked:
+        imports.append((f"from {_SANITIZER} import SANITIZER", "SANITIZER", None))
+        roots.add((_SANITIZER, "SANITIZER"))
+    bound: dict[str, tuple[str, object]] = {}
+    for line, name, value in imports:  # one meaning per name in repro.py (one object imported by two modules: once)
+        first = bound.setdefault(name, (line, value))
+        if first[0] != line and first[1] is not value:
+            raise ValueError(f"two shown functions mean different things by {name!r}: {first[0]!r}, {line!r}")
+    return list(zip(fns, shown)), _grouped([ln for ln, _ in bound.values()]), roots
+
+
+def _grouped(lines: list[str], width: int = 100) -> list[str]:
+    """Import lines, `from m import a` of one module joined (wrapped past `width`), plain imports first."""
+    plain = sorted({ln for ln in lines if not ln.startswith("from ")})
+    names: dict[str, list[str]] = {}
+    for ln in lines:
+        if ln.startswith("from "):
+            module, name = ln[5:].split(" import ")
+            names.setdefault(module, []).append(name)
+    joined = []
+    for module in sorted(names):
+        line = f"from {module} import {', '.join(sorted(set(names[module])))}"
+        if len(line) > width:
+            line = f"from {module} import (\n" + "".join(f"    {n},\n" for n in sorted(set(names[module]))) + ")"
+        joined.append(line)
+    return plain + joined
+
+
 def render(finding, spec: ReproSpec, standalone: bool = False) -> dict[str, str]:
     """The reproducer's files: repro.py, and attnfuzz_support.py beside it where it uses support code
     (`standalone`: inlined into repro.py instead)."""
     cpu = finding.host.device == "cpu"
-    support = dict(spec.support)
+    functions, support_imports, roots = _shown(spec)
+    sources = slicer.slice_support(roots) if roots else {}
+    body = [_line(c) for c in spec.prepare]
     if spec.bounds_checked:
-        support.setdefault("sanitizer", "fuzzer.support.interp.sanitizer")
-    modules = support_modules(support.values()) if support else []
-    body = []
-    if support:
-        names = ", ".join(m.rsplit(".", 1)[-1] + ("" if a == m.rsplit(".", 1)[-1] else f" as {a}")
-                          for a, m in sorted(support.items(), key=lambda am: am[1].rsplit(".", 1)[-1]))
-        body.append(f"from attnfuzz_support import {names}  # attnfuzz's (see the docstring)")
-    body.append(spec.prepare)
-    if spec.bounds_checked:
-        body.append("sanitizer.SANITIZER.install()  # bounds checks on every interpreted Triton load/store")
+        body.append("SANITIZER.install()  # bounds checks on every interpreted Triton load/store")
     if finding.inject:
         body.append("apply()  # the injected bug")
-    body += [_LOAD_TENSORS if spec.tensors else "", spec.setup]
-    body = "\n".join(b.strip("\n") for b in body if b.strip())
+    body += [_LOAD_TENSORS if spec.tensors else "", *(_line(c) for c in spec.setup)]
     judge = spec.judge.name
     judge_lines = (f"problems += {_judge_call(spec)}\n" if judge == "index_contract" else
                    'if error is not None:\n    problems.append(f"raised {type(error).__name__}: {error}")\n'
                    f"else:\n    problems += {_judge_call(spec)}\n")
-    imports = ["import os", "import sys", "import traceback", *spec.imports, *([] if spec.bounds_checked else ["import contextlib"])]
-    imports = sorted(set(imports), key=lambda ln: (ln.startswith("from"), ln))
-    module = ["\n".join(imports) + "\n", _CPU_ENV if cpu else "",
-              "import torch\n" + ("from safetensors.torch import load_file\n" if spec.tensors else ""),
+    report = "".join(f"print({label!r}, {expr})\n" for label, expr in spec.report.items())
+    stdlib = sorted({"import os", "import sys", "import traceback", *([] if spec.bounds_checked else ["import contextlib"])})
+    # Not vLLM: the bounds checker is installed before vLLM's kernels are imported (main() does both).
+    imports = ["import torch", *(["from safetensors.torch import load_file"] if spec.tensors else []),
+               *(["import attnfuzz_support  # noqa: F401 (serves the fuzzer.support modules below)"]
+                 if sources and not standalone else []), *(ln for ln in support_imports if ln != "import torch")]
+    guarded = ("try:  # torch, vLLM and attnfuzz's support code: a failure to import is not the bug's answer\n"
+               + _indent("\n".join(imports), 4) + 'except Exception as e:\n    sys.exit(could_not_run("the imports", e))\n')
+    inlined = (f"\n# ---- {SUPPORT_FILE}, inlined: attnfuzz's support code, the statements this script reaches ----\n"
+               + support_body(sources) + "\n") if sources and standalone else ""
+    module = ["\n".join(stdlib) + "\n", _CPU_ENV if cpu else "", _EXITS, inlined, guarded,
               "\n".join([f'DEVICE = "{"cpu" if cpu else "cuda"}"', *(f"{k} = {v!r}" for k, v in spec.constants.items()),
                          *_saw(finding.verdicts)]) + "\n",
               "\n".join(tensor_literal(k, t) for k, t in spec.literals.items()) + "\n" if spec.literals else ""]
-    main = _MAIN.format(body=_indent(body, 8), call=_indent(spec.call, 12), judge=_indent(judge_lines, 4),
-                        report=_indent(spec.report, 4),
-                        collect="sanitizer.SANITIZER.collect()" if spec.bounds_checked else "contextlib.nullcontext([])")
-    tail = ["\n" + "\n\n".join(inspect.getsource(fn) for fn in repro_judges.FUNCTIONS[judge])]
+    main = _MAIN.format(body=_indent("\n".join(b for b in body if b), 8),
+                        call=_indent("\n".join(_line(c) for c in spec.call), 12),
+                        judge=_indent(judge_lines, 4), report=_indent(report, 4),
+                        collect="SANITIZER.collect()" if spec.bounds_checked else "contextlib.nullcontext([])")
+    tail = []
+    for module_name, group in itertools.groupby(functions, key=lambda f: f[0].__module__):
+        path = module_name.replace(".", "/") + ".py"
+        tail.append(f"\n# ---- the calls main() makes, as attnfuzz makes them ({path}, verbatim) ----\n\n"
+                    + "\n\n".join(s.source.rstrip("\n") + "\n" for _, s in group))
+    tail.append("\n# ---- the check (attnfuzz's fuzzer/artifacts/repro_judges.py, verbatim) ----\n\n"
+                + "\n\n".join(inspect.getsource(fn) for fn in repro_judges.FUNCTIONS[judge]))
     if finding.inject:
-
         tail.append(f"\n# ---- the injected bug ({finding.inject}) ----\n{source(finding.inject)}")
-    if modules and standalone:
-        tail.append(f"\n# ---- {SUPPORT_FILE}, inlined: attnfuzz's support code, each module verbatim ----\n"
-                    + support_body(modules) + '\n\nsys.modules["attnfuzz_support"] = sys.modules[__name__]\n')
-    script = "\n".join(p for p in [_header(finding, spec, None if not modules else "inline" if standalone else "file"),
-                                    *module, main, *tail, '\nif __name__ == "__main__":\n    try:\n        sys.exit(main())\n    except Exception as e:  # in the check itself\n        sys.exit(could_not_run("the check", e))\n'] if p)
-    return {"repro.py": script, **({SUPPORT_FILE: support_file(modules)} if modules and not standalone else {})}
+    header = _header(finding, spec, None if not sources else "inline" if standalone else "file")
+    script = "\n".join(p for p in [header, *module, main, *tail, _ENTRY] if p)
+    return {"repro.py": script, **({SUPPORT_FILE: support_file(sources)} if sources and not standalone else {})}
 
 
 def write_repro(finding, target, root: Path) -> Path:

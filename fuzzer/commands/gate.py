@@ -18,13 +18,16 @@ otherwise (a fresh finding of `attnfuzz run` is open and needs no editing).
 A finding of the gate's campaigns fails the gate, unless a reproducer expected to be present on this release
 has the same target and signature (a known open bug: reported, not failed; a signature is coarse, e.g.
 "output:output", so a known bug can hide a new one of the same symptom until it is fixed).
-Exit codes: 0 passed, 1 failed, 2 usage.
+Exit codes: 0 passed, 1 failed, 2 usage (checked before anything runs: arguments, the reproducers' records, the
+output paths), 3 interrupted (SIGINT, SIGTERM: the campaigns running wind down, the JSON and JUnit say so and list
+what did not run; a failure found before the signal still fails the gate, exit 1).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import subprocess
 import sys
@@ -32,13 +35,16 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from fuzzer import budgets
+from fuzzer import budgets, interrupt
 from fuzzer.artifacts.junit import JUnitCase, JUnitSuite, write_junit
-from fuzzer.env import STATE_DIR, host_info
-from fuzzer.errors import RecordError, UsageError
+from fuzzer.commands.outputs import check_outputs
+from fuzzer.commands.run import host_after_interrupt
+from fuzzer.env import STATE_DIR, host_info, installed_vllm
+from fuzzer.errors import GateError, Interrupted, UsageError
 from fuzzer.records import FindingRecord, read_finding, release_of, verdicts_title
 from fuzzer.run.campaign_process import CampaignOutcome, CampaignSpec, campaign_figures, run_campaigns
 from fuzzer.run.host import host_targets, import_vllm
+from fuzzer.targets.registry import TARGETS
 
 # A finding is kept as first seen: shrinking one can take a thousand cases, and the gate's time must stay bounded
 # (`attnfuzz run` with the campaign's target, dtype and seed shrinks it).
@@ -47,10 +53,6 @@ NO_SHRINK = ("--no-shrink",)
 # context on every case would otherwise cost a fresh worker per case until the campaign's timeout.
 STOP_AT_FIRST = ("--max-findings", "1")
 PASSING = {"known", "now-passes", "fixed"}
-
-
-class GateError(ValueError):
-    """A malformed reproducer record or argument: exit 2, naming the file and field."""
 
 
 # -- reproducers ---------------------------------------------------------------------------------------
@@ -71,7 +73,7 @@ class ReproResult:
     target: str
     status: str
     expected: str  # present | absent | - (skipped)
-    outcome: str  # known | now-passes | fixed | regressed | broken | skipped
+    outcome: str  # known | now-passes | fixed | regressed | broken | skipped | interrupted (not run to its end)
     returncode: int | None = None
     seconds: float = 0.0
     detail: str = ""
@@ -152,7 +154,7 @@ class CampaignResult:
     target: str
     kv_cache_dtype: str | None
     max_examples: int
-    outcome: str  # passed | failed | error | skipped
+    outcome: str  # passed | failed | error | skipped | interrupted (cut short or not run: the gate had a signal)
     examples: int = 0
     seconds: float = 0.0  # the campaign's own figure (cases, shrinking, re-runs)
     wall_seconds: float = 0.0  # its process, vLLM imports included
@@ -189,15 +191,19 @@ def gate_specs(device: str, unavailable: dict[str, str | None], kv_cache_dtypes:
 
 
 def judge_campaign(o: CampaignOutcome, known: dict[tuple[str, str], str] | None = None,
-                   min_pairs: float = 0.0) -> CampaignResult:
+                   min_pairs: float = 0.0, interrupted: str | None = None) -> CampaignResult:
     """`known`: (target, signature) -> id of a reproducer whose bug is expected present on this release.
     `min_pairs`: the share of pairs of knob categories the campaign's cases must cover (a campaign whose cases
-    stay in one corner of the space fails, however clean)."""
+    stay in one corner of the space fails, however clean). `interrupted`: the signal the gate had (its campaigns
+    wound down: one that did not end with a result is interrupted, not an error)."""
     known = known or {}
     s = o.summary or {}
     r = CampaignResult(o.spec.name, o.spec.target, o.spec.kv_cache_dtype, o.spec.max_examples, "passed",
                        examples=s.get("examples", 0), seconds=s.get("seconds", 0.0), wall_seconds=round(o.wall_seconds, 1),
                        emulated=o.emulated)
+    if interrupted and o.returncode not in (0, 1):
+        r.outcome, r.reason = "interrupted", f"cut short after {r.examples} cases: the gate was interrupted by {interrupted}"
+        return r
     if o.error:
         r.outcome, r.reason, r.log = "error", o.error, o.log_tail(30)
         return r
@@ -226,10 +232,13 @@ def judge_campaign(o: CampaignOutcome, known: dict[tuple[str, str], str] | None 
 
 
 # -- reports ---------------------------------------------------------------------------------------------
-def junit_suites(repros: list[ReproResult], campaigns: list[CampaignResult], properties: dict) -> list[JUnitSuite]:
+def junit_suites(repros: list[ReproResult], campaigns: list[CampaignResult], properties: dict,
+                 interrupted: str = "") -> list[JUnitSuite]:
+    """`interrupted`: what the gate says of a signal that cut it short (an error of its own in the XML)."""
     rcases = []
     for r in repros:
-        outcome = {"regressed": "failed", "broken": "error", "skipped": "skipped"}.get(r.outcome, "passed")
+        outcome = {"regressed": "failed", "broken": "error", "skipped": "skipped", "interrupted": "skipped"}.get(
+            r.outcome, "passed")
         rcases.append(JUnitCase(f"{r.id} ({r.target})", outcome, r.seconds, message=r.detail,
                                 details=f"{r.detail}\nrepro: {r.path}/repro.py\n\n{r.log}",
                                 stdout=f"{r.outcome}: {r.detail}\n{r.log}" if outcome == "passed" else ""))
@@ -237,10 +246,14 @@ def junit_suites(repros: list[ReproResult], campaigns: list[CampaignResult], pro
     for c in campaigns:
         figures = f"{c.figures}, budget {c.max_examples}"
         message = c.reason.splitlines()[0] if c.reason else figures
-        ccases.append(JUnitCase(c.name, c.outcome, c.wall_seconds, message=message[:500],
+        ccases.append(JUnitCase(c.name, "skipped" if c.outcome == "interrupted" else c.outcome, c.wall_seconds,
+                                message=message[:500],
                                 details=f"{c.reason}\n{figures}\n\n{c.log}".strip(),
                                 stdout=f"{figures}\n{c.reason}".strip() if c.outcome == "passed" else ""))
-    return [JUnitSuite("repros", rcases, properties), JUnitSuite("campaigns", ccases, properties)]
+    suites = [JUnitSuite("repros", rcases, properties), JUnitSuite("campaigns", ccases, properties)]
+    if interrupted:  # an error of its own: CI must never read a cut-short gate as green
+        suites.append(JUnitSuite("gate", [JUnitCase("interrupted", "error", message=interrupted)], properties))
+    return suites
 
 
 def add_parser(subparsers) -> None:
@@ -261,71 +274,120 @@ def add_parser(subparsers) -> None:
     g.add_argument("--no-campaigns", action="store_true", help="skip the campaign step")
 
 
+def check_arguments(args: argparse.Namespace, out: Path) -> None:
+    """What the gate refuses before vLLM loads and before anything runs (GateError, UsageError: exit 2)."""
+    if not math.isfinite(args.budget_scale) or args.budget_scale <= 0:
+        raise GateError(f"--budget-scale {args.budget_scale}: must be a finite number more than 0 (it multiplies "
+                        f"every campaign's budget)")
+    if not math.isfinite(args.min_pair_coverage) or not 0 <= args.min_pair_coverage <= 1:
+        raise GateError(f"--min-pair-coverage {args.min_pair_coverage}: a share of the pairs, from 0 to 1")
+    if args.jobs is not None and args.jobs < 1:
+        raise GateError(f"--jobs {args.jobs}: must be 1 or more")
+    if args.no_repros and args.no_campaigns:
+        raise GateError("--no-repros with --no-campaigns: nothing to test (a gate that tests nothing cannot pass)")
+    for t in target_list(args.targets) or ():
+        if t not in TARGETS:
+            raise GateError(f"--targets: unknown target {t!r}; known: {', '.join(TARGETS)}")
+    check_outputs(files={"--junit": args.junit, "--json": args.json}, dirs={"--out": out})
+
+
+def target_list(option: str | None) -> list[str] | None:
+    return [t.strip() for t in option.split(",")] if option else None
+
+
 def main(args: argparse.Namespace, device: str) -> int:
 
     start = time.monotonic()
     out = args.out or STATE_DIR / "gate"
     try:
-        if args.budget_scale <= 0:
-            raise GateError(f"--budget-scale {args.budget_scale}: must be > 0")
+        check_arguments(args, out)
         records = [] if args.no_repros else find_repros(args.repros)
+    except (GateError, UsageError) as e:  # a RecordError is a UsageError
+        print(f"attnfuzz gate: {e}", file=sys.stderr)
+        return 2
+    only = target_list(args.targets)
+    vllm_version, host, stopped = installed_vllm(), None, None
+    repro_results: list[ReproResult] = []
+    campaign_results: list[CampaignResult] = []
+    specs: list[CampaignSpec] | None = None  # None: not planned (the signal came first)
+    try:  # vLLM's import and the reproducers: a signal raises Interrupted here (fuzzer/interrupt.py)
+        interrupt.check()  # one that came while the commands were imported
         try:
             vllm_version = import_vllm()
         except UsageError as e:
-            raise GateError(str(e)) from e
+            print(f"attnfuzz gate: {e}", file=sys.stderr)
+            return 2
         unavailable, dtypes = host_targets(device)
-        only = [t.strip() for t in args.targets.split(",")] if args.targets else None
-        for t in only or ():
-            if t not in unavailable:
-                raise GateError(f"--targets: unknown target {t!r}; known: {', '.join(unavailable)}")
-    except (GateError, RecordError) as e:
-        print(f"attnfuzz gate: {e}", file=sys.stderr)
-        return 2
-    host = host_info(device)
-    print(f"attnfuzz gate on {device} ({host.device_name}), vLLM {vllm_version}: {len(records)} reproducer(s)", flush=True)
+        host = host_info(device)
+        print(f"attnfuzz gate on {device} ({host.device_name}), vLLM {vllm_version}: {len(records)} reproducer(s)",
+              flush=True)
 
-    repro_results = []
-    for rec in records:
-        r = replay(rec, device, vllm_version, unavailable, out / "repro-logs", budgets.REPRO_TIMEOUT_S[device])
-        repro_results.append(r)
-        print(f"  repro {r.id}: {r.outcome} ({r.seconds:.1f} s) {r.detail}", flush=True)
+        for rec in records:
+            r = replay(rec, device, vllm_version, unavailable, out / "repro-logs", budgets.REPRO_TIMEOUT_S[device])
+            repro_results.append(r)
+            print(f"  repro {r.id}: {r.outcome} ({r.seconds:.1f} s) {r.detail}", flush=True)
 
-    campaign_results: list[CampaignResult] = []
-    if not args.no_campaigns:
-        known = {(rec.target, rec.signature): rec.id for rec in records if rec.expects_bug(vllm_version)}
-        per_target: dict[str, tuple[str, ...]] = {}
-        for target, sig in known:
-            per_target[target] = per_target.get(target, ()) + (sig,)
-        specs, skipped = gate_specs(device, unavailable, dtypes, args.seed, args.budget_scale, only, per_target)
-        for s in skipped:
-            print(f"  campaign {s.name}: skipped ({s.reason})", flush=True)
+        if not args.no_campaigns:
+            known = {(rec.target, rec.signature): rec.id for rec in records if rec.expects_bug(vllm_version)}
+            per_target: dict[str, tuple[str, ...]] = {}
+            for target, sig in known:
+                per_target[target] = per_target.get(target, ()) + (sig,)
+            specs, skipped = gate_specs(device, unavailable, dtypes, args.seed, args.budget_scale, only, per_target)
+            for s in skipped:
+                print(f"  campaign {s.name}: skipped ({s.reason})", flush=True)
 
-        def report(o: CampaignOutcome) -> None:
-            r = judge_campaign(o, known, args.min_pair_coverage)
-            print(f"  campaign {r.name}: {r.outcome}, {r.figures}{': ' + r.reason if r.reason else ''}", flush=True)
+            def report(o: CampaignOutcome) -> None:
+                r = judge_campaign(o, known, args.min_pair_coverage, interrupt.received())
+                print(f"  campaign {r.name}: {r.outcome}, {r.figures}{': ' + r.reason if r.reason else ''}", flush=True)
 
-        jobs = args.jobs or 2
-        outcomes = run_campaigns(specs, device, out / "campaigns", budgets.CAMPAIGN_TIMEOUT_S[device], jobs, report)
-        campaign_results = [judge_campaign(o, known, args.min_pair_coverage) for o in outcomes] + skipped
+            jobs = args.jobs or 2
+            # A signal here is passed on to the campaigns running (they wind down) and starts no more.
+            outcomes = run_campaigns(specs, device, out / "campaigns", budgets.CAMPAIGN_TIMEOUT_S[device], jobs, report)
+            campaign_results = [judge_campaign(o, known, args.min_pair_coverage, interrupt.received())
+                                for o in outcomes] + skipped
+    except Interrupted as e:
+        stopped = e.signal
+    interrupt.defer()  # the outputs are written whole; a second signal kills
+    stopped = stopped or interrupt.received()
+    if stopped:  # what did not run to its end is listed as interrupted: no output reads as a finished gate
+        why = f"not run to its end: the gate was interrupted by {stopped}"
+        ran = {r.id for r in repro_results}
+        repro_results += [ReproResult(id=rec.id, path=str(rec.dir), target=rec.target, status=rec.status, expected="-",
+                                      outcome="interrupted", detail=why) for rec in records if rec.id not in ran]
+        done = {c.name for c in campaign_results}
+        campaign_results += [CampaignResult(spec.name, spec.target, spec.kv_cache_dtype, spec.max_examples,
+                                            "interrupted", reason=why) for spec in specs or () if spec.name not in done]
+        host = host or host_after_interrupt(device)
 
-    failed = [r for r in repro_results if r.outcome not in PASSING | {"skipped"}] + \
+    failed = [r for r in repro_results if r.outcome not in PASSING | {"skipped", "interrupted"}] + \
              [c for c in campaign_results if c.outcome in ("failed", "error")]
     seconds = time.monotonic() - start
+    not_run = (f"not run to their end: {sum(r.outcome == 'interrupted' for r in repro_results)} reproducer(s), "
+               f"{sum(c.outcome == 'interrupted' for c in campaign_results)} campaign(s)"
+               + ("" if specs is not None or args.no_campaigns else ", the campaigns never planned"))
     properties = {"device": device, "device_name": host.device_name, "vllm": vllm_version, "torch": host.torch,
                   "triton": host.triton, "seed": str(args.seed), "budget_scale": str(args.budget_scale)}
+    if stopped:
+        properties["interrupted"] = stopped
     if args.junit:
-        write_junit(junit_suites(repro_results, campaign_results, properties), args.junit, "attnfuzz-gate")
+        write_junit(junit_suites(repro_results, campaign_results, properties,
+                                 f"the gate was interrupted by {stopped}; {not_run}" if stopped else ""),
+                    args.junit, "attnfuzz-gate")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
-            "passed": not failed, "seconds": round(seconds, 1), **properties, "seed": args.seed,
+            "passed": not failed and not stopped, "seconds": round(seconds, 1), **properties,
+            "interrupted": bool(stopped), "interrupted_by": stopped, "seed": args.seed,
             "budget_scale": args.budget_scale, "out": str(out),
             "repros": [asdict(r) for r in repro_results], "campaigns": [asdict(c) for c in campaign_results],
         }, indent=1) + "\n")
     news = [r for r in repro_results if r.outcome == "now-passes"]
-    print(f"gate {'PASSED' if not failed else 'FAILED'} in {seconds:.0f} s: "
+    verdict = "FAILED" if failed else "PASSED"
+    if stopped:
+        verdict = f"FAILED (and INTERRUPTED by {stopped})" if failed else f"INTERRUPTED by {stopped}"
+    print(f"gate {verdict} in {seconds:.0f} s: "
           f"{sum(r.outcome in PASSING for r in repro_results)}/{len(repro_results)} reproducers as expected"
           f"{f' ({len(news)} now pass: update their finding.json)' if news else ''}, "
           f"{sum(c.outcome == 'passed' for c in campaign_results)}/{len(campaign_results)} campaigns clean"
-          f" ({sum(c.outcome == 'skipped' for c in campaign_results)} skipped)", flush=True)
-    return 1 if failed else 0
+          f" ({sum(c.outcome == 'skipped' for c in campaign_results)} skipped){'; ' + not_run if stopped else ''}", flush=True)
+    return 1 if failed else 3 if stopped else 0

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from fuzzer.artifacts.campaign_report import render
-from fuzzer.errors import ExitCode
+from fuzzer.commands.outputs import check_outputs
+from fuzzer.errors import ExitCode, UsageError
 
 
 def add_parser(sub) -> None:
@@ -15,6 +16,12 @@ def add_parser(sub) -> None:
 
 
 def main(args, device: str) -> int:
+    if not args.dir.is_dir():
+        raise UsageError(f"{args.dir}: no such directory (a campaign directory is made by `attnfuzz run --out DIR`)")
+    if not (args.dir / "campaign.json").is_file():
+        raise UsageError(f"{args.dir / 'campaign.json'}: no such file (a campaign directory is made by "
+                         f"`attnfuzz run --out DIR`)")
+    check_outputs(files={"report": args.dir / "report.md", "page": args.dir / "report.html"})
     md, page = render(args.dir)  # a RecordError names the file and field: exit 2 (fuzzer/cli.py)
     print(f"{md}\n{page}")
     return ExitCode.CLEAN

@@ -6,13 +6,16 @@ import argparse
 import os
 import re
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
 from fuzzer.artifacts.campaign_report import render, write_campaign
-from fuzzer.artifacts.repro import write_repro
-from fuzzer.env import STATE_DIR, host_info
-from fuzzer.errors import ExitCode, HarnessError, UsageError, WorkerError
+from fuzzer.commands.outputs import unwritable
+from fuzzer.env import STATE_DIR, HostInfo, host_info, installed_vllm
+from fuzzer import interrupt
+from fuzzer.errors import (ExitCode, HarnessError, Interrupted, UsageError, WorkerError, WorkerInjectError,
+                           WorkerUnavailable)
 from fuzzer.mutants import MUTANTS, MutantError, inject
 from fuzzer.mutants import load as load_mutant
 from fuzzer.records import RunSummary
@@ -21,10 +24,11 @@ from fuzzer.run.compute_sanitizer import SanitizerUnavailable, check_driver, fin
 from fuzzer.run.executors import AutoSanitizedExecutor, InProcessExecutor
 from fuzzer.run.host import import_vllm, make_target
 from fuzzer.run.worker import SANITIZED_RECYCLE_AFTER, WorkerExecutor, WorkerSpec
-from fuzzer.search.campaign import SEARCHES, Campaign
-from fuzzer.search.database import example_database
+from fuzzer.search.campaign import SEARCHES, Campaign, CampaignResult
+from fuzzer.search.database import example_database, is_redis
 from fuzzer.search.progress import Progress
-from fuzzer.targets.registry import TARGETS
+from fuzzer.targets.base import RunPlan
+from fuzzer.targets.registry import TARGETS, declared
 from strategies.profiles import PROFILES
 
 
@@ -63,7 +67,9 @@ def add_parser(sub) -> None:
                    help="run every case under compute-sanitizer with this tool; auto: run natively and re-run "
                         "under memcheck each failing case, each new path and a 5%% sample (GPU; worker isolation)")
     r.add_argument("--case-timeout", type=duration, default=300.0, metavar="D",
-                   help="watchdog: a case with no result after this long is a hang (default 300s)")
+                   help="the watchdog's floor (default 300s): a case gets this long, or 10x the slowest recent "
+                        "case if that is longer; one past it runs again on a fresh worker with 4x as long, and only "
+                        "a case that hangs there too is a hang")
     r.add_argument("--no-shrink", action="store_true",
                    help="keep each finding's first case (when every failing case costs a worker restart)")
     r.add_argument("--reruns", type=int, default=3, help="re-runs of each finding to tell flaky ones (default 3)")
@@ -90,10 +96,11 @@ MIN_CASE_TIMEOUT_S = 5.0  # below this every slow case (a first Triton compile, 
 
 
 def validate(args, device: str) -> None:
-    """Every argument and output location checked before vLLM is imported and before the first case runs."""
+    """Every argument and output location checked before vLLM (or torch) is imported and before the first case
+    runs: what it reads of the target is its declarations (fuzzer/targets/declared.py), not the imported class."""
     if args.target not in TARGETS:
         raise UsageError(f"unknown target {args.target!r}; known: {', '.join(TARGETS)}")
-    cls = TARGETS[args.target]
+    cls = declared(args.target)
     if args.max_examples is not None and args.max_examples < 1:
         raise UsageError(f"--max-examples {args.max_examples}: must be 1 or more (a run that tests nothing "
                          f"cannot pass)")
@@ -124,7 +131,7 @@ def validate(args, device: str) -> None:
         if args.inject in MUTANTS:
             meant_for = load_mutant(args.inject).TARGETS
             # A target built on another (the DCP ranks on the emulated DCP step) runs the code its mutants break.
-            if not any(issubclass(cls, TARGETS[name]) for name in meant_for if name in TARGETS):
+            if not any(cls.derives_from(declared(name)) for name in meant_for if name in TARGETS):
                 raise UsageError(f"--inject {args.inject}: the mutant breaks {', '.join(meant_for)}; on "
                                  f"{args.target} it would change nothing")
         elif not Path(args.inject).is_file():
@@ -134,18 +141,10 @@ def validate(args, device: str) -> None:
     for option, where in (("--repros", args.repros), ("--out", args.out), ("--json", args.json and args.json.parent)):
         if where is not None and (why := unwritable(Path(where))):
             raise UsageError(f"{option} {where}: cannot write there ({why})")
-
-
-def unwritable(d: Path) -> str | None:
-    """Why nothing can be written into directory `d` (made if missing), or None."""
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-        probe = d / f".attnfuzz-write-check-{os.getpid()}"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        return e.strerror or type(e).__name__
-    return None
+    if args.db is not None:  # a file, an unknown scheme, a Redis server that does not answer: here, not after start-up
+        example_database(args.db)
+        if not is_redis(args.db) and (why := unwritable(Path(args.db))):
+            raise UsageError(f"--db {args.db}: cannot write there ({why})")
 
 
 def main(args, device: str) -> int:
@@ -154,53 +153,77 @@ def main(args, device: str) -> int:
     validate(args, device)
     if args.workers is not None:  # a fleet: this process runs none of the cases
         return fleet.run_fleet(args, device)
-    in_process = args.isolation == "none" and not args.sanitizer
-    if in_process:  # the cases run here: vLLM loads here, once
-        import_vllm()
-        target = make_target(args.target, device)  # detects the release's API before any mutant patches it
-    else:  # the cases run in a worker: it imports vLLM, checks the target and reports its plan; this process never
-        target = TARGETS[args.target](device)
-    if args.kv_cache_dtype:
-        target.kv_cache_dtypes = (args.kv_cache_dtype,)  # this run's narrowing, on this instance only
-    if args.cudagraph:
-        target.cudagraph_modes = (args.cudagraph,)
-    label = None
-    if args.inject and in_process:
-        try:
-            label = inject(args.inject)
-        except MutantError as e:
-            raise UsageError(str(e)) from e
-    elif args.inject:  # applied in the worker; a file that raises is named there (a usage error, below)
-        label = args.inject if args.inject in MUTANTS else str(Path(args.inject))
-    executor = executor_for(args, target, device)
-    if not in_process:
-        try:
-            ready = executor.start()
-        except WorkerError as e:
-            raise UsageError(worker_failure(str(e))) from e
-        target.adopt(ready.get("plan", {}))
     profile_name = args.profile or ("gpu" if device == "cuda" else "cpu")
     max_examples = args.max_examples if args.max_examples is not None or args.time_budget else 100
-    host = host_info(device)
-    profile = PROFILES[profile_name]
-    if args.max_steps is not None:
-        profile = replace(profile, max_steps=args.max_steps)
-    campaign = Campaign(target, profile, host, executor=executor,
-                        seed=args.seed, max_examples=max_examples, time_budget=args.time_budget, inject=label,
-                        progress=Progress(target.name, args.quiet), pending=STATE_DIR / "pending" / target.name,
-                        journal=STATE_DIR / "journal" / f"{target.name}.json", reruns=args.reruns,
-                        shrink=not args.no_shrink, database=example_database(args.db),
-                        max_findings=args.max_findings, search=args.search, known=tuple(args.known))
-    try:
-        result = campaign.run()
-    except HarnessError as e:
-        print(f"attnfuzz: harness error (a bug in attnfuzz, not in vLLM):\n{e}", file=sys.stderr)
-        return ExitCode.USAGE
-    except WorkerError as e:
-        raise UsageError(str(e)) from e
-    result.startup_seconds = max(0.0, campaign.started_at - getattr(args, "started", campaign.started_at))
+    target = executor = campaign = label = None
+    try:  # start-up (vLLM's import here or in the worker: 17-40 s): a signal raises Interrupted (fuzzer/interrupt.py)
+        interrupt.check()  # one that came while the commands were imported
+        in_process = args.isolation == "none" and not args.sanitizer
+        if not args.quiet:  # the first line: start-up takes tens of seconds on a CPU host before any case runs
+            print(f"{args.target}: starting: {'this process' if in_process else 'a worker process'} imports vLLM and "
+                  f"prepares the target ({'7-20' if device == 'cuda' else '10-40'} s)", file=sys.stderr, flush=True)
+        if in_process:  # the cases run here: vLLM loads here, once
+            import_vllm()
+            target = make_target(args.target, device)  # detects the release's API before any mutant patches it
+        else:  # the cases run in a worker: it imports vLLM, checks the target and reports its plan; this process never.
+            # The worker starts first: its imports (vLLM's, most of the start-up) run while this process does its own.
+            executor = executor_for(args, args.target, device)
+            if isinstance(executor, WorkerExecutor):
+                executor.spawn()
+            with interrupt.deferred():  # the target's module imports torch: a signal raised inside that can crash
+                cls = TARGETS[args.target]
+            interrupt.check()
+            target = cls(device)
+        host = host_info(device)  # imports Triton: for a worker's campaign, while the worker is still starting
+        if args.inject and in_process:
+            try:
+                label = inject(args.inject)
+            except MutantError as e:
+                raise UsageError(str(e)) from e
+        elif args.inject:  # applied in the worker; a file that raises is named there (a usage error, below)
+            label = args.inject if args.inject in MUTANTS else str(Path(args.inject))
+        if executor is None:
+            executor = executor_for(args, target, device)
+        if not in_process:
+            try:
+                ready = executor.start()
+            except WorkerError as e:
+                raise UsageError(worker_failure(e)) from e
+            target.adopt(ready.get("plan", {}))
+        profile = PROFILES[profile_name]
+        if args.max_steps is not None:
+            profile = replace(profile, max_steps=args.max_steps)
+        campaign = Campaign(target, profile, host, executor=executor,
+                            seed=args.seed, max_examples=max_examples, time_budget=args.time_budget, inject=label,
+                            progress=Progress(target.name, args.quiet), pending=STATE_DIR / "pending" / target.name,
+                            journal=STATE_DIR / "journal" / f"{target.name}.json", reruns=args.reruns,
+                            shrink=not args.no_shrink, database=example_database(args.db),
+                            max_findings=args.max_findings, search=args.search, known=tuple(args.known),
+                            plan=run_plan(args))
+    except Interrupted as e:  # before the first case: the outputs all say so, and exit 3
+        if executor is not None:
+            abandon(executor)
+        result = CampaignResult(args.target, interrupted=e.signal)
+        result.startup_seconds = max(0.0, time.monotonic() - getattr(args, "started", time.monotonic()))
+        target = target or TARGETS[args.target](device)
+        if label is None and args.inject:
+            label = args.inject if args.inject in MUTANTS else str(Path(args.inject))
+        host = host_after_interrupt(device)
+        campaign = None
+    interrupt.defer()  # from here a signal is recorded: the campaign winds down on it; outputs are written whole
+    if campaign is not None:
+        try:
+            result = campaign.run()
+        except HarnessError as e:
+            print(f"attnfuzz: harness error (a bug in attnfuzz, not in vLLM):\n{e}", file=sys.stderr)
+            return ExitCode.USAGE
+        except WorkerError as e:
+            raise UsageError(str(e)) from e
+        result.startup_seconds = max(0.0, campaign.started_at - getattr(args, "started", campaign.started_at))
     saved, unsaved = save_findings(result.findings, target, args.repros)
-    campaign.clear_pending([f for f, _ in saved])
+    if campaign is not None:
+        campaign.clear_pending([f for f, _ in saved])
+    result.interrupted = result.interrupted or interrupt.received()  # one after the search, before the outputs
     print_summary(result, saved, unsaved, host, campaign)
     findings = [f for f, _ in saved]
     if args.json:
@@ -218,19 +241,55 @@ def main(args, device: str) -> int:
     return ExitCode.CLEAN
 
 
-def worker_failure(message: str) -> str:
-    """A worker's start-up failure in one line: an unavailable target, an --inject file that raised (its file
-    and line), or where the worker's traceback ended."""
-    if "MutantError: " in message:
-        return message.rsplit("MutantError: ", 1)[1].strip().splitlines()[0]
-    if ": unavailable: " in message:
-        return message.replace(": unavailable: ", " is not available here: ")
-    return message
+def abandon(executor) -> None:
+    """A worker still starting (importing vLLM) when the run is interrupted: killed now, not asked to stop (it
+    would read the request only once its imports are done)."""
+    for worker in (getattr(executor, "native", None), getattr(executor, "sanitized", None), executor):
+        if isinstance(worker, WorkerExecutor):
+            worker._kill()
+
+
+def host_after_interrupt(device: str):
+    """The host, for the outputs of a run interrupted in start-up: an import the signal cut short (torch's, Triton's
+    under vLLM's) may not come back, and then the versions are the installed distributions'."""
+    try:
+        return host_info(device)
+    except Exception:
+        import platform
+        from importlib.metadata import version
+
+        def installed(name: str) -> str:
+            try:
+                return version(name)
+            except Exception:
+                return "unknown"
+
+        return HostInfo(device, "unknown", installed_vllm(), installed("torch"), installed("triton"),
+                        platform.python_version(), os.environ.get("TRITON_INTERPRET") == "1",
+                        hypothesis=installed("hypothesis"))
+
+
+def run_plan(args) -> RunPlan:
+    """What this run narrows the target's cases to: an argument of the campaign, never set on the target."""
+    return RunPlan(kv_cache_dtypes=(args.kv_cache_dtype,) if args.kv_cache_dtype else None,
+                   cudagraph_modes=(args.cudagraph,) if args.cudagraph else None)
+
+
+def worker_failure(e: WorkerError) -> str:
+    """A worker's start-up failure, told by its type: an unavailable target, an --inject that could not be applied
+    (a file that raised: its file and line, in one line), or where the worker's traceback ended."""
+    if isinstance(e, WorkerInjectError):
+        return (e.message.strip().splitlines() or [""])[0]
+    if isinstance(e, WorkerUnavailable):
+        return f"worker for {e.target} is not available here: {e.why}"
+    return str(e)
 
 
 def save_findings(findings, target, repros: Path) -> tuple[list, list]:
     """Each finding's directory under `repros`, or under the state directory where `repros` cannot take it;
     a finding neither can take stays pending (and is listed)."""
+    from fuzzer.artifacts.repro import write_repro  # deferred: it imports torch (seconds); argument errors come first
+
     saved, unsaved = [], []
     for f in findings:
         for root in dict.fromkeys((Path(repros), STATE_DIR / "findings")):
@@ -249,7 +308,9 @@ def save_findings(findings, target, repros: Path) -> tuple[list, list]:
 
 
 def executor_for(args, target, device: str):
-    """Where the campaign's cases run (fuzzer/run/executors.py, fuzzer/run/worker.py)."""
+    """Where the campaign's cases run (fuzzer/run/executors.py, fuzzer/run/worker.py). `target`: the target, or for
+    cases run in a worker process only its name (the worker makes its own)."""
+    name = target if isinstance(target, str) else target.name
 
     if args.sanitizer:
         if device != "cuda":
@@ -262,11 +323,10 @@ def executor_for(args, target, device: str):
             raise UsageError(str(e)) from e
     elif args.isolation == "none":
         return InProcessExecutor(target)
-    spec = WorkerSpec(target.name, device, inject=args.inject, kv_cache_dtypes=tuple(target.kv_cache_dtypes) or None,
-                      cudagraph_modes=tuple(target.cudagraph_modes),
+    spec = WorkerSpec(name, device, inject=args.inject,
                       sanitizer=None if args.sanitizer == "auto" else args.sanitizer, case_timeout=args.case_timeout,
                       recycle_after=SANITIZED_RECYCLE_AFTER if args.sanitizer not in (None, "auto") else 0)
-    logs = STATE_DIR / "workers" / target.name
+    logs = STATE_DIR / "workers" / name
     if args.sanitizer == "auto":
         return AutoSanitizedExecutor(WorkerExecutor(spec, logs / "native"),
                                      WorkerExecutor(replace(spec, sanitizer="memcheck", case_timeout=args.case_timeout * 10,
@@ -278,8 +338,9 @@ def executor_for(args, target, device: str):
 def summary_of(args, result, saved, host, label, profile_name, target) -> RunSummary:
     return RunSummary(
         target=result.target, seed=args.seed, inject=label, profile=profile_name,
-        kv_cache_dtypes=list(target.kv_cache_dtypes), examples=result.examples, seconds=round(result.seconds, 2),
-        cases_per_second=round(result.rate, 2), isolation=args.isolation, sanitizer=args.sanitizer,
+        kv_cache_dtypes=list(run_plan(args).kv_dtypes(target)), examples=result.examples,
+        seconds=round(result.seconds, 2), cases_per_second=round(result.rate, 2), isolation=args.isolation,
+        sanitizer=args.sanitizer,
         workers_started=result.workers_started, checks=result.checks,
         # Which compiled ops were attnfuzz's stand-ins is known once cases ran (in the workers): every result says it.
         host=dict(host.to_dict(), emulated_ops=sorted(result.cases.emulated)),
@@ -307,7 +368,9 @@ def print_summary(result, saved, unsaved, host, campaign) -> None:
     console = Console()
     extra = ", ".join(f"{n} {what}" for n, what in ((result.shrink_cases, "shrinking"), (result.rerun_cases, "re-runs"))
                       if n)
-    cut = f" [bold]INTERRUPTED[/] by {result.interrupted}: the search did not finish;" if result.interrupted else ""
+    cut = "" if not result.interrupted else (
+        f" [bold]INTERRUPTED[/] by {result.interrupted}" + (": the search did not finish;" if result.cases_run else
+                                                            " in start-up, before the first case: nothing tested;"))
     console.print(f"{result.target}: {result.examples} cases{f' (+{extra})' if extra else ''} in {result.seconds:.1f} s "
                   f"({result.rate:.1f}/s, start-up {result.startup_seconds:.1f} s) on {host.device}, vLLM {host.vllm}:"
                   f"{cut} {len(result.findings)} finding(s)", highlight=False)
@@ -333,7 +396,7 @@ def write_campaign_dir(args, result, saved: list, host, inject: str | None, prof
                        max_examples: int | None) -> tuple[Path, Path]:
     """`attnfuzz run --out DIR`: the campaign directory, then its report (paths printed)."""
     options = {"max_examples": None if args.time_budget else max_examples, "time_budget": args.time_budget,
-               "kv_cache_dtypes": list(target.kv_cache_dtypes), "isolation": args.isolation,
+               "kv_cache_dtypes": list(run_plan(args).kv_dtypes(target)), "isolation": args.isolation,
                "sanitizer": args.sanitizer, "reruns": args.reruns, "shrink": not args.no_shrink, "search": args.search}
     write_campaign(args.out, result, host=host, seed=args.seed, inject=inject, profile=profile, options=options,
                    findings_saved=[p for _, p in saved], findings=[f for f, _ in saved])

@@ -12,7 +12,9 @@ reproducers under --repros, default repros/, whose bug is expected present on th
 them) are passed to their target's campaigns as `run --known`: counted, not findings, so that neither a clean
 run fails nor a mutant's campaign stops on them (each row lists the hits). Exit 1 when a mutant
 is missed on any of its targets, a clean run reports a finding, or a campaign breaks; 0 otherwise; 2 on usage
-errors.
+errors (arguments, the reproducers' records and the output paths are checked before anything runs) and when no
+campaign is left to run here; 3 when interrupted (SIGINT, SIGTERM: the campaigns running wind down, every output
+says so and lists what did not run; a failure seen before the signal is still exit 1).
 (Not the `selftest.fault` target: that one tests crash isolation and fails on purpose.)
 """
 
@@ -20,25 +22,30 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from fuzzer import budgets
+from fuzzer import budgets, interrupt
 from fuzzer.artifacts.junit import JUnitCase, JUnitSuite, write_junit
-from fuzzer.env import STATE_DIR, host_info
-from fuzzer.commands.gate import GateError, find_repros
-from fuzzer.errors import RecordError, UsageError
+from fuzzer.commands.gate import find_repros, target_list
+from fuzzer.commands.outputs import check_outputs
+from fuzzer.commands.run import host_after_interrupt
+from fuzzer.env import STATE_DIR, host_info, installed_vllm
+from fuzzer.errors import GateError, Interrupted, RecordError, UsageError
 from fuzzer.mutants import MUTANTS, load, unavailable_on
 from fuzzer.run.campaign_process import CampaignOutcome, CampaignSpec, campaign_figures, run_campaigns
 from fuzzer.run.host import host_targets, import_vllm
+from fuzzer.targets.registry import TARGETS
 
 # Time to find is the measure here: findings are kept as first seen (shrinking is tested elsewhere).
 NO_SHRINK = ("--no-shrink",)
 STOP_AT_FIRST = ("--max-findings", "1")  # a mutant campaign has done its job once it finds something
 VERDICTS = {"found": "passed", "found-as-other": "passed", "clean": "passed", "skipped": "skipped",
-            "missed": "failed", "false-finding": "failed", "error": "error"}
+            "missed": "failed", "false-finding": "failed", "error": "error",
+            "interrupted": "skipped"}  # cut short or not run: the selftest had a signal (its own JUnit error says so)
 
 
 @dataclass
@@ -46,7 +53,7 @@ class SelftestRow:
     mutant: str | None  # None: a clean run
     bug_class: str  # the mutant's BUG_CLASS ("" for a clean run)
     target: str
-    verdict: str  # found | found-as-other | missed | clean | false-finding | error | skipped
+    verdict: str  # found | found-as-other | missed | clean | false-finding | error | skipped | interrupted
     examples_to_find: int | None = None
     seconds_to_find: float | None = None
     examples: int = 0  # the campaign's cases (a mutant's campaign stops at its first finding)
@@ -65,12 +72,22 @@ class SelftestRow:
         return VERDICTS[self.verdict] in ("passed", "skipped")
 
 
-def judge_mutant(mutant: str, bug_class: str, o: CampaignOutcome) -> SelftestRow:
+def cut_short(o: CampaignOutcome, interrupted: str | None) -> str | None:
+    """Why `o` has no verdict: the selftest had a signal and the campaign did not end with a result."""
+    if interrupted and o.returncode not in (0, 1):
+        return f"cut short after {(o.summary or {}).get('examples', 0)} cases: the selftest was interrupted by {interrupted}"
+    return None
+
+
+def judge_mutant(mutant: str, bug_class: str, o: CampaignOutcome, interrupted: str | None = None) -> SelftestRow:
     s = o.summary or {}
     row = SelftestRow(mutant, bug_class, o.spec.target, "missed", examples=s.get("examples", 0),
                       seconds=s.get("seconds", 0.0), wall_seconds=round(o.wall_seconds, 1),
                       found_classes=sorted({c for f in o.findings for c in f.get("bug_classes", [])}),
                       emulated=o.emulated)
+    if why := cut_short(o, interrupted):
+        row.verdict, row.reason = "interrupted", why
+        return row
     if o.error:
         row.verdict, row.reason = "error", o.error
         return row
@@ -89,13 +106,15 @@ def judge_mutant(mutant: str, bug_class: str, o: CampaignOutcome) -> SelftestRow
     return row
 
 
-def judge_clean(o: CampaignOutcome) -> SelftestRow:
+def judge_clean(o: CampaignOutcome, interrupted: str | None = None) -> SelftestRow:
     s = o.summary or {}
     row = SelftestRow(None, "", o.spec.target, "clean", examples=s.get("examples", 0), seconds=s.get("seconds", 0.0),
                       wall_seconds=round(o.wall_seconds, 1),
                       found_classes=sorted({c for f in o.findings for c in f.get("bug_classes", [])}),
                       emulated=o.emulated)
-    if o.error:
+    if why := cut_short(o, interrupted):
+        row.verdict, row.reason = "interrupted", why
+    elif o.error:
         row.verdict, row.reason = "error", o.error
     elif o.findings:
         row.verdict = "false-finding"
@@ -190,77 +209,123 @@ def add_parser(subparsers) -> None:
     p.add_argument("--markdown", type=Path, metavar="PATH", help="write the table as Markdown here")
 
 
+def check_arguments(args: argparse.Namespace, out: Path) -> None:
+    """What the selftest refuses before vLLM loads and before any campaign runs (GateError, UsageError: exit 2)."""
+    for m in args.mutant or ():
+        if m not in MUTANTS:
+            raise GateError(f"--mutant {m!r} is not a built-in mutant; known: {', '.join(MUTANTS)}")
+    if not math.isfinite(args.budget_scale) or args.budget_scale <= 0:
+        raise GateError(f"--budget-scale {args.budget_scale}: must be a finite number more than 0 (it multiplies "
+                        f"every campaign's budget)")
+    if args.jobs is not None and args.jobs < 1:
+        raise GateError(f"--jobs {args.jobs}: must be 1 or more")
+    for t in target_list(args.targets) or ():
+        if t not in TARGETS:
+            raise GateError(f"--targets: unknown target {t!r}; known: {', '.join(TARGETS)}")
+    check_outputs(files={"--markdown": args.markdown, "--json": args.json, "--junit": args.junit}, dirs={"--out": out})
+    if args.repros.is_dir():
+        find_repros(args.repros)  # a malformed record is named now, not after vLLM's import
+
+
 def main(args: argparse.Namespace, device: str) -> int:
 
     start = time.monotonic()
-    for m in args.mutant or ():
-        if m not in MUTANTS:
-            print(f"attnfuzz selftest: --mutant {m!r} is not a built-in mutant; known: {', '.join(MUTANTS)}", file=sys.stderr)
-            return 2
-    if args.budget_scale <= 0:
-        print(f"attnfuzz selftest: --budget-scale {args.budget_scale}: must be > 0", file=sys.stderr)
-        return 2
-    try:
-        vllm_version = import_vllm()
-    except UsageError as e:
-        print(f"attnfuzz selftest: {e}", file=sys.stderr)
-        return 2
-    unavailable, _ = host_targets(device)
-    targets = [t.strip() for t in args.targets.split(",")] if args.targets else None
-    for t in targets or ():
-        if t not in unavailable:
-            print(f"attnfuzz selftest: --targets: unknown target {t!r}; known: {', '.join(unavailable)}", file=sys.stderr)
-            return 2
-    try:
-        known = known_open_bugs(args.repros, vllm_version)
-    except (GateError, RecordError) as e:
-        print(f"attnfuzz selftest: {e}", file=sys.stderr)
-        return 2
-    runs, skipped = plan(device, unavailable, args.seed, args.budget_scale, args.mutant, not args.no_clean, targets,
-                         known)
-    host = host_info(device)
-    print(f"attnfuzz selftest on {device} ({host.device_name}), vLLM {vllm_version}: {len(runs)} campaigns, "
-          f"{len(skipped)} skipped", flush=True)
-    by_spec = {spec: (mutant, cls) for mutant, cls, spec in runs}
-
-    def judge(o: CampaignOutcome) -> SelftestRow:
-        mutant, cls = by_spec[o.spec]
-        return judge_mutant(mutant, cls, o) if mutant else judge_clean(o)
-
-    def report(o: CampaignOutcome) -> None:
-        r = judge(o)
-        found = f" after {r.examples_to_find} cases ({r.seconds_to_find:.1f} s)" if r.examples_to_find is not None else ""
-        figures = campaign_figures(r.examples, r.seconds, r.wall_seconds, r.emulated)
-        print(f"  {r.name}: {r.verdict}{found}; {figures}{': ' + r.reason if r.reason else ''}", flush=True)
-
     out = args.out or STATE_DIR / "selftest"
-    jobs = args.jobs or 2
-    outcomes = run_campaigns([spec for _, _, spec in runs], device, out, budgets.CAMPAIGN_TIMEOUT_S[device], jobs, report)
-    rows = [judge(o) for o in outcomes] + skipped
-    for r in skipped:
-        print(f"  {r.name}: skipped ({r.reason})")
+    try:
+        check_arguments(args, out)
+    except (GateError, UsageError) as e:  # a RecordError is a UsageError
+        print(f"attnfuzz selftest: {e}", file=sys.stderr)
+        return 2
+    targets = target_list(args.targets)
+    vllm_version, host, stopped = installed_vllm(), None, None
+    runs: list[tuple[str | None, str, CampaignSpec]] | None = None  # None: not planned (the signal came first)
+    rows: list[SelftestRow] = []
+    try:  # vLLM's import: a signal raises Interrupted here (fuzzer/interrupt.py)
+        interrupt.check()  # one that came while the commands were imported
+        try:
+            vllm_version = import_vllm()
+        except UsageError as e:
+            print(f"attnfuzz selftest: {e}", file=sys.stderr)
+            return 2
+        unavailable, _ = host_targets(device)
+        try:
+            known = known_open_bugs(args.repros, vllm_version)
+        except (GateError, RecordError) as e:
+            print(f"attnfuzz selftest: {e}", file=sys.stderr)
+            return 2
+        runs, skipped = plan(device, unavailable, args.seed, args.budget_scale, args.mutant, not args.no_clean,
+                             targets, known)
+        host = host_info(device)
+        print(f"attnfuzz selftest on {device} ({host.device_name}), vLLM {vllm_version}: {len(runs)} campaigns, "
+              f"{len(skipped)} skipped", flush=True)
+        if not runs:
+            for r in skipped:
+                print(f"  {r.name}: skipped ({r.reason})")
+            print("attnfuzz selftest: no campaign to run here (every one selected is skipped): nothing would be "
+                  "tested", file=sys.stderr)
+            return 2
+        by_spec = {spec: (mutant, cls) for mutant, cls, spec in runs}
+
+        def judge(o: CampaignOutcome) -> SelftestRow:
+            mutant, cls = by_spec[o.spec]
+            return judge_mutant(mutant, cls, o, interrupt.received()) if mutant else judge_clean(o, interrupt.received())
+
+        def report(o: CampaignOutcome) -> None:
+            r = judge(o)
+            found = f" after {r.examples_to_find} cases ({r.seconds_to_find:.1f} s)" if r.examples_to_find is not None else ""
+            figures = campaign_figures(r.examples, r.seconds, r.wall_seconds, r.emulated)
+            print(f"  {r.name}: {r.verdict}{found}; {figures}{': ' + r.reason if r.reason else ''}", flush=True)
+
+        jobs = args.jobs or 2
+        # A signal here is passed on to the campaigns running (they wind down) and starts no more.
+        outcomes = run_campaigns([spec for _, _, spec in runs], device, out, budgets.CAMPAIGN_TIMEOUT_S[device], jobs,
+                                 report)
+        rows = [judge(o) for o in outcomes] + skipped
+        for r in skipped:
+            print(f"  {r.name}: skipped ({r.reason})")
+    except Interrupted as e:
+        stopped = e.signal
+    interrupt.defer()  # the outputs are written whole; a second signal kills
+    stopped = stopped or interrupt.received()
+    if stopped:  # what did not run to its end is listed as interrupted: no output reads as a finished selftest
+        why = f"not run to its end: the selftest was interrupted by {stopped}"
+        done = {(r.mutant, r.target) for r in rows}
+        rows += [SelftestRow(mutant, cls, spec.target, "interrupted", reason=why) for mutant, cls, spec in runs or ()
+                 if (mutant, spec.target) not in done]
+        host = host or host_after_interrupt(device)
     bad = failures(rows, args.strict_classes)
     seconds = time.monotonic() - start
     table = markdown_table(rows)
+    cut = (f"{sum(r.verdict == 'interrupted' for r in rows)} campaign(s) not run to their end"
+           + ("" if runs is not None else ", the campaigns never planned") if stopped else "")
     print(table)
     properties = {"device": device, "device_name": host.device_name, "vllm": vllm_version, "seed": str(args.seed),
                   "budget_scale": str(args.budget_scale)}
+    if stopped:
+        properties["interrupted"] = stopped
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(table + "\n")
+        args.markdown.write_text((f"**INTERRUPTED by {stopped}**: {cut}.\n\n" if stopped else "") + table + "\n")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"passed": not bad, "seconds": round(seconds, 1), **properties,
+        args.json.write_text(json.dumps({"passed": not bad and not stopped, "seconds": round(seconds, 1), **properties,
+                                         "interrupted": bool(stopped), "interrupted_by": stopped,
                                          "rows": [asdict(r) for r in rows]}, indent=1) + "\n")
     if args.junit:
         cases = [JUnitCase(r.name, "failed" if r in bad and r.ok else VERDICTS[r.verdict], r.wall_seconds,
                            message=r.reason or r.verdict, details=r.reason,
                            stdout=f"{r.verdict}: {r.reason}".strip(": ") if r.ok else "") for r in rows]
+        if stopped:  # an error of its own: CI must never read a cut-short selftest as green
+            cases.append(JUnitCase("interrupted", "error", message=f"the selftest was interrupted by {stopped}: {cut}"))
         write_junit([JUnitSuite("selftest", cases, properties)], args.junit, "attnfuzz-selftest")
     mutants = [r for r in rows if r.mutant and r.verdict != "skipped"]
     cleans = [r for r in rows if not r.mutant and r.verdict != "skipped"]
-    print(f"selftest {'PASSED' if not bad else 'FAILED'} in {seconds:.0f} s: "
+    verdict = "FAILED" if bad else "PASSED"
+    if stopped:
+        verdict = f"FAILED (and INTERRUPTED by {stopped})" if bad else f"INTERRUPTED by {stopped}"
+    print(f"selftest {verdict} in {seconds:.0f} s: "
           f"{sum(r.verdict == 'found' for r in mutants)}/{len(mutants)} mutant campaigns found their bug under its class, "
           f"{sum(r.verdict == 'found-as-other' for r in mutants)} under another, "
-          f"{sum(r.verdict == 'clean' for r in cleans)}/{len(cleans)} clean runs clean", flush=True)
-    return 1 if bad else 0
+          f"{sum(r.verdict == 'clean' for r in cleans)}/{len(cleans)} clean runs clean"
+          + (f"; {cut}" if stopped else ""), flush=True)
+    return 1 if bad else 3 if stopped else 0

@@ -14,6 +14,10 @@ import traceback
 from pathlib import Path
 from types import ModuleType
 
+# This package's own module is never inlined into a reproducer (`source()` inlines a mutant's file and
+# _kernel_patch.py only), so it may import attnfuzz's errors; the mutant files may not.
+from fuzzer.errors import MutantError  # noqa: F401 (re-exported: `from fuzzer.mutants import MutantError`)
+
 MUTANTS: dict[str, str] = {
     "remap-no-length-check": "fuzzer.mutants.remap_no_length_check",
     "remap-count-past-table": "fuzzer.mutants.remap_count_past_table",
@@ -49,10 +53,6 @@ MUTANTS: dict[str, str] = {
 
 
 APPLIED: list[str] = []  # what `inject` applied in this process (a multi-process target replays it in its ranks)
-
-
-class MutantError(RuntimeError):
-    """The mutant cannot be applied to the installed vLLM (the code it patches is not there)."""
 
 
 def unavailable_on(mod: ModuleType, device: str) -> str | None:

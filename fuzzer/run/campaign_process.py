@@ -19,10 +19,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
+from fuzzer import interrupt
 from fuzzer.errors import RecordError
 from fuzzer.records import RunSummary
 
 ROOT = Path(__file__).resolve().parents[2]
+# After a signal to this process, how long a running campaign may take to wind down (finish its case, save what it
+# found, write its summary saying it was interrupted) before it is killed; a second signal kills this process.
+STOP_GRACE_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -122,11 +126,7 @@ def run_campaign(spec: CampaignSpec, device: str, workdir: Path, timeout_s: floa
         # Own process group: a campaign past its limit is ended with its worker processes.
         proc = subprocess.Popen(spec.argv(device, workdir), cwd=ROOT, env=env, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc: int | None = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            _end_group(proc)
-            rc = None
+        rc = _wait(proc, timeout_s)
     seconds = time.monotonic() - start
     summary_path = workdir / "summary.json"
     try:
@@ -136,8 +136,26 @@ def run_campaign(spec: CampaignSpec, device: str, workdir: Path, timeout_s: floa
     return CampaignOutcome(spec, rc, seconds, summary, log)
 
 
-def _end_group(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+def _wait(proc: subprocess.Popen, timeout_s: float) -> int | None:
+    """The campaign's exit status; None: it ran past `timeout_s` and was ended. A signal to this process
+    (fuzzer/interrupt.py) is passed on as SIGTERM: the campaign winds down and writes its summary (exit 3 when it
+    found nothing), or is killed after STOP_GRACE_S."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return proc.wait(timeout=max(0.01, min(0.5, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            pass
+        if interrupt.received():
+            _end_group(proc, grace=STOP_GRACE_S)
+            return proc.returncode
+        if time.monotonic() >= deadline:
+            _end_group(proc)
+            return None
+
+
+def _end_group(proc: subprocess.Popen, grace: float = 10) -> None:
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10)):
         try:
             os.killpg(proc.pid, sig)
             proc.wait(timeout=wait)
@@ -150,12 +168,16 @@ def _end_group(proc: subprocess.Popen) -> None:
 
 def run_campaigns(specs: list[CampaignSpec], device: str, root: Path, timeout_s: float, jobs: int = 1,
                   on_done: Callable[[CampaignOutcome], None] | None = None) -> list[CampaignOutcome]:
-    """Run each spec (up to `jobs` at a time) in `root/<slug>/`; outcomes in the order of `specs`."""
-    def one(spec: CampaignSpec) -> CampaignOutcome:
+    """Run each spec (up to `jobs` at a time) in `root/<slug>/`; outcomes in the order of `specs`. After a signal
+    (fuzzer/interrupt.py) no campaign starts and those running wind down: the outcomes are those of the campaigns
+    that ran (the caller sees `interrupt.received()`)."""
+    def one(spec: CampaignSpec) -> CampaignOutcome | None:
+        if interrupt.received():
+            return None
         outcome = run_campaign(spec, device, root / spec.slug, timeout_s)
         if on_done:
             on_done(outcome)
         return outcome
 
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        return list(pool.map(one, specs))
+    with interrupt.deferred(), ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:  # the threads poll for it
+        return [o for o in pool.map(one, specs) if o is not None]

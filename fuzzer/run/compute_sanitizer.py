@@ -17,14 +17,12 @@ import shutil
 import subprocess
 from dataclasses import asdict, dataclass
 
+from fuzzer.errors import SanitizerUnavailable
+
 TOOLS = ("memcheck", "initcheck", "racecheck", "synccheck")
 # What a worker under compute-sanitizer must have in its environment, and must not.
 SANITIZED_ENV = {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}
 SANITIZED_ENV_REMOVE = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # expandable_segments lives there
-
-
-class SanitizerUnavailable(RuntimeError):
-    pass
 
 
 def find_compute_sanitizer() -> str:

@@ -26,7 +26,10 @@ def make_target(name: str, device: str) -> Target:
     why = target.unavailable()
     if why:
         raise UsageError(f"target {name} is not available here: {why}")
-    target.prepare()
+    try:
+        target.prepare()
+    except vllm_api.TargetUnavailable as e:  # what unavailable() did not look for: still this release's lack
+        raise UsageError(f"target {name} is not available here: {e}") from e
     return target
 
 

@@ -22,15 +22,17 @@ import subprocess
 import sys
 import time
 import traceback
+from collections import deque
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 from fuzzer.env import die_with_parent, prepare_process
-from fuzzer.errors import HarnessFailure, WorkerError
+from fuzzer.errors import HarnessFailure, MutantError, WorkerError, WorkerInjectError, WorkerUnavailable
 from fuzzer.mutants import inject
 from fuzzer.observation import Observation
 from fuzzer.run.compute_sanitizer import dedupe, limit_reached, parse_log, sanitized_env, sanitizer_command
+from fuzzer.targets.base import lost_device
 from fuzzer.targets.registry import TARGETS
 from fuzzer.targets.vllm_api import import_vllm
 from oracles.verdict import Verdict
@@ -45,10 +47,8 @@ class WorkerSpec:
     target: str
     device: str
     inject: str | None = None
-    kv_cache_dtypes: tuple[str, ...] | None = None
-    cudagraph_modes: tuple[str, ...] | None = None
     sanitizer: str | None = None  # a compute-sanitizer tool, or None for a native worker
-    case_timeout: float = 300.0  # seconds for one case before the worker counts as hung
+    case_timeout: float = 300.0  # the watchdog's floor: seconds for one case before the worker counts as hung
     startup_timeout: float = 900.0  # vLLM import, target set-up and (sanitized) tool start
     # Cases before a worker is replaced by a fresh one (0: never). A sanitized worker's device memory grows while
     # PyTorch holds nothing between cases (initcheck workers run out of it after some hundreds of cases): a fresh
@@ -59,16 +59,23 @@ class WorkerSpec:
 SANITIZED_RECYCLE_AFTER = 150  # cases per sanitized worker; each fresh one restarts the tool and imports vLLM
 MEMORY_EVERY = 25  # cases between the device-memory lines a CUDA worker logs (a leak shows as a trend)
 MEMORY = "ATTNFUZZ-DEVICE-MEMORY"
+# The watchdog's deadline learns from the cases' own times: HANG_FACTOR times the slowest of the last RECENT_CASES
+# (the spec's case_timeout the floor), so a target of slow cases does not turn working cases into hangs. A case
+# past it runs again on a fresh worker with HANG_CONFIRM times that deadline; only a case that hangs there too is
+# a hang. A case's own time is the wall clock's less what the worker waited for a CPU while it could run (Linux
+# schedstat), so a loaded host's queue is not counted against the case; at most STARVED_CAP times the deadline
+# passes on the wall clock.
+HANG_FACTOR = 10
+RECENT_CASES = 50
+HANG_CONFIRM = 4
+STARVED_CAP = 10
 
 
 # -- the worker process ---------------------------------------------------------------------------------------
 
-def _cuda_error(text: str) -> bool:
-    return "AcceleratorError" in text or "CUDA error" in text or "illegal memory access" in text
-
-
 def _device_lost(obs: Observation) -> bool:
-    return _cuda_error(f"{obs.error_type} {obs.error}")
+    """The case lost the CUDA context: `Target.observe` told it by the exception's type (or a failed synchronize)."""
+    return bool(obs.notes.get("device_lost"))
 
 
 def _lost(spec: WorkerSpec, conn, error: str) -> None:
@@ -109,13 +116,12 @@ def serve(fd: int, spec: WorkerSpec) -> None:
         if why:
             conn.send(("unavailable", why))
             return
-        target.prepare()
-        if spec.kv_cache_dtypes:
-            target.kv_cache_dtypes = tuple(spec.kv_cache_dtypes)
-        if spec.cudagraph_modes:
-            target.cudagraph_modes = tuple(spec.cudagraph_modes)
+        target.prepare()  # no narrowing here: the campaign draws the cases (its RunPlan), the worker runs them
         if spec.inject:
             inject(spec.inject)
+    except MutantError as e:  # an --inject that cannot be applied: the user's to fix, in its own words
+        conn.send(("mutant", str(e)))
+        return
     except Exception:
         conn.send(("failed", traceback.format_exc()))
         return
@@ -140,9 +146,9 @@ def serve(fd: int, spec: WorkerSpec) -> None:
             # the context is gone after a lost device: no oracle can run here, the error is the verdict
             obs, verdicts = run_and_judge(target, case, lost=_device_lost)
         except Exception as e:
-            _sync(spec.device)
+            late = _sync(spec.device)
             print(f"{END} {n}", flush=True)
-            if spec.device == "cuda" and _cuda_error(f"{type(e).__name__} {e}"):
+            if spec.device == "cuda" and (lost_device(e) or late):  # by its type, or a device that fails every call
                 _lost(spec, conn, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
             conn.send(("harness", traceback.format_exc()))
             continue
@@ -169,6 +175,27 @@ def _log_device_memory(n: int) -> None:
               f"{torch.cuda.memory_allocated() >> 20} MiB", flush=True)
     except Exception as e:  # the context may be gone: the case's own verdict says so
         print(f"{MEMORY} after case {n}: unavailable ({type(e).__name__})", flush=True)
+
+
+def _run_delays(pid: int) -> dict[tuple[int, int], float]:
+    """Seconds each thread of process `pid` and of its descendants (a sanitized worker runs under the tool) has
+    waited, runnable, for a CPU: /proc's schedstat. Empty where the kernel does not say."""
+    delays, stack = {}, [pid]
+    while stack:
+        p = stack.pop()
+        try:
+            tids = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{p}/task/{tid}/schedstat") as f:
+                    delays[(p, int(tid))] = int(f.read().split()[1]) / 1e9
+                with open(f"/proc/{p}/task/{tid}/children") as f:
+                    stack += [int(c) for c in f.read().split()]
+            except (OSError, ValueError, IndexError):
+                continue
+    return delays
 
 
 def _sync(device: str) -> str | None:
@@ -200,17 +227,34 @@ class WorkerExecutor:
         self._reports_printed = 0
         self._cases_this_worker = 0
         self.ready: dict = {}  # what the last worker reported at start-up: vLLM's version, the target's plan
+        self._awaiting = False  # spawned, its start-up report not read yet
+        self.recent: deque[float] = deque(maxlen=RECENT_CASES)  # the last cases' own seconds, send to reply
+        self._starved_from: dict[tuple[int, int], float] | None = None  # the worker's threads' CPU waits (`_wait`)
 
     def start(self) -> dict:
         """Start the worker now (the campaign would at its first case) and return what it reported."""
-        if self.proc is None or self.proc.poll() is not None:
+        if self._awaiting:  # started by `spawn`: its report is still to come
+            self._await_ready()
+            self._new_log()
+        elif self.proc is None or self.proc.poll() is not None:
             self._kill()
             self._start()
             self._new_log()
         return self.ready
 
+    def spawn(self) -> None:
+        """Start the worker process and return at once: its imports (vLLM's, most of a CPU campaign's start-up) run
+        while this process does its own; `start()` then waits for its report."""
+        if self.proc is None or self.proc.poll() is not None:
+            self._kill()
+            self._spawn()
+
     # worker life
     def _start(self) -> None:
+        self._spawn()
+        self._await_ready()
+
+    def _spawn(self) -> None:
         parent, child = socket.socketpair()
         self.started += 1
         self.log_path = self.log_dir / f"worker-{self.started}.log"
@@ -233,6 +277,10 @@ class WorkerExecutor:
         self._offset = 0
         self._reports_printed = 0  # this worker's sanitizer reports so far (its print limit is per process)
         self._cases_this_worker = 0
+        self._awaiting = True
+
+    def _await_ready(self) -> None:
+        self._awaiting = False
         if not self.conn.poll(self.spec.startup_timeout):
             self._kill()
             raise WorkerError(f"worker for {self.spec.target} did not start within {self.spec.startup_timeout:.0f} s; "
@@ -243,6 +291,10 @@ class WorkerExecutor:
             msg = ("failed", f"the worker exited ({self._exit_status()}) during start-up:\n{self._log_tail()}")
         if msg[0] != "ready":
             self._kill()
+            if msg[0] == "unavailable":
+                raise WorkerUnavailable(self.spec.target, msg[1])
+            if msg[0] == "mutant":
+                raise WorkerInjectError(self.spec.target, msg[1])
             raise WorkerError(f"worker for {self.spec.target}: {msg[0]}: {msg[1]}")
         self.ready = msg[2] if len(msg) > 2 else {}
 
@@ -256,6 +308,7 @@ class WorkerExecutor:
         if self.conn is not None:
             self.conn.close()
         self.proc, self.conn = None, None
+        self._awaiting = False
 
     def _abort(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -304,13 +357,46 @@ class WorkerExecutor:
         return data.decode(errors="replace")
 
     # one case
+    def deadline(self) -> float:
+        """Seconds the watchdog gives the next case: HANG_FACTOR times the slowest recent case, at least the
+        spec's case_timeout (--case-timeout)."""
+        return max(self.spec.case_timeout, HANG_FACTOR * max(self.recent, default=0.0))
+
     def check(self, case: Case) -> tuple[Observation, list[Verdict]]:
-        if self.proc is None or self.proc.poll() is not None:
+        deadline = self.deadline()
+        obs, verdicts, log = self._attempt(case, deadline)
+        if obs.error_type == "Hang":  # past the deadline: a hang, or a slow case on a loaded host; ask a fresh worker
+            longer = deadline * HANG_CONFIRM
+            obs, verdicts, again = self._attempt(case, longer)
+            log += again
+            if obs.error_type == "Hang":
+                obs.error = (f"no result within {deadline:.0f} s, nor within {longer:.0f} s on a fresh worker "
+                             f"(watchdog): worker killed")
+                obs.notes["watchdog"] = {"deadline_s": round(deadline, 1), "confirm_s": round(longer, 1)}
+                verdicts = [Verdict("hang", False, obs.error, where="hang")]
+            else:  # no hang: the fresh worker's answer is the case's (its time now raises the deadline)
+                obs.notes["watchdog_retry"] = (f"no result within {deadline:.0f} s; a fresh worker gave one within "
+                                               f"{longer:.0f} s")
+        if self.spec.sanitizer:
+            verdicts = self._sanitizer_verdicts(log, obs) + verdicts
+        self._cases_this_worker += 1
+        if self.spec.recycle_after and self._cases_this_worker >= self.spec.recycle_after and self.proc is not None:
+            self.close()  # asked to stop, so compute-sanitizer writes its summary; the next case starts a fresh one
+            obs.notes["worker_recycled"] = f"after {self._cases_this_worker} cases"
+        return obs, verdicts
+
+    def _attempt(self, case: Case, deadline: float) -> tuple[Observation, list[Verdict], str]:
+        """One run of `case` with the watchdog at `deadline` seconds: its observation, verdicts and the worker's
+        output meanwhile. A hung worker is killed (its stacks first); a case that returned counts toward the
+        deadline of the next."""
+        if self._awaiting:  # spawned early (`spawn`) and never asked for its report: read it first
+            self._await_ready()
+            self._new_log()
+        elif self.proc is None or self.proc.poll() is not None:
             self._kill()
             self._start()
             self._new_log()  # start-up output is not the case's
         self.n += 1
-        start = time.perf_counter()
         try:
             self.conn.send(("case", self.n, case.to_json(None)))
         except (BrokenPipeError, ConnectionError, OSError):  # it died after its last reply: start another
@@ -318,11 +404,12 @@ class WorkerExecutor:
             self._start()
             self._new_log()
             self.conn.send(("case", self.n, case.to_json(None)))
+        start = time.perf_counter()
         verdicts: list[Verdict]
-        if not self.conn.poll(self.spec.case_timeout):
+        if not self._wait(deadline, start):
             self._abort()  # its stacks go to its log, for the report
             obs = Observation(self.spec.target, self.spec.device, error_type="Hang",
-                              error=f"no result within {self.spec.case_timeout:.0f} s (watchdog): worker killed",
+                              error=f"no result within {deadline:.0f} s (watchdog): worker killed",
                               notes={"log_tail": self._log_tail(60)})
             self._kill()
             verdicts = [Verdict("hang", False, obs.error, where="hang")]
@@ -333,6 +420,7 @@ class WorkerExecutor:
                 msg = ("died", self._exit_status())
             if msg[0] == "result":
                 obs, verdicts = msg[1], list(msg[2])
+                self.recent.append(self._own_seconds(start))  # a case's own time (a death's is not)
                 if obs.notes.get("device_lost"):  # it exits now; wait, so the next case starts a fresh one
                     self._exit_status()
                     self._kill()
@@ -346,14 +434,30 @@ class WorkerExecutor:
                                     f"{tail.splitlines()[-1] if tail else '-'}", where=msg[1].replace(" ", "-"))]
                 self._kill()
         obs.seconds = obs.seconds or time.perf_counter() - start
-        log = self._new_log() if self.log_path else ""
-        if self.spec.sanitizer:
-            verdicts = self._sanitizer_verdicts(log, obs) + verdicts
-        self._cases_this_worker += 1
-        if self.spec.recycle_after and self._cases_this_worker >= self.spec.recycle_after and self.proc is not None:
-            self.close()  # asked to stop, so compute-sanitizer writes its summary; the next case starts a fresh one
-            obs.notes["worker_recycled"] = f"after {self._cases_this_worker} cases"
-        return obs, verdicts
+        return obs, verdicts, self._new_log() if self.log_path else ""
+
+    def _wait(self, deadline: float, start: float) -> bool:
+        """Wait for the worker's reply to the case sent at `start` until the case has had `deadline` seconds of its
+        own (`_own_seconds`), or STARVED_CAP times that on the wall clock. True: the reply came."""
+        self._starved_from = None
+        if self.conn.poll(min(deadline, 1.0)):  # most cases: no look at /proc
+            return True
+        self._starved_from = _run_delays(self.proc.pid) if self.proc is not None else {}
+        while True:
+            left = deadline - self._own_seconds(start)
+            if left <= 0 or time.perf_counter() - start >= deadline * STARVED_CAP:
+                return False
+            if self.conn.poll(min(left, 1.0)):
+                return True
+
+    def _own_seconds(self, start: float) -> float:
+        """Seconds since `start` less the longest wait for a CPU of one of the worker's threads since `_wait` began
+        to watch them (a case answered within its first second is not watched: wall-clock seconds)."""
+        wall = time.perf_counter() - start
+        if not self._starved_from or self.proc is None:
+            return wall
+        now = _run_delays(self.proc.pid)
+        return wall - max([0.0, *(d - self._starved_from.get(k, 0.0) for k, d in now.items())])
 
     def _sanitizer_verdicts(self, log: str, obs: Observation) -> list[Verdict]:
 

@@ -23,11 +23,13 @@ from pathlib import Path
 from hypothesis import HealthCheck, Phase, Verbosity, event, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import target as hypothesis_target
-from hypothesis.control import currently_in_test_context
+from hypothesis.control import current_build_context, currently_in_test_context
 from hypothesis.database import DirectoryBasedExampleDatabase
 
+from fuzzer import interrupt
 from fuzzer.env import STATE_DIR, HostInfo
-from fuzzer.errors import HarnessError, HarnessFailure
+from fuzzer.errors import CaseFailed, HarnessError, HarnessFailure
+from fuzzer.errors import StopSearch as _Stop  # ends the Hypothesis run at once (a BaseException)
 from fuzzer.observation import Observation
 from fuzzer.records import Finding
 from fuzzer.search.caselog import CaseLog
@@ -35,7 +37,7 @@ from fuzzer.search.combinations import Combinations
 from fuzzer.search.database import KeepStoredFailures
 from fuzzer.search.pending import Journal, Pending
 from fuzzer.search.progress import Progress
-from fuzzer.targets.base import Target
+from fuzzer.targets.base import WHOLE, RunPlan, Target
 from fuzzer.targets.probes import rarity
 from oracles.verdict import Verdict, primary
 from strategies.case import Case
@@ -46,10 +48,6 @@ RARE_PATH_SCORE = 0.25  # a path, or the case's set of paths, seen at most four 
 CLIMB_MARGIN = 0.1  # an error within 10x of the tolerance (clean cases sit near 1e-3)
 SEARCHES = ("swarm", "plain")
 SWARM_BATCH = 16  # cases per swarm: enough for Hypothesis to explore one, few enough for many per campaign
-
-
-class CaseFailed(Exception):
-    """Raised inside the Hypothesis test for a failing case; subclassed once per signature."""
 
 
 @dataclass
@@ -82,7 +80,7 @@ class Campaign:
                  inject: str | None = None, progress: Progress | None = None, pending: Path | None = None,
                  journal: Path | None = None, reruns: int = 3, shrink: bool = True,
                  database=None, max_findings: int | None = None, search: str = "swarm",
-                 known: tuple[str, ...] = ()) -> None:
+                 known: tuple[str, ...] = (), plan: RunPlan = WHOLE) -> None:
         if search not in SEARCHES:
             raise ValueError(f"search must be one of {SEARCHES}, got {search!r}")
         self.search = search
@@ -93,6 +91,7 @@ class Campaign:
         self.reruns, self.shrink = reruns, shrink
         self.max_findings = max_findings  # stop searching once this many distinct findings are made
         self.target, self.profile, self.host = target, profile, host
+        self.plan = plan  # what this run narrows the target's cases to (run --kv-cache-dtype, --cudagraph)
         self.seed, self.max_examples, self.time_budget, self.inject = seed, max_examples, time_budget, inject
         self.progress = progress or Progress(target.name)
         # Hypothesis's example database (--db: shared by a fleet's workers and hosts); None: .attnfuzz/examples
@@ -100,6 +99,7 @@ class Campaign:
         self.result = CampaignResult(target.name)
         self._failures: dict[str, Finding] = {}
         self._exc_types: dict[str, type[CaseFailed]] = {}
+        self._failed_cases: dict[str, str] = {}  # each failing case's JSON: its signature (Hypothesis's last replay)
         self._start = 0.0
         self._batch_failed = False
         # Known open bugs' signatures (`run --known`): counted as repeats from the start, never raised, saved or
@@ -142,6 +142,7 @@ class Campaign:
                                f"{traceback.format_exc()}") from e
 
     def _test(self, case: Case) -> None:
+        self._raise_reported(case)
         if self._spent():
             raise _Stop()
         if self._out_of_time() and not self._shrinking():
@@ -151,6 +152,17 @@ class Campaign:
             self._run_case(case, started)
         finally:
             self._in_cases += time.perf_counter() - started
+
+    def _raise_reported(self, case: Case) -> None:
+        """Hypothesis replays each failure once more before it reports them (its `is_final` run). The case ran and
+        its failure is recorded: raise it again without running the case, which cost a worker restart per failing
+        case, counted as a searched case, and past --max-examples (--no-shrink) raised a _Stop that Hypothesis
+        grouped with the other failures into a BaseExceptionGroup. Any other run returns: the case runs."""
+        if not currently_in_test_context() or not current_build_context().is_final:
+            return
+        signature = self._failed_cases.get(case.to_json(None))
+        if signature is not None and signature not in self._settled:
+            raise self._exc_types[signature](signature)
 
     def _run_case(self, case: Case, started: float) -> None:
         obs, verdicts = self.check(case)
@@ -181,6 +193,7 @@ class Campaign:
             prior.seconds_to_find if prior else time.monotonic() - self._start,
         )
         self._save_pending(finding)
+        self._failed_cases[case.to_json(None)] = signature
         self._batch_failed = True  # from here on this batch is shrinking: never skip its cases
         exc = self._exc_types.setdefault(signature, type(f"CaseFailed{len(self._exc_types)}", (CaseFailed,), {}))
         raise exc(signature)
@@ -283,11 +296,14 @@ class Campaign:
             self.result.interrupted = signal.Signals(signum).name
             for s in (signal.SIGINT, signal.SIGTERM):  # a second one kills; what was found is pending on disk
                 signal.signal(s, signal.SIG_DFL)
+            interrupt.note(signum)  # the command's handler, restored below, kills on the next one too
 
         main = threading.current_thread() is threading.main_thread()
         previous = {s: signal.signal(s, wind_down) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
+        if main and interrupt.received():  # one came just before (the command records it): no case runs
+            wind_down(signal.Signals[interrupt.received()], None)
         try:
-            space = self.target.cases(self.profile)
+            space = self.target.cases(self.profile, self.plan)
             combos = self.result.cases.combinations = Combinations(space.knobs, self.profile.max_context)
             rng = random.Random(f"swarm/{self.seed}")
             self._resume()
@@ -324,6 +340,9 @@ class Campaign:
                     self._hypothesis(space.strategy(swarm), KeepStoredFailures(db) if self._settled else db, seed, n,
                                      reuse=batch == 0 or swarm is None)
                 except _Stop:
+                    if self.shrink:  # a signal stopped this batch's shrink: its cases are the smallest so far
+                        for signature in set(self._failures) - self._settled:
+                            self._failures[signature].observation.notes["shrink_cut_short"] = True
                     break
                 for signature in set(self._failures) - self._settled:  # this batch's, shrunk to the end
                     self._failures[signature].shrunk = self.shrink
@@ -375,15 +394,13 @@ class Campaign:
             for err in errors:
                 if isinstance(err, HarnessError):
                     raise err
-                if not isinstance(err, CaseFailed):
+                if not isinstance(err, (CaseFailed, _Stop)):
                     raise
+            if any(isinstance(err, _Stop) for err in errors):  # grouped with the failures it reports: they are
+                raise _Stop() from e  # recorded (and pending) already; the campaign stops as a lone _Stop stops it
         finally:
             self.result.cases.stage_seconds["search"] += max(
                 0.0, time.perf_counter() - started - (self._in_cases - in_cases))
-
-
-class _Stop(BaseException):
-    """Raised from a case to end the Hypothesis run at once (not an Exception: Hypothesis lets it through)."""
 
 
 def _flatten(e: BaseException) -> list[BaseException]:

@@ -23,11 +23,9 @@ from typing import Callable
 
 import torch
 
+from fuzzer.support.errors import RankFailed
+
 COLLECTIVE_TIMEOUT_S = 600.0
-
-
-class RankFailed(RuntimeError):
-    """Another rank raised, so this one's collective can never complete."""
 
 
 class LockstepRanks:

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import functools
 import importlib
+import tempfile
 
 import torch
 
+from fuzzer.support import dsv4_runtime
 from fuzzer.support.dsv4_runtime import (  # noqa: F401  the pieces V4.1 shares with V4, re-exported
     ENTRY_BYTES,
     GUARDED,
@@ -68,20 +70,26 @@ def install_standins(device: str) -> tuple[str, ...]:
 
 
 @functools.cache
-def dsv41_config(device: str, state_dir: str):
+def dsv41_config(device: str, state_dir: str | None = None):
     """Process-wide: one real VllmConfig for a DeepSeek-V4.1 model (per-case fields: `configure`), fp8_ds_mla,
-    and the workspace manager."""
+    and the workspace manager. The model's config.json goes under `state_dir` (None: a new temporary directory)."""
     from vllm.config import CacheConfig, DeviceConfig, SchedulerConfig, VllmConfig
     from vllm.v1.worker.workspace import init_workspace_manager, is_workspace_manager_initialized
 
-    cfg = VllmConfig(model_config=model_config(state_dir, "dsv41-model", HF_CONFIG, MAX_MODEL_LEN),
-                     device_config=DeviceConfig(device=device),
+    model = model_config(state_dir or tempfile.mkdtemp(), "dsv41-model", HF_CONFIG, MAX_MODEL_LEN)
+    cfg = VllmConfig(model_config=model, device_config=DeviceConfig(device=device),
                      cache_config=CacheConfig(block_size=128, cache_dtype="fp8_ds_mla"),
                      scheduler_config=SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=256,
                                                       max_model_len=MAX_MODEL_LEN, is_encoder_decoder=False))
     if not is_workspace_manager_initialized():
         init_workspace_manager(torch.device(device))
     return cfg
+
+
+def step_config(device: str, state_dir: str | None = None, **fields):
+    """vLLM's config for the step: the process's DeepSeek-V4.1 VllmConfig with the case's fields set (V4's
+    `configure`)."""
+    return configure(dsv41_config(device, state_dir), **fields)
 
 
 def page_alignment(record: int) -> int:
@@ -122,18 +130,11 @@ def swa_cache_layer(cfg, layer_id: int, window_size: int, block_size: int = SWA_
     aligned to 576; on SM100 (`record` 528) MXFP8 records, pages aligned to 512 and a block stride of whole rows of
     both caches' records (lcm of the two: FlashMLA reads the interleaved records as rows of the whole cache). It
     registers itself in the forward context under its prefix."""
-    from vllm.config import set_current_vllm_config
-
-    swa = importlib.import_module(SWA_MODULE)
-    layer_cls = importlib.import_module(FLASHMLA_LAYER_MODULE).DeepseekV4FlashMLAAttention
-    prefix = f"{layer_prefix(layer_id)}.swa_cache"
-    cfg.compilation_config.static_forward_context.pop(prefix, None)
-    with set_current_vllm_config(cfg):
-        return swa.DeepseekV4SWACache(head_dim=HEAD_DIM, window_size=window_size, dtype=torch.uint8, prefix=prefix,
-                                      cache_config=cfg.cache_config, backend_cls=layer_cls.swa_backend_cls,
-                                      block_size=block_size, packed_bytes_per_token=record,
-                                      packed_page_alignment=page_alignment(record),
-                                      packed_block_stride_alignment=record if record == V41_ENTRY_BYTES else None)
+    return dsv4_runtime.swa_cache_layer(
+        cfg, window_size, block_size, prefix=f"{layer_prefix(layer_id)}.swa_cache", layer_module=FLASHMLA_LAYER_MODULE,
+        packed_bytes_per_token=record,
+        packed_page_alignment=page_alignment(record),
+        packed_block_stride_alignment=record if record == V41_ENTRY_BYTES else None)
 
 
 def _bare_layer(cfg, layer_id: int, compress_ratio: int, source_id: int | None):
@@ -181,3 +182,35 @@ def attention_layers(cfg, compress_ratio: int, kv_source: str, swa_layer, kv_cac
     layer.max_num_batched_tokens = cfg.scheduler_config.max_num_batched_tokens
     layer.max_model_len = cfg.model_config.max_model_len
     return layer
+
+
+# -- the step's calls V4.1 makes its own way (the rest are V4's: dsv4_runtime.build_metadata, forward_mqa) ---------
+
+def step_layer(cfg, compress_ratio: int, kv_source: str, window_size: int, swa_block_size: int, kv_record: int,
+               compressed_block_size: int, entries_per_block: int, swa_pages: torch.Tensor,
+               compressed_pages: torch.Tensor | None, topk_indices_buffer: torch.Tensor, attn_sink: torch.Tensor,
+               num_heads: int):
+    """V4.1's objects for the step: the layer's SWA cache (DeepseekV4SWACache of `kv_record`-byte records) and the
+    compressed K cache of its kv source, raw pages bound as the runner binds them (`compressed_pages` None: a
+    sliding-window layer has none), and the layer, V4.1's DeepseekV4FlashMLAAttention, made without its __init__,
+    with a consumer's kv-source layer beside it (`attention_layers`). Returns (layer, the compressed cache's spec or
+    None, its KV-cache group's prefix: the kv source's)."""
+    layer_id, source_id = layer_ids(compress_ratio, kv_source)
+    swa_layer = swa_cache_layer(cfg, layer_id, window_size, swa_block_size, kv_record)
+    swa_layer.kv_cache = paged(swa_pages, swa_block_size, kv_record)
+    spec = kv_cache = None
+    if compressed_pages is not None:
+        spec = compressed_spec(compress_ratio, compressed_block_size, kv_record)
+        kv_cache = paged(compressed_pages, entries_per_block, kv_record)
+    layer = attention_layers(cfg, compress_ratio, kv_source, swa_layer, kv_cache, topk_indices_buffer, attn_sink,
+                             num_heads)
+    return layer, spec, None if source_id is None else layer_prefix(source_id)
+
+
+def metadata_outputs_v41(swa_md, md=None) -> dict[str, torch.Tensor]:
+    """What V4.1's builders made that the step is judged on: the SWA builder's, as V4's (`metadata_outputs`), and of
+    the compressed builder (it makes no C128A metadata) its slot mapping."""
+    out = metadata_outputs(swa_md)
+    if md is not None:
+        out["compressed_slot_mapping"] = md.slot_mapping.clone()
+    return out

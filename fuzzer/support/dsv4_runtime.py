@@ -6,8 +6,10 @@ layer `DeepseekV4FlashMLAAttention` with the attributes its `forward_mqa` reads.
 here (it builds linears on a TP group, `torch.cuda.Event`s and DeepGEMM's fp8 einsum recipe), so the layer is made
 with `__new__` and given those attributes as `__init__` sets them. Where the host lacks FlashMLA's compiled
 kernels (any CPU), the torch stand-ins of `standins.flashmla_ops` are bound where vLLM's DSv4 modules look them up.
-Also what the target and its reproducers share around the builders: the runner's CommonAttentionMetadata of a
-KV-cache group, the guard on the builders' persistent buffers, and the metadata tensors the step is judged on.
+Also the step's vLLM calls, written once for the target and its reproducers (`prepare_host`, `step_layer`,
+`build_metadata`, `forward_mqa`; V4.1's target calls them too), and what they share: the runner's
+CommonAttentionMetadata of a KV-cache group, the guard on the builders' persistent buffers, and the metadata
+tensors the step is judged on.
 torch and vLLM only (plus attnfuzz's stand-in modules).
 """
 
@@ -15,11 +17,13 @@ from __future__ import annotations
 
 import functools
 import importlib
+import tempfile
 from types import SimpleNamespace
 
 import torch
 
-from fuzzer.support.flashmla_runtime import _has_flashmla_kernels, model_config
+from fuzzer.support.cpu_host import prepare_cpu_host
+from fuzzer.support.flashmla_runtime import _has_flashmla_kernels, define_missing_c_queries, model_config
 from fuzzer.support.standins import flashmla_ops
 
 FLASHMLA_LAYER_MODULE = "vllm.models.deepseek_v4.nvidia.flashmla"
@@ -77,14 +81,27 @@ def cpu_shims() -> tuple[str, ...]:
     return ("workspace manager: torch.accelerator.empty_cache no-op",)
 
 
+def prepare_host(device: str, layer_module: str = FLASHMLA_LAYER_MODULE) -> tuple[list[str], tuple[str, ...]]:
+    """What this host needs before the layer's calls: (shims, FlashMLA ops stood in for). The capability queries
+    ModelConfig makes of a `_C` this build may lack; on a CPU, Triton's interpreter corrected and the accelerator
+    plumbing shimmed; where FlashMLA's compiled kernels are missing (any CPU), its torch stand-ins bound in the
+    layer's module (`layer_module`: V4's or V4.1's) and the SWA builder's."""
+    shims = list(define_missing_c_queries())
+    if device == "cpu":
+        shims += [*prepare_cpu_host(), *cpu_shims()]
+    return shims, bind_standins(device, layer_module, SWA_MODULE)
+
+
 @functools.cache
-def dsv4_config(device: str, state_dir: str):
+def dsv4_config(device: str, state_dir: str | None = None):
     """Process-wide: one real VllmConfig for a DeepSeek-V4 model (per-case fields are set by `configure`), fp8_ds_mla
-    cache of 256-token blocks, and the workspace manager."""
+    cache of 256-token blocks, and the workspace manager. The model's config.json goes under `state_dir` (None: a
+    new temporary directory)."""
     from vllm.config import CacheConfig, DeviceConfig, SchedulerConfig, VllmConfig
     from vllm.v1.worker.workspace import init_workspace_manager, is_workspace_manager_initialized
 
-    cfg = VllmConfig(model_config=model_config(state_dir, "dsv4-model", HF_CONFIG, MAX_MODEL_LEN), device_config=DeviceConfig(device=device),
+    model = model_config(state_dir or tempfile.mkdtemp(), "dsv4-model", HF_CONFIG, MAX_MODEL_LEN)
+    cfg = VllmConfig(model_config=model, device_config=DeviceConfig(device=device),
                      cache_config=CacheConfig(block_size=BLOCK_SIZE, cache_dtype="fp8_ds_mla"),
                      scheduler_config=SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=256,
                                                       max_model_len=MAX_MODEL_LEN, is_encoder_decoder=False))
@@ -107,6 +124,11 @@ def configure(cfg, *, window_size: int, index_topk: int, num_speculative_tokens:
     return cfg
 
 
+def step_config(device: str, state_dir: str | None = None, **fields):
+    """vLLM's config for the step: the process's DeepSeek-V4 VllmConfig with the case's fields set (`configure`)."""
+    return configure(dsv4_config(device, state_dir), **fields)
+
+
 def has_cutedsl() -> bool:
     """vLLM's own test for its CuTe-DSL kernels (`cutlass` importable), which DeepSeek-V4's dequantize-and-gather takes
     in the Triton kernel's place when it passes; False for a release without the test."""
@@ -127,18 +149,19 @@ def compressed_spec(compress_ratio: int):
                             state_content_bytes=ENTRY_BYTES)
 
 
-def swa_cache_layer(cfg, window_size: int, block_size: int = SWA_BLOCK_SIZE):
-    """vLLM's DeepseekV4SWACache for the layer (it registers itself in the forward context under its prefix)."""
+def swa_cache_layer(cfg, window_size: int, block_size: int = SWA_BLOCK_SIZE, prefix: str = f"{LAYER}.swa_cache",
+                    layer_module: str = FLASHMLA_LAYER_MODULE, **packing):
+    """vLLM's DeepseekV4SWACache for the layer of `layer_module` (it registers itself in the forward context under
+    its prefix); `packing`: the record layout V4.1's layer passes (packed_bytes_per_token and its alignments)."""
     from vllm.config import set_current_vllm_config
 
     swa = importlib.import_module(SWA_MODULE)
-    layer_cls = importlib.import_module(FLASHMLA_LAYER_MODULE).DeepseekV4FlashMLAAttention
-    prefix = f"{LAYER}.swa_cache"
+    layer_cls = importlib.import_module(layer_module).DeepseekV4FlashMLAAttention
     cfg.compilation_config.static_forward_context.pop(prefix, None)
     with set_current_vllm_config(cfg):
         return swa.DeepseekV4SWACache(head_dim=HEAD_DIM, window_size=window_size, dtype=torch.uint8, prefix=prefix,
                                       cache_config=cfg.cache_config, backend_cls=layer_cls.swa_backend_cls,
-                                      block_size=block_size)
+                                      block_size=block_size, **packing)
 
 
 def paged(raw: torch.Tensor, entries_per_block: int) -> torch.Tensor:
@@ -248,3 +271,69 @@ def metadata_outputs(swa_md, md=None) -> dict[str, torch.Tensor]:
                     "c128a_decode_lens": md.c128a_decode_topk_lens,
                     "c128a_prefill_indices": md.c128a_prefill_topk_indices})
     return {k: v.clone() for k, v in out.items() if v is not None}
+
+
+# -- the step's calls, as the target makes them and its reproducers show them ------------------------------------
+
+def step_layer(cfg, compress_ratio: int, window_size: int, swa_block_size: int, entries_per_block: int,
+               swa_pages: torch.Tensor, compressed_pages: torch.Tensor | None, topk_indices_buffer: torch.Tensor,
+               attn_sink: torch.Tensor):
+    """vLLM's objects for the step: the layer's SWA cache (DeepseekV4SWACache) and compressed K cache with their raw
+    pages bound as the runner binds them (`compressed_pages` None: a sliding-window layer has none), and the layer,
+    DeepseekV4FlashMLAAttention, made without its __init__ (`attention_layer`). Returns (layer, the compressed cache's
+    spec or None, its KV-cache group's prefix)."""
+    swa_layer = swa_cache_layer(cfg, window_size, swa_block_size)
+    swa_layer.kv_cache = paged(swa_pages, swa_block_size)
+    spec = kv_cache = None
+    if compressed_pages is not None:
+        spec, kv_cache = compressed_spec(compress_ratio), paged(compressed_pages, entries_per_block)
+    layer = attention_layer(cfg, compress_ratio, swa_layer, kv_cache, topk_indices_buffer, attn_sink)
+    return layer, spec, LAYER
+
+
+def build_metadata(cfg, layer, swa_common, compressed_spec, compressed_prefix, compressed_common, device: str,
+                   found: list, guard_compressed: bool = True) -> dict:
+    """The step's metadata, one KV-cache group at a time as the runner builds it: the layer's SWA builder
+    (DeepseekSparseSWAFlashMLAMetadataBuilder) on its sliding-window cache's group, and where the layer has a
+    compressed cache (`compressed_spec`), its backend's builder (DeepseekV4FlashMLAMetadataBuilder) on that cache's
+    group. Each builder's persistent buffers are poisoned first (`guard_buffers`): what a build writes outside its
+    step's views is added to `found`. Returns {group prefix: metadata}, the forward context's."""
+    from vllm.config import set_current_vllm_config
+
+    swa_layer, cls = layer.swa_cache_layer, type(layer)
+    with set_current_vllm_config(cfg), torch.inference_mode():
+        swa_builder = cls.swa_backend_cls.get_builder_cls()(swa_layer.get_kv_cache_spec(cfg), [swa_layer.prefix], cfg,
+                                                             torch.device(device))
+        check = guard_buffers(swa_builder)
+        metadata = {swa_layer.prefix: swa_builder.build(0, swa_common)}
+        found += check(metadata[swa_layer.prefix])
+        if compressed_spec is not None:
+            builder = cls.backend_cls.get_builder_cls()(compressed_spec, [compressed_prefix], cfg, torch.device(device))
+            check = guard_buffers(builder) if guard_compressed else None
+            metadata[compressed_prefix] = builder.build(0, compressed_common)
+            found += check(metadata[compressed_prefix]) if check else []
+    return metadata
+
+
+def forward_mqa(cfg, layer, metadata: dict, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The layer's attention on the step, DeepseekV4FlashMLAAttention.forward_mqa (its decode and prefill routes), in
+    the forward context the runner sets, into an output filled with NaN (rows it does not write stay NaN)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.forward_context import set_forward_context
+
+    with set_current_vllm_config(cfg), torch.inference_mode(), set_forward_context(metadata, cfg):
+        out = torch.full_like(q, float("nan"))
+        layer.forward_mqa(q, None, positions, out)
+    return out
+
+
+def saved_step(T: dict, num_actual_tokens: int):
+    """A reproducer's step from its saved tensors: the runner's CommonAttentionMetadata of each KV-cache group (SWA,
+    compressed: None where the layer has no compressed cache), the two raw caches as the model left them before
+    attention, and a copy of each to compare with after the call."""
+    swa, compressed = (None if f"{group}.block_table" not in T else
+                       common_metadata(T["query_start_loc"], T["seq_lens"], T[f"{group}.block_table"],
+                                       T[f"{group}.slot_mapping"], T["positions"], num_actual_tokens)
+                       for group in ("swa", "compressed"))
+    caches = [T["swa_pages"], T.get("compressed_pages")]
+    return swa, compressed, caches, [None if c is None else c.clone() for c in caches]

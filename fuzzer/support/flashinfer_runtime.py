@@ -21,7 +21,17 @@ from types import SimpleNamespace
 
 import torch
 
-from fuzzer.support.flashmla_runtime import HEAD_SIZE, KV_LORA_RANK, LAYER, QK_NOPE, ROPE_DIM, SM_SCALE, impl_topk_kwargs
+from fuzzer.support.flashmla_runtime import (
+    HEAD_SIZE,
+    KV_LORA_RANK,
+    LAYER,
+    QK_NOPE,
+    ROPE_DIM,
+    SM_SCALE,
+    impl_topk_kwargs,
+    prefill_outputs_under_initcheck,
+)
+from fuzzer.support.sparse_mla_steps import prepare_cpu
 from fuzzer.support.standins import flashinfer_mla
 
 BACKEND_MODULE = "vllm.v1.attention.backends.mla.flashinfer_mla_sparse_sm90"
@@ -76,6 +86,14 @@ def vllm_gate() -> bool:
     return has_flashinfer_sm90_nope_mla()
 
 
+def prepare_sm90_host(device: str):
+    """(vLLM's FLASHINFER_MLA_SPARSE_SM90 backend class, the ops attnfuzz's stand-ins replace, the shims), as
+    sparse_mla_steps.prepare_host for FlashMLA's; on a CPU no graph capture either."""
+    shims = prepare_cpu(device) + (list(cpu_shims()) if device == "cpu" else [])
+    backend_cls, emulated = backend(device)
+    return backend_cls, emulated, shims + list(prefill_outputs_under_initcheck(device))
+
+
 def kv_cache_spec(cfg, kv_cache_dtype: str, block_size: int):
     """MLAAttention.get_kv_cache_spec's spec for this cache: a per-tensor fp8 cache is uint8 (the builder plans its
     FlashInfer kernel for e4m3 from that), a bf16 one bf16."""
@@ -93,7 +111,14 @@ def engine(backend_cls, cfg, spec, heads: int, kv_cache_dtype: str, topk_indices
     context is what the builder reads of MLAAttention: its impl (which must be this backend's), its prefill backend
     (None: every token takes forward_mqa), MLAAttention's own `_use_sparse_mha` (the builder plans the decode prefix
     alone where it says prefills leave for dense MHA), and the kv-cache scale forward_mqa passes FlashInfer (`_k_scale`,
-    `_k_scale_float`: 1.0 unless the checkpoint has one). Call inside `set_current_vllm_config(cfg)`."""
+    `_k_scale_float`: 1.0 unless the checkpoint has one)."""
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(cfg), torch.inference_mode():
+        return _engine(backend_cls, cfg, spec, heads, kv_cache_dtype, topk_indices_buffer, k_scale, device)
+
+
+def _engine(backend_cls, cfg, spec, heads, kv_cache_dtype, topk_indices_buffer, k_scale, device):
     from vllm.model_executor.layers.attention.mla_attention import MLAAttention
 
     impl_cls = backend_cls.get_impl_cls()

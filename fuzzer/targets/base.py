@@ -11,9 +11,11 @@ import time
 import traceback
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
+from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Callable, ClassVar
 
-from fuzzer.errors import HarnessConfigError
+from fuzzer.errors import HarnessConfigError, RankError
 from fuzzer.observation import Observation
 from fuzzer.repro_spec import ReproSpec
 from fuzzer.support.interp.sanitizer import SANITIZER
@@ -22,6 +24,27 @@ from oracles.verdict import Verdict
 from strategies.batches import CaseSpace
 from strategies.case import Case
 from strategies.profiles import Profile
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What one run narrows a target's cases to (`run --kv-cache-dtype`, `run --cudagraph`): an argument of
+    `Target.cases()`, never written onto the target, whose class attributes stay the metadata every run reads.
+    None: every value the target takes."""
+
+    kv_cache_dtypes: tuple[str, ...] | None = None
+    cudagraph_modes: tuple[str, ...] | None = None
+
+    def kv_dtypes(self, target: Target | type[Target]) -> tuple[str, ...]:
+        """The kv-cache dtypes this run draws on `target` (an instance or its class)."""
+        return tuple(self.kv_cache_dtypes or target.kv_cache_dtypes)
+
+    def graph_modes(self, target: Target | type[Target]) -> tuple[str, ...]:
+        """The engines' CUDA-graph modes this run draws on `target`."""
+        return tuple(self.cudagraph_modes or target.cudagraph_modes)
+
+
+WHOLE = RunPlan()  # no narrowing: every case the target takes
 
 
 class Target(ABC):
@@ -52,8 +75,9 @@ class Target(ABC):
             setattr(self, name, plan[name])
 
     @abstractmethod
-    def cases(self, profile: Profile) -> CaseSpace:
-        """The cases this target takes on this vLLM release: a strategy per swarm, and the knobs it turns."""
+    def cases(self, profile: Profile, plan: RunPlan = WHOLE) -> CaseSpace:
+        """The cases this target takes on this vLLM release, as `plan` narrows them: a strategy per swarm, and
+        the knobs it turns."""
 
     @abstractmethod
     def run(self, case: Case) -> Observation:
@@ -80,33 +104,72 @@ class Target(ABC):
                 keep = (lambda v: v.detach()) if self.outputs_stay_on_device else (lambda v: v.detach().cpu())
                 obs.outputs = {k: keep(v) for k, v in call().items() if v is not None}
             except AttributeError as e:
-                if "SimpleNamespace" in str(e):  # vLLM read a config field attnfuzz's namespace lacks
-                    raise HarnessConfigError(f"{self.name}: the config namespace lacks what this vLLM reads: {e}") from e
-                if "'_OpNamespace'" in str(e):  # a compiled op this host's vLLM build lacks, with no stand-in
-                    raise HarnessConfigError(f"{self.name}: this host's vLLM lacks a compiled op and attnfuzz has no "
-                                             f"stand-in for it: {e}") from e
+                harness_fault(self.name, e)  # raises, when the object that lacks the attribute is attnfuzz's
                 obs.error_type, obs.error = type(e).__name__, str(e)[:500]
                 obs.notes["traceback"] = traceback.format_exc(limit=-8)
+                lost = lost_device(e)
             except Exception as e:  # the code under test raised: an observation, not our failure
                 obs.error_type, obs.error = type(e).__name__, str(e).strip().splitlines()[0][:500] if str(e).strip() else ""
                 obs.notes["traceback"] = traceback.format_exc(limit=-8)  # where vLLM raised, for the report
+                lost = lost_device(e)
+            else:
+                lost = False
             if self.device == "cuda":  # asynchronous CUDA errors surface here; the context may be gone after one
                 import torch
 
                 try:
                     torch.cuda.synchronize()
                 except Exception as e:
+                    lost = True  # the device fails every call now (after a launcher's plain RuntimeError too: Triton's)
                     if obs.error_type is None:
                         obs.error_type, obs.error = type(e).__name__, str(e).strip().splitlines()[0][:500]
+            if lost:  # the case cost the process its CUDA context: a worker is replaced (fuzzer/run/worker.py)
+                obs.notes["device_lost"] = True
         obs.memory = list(violations)
         obs.seconds = time.perf_counter() - start
         return obs
 
     real_parts: ClassVar[tuple[str, ...]] = ()
     outputs_stay_on_device: ClassVar[bool] = False  # its oracle takes device tensors (no copy to the CPU per case)
-    kv_cache_dtypes: tuple[str, ...] = ()  # the cache dtypes its cases draw; `run --kv-cache-dtype` narrows it
-    cudagraph_modes: tuple[str, ...] = ("none",)  # the engines' CUDA-graph modes its cases draw; `run --cudagraph` narrows it
+    # Read-only metadata: a run narrows them through its RunPlan (`run --kv-cache-dtype`, `run --cudagraph`).
+    kv_cache_dtypes: ClassVar[tuple[str, ...]] = ()  # the cache dtypes its cases draw
+    cudagraph_modes: ClassVar[tuple[str, ...]] = ("none",)  # the engines' CUDA-graph modes its cases draw
+    # What it needs of the host, read without importing it (fuzzer/targets/declared.py: `attnfuzz list`): literals.
+    needs_vllm: ClassVar[bool] = True  # False: it runs no vLLM (the harness self-test)
+    cuda_gpus: ClassVar[int] = 1  # GPUs it needs on a CUDA host (a CPU host emulates what it needs)
 
+
+
+def harness_fault(target: str, e: AttributeError) -> None:
+    """Raise a HarnessConfigError when the object `e` found lacking an attribute is one attnfuzz handed vLLM, told by
+    the object's type (`e.obj`, set by Python's attribute lookup), never by the message: a config namespace
+    (SimpleNamespace: attnfuzz built it without a field this vLLM reads) or torch's op namespace (this host's vLLM
+    build lacks a compiled op, and attnfuzz has no stand-in for it). Anything else is the code under test's own
+    AttributeError: an observation."""
+    import torch
+
+    if isinstance(e.obj, SimpleNamespace):
+        raise HarnessConfigError(f"{target}: the config namespace lacks what this vLLM reads: {e}") from e
+    if isinstance(e.obj, torch._ops._OpNamespace):
+        raise HarnessConfigError(f"{target}: this host's vLLM lacks a compiled op and attnfuzz has no stand-in for "
+                                 f"it: {e}") from e
+
+
+def lost_device(e: BaseException, device: str | None = None) -> bool:
+    """Whether the exception `e` cost this process its CUDA context, told by its type: torch raises every CUDA error
+    as an AcceleratorError (torch >= 2.8; the stand-ins raise it too), and a RankError says whether a rank's
+    error was one. With `device` "cuda", also a device that no longer synchronizes: a kernel launcher's plain
+    RuntimeError (Triton's) leaves a context that fails every call after it."""
+    import torch
+
+    if isinstance(e, getattr(torch, "AcceleratorError", ())) or isinstance(e, RankError) and e.device_lost:
+        return True
+    if device == "cuda":
+        try:
+            torch.cuda.synchronize()
+        except Exception:
+            return True
+    return False
 
 
 @contextmanager

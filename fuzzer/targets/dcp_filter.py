@@ -8,6 +8,7 @@ it (in place, no compaction) and as the trtllm-gen path does (valid counts, comp
 from __future__ import annotations
 
 from fuzzer.targets import vllm_api
+from fuzzer.targets.base import WHOLE, RunPlan
 from fuzzer.targets.index_remap import IndexRemap
 from strategies.batches import IndexFeatures, index_space
 
@@ -25,7 +26,7 @@ class DcpFilter(IndexRemap):  # the same kernel and oracle; another entry point 
             why = f"vLLM {vllm_api.remap_api().version} has no {self.entry_point} (added in a later release)"
         return why
 
-    def cases(self, profile):
+    def cases(self, profile, plan: RunPlan = WHOLE):
         # The filter has no prefill-workspace mode and its call sites always slice req_id like topk_indices.
         return index_space(profile, IndexFeatures(
             dcp=True, block_stride_rows=self.api.dcp_has_block_stride_rows,

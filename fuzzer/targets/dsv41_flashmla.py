@@ -13,19 +13,19 @@ consumer layer reads its kv-source layer's cache and metadata (`compressed_cache
 `kv_record`; drawn where FlashMLA's decode is a stand-in or SM100's), written by attnfuzz's torch writer; the
 indexer's top-k rows are inputs. Where the host lacks FlashMLA's compiled kernels (any CPU) they are bounds-checked
 stand-ins. Not covered: PCP (the builders' rank-local slots), SWA bounded replay, the NVFP4 compressed record and
-the mega-attention backend. A finding's repro.py is the V4 target's, making V4.1's objects.
+the mega-attention backend. A finding's repro.py is the V4 target's, making V4.1's objects (dsv41_runtime.step_layer)
+and calling V4's builders and forward_mqa (dsv4_runtime) as run() does.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
-from types import SimpleNamespace
 
 import torch
 
 from fuzzer.support import dsv41_runtime as runtime
-from fuzzer.repro_spec import ReproSpec
-from fuzzer.targets.dsv4_flashmla import _REPRO_SETUP, Dsv4FlashMLA
+from fuzzer.targets.base import WHOLE, RunPlan
+from fuzzer.targets.dsv4_flashmla import Dsv4FlashMLA
 from strategies.dsv4_batches import V41_FEATURES, dsv4_space
 
 WRITER = ("cache writes: attnfuzz's torch writers of the 584-byte and 528-byte records (byte-equal to vLLM's Triton "
@@ -46,10 +46,8 @@ class Dsv41FlashMLA(Dsv4FlashMLA):
     runtime = runtime
     model = "DeepSeek-V4.1"
     writer = WRITER
-
-    @staticmethod
-    def config(device: str, state_dir: str):
-        return runtime.dsv41_config(device, state_dir)
+    config = staticmethod(runtime.dsv41_config)
+    step_config = staticmethod(runtime.step_config)
 
     # A campaign whose cases run in a worker plans in a process that never ran prepare(): the records come from it.
     PLANNED = ("kv_records",)
@@ -62,85 +60,19 @@ class Dsv41FlashMLA(Dsv4FlashMLA):
         emulated = "flash_mla_with_kvcache" in self.emulated
         self.kv_records = V41_FEATURES.kv_records if emulated or sm100 else (584,)
 
-    def cases(self, profile):
+    def cases(self, profile, plan: RunPlan = WHOLE):
         return dsv4_space(profile, replace(V41_FEATURES, kv_records=tuple(self.kv_records)))
 
-    # V4.1's compressed builder is not guarded, and vLLM's CPU layer reads V4's record only
+    # V4.1's objects (dsv41_runtime.step_layer: its SWA cache layer of the case's record, its layer and a consumer's kv
+    # source, the compressed group under the source's prefix), its compressed builder's slot mapping only (no C128A),
+    # unguarded; vLLM's CPU layer reads V4's record only. The builders and forward_mqa are V4's calls.
+    step_layer = staticmethod(runtime.step_layer)
+    metadata_outputs = staticmethod(runtime.metadata_outputs_v41)
     guard_compressed_builder = False
     cpu_second_opinion = False
 
-    def layer_objects(self, cfg, case, s) -> SimpleNamespace:
-        """V4.1's objects: the SWA cache layer of the case's record, the compressed spec of its block size and record,
-        the layer under test (and its kv source, a consumer's), the compressed group under the source's prefix."""
+    def layer_sizes(self, case) -> dict:
         d = case.dsv4
-        layer_id, source_id = runtime.layer_ids(d.compress_ratio, d.kv_source)
-        swa_layer = runtime.swa_cache_layer(cfg, layer_id, d.window_size, case.block_size, d.kv_record)
-        swa_layer.kv_cache = runtime.paged(s.swa_raw, case.block_size, d.kv_record)
-        spec = kv_cache = None
-        if s.comp_raw is not None:
-            spec = runtime.compressed_spec(d.compress_ratio, d.compressed_block_size, d.kv_record)
-            kv_cache = runtime.paged(s.comp_raw, d.entries_per_block, d.kv_record)
-        layer = runtime.attention_layers(cfg, d.compress_ratio, d.kv_source, swa_layer, kv_cache, s.topk_buffer,
-                                         s.inputs.attn_sink.clone(), case.heads)
-        prefix = runtime.layer_prefix(source_id) if source_id is not None else None
-        return SimpleNamespace(swa_layer=swa_layer, spec=spec, layer=layer, compressed_prefix=prefix)
-
-    def metadata_outputs(self, swa_md, compressed_md) -> dict:
-        """The SWA builder's metadata, and of V4.1's compressed builder only its slot mapping (it has no C128A)."""
-        out = runtime.metadata_outputs(swa_md, None)
-        if compressed_md is not None:
-            out["compressed_slot_mapping"] = compressed_md.slot_mapping.clone()
-        return out
-
-    def repro_spec(self, finding) -> ReproSpec:
-        """The V4 target's reproducer (the same saved step and judge) making V4.1's objects: its SWA cache layer of
-        the case's record, its layer (and kv source) from dsv41_runtime, the compressed builder under the source's
-        prefix."""
-        d = finding.case.dsv4
-        spec = super().repro_spec(finding)
-        compressed = d.compressed
-        return replace(
-            spec, constants={**spec.constants, "KV_SOURCE": d.kv_source, "KV_RECORD": d.kv_record,
-                             "COMPRESSED_BLOCK_SIZE": d.compressed_block_size, "HEADS": finding.case.heads},
-            support={**spec.support, "runtime": runtime.__name__},
-            setup=_REPRO_SETUP.replace("dsv4_config", "dsv41_config").replace(
-                "from vllm.models.deepseek_v4.nvidia.flashmla", f"from {runtime.FLASHMLA_LAYER_MODULE}").replace(
-                "raw pages of 584-byte records", "raw pages of KV_RECORD-byte records"),
-            call=_REPRO_CALL.format(kv_cache=_REPRO_KV_CACHE[compressed]) + (_REPRO_COMPRESSED if compressed else "")
-            + _REPRO_FORWARD + (_REPRO_COMPRESSED_MD if compressed else ""))
-
-
-# The calls of run(), on the loaded step (the V4 reproducer's setup and forward; V4.1's layers and builders).
-_REPRO_CALL = """\
-layer_id, source_id = runtime.layer_ids(COMPRESS_RATIO, KV_SOURCE)  # the layer under test, its kv source
-swa_layer = runtime.swa_cache_layer(cfg, layer_id, WINDOW_SIZE, SWA_BLOCK_SIZE, KV_RECORD)  # DeepseekV4SWACache
-swa_layer.kv_cache = runtime.paged(swa_pages, SWA_BLOCK_SIZE, KV_RECORD)
-kv_cache = {kv_cache}
-# V4.1's DeepseekV4FlashMLAAttention made without its __init__ (it needs a TP group, linears, CUDA events and
-# DeepGEMM), with the attributes forward_mqa reads, set as __init__ sets them; a consumer's kv source beside it
-layer = runtime.attention_layers(cfg, COMPRESS_RATIO, KV_SOURCE, swa_layer, kv_cache, T["topk_indices_buffer"],
-                                 T["attn_sink"], HEADS)
-with set_current_vllm_config(cfg), torch.inference_mode():
-    swa_spec = swa_layer.get_kv_cache_spec(cfg)
-    swa_builder = Layer.swa_backend_cls.get_builder_cls()(swa_spec, [swa_layer.prefix], cfg, torch.device(DEVICE))
-    check = runtime.guard_buffers(swa_builder)  # its persistent buffers poisoned: stray writes show
-    metadata = {{swa_layer.prefix: swa_builder.build(0, common("swa"))}}
-    found += check(metadata[swa_layer.prefix])
-"""
-_REPRO_KV_CACHE = {True: "runtime.paged(compressed_pages, ENTRIES_PER_BLOCK, KV_RECORD)  # the kv source's compressed cache",
-                   False: "None  # a sliding-window layer has no compressed K cache"}
-_REPRO_COMPRESSED = """\
-    spec = runtime.compressed_spec(COMPRESS_RATIO, COMPRESSED_BLOCK_SIZE, KV_RECORD)
-    source = runtime.layer_prefix(source_id)  # the compressed cache's KV-cache group is the kv source's
-    builder = Layer.backend_cls.get_builder_cls()(spec, [source], cfg, torch.device(DEVICE))
-    metadata[source] = builder.build(0, common("compressed"))
-"""
-_REPRO_FORWARD = """\
-    md = runtime.metadata_outputs(metadata[swa_layer.prefix])
-    out = torch.full_like(T["q"], float("nan"))
-    with set_forward_context(metadata, cfg):
-        layer.forward_mqa(T["q"], None, T["positions"], out)
-"""
-_REPRO_COMPRESSED_MD = """\
-    md["compressed_slot_mapping"] = metadata[source].slot_mapping.clone()
-"""
+        return dict(compress_ratio=d.compress_ratio, kv_source=d.kv_source, window_size=d.window_size,
+                    swa_block_size=case.block_size, kv_record=d.kv_record, compressed_block_size=d.compressed_block_size,
+                    entries_per_block=d.entries_per_block, num_heads=case.heads)

@@ -22,14 +22,11 @@ from types import SimpleNamespace
 import torch
 
 from fuzzer.env import STATE_DIR
-from fuzzer.repro_spec import Judge, ReproSpec
+from fuzzer.repro_spec import Call, Judge, ReproSpec
 from fuzzer.support import dsv4_runtime as runtime
 from fuzzer.support import vllm_cpu_ops
-from fuzzer.support.flashmla_runtime import _try_import, define_missing_c_queries
-from fuzzer.support.interp.corrections import CORRECTIONS, install_corrections
-from fuzzer.support.standins.cpu_shims import install_cpu_shims
-from fuzzer.targets.base import Target
-from fuzzer.targets.harness import REPRO_CPU_PREPARE, REPRO_CPU_SUPPORT
+from fuzzer.support.flashmla_runtime import _try_import
+from fuzzer.targets.base import WHOLE, RunPlan, Target
 from fuzzer.targets.probes import observe_paths
 from oracles.dsv4 import c128a_visible, expected_metadata, judge_dsv4, reference_for
 from strategies.dsv4_batches import Dsv4Features, dsv4_space
@@ -63,10 +60,8 @@ class Dsv4FlashMLA(Target):
     runtime = runtime
     model = "DeepSeek-V4"
     writer = WRITER
-
-    @staticmethod
-    def config(device: str, state_dir: str):
-        return runtime.dsv4_config(device, state_dir)
+    config = staticmethod(runtime.dsv4_config)
+    step_config = staticmethod(runtime.step_config)  # the config above, the case's fields set
 
     def unavailable(self) -> str | None:
         rt = self.runtime
@@ -79,14 +74,10 @@ class Dsv4FlashMLA(Target):
         return None
 
     def prepare(self) -> None:
-        self.shims: list[str] = list(define_missing_c_queries())
-        if self.device == "cpu":
-            install_corrections()
-            self.shims += [*install_cpu_shims(), *self.runtime.cpu_shims(),
-                           *(f"interpreter correction: {c}" for c in CORRECTIONS)]
+        self.shims, standins = runtime.prepare_host(self.device, self.runtime.FLASHMLA_LAYER_MODULE)
         self.shims.append(f"DeepseekV4FlashMLAAttention ({self.model}) made without __init__ (it needs a TP group, "
                           "linears, CUDA events and DeepGEMM): the attributes forward_mqa reads set as __init__ sets them")
-        self.emulated = (*self.runtime.install_standins(self.device), self.writer)
+        self.emulated = (*standins, self.writer)
         self.real_parts = type(self).real_parts + (("FlashMLA's CUDA kernels (vllm._flashmla_C)",)
                                                    if "flash_mla_with_kvcache" not in self.emulated else ())
         if self.device == "cuda" and runtime.has_cutedsl():
@@ -97,7 +88,7 @@ class Dsv4FlashMLA(Target):
                 "kernel's place",)
         self.cfg = self.config(self.device, str(STATE_DIR))
 
-    def cases(self, profile):
+    def cases(self, profile, plan: RunPlan = WHOLE):
         return dsv4_space(profile, Dsv4Features())
 
     def step(self, case, dev: str) -> SimpleNamespace:
@@ -115,81 +106,68 @@ class Dsv4FlashMLA(Target):
                                compressed_slots=None if comp_raw is None else
                                _compressed_token_slots(inputs, d.compressed_block_size))
 
-    # What V4.1's target (dsv41_flashmla.py) changes of run(): the objects it makes, what it reads of the compressed
-    # builder's metadata, whether that builder's buffers are guarded, whether vLLM's CPU layer gives a second opinion.
+    # What V4.1's target (dsv41_flashmla.py) changes of run(): the objects it makes (its runtime's `step_layer`, on the
+    # sizes `layer_sizes` names), what it reads of the compressed builder's metadata, whether that builder's buffers are
+    # guarded, whether vLLM's CPU layer gives a second opinion. The calls themselves are dsv4_runtime's, for both.
+    step_layer = staticmethod(runtime.step_layer)
+    metadata_outputs = staticmethod(runtime.metadata_outputs)
     guard_compressed_builder = True
     cpu_second_opinion = True  # vLLM's CPU layer reads V4's 584-byte record
 
-    def layer_objects(self, cfg, case, s) -> SimpleNamespace:
-        """vLLM's objects for the step, made inside the observed call: the SWA cache layer (pages bound) and its spec,
-        the compressed cache's spec (None at ratio 1), the attention layer, the compressed KV-cache group's prefix."""
+    def layer_sizes(self, case) -> dict:
+        """The arguments of `step_layer` that are the case's sizes (the others: the config, the step's tensors)."""
         d = case.dsv4
-        swa_layer = runtime.swa_cache_layer(cfg, d.window_size, case.block_size)
-        swa_layer.kv_cache = runtime.paged(s.swa_raw, case.block_size)
-        spec = kv_cache = None
-        if s.comp_raw is not None:
-            spec = runtime.compressed_spec(d.compress_ratio)
-            kv_cache = runtime.paged(s.comp_raw, d.entries_per_block)
-        layer = runtime.attention_layer(cfg, d.compress_ratio, swa_layer, kv_cache, s.topk_buffer,
-                                        s.inputs.attn_sink.clone())
-        return SimpleNamespace(swa_layer=swa_layer, spec=spec, layer=layer, compressed_prefix=runtime.LAYER)
+        return dict(compress_ratio=d.compress_ratio, window_size=d.window_size, swa_block_size=case.block_size,
+                    entries_per_block=d.entries_per_block)
 
-    def metadata_outputs(self, swa_md, compressed_md) -> dict:
-        return runtime.metadata_outputs(swa_md, compressed_md)
+    @staticmethod
+    def config_fields(case) -> dict:
+        """The case's fields `configure` sets on the shared config (and max_num_batched_tokens: the top-k buffer's rows)."""
+        d = case.dsv4
+        return dict(window_size=d.window_size, index_topk=case.topk_width, num_speculative_tokens=d.num_speculative_tokens,
+                    max_model_len=d.max_model_len)
 
     def run(self, case):
         from vllm.config import set_current_vllm_config  # deferred: vLLM loads after fuzzer.env prepares the process
         from vllm.forward_context import set_forward_context
 
-        rt, dev, d = self.runtime, self.device, case.dsv4
+        dev = self.device
         s = self.step(case, dev)
         inputs, swa_raw, comp_raw = s.inputs, s.swa_raw, s.comp_raw
-        cfg = rt.configure(self.cfg, window_size=d.window_size, index_topk=case.topk_width,
-                           num_speculative_tokens=d.num_speculative_tokens,
-                           max_num_batched_tokens=s.topk_buffer.shape[0], max_model_len=d.max_model_len)
-        layer_cls = _try_import(rt.FLASHMLA_LAYER_MODULE).DeepseekV4FlashMLAAttention
+        cfg = self.step_config(dev, str(STATE_DIR), **self.config_fields(case), max_num_batched_tokens=s.topk_buffer.shape[0])
         second_opinion = self.cpu_second_opinion and self.device == "cpu" and vllm_cpu_ops.load()
         notes: dict = {"shims": tuple(self.shims)}
 
         def common(table, slots):
-            return rt.common_metadata(inputs.query_start_loc, inputs.seq_lens, table, slots, inputs.positions,
-                                      case.num_actual_tokens)
+            return runtime.common_metadata(inputs.query_start_loc, inputs.seq_lens, table, slots, inputs.positions,
+                                           case.num_actual_tokens)
 
         def call():
             outputs: dict = {}
             # vLLM's objects are made inside the observed call: what they raise is an observation, not ours.
-            objs = self.layer_objects(cfg, case, s)
-            swa_layer, spec = objs.swa_layer, objs.spec
+            layer, spec, prefix = self.step_layer(cfg, **self.layer_sizes(case), swa_pages=swa_raw,
+                                                  compressed_pages=comp_raw, topk_indices_buffer=s.topk_buffer,
+                                                  attn_sink=inputs.attn_sink.clone())
+            swa_layer = layer.swa_cache_layer
             swa_spec = swa_layer.get_kv_cache_spec(cfg)
             assert swa_raw.shape[1] == swa_spec.page_size_bytes, (swa_raw.shape, swa_spec.page_size_bytes)
             assert comp_raw is None or comp_raw.shape[1] == spec.page_size_bytes, (comp_raw.shape, spec.page_size_bytes)
-            heads = layer_cls.get_padded_num_q_heads(case.heads)  # vLLM's padding of the layer's q heads
+            heads = type(layer).get_padded_num_q_heads(case.heads)  # vLLM's padding of the layer's q heads
             assert heads == inputs.q.shape[1], (heads, inputs.q.shape)
-            with set_current_vllm_config(cfg), torch.inference_mode():
-                swa_builder = layer_cls.swa_backend_cls.get_builder_cls()(swa_spec, [swa_layer.prefix], cfg,
-                                                                          torch.device(dev))
-                check = rt.guard_buffers(swa_builder)
-                metadata = {swa_layer.prefix: swa_builder.build(0, common(inputs.block_table, s.swa_slots))}
-                overruns = check(metadata[swa_layer.prefix])
-                compressed_md = None
-                if comp_raw is not None:  # the compressed KV-cache group (V4.1: the kv source's): its builder
-                    builder = layer_cls.backend_cls.get_builder_cls()(spec, [objs.compressed_prefix], cfg,
-                                                                      torch.device(dev))
-                    check = rt.guard_buffers(builder) if self.guard_compressed_builder else None
-                    compressed_md = metadata[objs.compressed_prefix] = builder.build(
-                        0, common(inputs.compressed_block_table, s.compressed_slots))
-                    if check is not None:
-                        overruns += check(compressed_md)
-                if overruns:
-                    notes["buffer_overrun"] = overruns
-                outputs.update({f"md.{k}": v for k, v in self.metadata_outputs(metadata[swa_layer.prefix],
-                                                                              compressed_md).items()})
-                before = [swa_raw.clone(), None if comp_raw is None else comp_raw.clone()]
-                out = torch.full_like(inputs.q, float("nan"))
-                with set_forward_context(metadata, cfg):
-                    if second_opinion:
-                        outputs["cpu_layer_out"] = vllm_cpu_ops.cpu_forward_mqa(objs.layer, inputs.q, inputs.positions)
-                    objs.layer.forward_mqa(inputs.q, None, inputs.positions, out)
+            overruns: list[str] = []
+            metadata = runtime.build_metadata(
+                cfg, layer, common(inputs.block_table, s.swa_slots), spec, prefix,
+                None if comp_raw is None else common(inputs.compressed_block_table, s.compressed_slots), dev, overruns,
+                guard_compressed=self.guard_compressed_builder)
+            if overruns:
+                notes["buffer_overrun"] = overruns
+            outputs.update({f"md.{k}": v for k, v in self.metadata_outputs(metadata[swa_layer.prefix],
+                                                                          metadata.get(prefix)).items()})
+            before = [swa_raw.clone(), None if comp_raw is None else comp_raw.clone()]
+            if second_opinion:
+                with set_current_vllm_config(cfg), torch.inference_mode(), set_forward_context(metadata, cfg):
+                    outputs["cpu_layer_out"] = vllm_cpu_ops.cpu_forward_mqa(layer, inputs.q, inputs.positions)
+            out = runtime.forward_mqa(cfg, layer, metadata, inputs.q, inputs.positions)
             changed = [f"{name} cache: {int((after != was).any(dim=1).sum())} of {len(was)} pages"
                        for name, after, was in (("SWA", swa_raw, before[0]), ("compressed", comp_raw, before[1]))
                        if was is not None and not torch.equal(after, was)]
@@ -209,10 +187,9 @@ class Dsv4FlashMLA(Target):
     def repro_spec(self, finding) -> ReproSpec:
         """The step as the finding ran it (its values are drawn on its device): both caches' bytes as written before
         attention, q, the indexer's top-k buffer, the sink, each KV-cache group's metadata inputs; the calls the
-        target makes on it (vLLM's two builders, then forward_mqa on the layer dsv4_runtime makes); judged against
+        target makes on it (dsv4_runtime's: the layer's objects, vLLM's two builders, then forward_mqa); judged against
         the fp64 reference, each metadata tensor's definition, the builders' guarded buffers, the caches unchanged."""
         case, dev = finding.case, finding.host.device
-        cpu, d = dev == "cpu", case.dsv4
         s = self.step(case, dev)
         compressed = s.comp_raw is not None
         expected, atol, rtol, _ = reference_for(case, s.swa_raw, s.comp_raw, dev)
@@ -225,30 +202,41 @@ class Dsv4FlashMLA(Target):
             tensors.update({"compressed_pages": s.comp_raw, "compressed.block_table": inputs.compressed_block_table,
                             "compressed.slot_mapping": s.compressed_slots})
         # The C128A rows at the least width the definition allows; the judge pads them to the width vLLM chose.
-        width = max(c128a_visible(case), 1) if d.compress_ratio == 128 else None
+        width = max(c128a_visible(case), 1) if case.dsv4.compress_ratio == 128 else None
         tensors.update({f"expected_md.{k}": v for k, v in expected_metadata(case, width).items()})
+
+        step = dict(topk_indices_buffer='T["topk_indices_buffer"]', attn_sink='T["attn_sink"]')
+        module = self.runtime.FLASHMLA_LAYER_MODULE  # V4's by default; V4.1's named
+        layer_module = {} if module == runtime.FLASHMLA_LAYER_MODULE else {"layer_module": repr(module)}
         return ReproSpec(
             about=f"Shrunk case: {case.summary()}; values {case.values}.\n"
                   "Inputs in tensors.safetensors beside this file: both caches' bytes as the model leaves them\n"
                   "before attention (written by attnfuzz's torch writer, byte-equal to vLLM's\n"
                   "quantize_and_insert_k_cache), q, the indexer's top-k buffer, the builders' inputs; the expected\n"
                   "output (attnfuzz's fp64 reference) and each metadata tensor as its definition gives it.",
-            imports=("import tempfile",),
-            constants=dict(COMPRESS_RATIO=d.compress_ratio, WINDOW_SIZE=d.window_size, INDEX_TOPK=case.topk_width,
-                           MTP_TOKENS=d.num_speculative_tokens, MAX_MODEL_LEN=d.max_model_len,
-                           SWA_BLOCK_SIZE=case.block_size, ENTRIES_PER_BLOCK=d.entries_per_block,
-                           NUM_TOKENS=case.num_actual_tokens, ATOL=atol, RTOL=rtol),
-            tensors=tensors,
-            support={"runtime": "fuzzer.support.dsv4_runtime", **(REPRO_CPU_SUPPORT if cpu else {})},
-            prepare=(_REPRO_CPU_PREPARE if cpu else "") + _REPRO_STANDINS,
-            setup=_REPRO_SETUP,
-            call=_REPRO_CALL.format(kv_cache=_REPRO_KV_CACHE[compressed]) + (_REPRO_COMPRESSED if compressed else "")
-            + _REPRO_FORWARD,
+            prepare=(Call(runtime.prepare_host, dict(device="DEVICE", **layer_module), assign="shims, emulated",
+                          note="FlashMLA's kernels stood in for where this host lacks them"),),
+            setup=(Call(self.step_config, dict(device="DEVICE", **{k: repr(v) for k, v in self.config_fields(case).items()},
+                                               max_num_batched_tokens='T["topk_indices_buffer"].shape[0]'), assign="cfg"),
+                   Call(runtime.saved_step, dict(T="T", num_actual_tokens=repr(case.num_actual_tokens)),
+                        assign="swa_common, compressed_common, caches, before")),
+            call=(Call(self.step_layer, dict(cfg="cfg", **{k: repr(v) for k, v in self.layer_sizes(case).items()},
+                                             swa_pages="caches[0]", compressed_pages="caches[1]", **step),
+                       assign="layer, spec, prefix"),
+                  Call(runtime.build_metadata, dict(
+                      cfg="cfg", layer="layer", swa_common="swa_common", compressed_spec="spec", compressed_prefix="prefix",
+                      compressed_common="compressed_common", device="DEVICE", found="found",
+                      **({} if self.guard_compressed_builder else {"guard_compressed": "False"})), assign="metadata"),
+                  Call(self.metadata_outputs, dict(swa_md="metadata[layer.swa_cache_layer.prefix]",
+                                                   md="metadata.get(prefix)"), assign="md"),
+                  Call(runtime.forward_mqa, dict(cfg="cfg", layer="layer", metadata="metadata", q='T["q"]',
+                                                 positions='T["positions"]'), assign="out")),
             judge=Judge("dsv4", dict(out="out", expected='T["expected_out"]', metadata="md",
-                                     expected_metadata="expected_md", caches="[swa_pages, compressed_pages]",
-                                     before="before", atol="ATOL", rtol="RTOL")),
-            report='print("stand-ins for ops this host lacks:", ", ".join(emulated) or "none")\n',
-            bounds_checked=cpu)
+                                     expected_metadata='{k[len("expected_md."):]: t for k, t in T.items() '
+                                                       'if k.startswith("expected_md.")}',
+                                     caches="caches", before="before", atol="ATOL", rtol="RTOL")),
+            report={"stand-ins for ops this host lacks:": '", ".join(emulated) or "none"'},
+            constants=dict(ATOL=atol, RTOL=rtol), tensors=tensors, bounds_checked=dev == "cpu")
 
 
 def _compressed_token_slots(inputs, block_size: int) -> torch.Tensor:
@@ -258,53 +246,3 @@ def _compressed_token_slots(inputs, block_size: int) -> torch.Tensor:
     rows = table[inputs.token_request.clamp(min=0)].long()
     blocks = rows.gather(1, (pos // block_size)[:, None].clamp(max=table.shape[1] - 1)).flatten()
     return torch.where(real, blocks * block_size + pos % block_size, -1)
-
-
-_REPRO_CPU_PREPARE = REPRO_CPU_PREPARE + "runtime.cpu_shims()  # the workspace manager: no accelerator cache to empty\n"
-_REPRO_STANDINS = "emulated = runtime.install_standins(DEVICE)  # FlashMLA's kernels, where this host lacks them\n"
-_REPRO_SETUP = f"""\
-from vllm.config import set_current_vllm_config
-from vllm.forward_context import set_forward_context
-from {runtime.FLASHMLA_LAYER_MODULE} import DeepseekV4FlashMLAAttention as Layer
-
-cfg = runtime.configure(runtime.dsv4_config(DEVICE, tempfile.mkdtemp()), window_size=WINDOW_SIZE,
-                        index_topk=INDEX_TOPK, num_speculative_tokens=MTP_TOKENS,
-                        max_num_batched_tokens=T["topk_indices_buffer"].shape[0], max_model_len=MAX_MODEL_LEN)
-swa_pages, compressed_pages = T["swa_pages"], T.get("compressed_pages")  # raw pages of 584-byte records
-before = [swa_pages.clone(), None if compressed_pages is None else compressed_pages.clone()]
-expected_md = {{name.split(".", 1)[1]: t for name, t in T.items() if name.startswith("expected_md.")}}
-
-def common(group):  # the runner's CommonAttentionMetadata of a KV-cache group: "swa" or "compressed"
-    return runtime.common_metadata(T["query_start_loc"], T["seq_lens"], T[group + ".block_table"],
-                                   T[group + ".slot_mapping"], T["positions"], NUM_TOKENS)
-"""
-_REPRO_CALL = """\
-swa_layer = runtime.swa_cache_layer(cfg, WINDOW_SIZE, SWA_BLOCK_SIZE)  # vLLM's DeepseekV4SWACache
-swa_layer.kv_cache = runtime.paged(swa_pages, SWA_BLOCK_SIZE)
-kv_cache = {kv_cache}
-# DeepseekV4FlashMLAAttention made without its __init__ (it needs a TP group, linears,
-# CUDA events and DeepGEMM), with the attributes forward_mqa reads, set as __init__ sets them
-layer = runtime.attention_layer(cfg, COMPRESS_RATIO, swa_layer, kv_cache, T["topk_indices_buffer"],
-                                T["attn_sink"])
-with set_current_vllm_config(cfg), torch.inference_mode():
-    swa_spec = swa_layer.get_kv_cache_spec(cfg)
-    swa_builder = Layer.swa_backend_cls.get_builder_cls()(swa_spec, [swa_layer.prefix], cfg, torch.device(DEVICE))
-    check = runtime.guard_buffers(swa_builder)  # its persistent buffers poisoned: stray writes show
-    metadata = {{swa_layer.prefix: swa_builder.build(0, common("swa"))}}
-    found += check(metadata[swa_layer.prefix])
-"""
-_REPRO_KV_CACHE = {True: "runtime.paged(compressed_pages, ENTRIES_PER_BLOCK)  # the compressed K cache",
-                   False: "None  # a sliding-window layer has no compressed K cache"}
-_REPRO_COMPRESSED = """\
-    spec = runtime.compressed_spec(COMPRESS_RATIO)
-    builder = Layer.backend_cls.get_builder_cls()(spec, [runtime.LAYER], cfg, torch.device(DEVICE))
-    check = runtime.guard_buffers(builder)
-    metadata[runtime.LAYER] = builder.build(0, common("compressed"))
-    found += check(metadata[runtime.LAYER])
-"""
-_REPRO_FORWARD = """\
-    md = runtime.metadata_outputs(metadata[swa_layer.prefix], metadata.get(runtime.LAYER))
-    out = torch.full_like(T["q"], float("nan"))
-    with set_forward_context(metadata, cfg):
-        layer.forward_mqa(T["q"], None, T["positions"], out)
-"""

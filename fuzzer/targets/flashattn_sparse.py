@@ -11,8 +11,11 @@ lacks vllm_flash_attn's compiled FA3 (any CPU, the GPU bundle), the kernel is at
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fuzzer.errors import HarnessError
 from fuzzer.support.flashmla_runtime import has_compiled_flash_attn
+from fuzzer.targets.base import WHOLE, RunPlan
 from fuzzer.targets.flashmla_sparse import FlashMLASparse
 
 
@@ -31,12 +34,12 @@ class FlashAttnMLASparse(FlashMLASparse):
             return (*type(self).real_parts, "FA3's CUDA kernel (vllm_flash_attn)")
         return type(self).real_parts
 
-    def cases(self, profile):
+    def cases(self, profile, plan: RunPlan = WHOLE):
         if self.device == "cuda" and not has_compiled_flash_attn():
             # FA3's stand-in walks its page table on the host, which a CUDA graph cannot capture: on a GPU without
             # FA3's extension, eager engines only. (On a CPU every graph replay is emulated eagerly.)
-            self.cudagraph_modes = ("none",)
-        return super().cases(profile)
+            plan = replace(plan, cudagraph_modes=("none",))
+        return super().cases(profile, plan)
 
     def run(self, case):
         if case.cudagraph != "none" and self.device == "cuda" and not has_compiled_flash_attn():

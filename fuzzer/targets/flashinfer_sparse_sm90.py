@@ -36,18 +36,17 @@ import dataclasses
 import torch
 
 from fuzzer.errors import HarnessError
-from fuzzer.repro_spec import ReproSpec
+from fuzzer.repro_spec import Call, ReproSpec
 from fuzzer.support import flashinfer_runtime
-from fuzzer.support.flashmla_runtime import cpu_shims, define_missing_c_queries, has_cache_op, prefill_outputs_under_initcheck
-from fuzzer.support.interp.corrections import CORRECTIONS, install_corrections
+from fuzzer.support.flashmla_runtime import has_cache_op
 from fuzzer.support.standins.cache_ops import concat_and_cache_mla
-from fuzzer.support.standins.cpu_shims import install_cpu_shims
+from fuzzer.targets.base import WHOLE, RunPlan
 from fuzzer.targets.flashmla_sparse import FlashMLASparse, StepContext, flashmla_repro
 from fuzzer.targets.harness import paged_cache
 from fuzzer.targets.vllm_api import remap_api
 from fuzzer.env import STATE_DIR
 from strategies.batches import AttentionFeatures, attention_space
-from strategies.tensors import HEAD_SIZE, fp8_kv_scale
+from strategies.tensors import fp8_kv_scale
 
 
 class FlashInferMLASparseSM90(FlashMLASparse):
@@ -73,13 +72,7 @@ class FlashInferMLASparseSM90(FlashMLASparse):
         return None
 
     def prepare(self) -> None:
-        self.shims: list[str] = list(define_missing_c_queries())
-        if self.device == "cpu":  # before the backend is imported: it binds PIN_MEMORY by name
-            install_corrections()
-            self.shims += [*install_cpu_shims(), *cpu_shims(), *flashinfer_runtime.cpu_shims(),
-                           *(f"interpreter correction: {c}" for c in CORRECTIONS)]
-        self.backend, self.emulated = flashinfer_runtime.backend(self.device)
-        self.shims += prefill_outputs_under_initcheck(self.device)
+        self.backend, self.emulated, self.shims = flashinfer_runtime.prepare_sm90_host(self.device)
         if not flashinfer_runtime.vllm_gate():
             self.shims.append("vLLM's has_flashinfer_sm90_nope_mla() is False here (no FlashInfer >= 0.6.18): vLLM would "
                               "not pick this backend on this host; it runs as with FlashInfer installed (its stand-in)")
@@ -89,10 +82,10 @@ class FlashInferMLASparseSM90(FlashMLASparse):
         self.cfg = self.runtime(str(STATE_DIR))
         self.block_stride_rows = remap_api().has_block_stride_rows
 
-    def cases(self, profile):
-        modes = self.cudagraph_modes if self.device == "cpu" else ("none",)
+    def cases(self, profile, plan: RunPlan = WHOLE):
+        modes = plan.graph_modes(self) if self.device == "cpu" else ("none",)
         return attention_space(profile, AttentionFeatures(
-            kv_cache_dtypes=self.kv_cache_dtypes, heads=self.HEADS, block_sizes=(64, 128),
+            kv_cache_dtypes=plan.kv_dtypes(self), heads=self.HEADS, block_sizes=(64, 128),
             block_stride_rows=self.has_block_stride_rows(), cudagraph_padding=True, traces=True,
             cudagraph_modes=modes, mtp_draft=False, topk_rows=("indexer",)))
 
@@ -134,65 +127,23 @@ class FlashInferMLASparseSM90(FlashMLASparse):
         ctx.engine.update(impl=impl, layer=layer, builder=builder)
 
     def repro_spec(self, finding) -> ReproSpec:
-        return sm90_repro(flashmla_repro(self, finding, layer=False), finding.case)
+        spec = flashmla_repro(self, finding, layer=False)
+        return dataclasses.replace(spec, about=spec.about + (
+            " FLASHINFER_MLA_SPARSE_SM90: FlashInfer's BatchMLAPagedAttentionWrapper is attnfuzz's stand-in "
+            "(flashinfer.mla, imported by the builder), FlashInfer 0.7.2.post1's planner and kernel semantics, unless "
+            "the GPU host has FlashInfer itself (the script prints which)."))
 
+    def repro_prepare(self, layer: bool) -> Call:
+        return Call(flashinfer_runtime.prepare_sm90_host, dict(device="DEVICE"), assign="backend, emulated, shims")
 
-# The FlashMLA reproducer's text (fuzzer.targets.flashmla_sparse), with this backend's set-up in its place: each
-# (old, new) pair must match, so a change there fails here, loudly.
-_ENGINE = """\
-    k_scale = {k_scale!r}  # the layer's kv-cache scale (1.0: vLLM's default)
-    # The impl, the layer vLLM registers it on (the builder reads both), then the builder, whose _SM90State
-    # imports flashinfer.mla (FlashInfer's own on a GPU host that has it, else attnfuzz's stand-in of its wrapper).
-    impl, layer, builder = sm90.engine(Backend, cfg, spec, case.heads, case.kv_cache_dtype, {topk}, k_scale, DEVICE)
-"""
+    def repro_spec_call(self) -> Call:
+        return Call(flashinfer_runtime.kv_cache_spec, dict(cfg="cfg", kv_cache_dtype="KV_CACHE_DTYPE",
+                                                           block_size="BLOCK_SIZE"), assign="spec")
 
-
-def sm90_repro(spec: ReproSpec, case) -> ReproSpec:
-    k_scale = fp8_kv_scale(case) if case.kv_cache_dtype == "fp8" else 1.0
-    edits = {
-        "prepare": [(f"Backend, emulated = runtime.sparse_backend('{flashinfer_runtime.NAME}', DEVICE)\n",
-                     "Backend, emulated = sm90.backend(DEVICE)\n")]
-        + ([("runtime.cpu_shims()  # no streams on a CPU\n", "runtime.cpu_shims()  # no streams on a CPU\n"
-             "sm90.cpu_shims()  # nor graph captures\n")] if "runtime.cpu_shims()" in spec.prepare else []),
-        "setup": [("spec = MLAAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=576, dtype=torch.bfloat16,\n"
-                   "                        cache_dtype_str=case.kv_cache_dtype)\n",
-                   "spec = sm90.kv_cache_spec(cfg, case.kv_cache_dtype, BLOCK_SIZE)\n")],
-    }
-    if case.earlier or case.cudagraph == "full":  # the trace's call (flashmla_trace_repro)
-        topk = "topk_indices_buffer"
-        edits["call"] = [
-            ("""    # topk_indices_buffer= with indexer=None: the index group orders on the compute stream.
-    impl = Backend.get_impl_cls()(
-        case.heads, 576, runtime.SM_SCALE, 1, None, None, case.kv_cache_dtype, None, "decoder", None,
-        **runtime.impl_topk_kwargs(Backend.get_impl_cls(), topk_indices_buffer),
-        q_lora_rank=None, kv_lora_rank=512,
-        qk_nope_head_dim=128, qk_rope_head_dim=64, qk_head_dim=192, v_head_dim=128, kv_b_proj=None)
-    builder = Backend.get_builder_cls()(spec, [runtime.LAYER], cfg, torch.device(DEVICE))
-""", _ENGINE.format(k_scale=k_scale, topk=topk))]
-        edits["call"] += [(", cache, metadata, None)", ", cache, metadata, layer)")]
-    else:
-        topk = 'T["topk_indices_buffer"]'
-        edits["call"] = [
-            ("""    metadata = Backend.get_builder_cls()(spec, [runtime.LAYER], cfg, torch.device(DEVICE)).build(0, cam)
-    # topk_indices_buffer= with indexer=None: the index group orders on the compute stream.
-    impl = Backend.get_impl_cls()(
-        case.heads, 576, runtime.SM_SCALE, 1, None, None, case.kv_cache_dtype, None, "decoder", None,
-        **runtime.impl_topk_kwargs(Backend.get_impl_cls(), T["topk_indices_buffer"]),
-        q_lora_rank=None, kv_lora_rank=512,
-        qk_nope_head_dim=128, qk_rope_head_dim=64, qk_head_dim=192, v_head_dim=128, kv_b_proj=None)
-""", _ENGINE.format(k_scale=k_scale, topk=topk) + "    metadata = builder.build(0, cam)\n"),
-            (", cache, metadata, None)", ", cache, metadata, layer)")]
-    changed = {}
-    for field_name, pairs in edits.items():
-        text = getattr(spec, field_name)
-        for old, new in pairs:
-            if old not in text:
-                raise HarnessError(f"{FlashInferMLASparseSM90.name}'s reproducer: the FlashMLA reproducer's {field_name} "
-                                   f"no longer holds {old.splitlines()[0]!r}")
-            text = text.replace(old, new)
-        changed[field_name] = text
-    about = spec.about + (" FLASHINFER_MLA_SPARSE_SM90: FlashInfer's BatchMLAPagedAttentionWrapper is attnfuzz's "
-                          "stand-in (flashinfer.mla, imported by the builder), FlashInfer 0.7.2.post1's planner and "
-                          "kernel semantics, unless the GPU host has FlashInfer itself (the script prints which).")
-    return dataclasses.replace(spec, about=about, support={**spec.support, "sm90": "fuzzer.support.flashinfer_runtime"},
-                               **changed)
+    def repro_engine(self, case, layer: bool) -> Call:
+        k_scale = fp8_kv_scale(case) if case.kv_cache_dtype == "fp8" else 1.0
+        return Call(flashinfer_runtime.engine, dict(backend_cls="backend", cfg="cfg", spec="spec", heads="HEADS",
+                                                    kv_cache_dtype="KV_CACHE_DTYPE",
+                                                    topk_indices_buffer="topk_indices_buffer", k_scale=repr(k_scale),
+                                                    device="DEVICE"),
+                    assign="impl, layer, builder", note="the impl, the layer vLLM registers it on, the builder")

@@ -16,39 +16,35 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import os
 import threading
-from types import SimpleNamespace
 
 import torch
 
-from fuzzer.repro_spec import Judge, ReproSpec
-from fuzzer.support.dcp_group import EmulatedDcpGroup, LockstepRanks, installed_dcp_group
-from fuzzer.support.flashmla_runtime import (
-    BACKEND_MODULE,
-    KV_LORA_RANK,
-    LAYER,
-    configure,
-    guard_index_group,
-    impl_topk_kwargs,
+from fuzzer.repro_spec import Call, Judge, ReproSpec
+from fuzzer.support.attn_metadata import attn_metadata
+from fuzzer.support.dcp_steps import (
+    dcp_forward_mqa,
+    dcp_rank_engine,
+    direct_dcp_off,
+    on_dcp_ranks,
+    rank_heads,
+    rank_metadata,
+    replay_dcp_ranks,
 )
-from fuzzer.targets.flashmla_sparse import REPRO_CONFIG, REPRO_SETUP, FlashMLASparse
+from fuzzer.support.flashmla_runtime import BACKEND_MODULE, configure, guard_index_group
+from fuzzer.support.sparse_mla_steps import mla_spec, step_config
+from fuzzer.targets.base import WHOLE, RunPlan
+from fuzzer.targets.flashmla_sparse import FlashMLASparse
 from fuzzer.targets.guards import Guards
-from fuzzer.targets.harness import (
-    REPRO_CPU_PREPARE,
-    REPRO_CPU_SUPPORT,
-    REPRO_METADATA,
-    common_attn_metadata,
-    repro_case,
-    repro_constants,
-    repro_step,
-    step_tensors,
-)
+from fuzzer.targets.harness import common_attn_metadata, repro_step, step_tensors
 from fuzzer.targets.probes import observe_paths
 from oracles.attention_judge import attention_tolerance, judge_fp8_ds_mla_entries, reference_for
 from oracles.dcp import RANK_LSE_TOLERANCE, judge_dcp, owner_and_local, rank_slot_mapping, rank_slots, undivided
 from strategies.batches import AttentionFeatures, attention_space
-from strategies.tensors import HEAD_SIZE, ROPE_DIM, SM_SCALE, materialize_attention_inputs
+from strategies.tensors import materialize_attention_inputs
+
+# vLLM's direct DCP query gather (symmetric memory, multicast) needs a real process group: kept off.
+DIRECT_Q_GATHER = ("VLLM_USE_DIRECT_DCP_Q_GATHER",)
 
 # Per-rank records of vLLM's DCP filter (the rank's local top-k, and the BLOCK_STRIDE_ROWS it was called
 # with: the fp8 kernel addresses 64-row pages, so vLLM passes none for 64-token blocks), filled per case.
@@ -97,14 +93,13 @@ class FlashMLASparseDcp(FlashMLASparse):
         return None
 
     def prepare(self) -> None:
-        # vLLM's direct (symmetric-memory, multicast) DCP paths need a real process group; keep them off.
-        os.environ.setdefault("VLLM_USE_DIRECT_DCP_Q_GATHER", "0")
+        direct_dcp_off(DIRECT_Q_GATHER)
         super().prepare()
         record_dcp_filter()
 
-    def cases(self, profile):
+    def cases(self, profile, plan: RunPlan = WHOLE):
         # The mixed-batch path (< 32 heads per rank) with gathered heads inside one fp8 envelope (<= 64).
-        return attention_space(profile, AttentionFeatures(kv_cache_dtypes=self.kv_cache_dtypes, heads=(8, 16),
+        return attention_space(profile, AttentionFeatures(kv_cache_dtypes=plan.kv_dtypes(self), heads=(8, 16),
                                                           block_sizes=(64, 128), dcp=True, block_stride_rows=True,
                                                           dcp_outside_envelope=True))
 
@@ -114,8 +109,9 @@ class FlashMLASparseDcp(FlashMLASparse):
     def repro_spec(self, finding) -> ReproSpec:
         """Every rank of the step in one process, as `run` emulates them: each rank's cache as its writer left
         it, vLLM's builder, MLADCPManager (query all-gather, LSE combine) and forward_mqa, over attnfuzz's
-        in-process DCP group. Judged: the merged heads against the fp32 reference over the undivided context,
-        each rank's LSE against the reference over its share. Real ranks' findings are reproduced so too."""
+        in-process DCP group (`fuzzer.support.dcp_steps`). Judged: the merged heads against the fp32 reference
+        over the undivided context, each rank's LSE against the reference over its share. Real ranks' findings
+        are reproduced so too."""
 
         case, dev = finding.case, finding.host.device
         whole = undivided(case)
@@ -123,12 +119,7 @@ class FlashMLASparseDcp(FlashMLASparse):
         write, _ = self.writer(case)
         cache_u = self.cache(whole, dev)  # the undivided slots' entries: what the oracle reads
         write(inp.kv_c[slots], inp.k_pe[slots], cache_u, slots)
-        tensors = repro_step(whole, inp.index, None, topk_buffer, dev)
-        for r in range(case.dcp.size):  # each rank's cache as its writer left it: its own tokens only
-            cache = self.cache(case, dev)
-            write(inp.kv_c[slots], inp.k_pe[slots], cache, rank_slot_mapping(case, slots, r))
-            width = cache.shape[-1]
-            tensors[f"kv_cache_rows.rank{r}"] = cache.as_strided((case.num_blocks * case.stride_rows, width), (width, 1))
+        tensors = dcp_rank_tensors(self, case, inp, slots, repro_step(whole, inp.index, None, topk_buffer, dev), dev)
         slot_values, _ = judge_fp8_ds_mla_entries(whole, inp, slots, cache_u[slots // whole.block_size,
                                                                             slots % whole.block_size])
         owner, _ = owner_and_local(case, inp.index.topk_indices.long().clamp(min=0))
@@ -138,72 +129,77 @@ class FlashMLASparseDcp(FlashMLASparse):
         atol, rtol = attention_tolerance(whole, inp)
         real = "" if finding.target.endswith(".dcp") else (
             "\nThe finding came from real ranks (one process per GPU); this script emulates them in one process.")
+        replay = Call(replay_dcp_ranks, dict(backend="backend", spec="spec", cfg="cfg", cam="cam", T="T",
+                                             dcp_size="DCP_SIZE", heads="HEADS", kv_cache_dtype="KV_CACHE_DTYPE",
+                                             **dcp_cache_args(), device="DEVICE", found="found"),
+                      assign="out, lses", note="every rank, emulated in one process: its heads after vLLM's combine")
         return ReproSpec(
             about=f"Shrunk case: {case.summary()}; {case.heads} heads per rank, fp8_ds_mla, values {case.values}.\n"
                   "Inputs in tensors.safetensors beside this file; the expected output is attnfuzz's fp32 oracle over "
                   f"the undivided context (latent, 512 wide).{real}",
-            imports=("import dataclasses", "import tempfile", "from types import SimpleNamespace"),
-            constants=dict(DCP_SIZE=case.dcp.size, INTERLEAVE=case.dcp.interleave, HEADS=case.heads, **repro_constants(case),
-                           ATOL=atol, RTOL=rtol, LSE_TOL=RANK_LSE_TOLERANCE[0]),
+            constants=dict(dcp_constants(case, whole, topk_buffer), ATOL=atol, RTOL=rtol, LSE_TOL=RANK_LSE_TOLERANCE[0]),
             tensors=tensors,
-            support={"runtime": "fuzzer.support.flashmla_runtime", "dcp": "fuzzer.support.dcp_group",
-                     **(REPRO_CPU_SUPPORT if dev == "cpu" else {})},
-            prepare=(REPRO_CPU_PREPARE + "runtime.cpu_shims()  # no streams on a CPU\n" if dev == "cpu" else "")
-            + "emulated = runtime.install_standins(DEVICE)\n",
-            setup=REPRO_SETUP.replace("from vllm.v1.kv_cache", "from vllm.v1.attention.ops.dcp import MLADCPManager\n"
-                                      "from vllm.v1.kv_cache")
-            + repro_case(case, "SimpleNamespace(size=DCP_SIZE, interleave=INTERLEAVE)") + REPRO_CONFIG
-            + REPRO_METADATA + _REPRO_RANK_STEP,
-            call=_REPRO_CALL,
+            prepare=(Call(direct_dcp_off, dict(names=repr(DIRECT_Q_GATHER))), self.repro_prepare(layer=False)),
+            setup=dcp_setup(self),
+            call=(replay,),
             judge=Judge("dcp", dict(out="out", expected='T["expected_out"]', lses="lses",
                                     expected_lses='{r: T[f"expected_lse.rank{r}"] for r in lses}', heads="HEADS",
                                     atol="ATOL", rtol="RTOL", lse_tol="LSE_TOL")),
-            report='print(f"DCP {DCP_SIZE} ranks emulated in one process, interleave {INTERLEAVE} | stand-ins for ops '
-                   'this host lacks: {\', \'.join(emulated) or \'none\'}")\n')
+            report=dcp_report())
 
 
-_REPRO_RANK_STEP = """\
-lses = {}
+# -- reproducers: what the DCP targets share ------------------------------------------------------------------
+
+def dcp_rank_tensors(target, case, inp, slots, tensors: dict, device) -> dict:
+    """`tensors` (the undivided step's) and each rank's: its cache as its writer left it (its own tokens only)
+    and its slot mapping (-1 for the other ranks' tokens)."""
+    write, _ = target.writer(case)
+    for r in range(case.dcp.size):
+        cache = target.cache(case, device)
+        write(inp.kv_c[slots], inp.k_pe[slots], cache, rank_slot_mapping(case, slots, r))
+        width = cache.shape[-1]
+        tensors[f"kv_cache_rows.rank{r}"] = cache.as_strided((case.num_blocks * case.stride_rows, width), (width, 1))
+        tensors[f"slot_mapping.rank{r}"] = rank_slot_mapping(case, tensors["slot_mapping"], r)
+    return tensors
 
 
-def rank_step(r):
-    \"\"\"Rank r's step, as MLAAttention.forward_impl drives the MQA tokens under DCP.\"\"\"
-    width = T[f"kv_cache_rows.rank{r}"].shape[-1]
-    cache = T[f"kv_cache_rows.rank{r}"].as_strided((NUM_BLOCKS, BLOCK_SIZE, width),
-                                                     (BLOCK_STRIDE_ROWS * width, width, 1))
-    with set_current_vllm_config(cfg), torch.inference_mode():
-        impl = Backend.get_impl_cls()(
-            HEADS, 576, runtime.SM_SCALE, 1, None, None, "fp8_ds_mla", None, "decoder", None,
-            **runtime.impl_topk_kwargs(Backend.get_impl_cls(), T["topk_indices_buffer"].clone()),
-            q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, qk_head_dim=192,
-            v_head_dim=128, kv_b_proj=None)
-        manager = MLADCPManager(vllm_config=cfg, device=torch.device(DEVICE), num_heads=HEADS, query_head_dim=576,
-                                output_head_dim=512, query_dtype=torch.bfloat16, output_dtype=torch.bfloat16,
-                                padded_num_heads=getattr(impl, "q_pad_num_heads", None),
-                                is_lse_base_on_e=impl.lse_base_on_e, use_pcp=False) if DCP_SIZE > 1 else None
-        cfg.compilation_config.static_forward_context[runtime.LAYER] = SimpleNamespace(
-            prefill_backend=None, dcp_manager=manager)  # where the builder finds the layer's DCP manager
-        metadata = Backend.get_builder_cls()(spec, [runtime.LAYER], cfg, torch.device(DEVICE)).build(0, cam)
-        q = T["q"][:, r * HEADS:(r + 1) * HEADS].contiguous()  # this rank's heads
-        if manager is None:
-            return impl.forward_mqa(q, cache, metadata, None)[0]
-        out, lses[r] = impl.forward_mqa(manager.query_gather(q), cache, metadata, None)
-        return manager.combine(out, lses[r], seq_lens=metadata.seq_lens, query_start_loc=metadata.query_start_loc)
-"""
-_REPRO_CALL = """\
-ranks = dcp.LockstepRanks(DCP_SIZE)
-with dcp.installed_dcp_group(dcp.EmulatedDcpGroup(ranks)):
-    out = torch.cat(ranks.run(rank_step), dim=1)  # every rank's heads after vLLM's combine, in rank order
-"""
+def dcp_constants(case, whole, topk_buffer) -> dict:
+    """The step's sizes a DCP reproducer names."""
+    return dict(DCP_SIZE=case.dcp.size, INTERLEAVE=case.dcp.interleave, HEADS=case.heads,
+                KV_CACHE_DTYPE=case.kv_cache_dtype, TOPK_WIDTH=case.topk_width, TOPK_ROWS=topk_buffer.shape[0],
+                BLOCK_SIZE=case.block_size, BLOCK_STRIDE_ROWS=case.stride_rows, NUM_BLOCKS=case.num_blocks,
+                NUM_TOKENS=whole.num_actual_tokens, MAX_QUERY_LEN=max(r.query_len for r in whole.requests),
+                MAX_SEQ_LEN=max(r.seq_len for r in whole.requests))
+
+
+def dcp_cache_args() -> dict:
+    return dict(num_blocks="NUM_BLOCKS", block_size="BLOCK_SIZE", block_stride_rows="BLOCK_STRIDE_ROWS")
+
+
+def dcp_setup(target, metadata: bool = True) -> tuple[Call, ...]:
+    """vLLM's config (DCP on), the layer's KV-cache spec and (`metadata`) the undivided step's metadata."""
+    cfg = Call(step_config, dict(device="DEVICE", heads="HEADS", topk_width="TOPK_WIDTH", kv_cache_dtype="KV_CACHE_DTYPE",
+                                 block_size="BLOCK_SIZE", max_num_batched_tokens="TOPK_ROWS", dcp_size="DCP_SIZE",
+                                 dcp_interleave="INTERLEAVE"), assign="cfg")
+    cam = Call(attn_metadata, dict(query_start_loc='T["query_start_loc"]', seq_lens='T["seq_lens"]',
+                                   num_computed_tokens='T["num_computed_tokens"]', block_table='T["block_table"]',
+                                   slot_mapping='T["slot_mapping"]', num_actual_tokens="NUM_TOKENS",
+                                   max_query_len="MAX_QUERY_LEN", max_seq_len="MAX_SEQ_LEN"), assign="cam",
+               note="the undivided step's; each rank's slot mapping replaces its own")
+    return (cfg, target.repro_spec_call(), *((cam,) if metadata else ()))
+
+
+def dcp_report(**more: str) -> dict:
+    return {"DCP ranks emulated in one process:": "DCP_SIZE", "interleave:": "INTERLEAVE", **more,
+            "stand-ins for ops this host lacks:": '", ".join(emulated) or "none"'}
 
 
 def run_emulated_ranks(target, step: "DcpStep"):
     """Every rank of `step` in this process, over attnfuzz's in-process DCP group; its observation."""
-    case, ranks = step.case, LockstepRanks(step.case.dcp.size)
+    case = step.case
 
     def call():
-        with installed_dcp_group(EmulatedDcpGroup(ranks)):
-            return step.outputs(ranks.run(step.run_rank))
+        return step.outputs(on_dcp_ranks(case.dcp.size, step.run_rank))
 
     obs = observe_paths(target.observe, call, notes={
         "dcp": f"{case.dcp.size} ranks emulated in one process, interleave {case.dcp.interleave}"})
@@ -223,6 +219,7 @@ class RankResult:
     cache_changed: int = 0  # cache rows the attention call wrote
     problems: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # buffer_overrun, guard
     error: str | None = None  # what the code under test raised on this rank (real ranks)
+    device_lost: bool = False  # that error loses the CUDA context (fuzzer.targets.base.lost_device)
 
 
 class DcpStep:
@@ -233,76 +230,72 @@ class DcpStep:
 
     def __init__(self, target: FlashMLASparseDcp, case, inputs=None) -> None:
         """`inputs`: the undivided case's attention inputs, if the caller has them (the layer's)."""
-        from vllm.v1.kv_cache_interface import MLAAttentionSpec
-
         self.target, self.case, dev = target, case, target.device
         self.whole = undivided(case)
         self.inputs = inputs if inputs is not None else materialize_attention_inputs(self.whole, dev)
         _, self.slots, self.topk_buffer = step_tensors(self.whole, dev, inputs=self.inputs)
         self.write, self.write_emulated = target.writer(case)
         self.cfg = configure(target.cfg, case, max_num_batched_tokens=self.topk_buffer.shape[0])
-        self.spec = MLAAttentionSpec(block_size=case.block_size, num_kv_heads=1, head_size=HEAD_SIZE,
-                                     dtype=torch.bfloat16, cache_dtype_str=case.kv_cache_dtype)
+        self.spec = mla_spec(case.block_size, case.kv_cache_dtype)
         self.metadata_in = common_attn_metadata(self.whole, self.inputs.index, dev)  # slot_mapping: undivided
         self.results: list[RankResult] = []
 
-    def run_rank(self, r: int) -> RankResult:
-        from vllm.config import set_current_vllm_config
-        from vllm.v1.attention.ops.dcp import MLADCPManager
-
-        case, inputs, cfg, dev, heads = self.case, self.inputs, self.cfg, self.target.device, self.case.heads
-        backend = importlib.import_module(BACKEND_MODULE).FlashMLASparseBackend
-        res, guards = RankResult(), Guards()
-        cache = self.target.cache(case, dev, guards, name=f"kv_cache (rank {r})")
-        shape = self.topk_buffer.shape  # each rank has its own indexer buffer
+    def rank_buffers(self, r: int, guards: Guards):
+        """The rank's paged cache and its own copy of the indexer's buffer, inside guard regions."""
+        dev = self.target.device
+        cache = self.target.cache(self.case, dev, guards, name=f"kv_cache (rank {r})")
+        shape = self.topk_buffer.shape
         topk_buffer = guards.empty(f"topk_indices_buffer (rank {r})", shape.numel(), torch.int32, dev).view(shape)
-        topk_buffer.copy_(self.topk_buffer)
-        with set_current_vllm_config(cfg), torch.inference_mode():
-            # The rank's cache holds its own tokens: vLLM's slot mapping is -1 for the others'.
-            self.write(inputs.kv_c[self.slots], inputs.k_pe[self.slots], cache, rank_slot_mapping(case, self.slots, r))
-            before = cache.clone()
-            owner, rslot = rank_slots(case, self.slots)
-            res.entries = before[rslot[owner == r] // case.block_size, rslot[owner == r] % case.block_size].cpu()
-            impl = backend.get_impl_cls()(
-                heads, HEAD_SIZE, SM_SCALE, 1, None, None, case.kv_cache_dtype, None, "decoder", None,
-                **impl_topk_kwargs(backend.get_impl_cls(), topk_buffer), q_lora_rank=None,
-                kv_lora_rank=KV_LORA_RANK, qk_nope_head_dim=128, qk_rope_head_dim=ROPE_DIM,
-                qk_head_dim=128 + ROPE_DIM, v_head_dim=128, kv_b_proj=None)
-            manager = None
-            if case.dcp.size > 1:  # as MLAAttention builds it when DCP is on
-                manager = MLADCPManager(vllm_config=cfg, device=torch.device(dev), num_heads=heads,
-                                        query_head_dim=HEAD_SIZE, output_head_dim=KV_LORA_RANK,
-                                        query_dtype=torch.bfloat16, output_dtype=torch.bfloat16,
-                                        padded_num_heads=getattr(impl, "q_pad_num_heads", None),
-                                        is_lse_base_on_e=impl.lse_base_on_e, use_pcp=False)
-            # The builder finds the layer's DCP manager in the forward context.
-            cfg.compilation_config.static_forward_context[LAYER] = SimpleNamespace(prefill_backend=None,
-                                                                                   dcp_manager=manager)
-            builder = backend.get_builder_cls()(self.spec, [LAYER], cfg, torch.device(dev))
-            metadata = builder.build(0, dataclasses.replace(
-                self.metadata_in, slot_mapping=rank_slot_mapping(case, self.metadata_in.slot_mapping, r)))
-            q = inputs.q[:, r * heads:(r + 1) * heads].contiguous()  # this rank's heads (TP split)
-            if manager is not None:
-                q = manager.query_gather(q)
-            check_overrun = guard_index_group(impl)
-            out, lse = impl.forward_mqa(q, cache, metadata, None)
-            if manager is not None:
-                # Copies taken before the combine, which corrects both in place (on a CPU, .cpu() is no copy).
-                res.lse = lse.detach().float().to("cpu", copy=True)
-                res.partial = out.detach().to("cpu", copy=True)  # a wrong merge of right partials: the combine's
-                out = manager.combine(out, lse, seq_lens=metadata.seq_lens, query_start_loc=metadata.query_start_loc)
-            res.merged = out.detach().cpu()
-            if r in _FILTERED:
-                topk, res.block_stride_rows = _FILTERED.pop(r)
-                res.topk = topk.cpu()
-            if overruns := [f"rank {r}: {m}" for m in check_overrun(case.num_tokens)]:
-                res.problems["buffer_overrun"] = overruns
+        return cache, topk_buffer.copy_(self.topk_buffer)
+
+    def write_rank_cache(self, r: int, res: RankResult, cache):
+        """The layer's cache write on rank r (its own tokens: vLLM's slot mapping is -1 for the others'); the
+        entries written, for the oracle; returns the cache as written (to compare after the call)."""
+        case, inputs = self.case, self.inputs
+        self.write(inputs.kv_c[self.slots], inputs.k_pe[self.slots], cache, rank_slot_mapping(case, self.slots, r))
+        before = cache.clone()
+        owner, rslot = rank_slots(case, self.slots)
+        res.entries = before[rslot[owner == r] // case.block_size, rslot[owner == r] % case.block_size].cpu()
+        return before
+
+    def end_rank(self, r: int, res: RankResult, guards: Guards, cache, before) -> RankResult:
+        """What every rank notes after its call: the cache rows it changed, guard regions it wrote."""
         if self.target.device == "cuda":
             torch.cuda.synchronize()
         res.cache_changed = int((cache.view(torch.uint8) != before.view(torch.uint8)).any(dim=-1).sum())
         if guard := guards.check():
             res.problems["guard"] = [f"rank {r}: {g}" for g in guard]
         return res
+
+    def run_rank(self, r: int) -> RankResult:
+        """Rank `r`'s step: its buffers, its share of the cache written, its call (`call_rank`), what it changed."""
+        from vllm.config import set_current_vllm_config
+
+        res, guards = RankResult(), Guards()
+        cache, topk_buffer = self.rank_buffers(r, guards)
+        with set_current_vllm_config(self.cfg), torch.inference_mode():
+            before = self.write_rank_cache(r, res, cache)
+            self.call_rank(r, res, guards, cache, topk_buffer)
+        return self.end_rank(r, res, guards, cache, before)
+
+    def call_rank(self, r: int, res: RankResult, guards: Guards, cache: torch.Tensor, topk_buffer) -> None:
+        """The backend's call on rank `r`, noting what it gave in `res`."""
+        case, inputs, cfg, dev, heads = self.case, self.inputs, self.cfg, self.target.device, self.case.heads
+        builder, impl, manager = dcp_rank_engine(self.target.backend, self.spec, cfg, heads, case.kv_cache_dtype,
+                                                 topk_buffer, dev)
+        metadata = rank_metadata(builder, cfg, self.metadata_in,
+                                 rank_slot_mapping(case, self.metadata_in.slot_mapping, r))
+        check_overrun = guard_index_group(impl)
+        out, lse, partial = dcp_forward_mqa(impl, manager, rank_heads(inputs.q, heads, r), cache, metadata)
+        if lse is not None:  # the rank's partials, before the combine (a wrong merge of right partials: its)
+            res.lse = lse.detach().float().to("cpu", copy=True)
+            res.partial = partial.detach().to("cpu", copy=True)
+        res.merged = out.detach().cpu()
+        if r in _FILTERED:
+            topk, res.block_stride_rows = _FILTERED.pop(r)
+            res.topk = topk.cpu()
+        if overruns := [f"rank {r}: {m}" for m in check_overrun(case.num_tokens)]:
+            res.problems["buffer_overrun"] = overruns
 
     def outputs(self, results: list[RankResult]) -> dict:
         """The observation's outputs from every rank's result: the merged heads in rank order, each rank's

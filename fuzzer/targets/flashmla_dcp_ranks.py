@@ -25,8 +25,10 @@ from pathlib import Path
 import torch
 
 from fuzzer.env import die_with_parent, prepare_process
+from fuzzer.errors import CollectivesBroken, RankError
 from fuzzer.mutants import APPLIED, inject
 from fuzzer.support.flashmla_runtime import vllm_runtime
+from fuzzer.targets.base import WHOLE, RunPlan, lost_device
 from fuzzer.targets.flashmla_dcp import DcpStep, FlashMLASparseDcp, RankResult
 from fuzzer.targets.probes import observe_paths
 from strategies.batches import AttentionFeatures, attention_space
@@ -51,6 +53,7 @@ class FlashMLASparseDcpRanks(FlashMLASparseDcp):
     summary = ("FlashMLA sparse under DCP with real ranks: one process per GPU through torch.distributed (NCCL), "
                "vLLM's DCP group, query all-gather and LSE combine")
     real_parts = FlashMLASparseDcp.real_parts + ("vLLM's DCP process group (NCCL on GPUs, gloo on CPUs)",)
+    cuda_gpus = 2  # at least two ranks; on a CPU host two emulated ranks over gloo
 
     def __init__(self, device: str, rank: int = 0) -> None:
         super().__init__(device)
@@ -101,9 +104,9 @@ class FlashMLASparseDcpRanks(FlashMLASparseDcp):
         if self.rank == 0:
             self.collectives = "; ".join(c for c in checks if c) or None
 
-    def cases(self, profile):
+    def cases(self, profile, plan: RunPlan = WHOLE):
         return attention_space(profile, AttentionFeatures(
-            kv_cache_dtypes=self.kv_cache_dtypes, heads=(8, 16), block_sizes=(64, 128), dcp=True,
+            kv_cache_dtypes=plan.kv_dtypes(self), heads=(8, 16), block_sizes=(64, 128), dcp=True,
             dcp_sizes=(self.world,), block_stride_rows=True, dcp_outside_envelope=True))
 
     def run(self, case):
@@ -123,7 +126,8 @@ class FlashMLASparseDcpRanks(FlashMLASparseDcp):
             results = gather(mine)
             failed = {r: res.error for r, res in enumerate(results) if res.error}
             if failed:
-                raise RankError("; ".join(f"rank {r}: {e}" for r, e in failed.items()))
+                raise RankError("; ".join(f"rank {r}: {e}" for r, e in failed.items()),
+                                device_lost=any(res.device_lost for res in results))
             return step.outputs(results)
 
         obs = observe_paths(self.observe, call, notes={"dcp": f"{self.world} ranks, one process each"})
@@ -186,14 +190,6 @@ def enable_pynccl() -> str | None:
     return "; ".join(notes) or None
 
 
-class RankError(RuntimeError):
-    """One or more ranks raised (each rank's error is named)."""
-
-
-class CollectivesBroken(RuntimeError):
-    """vLLM's DCP group's collectives returned wrong values on known inputs, before any case ran."""
-
-
 def check_collectives() -> str | None:
     """The two collectives DCP's merge uses, through vLLM's DCP group, on known values: None when both are
     right, else what came back (and whether vLLM's PyNccl communicator is disabled: its reduce_scatter then
@@ -225,6 +221,7 @@ def run_rank(step: DcpStep, rank: int) -> RankResult:
     except Exception as e:  # the code under test raised on this rank: reported by rank 0
         res = RankResult()
         res.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+        res.device_lost = lost_device(e, step.target.device)  # told here, where the exception is: rank 0 gets text
         res.problems["traceback"] = [traceback.format_exc(limit=-6)]
         return res
 

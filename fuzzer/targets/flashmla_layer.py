@@ -23,14 +23,9 @@ from __future__ import annotations
 import torch
 
 from fuzzer.support import flashmla_runtime
-from fuzzer.support.flashmla_runtime import (
-    LAYER,
-    guard_index_group,
-    install_layer_standins,
-    layer_api,
-    mla_layer,
-    record_routes,
-)
+from fuzzer.support.flashmla_runtime import guard_index_group, install_layer_standins, layer_api
+from fuzzer.support.sparse_mla_steps import layer_forward, mla_attention_engine
+from fuzzer.targets.base import WHOLE, RunPlan
 from fuzzer.targets.flashmla_sparse import FlashMLASparse, StepContext, flashmla_repro
 from fuzzer.targets.harness import common_attn_metadata, with_padded_tokens
 from oracles.attention_judge import judge_layer
@@ -69,9 +64,9 @@ class FlashMLASparseLayer(FlashMLASparse):
         self.emulated = (*self.emulated, *install_layer_standins(self.device))
         flashmla_runtime.record_gathers()
 
-    def cases(self, profile):
+    def cases(self, profile, plan: RunPlan = WHOLE):
 
-        return attention_space(profile, AttentionFeatures(kv_cache_dtypes=self.kv_cache_dtypes, block_sizes=(64, 128),
+        return attention_space(profile, AttentionFeatures(kv_cache_dtypes=plan.kv_dtypes(self), block_sizes=(64, 128),
                                                           block_stride_rows=self.has_block_stride_rows(),
                                                           indexer_fills_short_seqs=True,
                                                           vllm_batch_order=True,
@@ -93,11 +88,8 @@ class FlashMLASparseLayer(FlashMLASparse):
         """One step through MLAAttention.forward_impl (vLLM's decode/MHA split), on the engine's layer and builder."""
         dev, inp, engine = self.device, inputs.attention, ctx.engine
         if not engine:
-            engine["layer"] = layer = mla_layer(ctx.cfg, step.heads, inputs.kv_b_weight, ctx.topk_buffer, dev,
-                                                backend=self.backend)
-            engine["builder"] = self.backend.get_builder_cls()(ctx.spec, [LAYER], ctx.cfg, torch.device(dev))
-            engine["route"] = {}
-            record_routes(layer.impl, engine["route"])
+            engine["builder"], engine["layer"], engine["route"] = mla_attention_engine(
+                self.backend, ctx.spec, ctx.cfg, step.heads, inputs.kv_b_weight, ctx.topk_buffer, dev)
         layer, route = engine["layer"], engine["route"]
         route.clear()
         route.update(mqa_tokens=0, mha_tokens=0)
@@ -121,7 +113,7 @@ class FlashMLASparseLayer(FlashMLASparse):
                     rows, step.heads * V_HEAD).fill_(float("nan"))
             flashmla_runtime.GATHER_LOG = gathers if name == "output" else None
             try:
-                layer.forward_impl(*args, output)
+                layer_forward(layer, *args, output)
             finally:
                 flashmla_runtime.GATHER_LOG = None
             return output

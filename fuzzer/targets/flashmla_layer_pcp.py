@@ -20,25 +20,34 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import os
 
 import torch
 
-from fuzzer.repro_spec import Judge, ReproSpec
+from fuzzer.repro_spec import Call, Judge, ReproSpec
 from fuzzer.support import pcp_runtime
-from fuzzer.support.dcp_group import installed_groups
-from fuzzer.support.flashmla_runtime import configure, guard_index_group, record_routes
-from fuzzer.targets.flashmla_dcp import FlashMLASparseDcp
+from fuzzer.support.dcp_steps import (
+    direct_dcp_off,
+    layer_cache_writer,
+    on_pcp_ranks,
+    pcp_rank_engine,
+    pcp_rank_metadata,
+    pcp_rank_topk,
+    rank_heads,
+    rank_kv_b_weight,
+    replay_pcp_ranks,
+)
+from fuzzer.support.flashmla_runtime import configure, guard_index_group
+from fuzzer.support.sparse_mla_steps import mla_spec
+from fuzzer.targets.base import WHOLE, RunPlan
+from fuzzer.targets.flashmla_dcp import FlashMLASparseDcp, dcp_cache_args, dcp_setup
 from fuzzer.targets.flashmla_layer import FlashMLASparseLayer
-from fuzzer.targets.flashmla_layer_dcp import DIRECT_DCP_ENV
-from fuzzer.targets.flashmla_sparse import REPRO_CONFIG, REPRO_SETUP_ANY, repro_backend
 from fuzzer.targets.guards import Guards
-from fuzzer.targets.harness import REPRO_CPU_PREPARE, REPRO_CPU_SUPPORT, TOPK_POISON, repro_case, step_tensors
+from fuzzer.targets.harness import step_tensors
 from fuzzer.targets.probes import observe_paths
 from oracles.attention_judge import judge_fp8_ds_mla_entries, layer_reference_for, layer_tolerance
 from oracles.dcp import judge_layer_pcp, rank_slot_mapping, rank_slots, undivided
 from strategies.batches import PCP_LAYOUTS, AttentionFeatures, attention_space
-from strategies.tensors import HEAD_SIZE, QK_NOPE, V_HEAD, materialize_layer_inputs
+from strategies.tensors import V_HEAD, materialize_layer_inputs
 
 ROUTES = "every token -> forward_mqa (PCP + DCP has no dense MHA): prefill rows over the DCP-gathered KV"
 EMULATED = ("PCP / DCP / TP collectives (attnfuzz's in-process groups)",
@@ -64,21 +73,20 @@ class FlashMLASparseLayerPcp(FlashMLASparseLayer):
         return super().unavailable() or FlashMLASparseDcp.needs_dcp_manager() or pcp_runtime.missing()
 
     def prepare(self) -> None:
-        for name in DIRECT_DCP_ENV:
-            os.environ.setdefault(name, "0")  # no symmetric memory over emulated ranks (CUDA would probe for it)
+        direct_dcp_off()  # no symmetric memory over emulated ranks (CUDA would probe for it)
         super().prepare()
         importlib.import_module(pcp_runtime.V32_ATTENTION)  # imported before the first case: its probes wrap it
         self.real_parts = type(self).real_parts + (("FlashMLA's CUDA kernels (vllm._flashmla_C)",)
                                                    if self.device == "cuda" else ())
         self.routes = ROUTES
 
-    def cases(self, profile):
+    def cases(self, profile, plan: RunPlan = WHOLE):
         # Steps long enough that prefills split over the PCP ranks in chunks of a few tokens (a CPU case: 1-4 s).
         # Heads per rank: the profile's and 64 (DeepSeek-V3.2 at TP 2); 128 (TP 1) where the profile draws it.
         heads = tuple(dict.fromkeys((*profile.attn_heads, 64)))
         profile = dataclasses.replace(profile, attn_max_tokens=max(profile.attn_max_tokens, 40))
         return attention_space(profile, AttentionFeatures(
-            kv_cache_dtypes=self.kv_cache_dtypes, heads=heads, block_sizes=(64, 128),
+            kv_cache_dtypes=plan.kv_dtypes(self), heads=heads, block_sizes=(64, 128),
             pcp_layouts=tuple(PCP_LAYOUTS), dcp_outside_envelope=True, block_stride_rows=False,
             indexer_fills_short_seqs=True, vllm_batch_order=True))
 
@@ -111,8 +119,6 @@ class PcpStep:
     """One case on every rank of the PCP x TP world (world rank w = pcp_rank * TP + tp_rank, as vLLM lays them)."""
 
     def __init__(self, target: FlashMLASparseLayerPcp, case) -> None:
-        from vllm.v1.kv_cache_interface import MLAAttentionSpec
-
         self.target, self.case, dev = target, case, target.device
         d = case.dcp
         self.whole = whole = undivided(case)
@@ -121,8 +127,7 @@ class PcpStep:
         _, self.slots, self.topk_all = step_tensors(whole, dev, inp)
         self.write, self.write_emulated = target.writer(case)
         self.cfg = configure(target.cfg, case, max_num_batched_tokens=self.topk_all.shape[0])
-        self.spec = MLAAttentionSpec(block_size=case.block_size, num_kv_heads=1, head_size=HEAD_SIZE,
-                                     dtype=torch.bfloat16, cache_dtype_str=case.kv_cache_dtype)
+        self.spec = mla_spec(case.block_size, case.kv_cache_dtype)
         # On the device, as the runner's slot mappings are: vLLM's writer and PCP conversion index with them.
         self.new_slots = _cat([inp.slot_of[i][r.context_len:] for i, r in enumerate(whole.requests)]).to(dev)
         self.context_slots = _cat([inp.slot_of[i][:r.context_len] for i, r in enumerate(whole.requests)]).to(dev)
@@ -132,9 +137,9 @@ class PcpStep:
         self.results: list[PcpRankResult] = []
 
     def call(self) -> dict:
-        d, write = self.case.dcp, self.write if self.write_emulated else None
-        with pcp_runtime.context_parallel(self.cfg, d.pcp, d.tp, write), installed_groups(**self.groups):
-            self.results = self.ranks.run(self.run_rank)
+        d = self.case.dcp
+        write = layer_cache_writer(self.target.device, fp8_scales(self.case))  # what the layer writes with
+        self.results = on_pcp_ranks(self.cfg, self.ranks, self.groups, d.pcp, d.tp, write, self.run_rank)
         return self.outputs()
 
     def run_rank(self, w: int) -> PcpRankResult:
@@ -155,17 +160,14 @@ class PcpStep:
                 self.write(inp.kv_c[self.context_slots], inp.k_pe[self.context_slots], cache,
                            rank_slot_mapping(case, self.context_slots, dcp_rank))
             manager, local = pcp_runtime.rank_batch(self.batch, d.pcp, p, d.size, dcp_rank, d.interleave, dev)
-            rows = manager._local_gather_idx  # the batch token of each of the rank's rows (padding: token 0)
+            shape = self.topk_all.shape
+            topk_buffer = guards.empty(f"topk_indices_buffer (rank {w})", shape.numel(), torch.int32, dev).view(shape)
+            rows = pcp_rank_topk(topk_buffer, self.topk_all, manager, local)  # the batch token of each of its rows
             n = local.num_tokens
             res.local = dict(rows=len(rows), tokens=n, requests=local.num_reqs,
                              prefilling=int(local.is_prefilling_np[:local.num_reqs].sum()))
-            shape = self.topk_all.shape
-            topk_buffer = guards.empty(f"topk_indices_buffer (rank {w})", shape.numel(), torch.int32, dev).view(shape)
-            topk_buffer.fill_(TOPK_POISON)
-            topk_buffer[:n] = self.topk_all[rows[:n]]  # the indexer's rows for the rank's tokens
-            w_rows = slice(t * heads * (QK_NOPE + V_HEAD), (t + 1) * heads * (QK_NOPE + V_HEAD))  # TP: its heads
-            layer = pcp_runtime.pcp_layer(cfg, heads, self.layer_inputs.kv_b_weight[w_rows], topk_buffer, dev)
-            record_routes(layer.impl, res.route)
+            builder, layer, res.route = pcp_rank_engine(
+                backend, self.spec, cfg, heads, rank_kv_b_weight(self.layer_inputs.kv_b_weight, heads, t), topk_buffer, dev)
             written: list = []
             update = layer.impl.do_kv_cache_update
 
@@ -174,14 +176,12 @@ class PcpStep:
                 written.append(cache.clone())
 
             layer.impl.do_kv_cache_update = write_then_snapshot
-            builder = backend.get_builder_cls()(self.spec, [pcp_runtime.LAYER], cfg, torch.device(dev))
-            slot_mapping = pcp_runtime.rank_slot_mapping(manager, rank_slot_mapping(case, self.new_slots, dcp_rank))
-            metadata = pcp_runtime.rank_metadata(cfg, builder, backend, self.spec, local, inp.index.block_table,
-                                                 slot_mapping)
+            slot_mapping, metadata = pcp_rank_metadata(cfg, builder, backend, self.spec, manager, local, inp.index.block_table,
+                                                       rank_slot_mapping(case, self.new_slots, dcp_rank))
             width = heads * V_HEAD
             output = guards.empty(f"output (rank {w})", len(rows) * width, torch.bfloat16, dev).view(len(rows), width)
             output.fill_(float("nan"))
-            q = self.layer_inputs.q[rows][:, t * heads:(t + 1) * heads].contiguous()
+            q = rank_heads(self.layer_inputs.q[rows], heads, t)
             check_overrun = guard_index_group(layer.impl)
             before = cache.clone()
             pcp_runtime.forward(layer, cfg, local, metadata, slot_mapping, cache, q, inp.kv_c[self.new_slots][rows],
@@ -270,71 +270,37 @@ def pcp_repro(target, finding) -> ReproSpec:
         width = cache.shape[-1]
         tensors[f"kv_cache_rows.dcp{r}"] = cache.as_strided((case.num_blocks * case.stride_rows, width), (width, 1))
         tensors[f"slot_mapping.dcp{r}"] = rank_slot_mapping(case, new, r)
-    convention = case.fp8_scale if case.fp8_scale != "e8m0_trunc" else "pow2"
+    replay = Call(replay_pcp_ranks, dict(backend="backend", spec="spec", cfg="cfg", T="T", batch="batch", pcp="PCP",
+                                         tp="TP", dcp_size="DCP_SIZE", interleave="INTERLEAVE", heads="HEADS",
+                                         **dcp_cache_args(), write="write", device="DEVICE", found="found"),
+                  assign="out, route", note="every rank of the PCP x TP world, emulated in one process")
     return ReproSpec(
         about=f"Shrunk case: {case.summary()}; {case.heads} heads per rank, fp8_ds_mla, values {case.values}.\n"
               "Inputs in tensors.safetensors beside this file; the expected output is attnfuzz's fp32 oracle of "
               "the layer (after W_UV) over the undivided context.",
-        imports=("import os", "import tempfile", "from types import SimpleNamespace"),
         constants=dict(PCP=d.pcp, TP=d.tp, DCP_SIZE=d.size, INTERLEAVE=d.interleave, HEADS=case.heads,
+                       KV_CACHE_DTYPE=case.kv_cache_dtype, TOPK_WIDTH=case.topk_width, TOPK_ROWS=topk_buffer.shape[0],
                        BLOCK_SIZE=case.block_size, BLOCK_STRIDE_ROWS=case.stride_rows, NUM_BLOCKS=case.num_blocks,
                        QUERY_LENS=[r.query_len for r in case.requests],
-                       CONTEXT_LENS=[r.context_len for r in case.requests], NUM_DECODES=case.num_decodes,
-                       FP8_SCALES=convention, ATOL=atol, RTOL=rtol, LSE_TOL=0.0),
+                       CONTEXT_LENS=[r.context_len for r in case.requests],
+                       IS_PREFILLING=[i >= case.num_decodes for i in range(len(case.requests))],
+                       FP8_SCALES=fp8_scales(case), ATOL=atol, RTOL=rtol, LSE_TOL=0.0),
         tensors=tensors,
-        support={"runtime": "fuzzer.support.flashmla_runtime", "dcp": "fuzzer.support.dcp_group",
-                 "pcp": "fuzzer.support.pcp_runtime", "flashmla_ops": "fuzzer.support.standins.flashmla_ops",
-                 **(REPRO_CPU_SUPPORT if cpu else {})},
-        prepare="".join(f'os.environ.setdefault("{name}", "0")  # the emulated ranks share no symmetric memory\n'
-                        for name in DIRECT_DCP_ENV)
-        + (REPRO_CPU_PREPARE + "runtime.cpu_shims()  # no streams on a CPU\n" if cpu else "")
-        + repro_backend(target, layer=True),
-        setup=REPRO_SETUP_ANY + repro_case(case, "SimpleNamespace(size=DCP_SIZE, interleave=INTERLEAVE)")
-        + REPRO_CONFIG + _REPRO_RANK_STEP,
-        call=_REPRO_CALL,
+        prepare=(Call(direct_dcp_off), target.repro_prepare(layer=True)),
+        setup=(*dcp_setup(target, metadata=False),
+               Call(pcp_runtime.global_batch, dict(query_lens="QUERY_LENS", context_lens="CONTEXT_LENS",
+                                                   is_prefilling="IS_PREFILLING", device="DEVICE"), assign="batch",
+                    note="the scheduled step, before vLLM's PCP partitions it"),
+               Call(layer_cache_writer, dict(device="DEVICE", fp8_scales="FP8_SCALES"), assign="write",
+                    note="the layer writes the step's tokens through it (None: vLLM's own)")),
+        call=(replay,),
         judge=Judge("dcp", dict(out="out", expected='T["expected_out"]', lses="{}", expected_lses="{}",
                                 heads="HEADS", atol="ATOL", rtol="RTOL", lse_tol="LSE_TOL")),
-        report='print(f"PCP {PCP} x TP {TP} ranks emulated in one process, DCP {DCP_SIZE}, interleave {INTERLEAVE} | '
-               'rank 0\'s routes:", route, "| stand-ins for ops this host lacks:", ", ".join(emulated) or "none")\n',
+        report={"emulated in one process:": 'f"PCP {PCP} x TP {TP} ranks, DCP {DCP_SIZE}, interleave {INTERLEAVE}"',
+                "rank 0's routes:": "route", "stand-ins for ops this host lacks:": '", ".join(emulated) or "none"'},
         bounds_checked=cpu)
 
 
-_REPRO_RANK_STEP = """\
-route = {}
-batch = pcp.global_batch(QUERY_LENS, CONTEXT_LENS, [i >= NUM_DECODES for i in range(len(QUERY_LENS))], DEVICE)
-# The layer writes the step's tokens through vLLM's concat_and_cache_mla: attnfuzz's where the host lacks it.
-write = None if DEVICE != "cpu" and runtime.has_cache_op("concat_and_cache_mla") else (
-    lambda kv_c, k_pe, cache, slots: flashmla_ops.concat_and_cache_mla(kv_c, k_pe, cache, slots, "fp8_ds_mla", None,
-                                                                       FP8_SCALES))
-ranks, groups = pcp.emulated_world(PCP, TP, DCP_SIZE, cfg, DEVICE)
-
-
-def rank_step(w):
-    \"\"\"World rank w (PCP rank w // TP, TP rank w % TP): the step as the model runner feeds it to its layer.\"\"\"
-    p, t = divmod(w, TP)
-    d = groups["_DCP"].rank_in_group
-    width = T[f"kv_cache_rows.dcp{d}"].shape[-1]
-    cache = T[f"kv_cache_rows.dcp{d}"].clone().as_strided((NUM_BLOCKS, BLOCK_SIZE, width),
-                                                          (BLOCK_STRIDE_ROWS * width, width, 1))
-    with set_current_vllm_config(cfg), torch.inference_mode():
-        manager, local = pcp.rank_batch(batch, PCP, p, DCP_SIZE, d, INTERLEAVE, DEVICE)  # vLLM's PCP partition
-        rows = manager._local_gather_idx  # the batch token of each of the rank's rows
-        topk = torch.full_like(T["topk_indices_buffer"], 2**30 - 1)  # the indexer's rows for the rank's tokens
-        topk[:local.num_tokens] = T["topk_indices_buffer"][rows[:local.num_tokens]]
-        heads = slice(t * HEADS, (t + 1) * HEADS)  # this TP rank's heads, and its kv_b_proj rows
-        layer = pcp.pcp_layer(cfg, HEADS, T["kv_b_weight"][t * HEADS * 256:(t + 1) * HEADS * 256], topk, DEVICE)
-        if w == 0:
-            runtime.record_routes(layer.impl, route)
-        builder = Backend.get_builder_cls()(spec, [runtime.LAYER], cfg, torch.device(DEVICE))
-        slot_mapping = pcp.rank_slot_mapping(manager, T[f"slot_mapping.dcp{d}"])
-        metadata = pcp.rank_metadata(cfg, builder, Backend, spec, local, T["block_table"], slot_mapping)
-        output = torch.full((len(rows), HEADS * 128), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-        pcp.forward(layer, cfg, local, metadata, slot_mapping, cache, T["q"][rows][:, heads].contiguous(),
-                    T["kv_c_new"][rows], T["k_pe_new"][rows], output)
-        return manager.restore_hidden_states(output)  # every PCP rank's rows back in batch order
-"""
-_REPRO_CALL = """\
-with pcp.context_parallel(cfg, PCP, TP, write), dcp.installed_groups(**groups):
-    restored = ranks.run(rank_step)
-out = torch.cat(restored[:TP], dim=1).unflatten(1, (-1, 128))  # the TP ranks' heads (PCP rank 0's copies)
-"""
+def fp8_scales(case) -> str:
+    """The scale convention the stand-in cache writer uses (pow2 scales survive e8m0)."""
+    return case.fp8_scale if case.fp8_scale != "e8m0_trunc" else "pow2"

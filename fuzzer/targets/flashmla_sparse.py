@@ -14,41 +14,43 @@ from dataclasses import dataclass, field
 import torch
 
 from fuzzer.env import STATE_DIR
-from fuzzer.repro_spec import Judge, ReproSpec
+from fuzzer.repro_spec import Call, Judge, ReproSpec
 from fuzzer.support.cudagraphs import EMULATED as EMULATED_GRAPHS
 from fuzzer.support.flashmla_runtime import (
-    BACKEND_MODULE,
     FP8_ENTRY_BYTES,
-    LAYER,
     MAX_MODEL_LEN,
     _try_import,
     configure,
-    cpu_shims,
-    define_missing_c_queries,
     guard_index_group,
     has_cache_op,
-    impl_topk_kwargs,
-    prefill_outputs_under_initcheck,
     sparse_backend,
     vllm_runtime,
 )
-from fuzzer.support.interp.corrections import CORRECTIONS, install_corrections
-from fuzzer.support.standins.cpu_shims import install_cpu_shims
+from fuzzer.support.sparse_mla_steps import (
+    forward_mqa,
+    mla_attention_engine,
+    mla_spec,
+    poisoned_cache,
+    prepare_host,
+    prepare_layer_host,
+    replay_graph_steps,
+    replay_layer_steps,
+    replay_steps,
+    sparse_mla_engine,
+    step_config,
+    topk_buffer,
+    update_draft_metadata,
+)
 from fuzzer.support.standins.flashmla_ops import concat_and_cache_mla
-from fuzzer.targets.base import Target
+from fuzzer.targets.base import WHOLE, RunPlan, Target
 from fuzzer.targets.guards import Guards
 from fuzzer.targets.harness import (
-    REPRO_CACHE,
-    REPRO_CPU_PREPARE,
-    REPRO_CPU_SUPPORT,
-    REPRO_METADATA,
     DecodeGraphs,
     cache_writer,
     common_attn_metadata,
     fill_topk,
     note_guards_and_cache,
     paged_cache,
-    repro_case,
     repro_constants,
     repro_step,
     step_slots,
@@ -68,15 +70,7 @@ from oracles.attention_judge import (
 )
 from oracles.steps import judge_steps
 from strategies.batches import AttentionFeatures, attention_space
-from strategies.tensors import (
-    HEAD_SIZE,
-    KV_LORA_RANK,
-    ROPE_DIM,
-    SM_SCALE,
-    materialize_attention_inputs,
-    materialize_layer_inputs,
-    written_slots,
-)
+from strategies.tensors import HEAD_SIZE, materialize_attention_inputs, written_slots
 
 
 @dataclass
@@ -126,13 +120,7 @@ class FlashMLASparse(Target):
 
     def prepare(self) -> None:
 
-        self.shims: list[str] = list(define_missing_c_queries())
-        if self.device == "cpu":  # before the backend is imported: it binds PIN_MEMORY by name
-
-            install_corrections()
-            self.shims += [*install_cpu_shims(), *cpu_shims(), *(f"interpreter correction: {c}" for c in CORRECTIONS)]
-        self.backend, self.emulated = sparse_backend(self.vllm_backend, self.device)
-        self.shims += prefill_outputs_under_initcheck(self.device)
+        self.backend, self.emulated, self.shims = prepare_host(self.vllm_backend, self.device)
         self.real_parts = self.real_parts_here()
         self.cfg = self.runtime(str(STATE_DIR))
         self.block_stride_rows = remap_api().has_block_stride_rows
@@ -154,11 +142,11 @@ class FlashMLASparse(Target):
         """As prepare() (or, in a campaign's parent, the worker's prepare()) read it; else from the release."""
         return self.block_stride_rows if self.block_stride_rows is not None else remap_api().has_block_stride_rows
 
-    def cases(self, profile):
-        return attention_space(profile, AttentionFeatures(kv_cache_dtypes=self.kv_cache_dtypes, block_sizes=(64, 128),
+    def cases(self, profile, plan: RunPlan = WHOLE):
+        return attention_space(profile, AttentionFeatures(kv_cache_dtypes=plan.kv_dtypes(self), block_sizes=(64, 128),
                                                           block_stride_rows=self.has_block_stride_rows(),
                                                           cudagraph_padding=True, traces=True,
-                                                          cudagraph_modes=self.cudagraph_modes,
+                                                          cudagraph_modes=plan.graph_modes(self),
                                                           mtp_draft=self.mtp_draft))
 
     def step(self, case, device, guards=None):
@@ -241,10 +229,7 @@ class FlashMLASparse(Target):
 
     def kv_cache_spec(self, case, cfg):
         """The layer's KV-cache spec as the builder gets it."""
-        from vllm.v1.kv_cache_interface import MLAAttentionSpec
-
-        return MLAAttentionSpec(block_size=case.block_size, num_kv_heads=1, head_size=HEAD_SIZE, dtype=torch.bfloat16,
-                                cache_dtype_str=case.kv_cache_dtype)
+        return mla_spec(case.block_size, case.kv_cache_dtype)
 
     def step_inputs(self, step):
         return materialize_attention_inputs(step, self.device)
@@ -252,14 +237,9 @@ class FlashMLASparse(Target):
     def new_engine(self, ctx: "StepContext", step) -> None:
         """The objects vLLM's runner keeps for the engine's life, in `ctx.engine`: the metadata builder, the impl and
         (`layer`) what the layer hands forward_mqa as itself (None: FlashMLA reads nothing of it)."""
-        backend, engine = self.backend, ctx.engine
-        engine["builder"] = backend.get_builder_cls()(ctx.spec, [LAYER], ctx.cfg, torch.device(self.device))
-        # topk_indices_buffer= with indexer=None: the index group orders on the compute stream.
-        engine["impl"] = backend.get_impl_cls()(
-            step.heads, HEAD_SIZE, SM_SCALE, 1, None, None, step.kv_cache_dtype, None, "decoder", None,
-            **impl_topk_kwargs(backend.get_impl_cls(), ctx.topk_buffer), q_lora_rank=None,
-            kv_lora_rank=KV_LORA_RANK, qk_nope_head_dim=128, qk_rope_head_dim=ROPE_DIM, qk_head_dim=128 + ROPE_DIM,
-            v_head_dim=128, kv_b_proj=None)
+        engine = ctx.engine
+        engine["builder"], engine["impl"] = sparse_mla_engine(self.backend, ctx.spec, ctx.cfg, step.heads,
+                                                              step.kv_cache_dtype, ctx.topk_buffer, self.device)
         engine["layer"] = None
 
     def mqa_step(self, ctx: "StepContext", step, inp):
@@ -271,8 +251,8 @@ class FlashMLASparse(Target):
             self.new_engine(ctx, step)
         impl, builder, layer = engine["impl"], engine["builder"], engine["layer"]
 
-        def forward(q, metadata):  # (ql_nope, q_pe), as the layer passes it
-            out, lse = impl.forward_mqa((q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:]), ctx.cache, metadata, layer)
+        def forward(q, metadata):
+            out, lse = forward_mqa(impl, q, ctx.cache, metadata, layer)
             return {"out": out, "lse": lse}
 
         graphs = ctx.graphs
@@ -311,16 +291,9 @@ class FlashMLASparse(Target):
         block table and `query_start_loc` stay), then the builder's `update_draft_decode_metadata`; a builder
         that cannot (`supports_draft_decode_metadata_update` false) is rebuilt, as the speculator falls back."""
         engine = ctx.engine
-        cam, builder = engine["cam"], engine["builder"]
         advanced = common_attn_metadata(step, inp.index, self.device)
-        cam.seq_lens.copy_(advanced.seq_lens)
-        cam.slot_mapping.copy_(advanced.slot_mapping)
-        if getattr(builder, "supports_draft_decode_metadata_update", False):  # a release without draft updates lacks it
-            builder.update_draft_decode_metadata(engine["metadata"])
-            ctx.notes["mtp_draft"] = "update_draft_decode_metadata"
-            return engine["metadata"]
-        ctx.notes["mtp_draft"] = "rebuilt"
-        engine["cam"], engine["metadata"] = advanced, builder.build(0, advanced)
+        engine["cam"], engine["metadata"], ctx.notes["mtp_draft"] = update_draft_metadata(
+            engine["builder"], engine["cam"], engine["metadata"], advanced)
         return engine["metadata"]
 
     def finish(self, obs, case, slots, cache, before, write_emulated, overruns, guards):
@@ -344,66 +317,32 @@ class FlashMLASparse(Target):
     def repro_spec(self, finding) -> ReproSpec:
         return flashmla_repro(self, finding, layer=False)
 
+    # The reproducer's calls that differ between the backends of this family (flashmla_repro makes the rest).
+    def repro_prepare(self, layer: bool) -> Call:
+        return Call(prepare_layer_host if layer else prepare_host, dict(backend_name=repr(self.vllm_backend),
+                                                                        device="DEVICE"),
+                    assign="backend, emulated, shims")
+
+    def repro_spec_call(self) -> Call:
+        return Call(mla_spec, dict(block_size="BLOCK_SIZE", kv_cache_dtype="KV_CACHE_DTYPE"), assign="spec")
+
+    def repro_engine(self, case, layer: bool) -> Call:
+        if layer:
+            return Call(mla_attention_engine, dict(backend="backend", spec="spec", cfg="cfg", heads="HEADS",
+                                                   kv_b_weight='T["kv_b_weight"]', topk_indices_buffer="topk_indices_buffer",
+                                                   device="DEVICE"), assign="builder, layer, route")
+        return Call(sparse_mla_engine, dict(backend="backend", spec="spec", cfg="cfg", heads="HEADS",
+                                            kv_cache_dtype="KV_CACHE_DTYPE", topk_indices_buffer="topk_indices_buffer",
+                                            device="DEVICE"), assign="builder, impl")
+
 
 def flashmla_repro(target, finding, layer: bool) -> ReproSpec:
-    """The step as the finding ran it (its values are drawn on its device: q, the cache as written, the top-k
-    buffer, the metadata's inputs, for the layer kv_b_proj's weight and the new tokens' latents), the call the
-    target makes on it (`forward_mqa`, or the layer's `forward_impl`), judged against the fp32 reference."""
-
-    if finding.case.earlier or finding.case.cudagraph == "full":
-        return flashmla_trace_repro(target, finding, layer)
+    """The trace as the finding ran it, up to its first failing step (one step: a trace of one). Per step it saves
+    what the layer writes to the cache (the rows at the step's written slots, as the cache writer wrote them),
+    the indexer's rows, the metadata's inputs and q (the layer's: q, kv_c_normed, k_pe, and kv_b_proj's weight);
+    the reproducer runs them through the calls the target makes (`fuzzer.support.sparse_mla_steps`), and judges
+    the last step against the fp32 reference."""
     case, dev = finding.case, finding.host.device
-    cpu = dev == "cpu"
-    inputs = materialize_layer_inputs(case, dev) if layer else None
-    inp, slots, topk_buffer = step_tensors(case, dev, inputs.attention if layer else materialize_attention_inputs(case, dev))
-    cache = target.cache(case, dev)
-    target.writer(case)[0](inp.kv_c[slots], inp.k_pe[slots], cache, slots)
-    slot_values = None
-    if case.kv_cache_dtype != "bfloat16":  # the oracle reads what the fp8 entries hold
-        slot_values, _ = judge_cache_entries(case, inp, slots, cache[slots // case.block_size, slots % case.block_size])
-    tensors = repro_step(case, inp.index, cache, topk_buffer, dev)
-    if layer:
-        mha_tokens = int(finding.observation.notes.get("route", {}).get("mha_tokens", 0))
-        expected, _ = layer_reference_for(case, inputs, dev, slot_values, mha_tokens)
-        atol, rtol = layer_tolerance(case, inputs)
-        new = [inp.slot_of[r][req.context_len:] for r, req in enumerate(case.requests)]  # the step's own tokens
-        new_slots = (torch.cat(new) if new else torch.zeros(0, dtype=torch.int64)).to(dev)
-        tensors.update(q=with_padded_tokens(case, inputs.q), kv_b_weight=inputs.kv_b_weight,
-                       kv_c_normed=with_padded_tokens(case, inp.kv_c[new_slots]),
-                       k_pe=with_padded_tokens(case, inp.k_pe[new_slots]).unsqueeze(1))
-    else:
-        expected = reference_for(case, inp, dev, slot_values)[0]
-        atol, rtol = attention_tolerance(case, inp)
-        tensors["q"] = with_padded_tokens(case, inp.q)
-    tensors["expected_out"] = expected
-    return ReproSpec(
-        about=f"Shrunk case: {case.summary()}; {case.heads} heads, kv_cache_dtype {case.kv_cache_dtype}, values "
-              f"{case.values}.\nInputs in tensors.safetensors beside this file; the expected output is attnfuzz's "
-              + ("fp32 oracle (after W_UV)." if layer else "fp32 oracle (latent, 512 wide)."),
-        imports=("import dataclasses", "import tempfile", "from types import SimpleNamespace"),
-        constants=dict(**repro_constants(case), ATOL=atol, RTOL=rtol), tensors=tensors,
-        support={"runtime": "fuzzer.support.flashmla_runtime", **(REPRO_CPU_SUPPORT if cpu else {})},
-        prepare=(REPRO_CPU_PREPARE + "runtime.cpu_shims()  # no streams on a CPU\n" if cpu else "")
-        + repro_backend(target, layer),
-        setup=REPRO_SETUP_ANY + repro_case(case) + REPRO_CONFIG + REPRO_CACHE + REPRO_METADATA + ("route = {}\n" if layer else ""),
-        call=_LAYER_CALL if layer else _MQA_CALL,
-        judge=Judge("attention", dict(out="out", expected='T["expected_out"]', cache="cache", before="before",
-                                      atol="ATOL", rtol="RTOL")),
-        report=('print("routes:", route, "| stand-ins for ops this host lacks:", ", ".join(emulated) or "none")\n'
-                if layer else 'print("stand-ins for ops this host lacks:", ", ".join(emulated) or "none")\n'),
-        # On a CPU the interpreter always runs under attnfuzz's checker: besides the bounds checks it broadcasts
-        # the 0-d masks the bare interpreter rejects ("mask has unsupported dtype", Trap 4, hit by the remap
-        # kernel on FlashMLA's fp8 separate path).
-        bounds_checked=cpu)
-
-
-def flashmla_trace_repro(target, finding, layer: bool) -> ReproSpec:
-    """A trace's reproducer: its steps up to the first failing one, on one builder and impl (or layer), one
-    cache and one top-k buffer, as the target ran them. Per step it loads what the layer writes to the cache
-    (the rows at the step's written slots, as the cache writer wrote them), the indexer's rows and the
-    metadata's inputs; the last step is judged against the fp32 reference."""
-    case, dev = finding.case, finding.host.device
-    cpu = dev == "cpu"
     failing = min((v.step for v in finding.verdicts if v.step), default=len(case.steps))
     steps = case.steps[:failing]
     scratch = target.cache(case, dev)  # the cache as the steps leave it, to read back what each wrote
@@ -416,18 +355,16 @@ def flashmla_trace_repro(target, finding, layer: bool) -> ReproSpec:
         write(inp.kv_c[written], inp.k_pe[written], scratch, written)
         step_t = repro_step(step, inp.index, None, inp.index.topk_indices, dev)
         step_t.pop("topk_indices_buffer")
-        step_t.update(topk_indices=inp.index.topk_indices, written_slots=written,
+        step_t.update(topk_indices=inp.index.topk_indices, written_slots=written, q=with_padded_tokens(step, inputs.q),
                       written_rows=scratch[written // case.block_size, written % case.block_size])
         if layer:
             new = [inp.slot_of[r][req.context_len:] for r, req in enumerate(step.requests)]
             new_slots = (torch.cat(new) if new else torch.zeros(0, dtype=torch.int64)).to(dev)
-            step_t.update(q=with_padded_tokens(step, inputs.q), kv_c_normed=with_padded_tokens(step, inp.kv_c[new_slots]),
+            step_t.update(kv_c_normed=with_padded_tokens(step, inp.kv_c[new_slots]),
                           k_pe=with_padded_tokens(step, inp.k_pe[new_slots]).unsqueeze(1))
-        else:
-            step_t["q"] = with_padded_tokens(step, inp.q)
         tensors.update({f"s{k}.{name}": t for name, t in step_t.items()})
         constants.append({name: value for name, value in repro_constants(step).items()
-                          if name in ("NUM_REQS", "NUM_TOKENS", "MAX_QUERY_LEN", "MAX_SEQ_LEN")})
+                          if name in ("NUM_TOKENS", "MAX_QUERY_LEN", "MAX_SEQ_LEN")})
         if case.cudagraph == "full":
             constants[-1]["REPLAY"] = step.replays_graph
         if step.mtp_draft:
@@ -450,11 +387,24 @@ def flashmla_trace_repro(target, finding, layer: bool) -> ReproSpec:
     tensors["expected_out"] = expected
     graphs = DecodeGraphs(case, dev, MAX_MODEL_LEN) if case.cudagraph == "full" and not layer else None
     drafts = any(s.mtp_draft for s in steps) and not layer
-    graph_constants = dict(GRAPH_SIZES=[list(s) for s in graphs.sizes], MAX_REQS=graphs.buffers.seq_lens.shape[0],
-                           TABLE_WIDTH=len(case.block_table[0])) if graphs else {}
+    engine = target.repro_engine(case, layer)
+    replay = dict(builder="builder", cfg="cfg", steps="STEPS", T="T", rows="rows", cache="cache",
+                  topk_indices_buffer="topk_indices_buffer", block_size="BLOCK_SIZE",
+                  block_stride_rows="BLOCK_STRIDE_ROWS", device="DEVICE", found="found")
+    forward_layer = {"layer": "layer"} if "layer" in engine.assign.split(", ") else {}  # what forward_mqa is handed
+    if layer:
+        call = Call(replay_layer_steps, dict(replay, layer="layer", route="route"), assign="out, before")
+    elif graphs:
+        call = Call(replay_graph_steps, dict(replay, impl="impl", graph_sizes="GRAPH_SIZES", max_reqs="MAX_REQS",
+                                             table_width="TABLE_WIDTH", **forward_layer),
+                    assign="out, before, cuda_graphs")
+    else:
+        call = Call(replay_steps, dict(replay, impl="impl", **forward_layer), assign="out, before")
     return ReproSpec(
-        about=f"Shrunk trace of {len(case.steps)} steps, run here up to step {failing}, whose output is judged: "
-              + "; ".join(f"step {k}: {s.summary()}" for k, s in enumerate(steps, start=1))
+        about=(f"Shrunk trace of {len(case.steps)} steps, run here up to step {failing}, whose output is judged: "
+               if len(case.steps) > 1 else "Shrunk case: ")
+              + "; ".join(f"step {k}: {s.summary()}" if len(case.steps) > 1 else s.summary()
+                          for k, s in enumerate(steps, start=1))
               + f".\n{case.heads} heads, kv_cache_dtype {case.kv_cache_dtype}, values {case.values}. One builder and "
               + ("one layer" if layer else "one impl") + " run every step, on one cache and one top-k buffer, as vLLM's "
               "model runner keeps them." + (" The engine runs full CUDA graphs: captured at start-up from dummy decode "
@@ -464,204 +414,28 @@ def flashmla_trace_repro(target, finding, layer: bool) -> ReproSpec:
                  "also run on metadata built for it." if drafts else "")
               + "\nInputs per step in tensors.safetensors beside this file; the expected output "
               "is attnfuzz's " + ("fp32 oracle (after W_UV)." if layer else "fp32 oracle (latent, 512 wide)."),
-        imports=("import dataclasses", "import tempfile", "from types import SimpleNamespace"),
         constants=dict(BLOCK_SIZE=case.block_size, BLOCK_STRIDE_ROWS=case.stride_rows, NUM_BLOCKS=case.pool_blocks,
-                       FP8_POISON=case.kv_cache_dtype != "bfloat16", TOPK_ROWS=max(s.num_actual_tokens for s in case.steps) + 8,
-                       **graph_constants, STEPS=constants, ATOL=atol, RTOL=rtol),
+                       HEADS=case.heads, KV_CACHE_DTYPE=case.kv_cache_dtype, TOPK_WIDTH=case.topk_width,
+                       TOPK_ROWS=max(s.num_actual_tokens for s in case.steps) + 8,
+                       **(dict(GRAPH_SIZES=[list(s) for s in graphs.sizes], MAX_REQS=graphs.buffers.seq_lens.shape[0],
+                               TABLE_WIDTH=len(case.block_table[0])) if graphs else {}),
+                       STEPS=constants, ATOL=atol, RTOL=rtol),
         tensors=tensors,
-        support={"runtime": "fuzzer.support.flashmla_runtime", **({"cudagraphs": "fuzzer.support.cudagraphs"} if graphs else {}),
-                 **(REPRO_CPU_SUPPORT if cpu else {})},
-        prepare=(REPRO_CPU_PREPARE + "runtime.cpu_shims()  # no streams on a CPU\n" if cpu else "")
-        + repro_backend(target, layer),
-        setup=REPRO_SETUP_ANY + repro_case(case) + _TRACE_CONFIG + ("route = {}\n" if layer else ""),
-        call=_TRACE_CALL.format(engine=_TRACE_LAYER_ENGINE if layer else _TRACE_MQA_ENGINE,
-                                capture=_GRAPH_CAPTURE if graphs else "",
-                                metadata=_GRAPH_METADATA if graphs else _DRAFT_METADATA if drafts else _TRACE_METADATA,
-                                forward=_TRACE_LAYER_FORWARD if layer else _GRAPH_FORWARD if graphs
-                                else _DRAFT_FORWARD if drafts else _TRACE_MQA_FORWARD),
+        prepare=(target.repro_prepare(layer),),
+        setup=(Call(step_config, dict(device="DEVICE", heads="HEADS", topk_width="TOPK_WIDTH",
+                                      kv_cache_dtype="KV_CACHE_DTYPE", block_size="BLOCK_SIZE",
+                                      max_num_batched_tokens="TOPK_ROWS"), assign="cfg"),
+               target.repro_spec_call(),
+               Call(poisoned_cache, dict(T="T", num_blocks="NUM_BLOCKS", block_size="BLOCK_SIZE",
+                                         block_stride_rows="BLOCK_STRIDE_ROWS",
+                                         fp8=repr(case.kv_cache_dtype != "bfloat16"), device="DEVICE"),
+                    assign="rows, cache", note="every row poisoned, as the fuzzer's cache"),
+               Call(topk_buffer, dict(rows="TOPK_ROWS", topk_width="TOPK_WIDTH", device="DEVICE"),
+                    assign="topk_indices_buffer")),
+        call=(engine, call),
         judge=Judge("attention", dict(out="out", expected='T["expected_out"]', cache="cache", before="before",
                                       atol="ATOL", rtol="RTOL")),
-        report=('print("routes of the last step:", route, "| stand-ins for ops this host lacks:", ", ".join(emulated) or "none")\n'
-                if layer else 'print("stand-ins for ops this host lacks:", ", ".join(emulated) or "none")\n'),
-        bounds_checked=cpu)
-
-
-_TRACE_CONFIG = """\
-cfg = runtime.configure(runtime.vllm_runtime(DEVICE, tempfile.mkdtemp()), case, max_num_batched_tokens=TOPK_ROWS)
-spec = MLAAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=576, dtype=torch.bfloat16,
-                        cache_dtype_str=case.kv_cache_dtype)
-width = T["s1.written_rows"].shape[-1]
-# Every row poisoned, as the fuzzer's cache: NaN for bf16, 0xFF bytes (fp8 NaN codes, NaN scales) for fp8_ds_mla.
-rows = torch.full((NUM_BLOCKS * BLOCK_STRIDE_ROWS, width), 255 if FP8_POISON else float("nan"),
-                  dtype=T["s1.written_rows"].dtype, device=DEVICE)
-cache = rows.as_strided((NUM_BLOCKS, BLOCK_SIZE, width), (BLOCK_STRIDE_ROWS * width, width, 1))
-topk_indices_buffer = torch.full((TOPK_ROWS, case.topk_width), 2**30 - 1, dtype=torch.int32, device=DEVICE)
-fields = {f.name for f in dataclasses.fields(CommonAttentionMetadata)}
-"""
-
-_TRACE_CALL = """\
-with set_current_vllm_config(cfg), torch.inference_mode():
-{engine}    builder = Backend.get_builder_cls()(spec, [runtime.LAYER], cfg, torch.device(DEVICE))
-{capture}    for k, step in enumerate(STEPS, start=1):
-        S = {{name.split(".", 1)[1]: t for name, t in T.items() if name.startswith(f"s{{k}}.")}}
-        # The layer's cache write: this step's rows, as vLLM's cache writer wrote them.
-        slots = S["written_slots"]
-        rows[slots // BLOCK_SIZE * BLOCK_STRIDE_ROWS + slots % BLOCK_SIZE] = S["written_rows"]
-        # The indexer's rows; its rows past this step's tokens keep what earlier steps left.
-        n = S["topk_indices"].shape[0]
-        topk_indices_buffer[:n] = S["topk_indices"]
-        topk_indices_buffer[n : step["NUM_TOKENS"]] = -1
-        before = cache.clone()
-{metadata}{forward}"""
-
-_TRACE_METADATA = """\
-        cam = CommonAttentionMetadata(**{name: v for name, v in dict(
-            query_start_loc=S["query_start_loc"], query_start_loc_cpu=S["query_start_loc"].cpu(),
-            seq_lens=S["seq_lens"], seq_lens_cpu=S["seq_lens"].cpu(), seq_lens_cpu_upper_bound=S["seq_lens"].cpu(),
-            num_computed_tokens_cpu=S["num_computed_tokens"].cpu(), num_reqs=step["NUM_REQS"],
-            num_actual_tokens=step["NUM_TOKENS"], max_query_len=step["MAX_QUERY_LEN"], max_seq_len=step["MAX_SEQ_LEN"],
-            block_table_tensor=S["block_table"], slot_mapping=S["slot_mapping"]).items() if name in fields})
-        metadata = builder.build(0, cam)
-"""
-# A trace with MTP draft steps (DRAFT): a draft step runs on the step before's metadata, the runner's inputs
-# advanced in place and the builder's update_draft_decode_metadata, as vLLM's speculator runs its drafts.
-_DRAFT_METADATA = _TRACE_METADATA.replace("        cam = ", "        fresh = ").replace("""        metadata = builder.build(0, cam)
-""", """        if step.get("DRAFT"):
-            cam.seq_lens.copy_(fresh.seq_lens)
-            cam.slot_mapping.copy_(fresh.slot_mapping)
-            builder.update_draft_decode_metadata(metadata)
-        else:
-            cam, metadata = fresh, builder.build(0, fresh)
-""")
-# A full-graph engine: every step's inputs go into the runner's persistent buffers, which its metadata views.
-_GRAPH_METADATA = """\
-        cam = runner.stage(S["query_start_loc"], S["seq_lens"], S["block_table"], S["slot_mapping"],
-                           S["num_computed_tokens"], step["NUM_TOKENS"], step["MAX_QUERY_LEN"], step["MAX_SEQ_LEN"])
-        metadata = builder.build(0, cam)
-"""
-_GRAPH_CAPTURE = """\
-    # vLLM's runner: persistent step inputs, and a full CUDA graph per uniform decode size, captured before the
-    # first step from a dummy batch (null-block rows, slots -1) with build_for_cudagraph_capture's metadata.
-    runner = cudagraphs.RunnerBuffers(MAX_REQS, TOPK_ROWS, TABLE_WIDTH, DEVICE)
-
-    def forward(q, metadata):  # (ql_nope | q_pe), as the layer hands it to forward_mqa
-        out, lse = impl.forward_mqa((q[..., :512], q[..., 512:]), cache, metadata, None)
-        return {"out": out, "lse": lse}
-
-    graphs = {}
-    for tokens, query_len in GRAPH_SIZES:
-        def capture_metadata(tokens=tokens, query_len=query_len):
-            return builder.build_for_cudagraph_capture(runner.stage_capture(tokens, query_len, runtime.MAX_MODEL_LEN))
-
-        static_q = torch.zeros((tokens, case.heads, 576), dtype=torch.bfloat16, device=DEVICE)
-        topk_indices_buffer[:tokens] = -1  # the dummy batch's indexer rows
-        graph = cudagraphs.FullGraph(lambda md, q=static_q: forward(q, md), capture_metadata, DEVICE)
-        graphs[tokens, query_len] = graph, static_q
-    topk_indices_buffer.fill_(2**30 - 1)
-    if any(graph.emulated for graph, _ in graphs.values()):
-        emulated = (*emulated, cudagraphs.EMULATED)
-"""
-_GRAPH_FORWARD = """\
-        check_overrun = runtime.guard_index_group(impl, poison=k == 1)
-        if step["REPLAY"]:  # a uniform decode step: its graph replayed, and the same step eagerly for comparison
-            graph, static_q = graphs[step["NUM_TOKENS"], step["MAX_QUERY_LEN"]]
-            static_q.copy_(S["q"])
-            out = graph.replay()["out"]
-            eager = forward(S["q"], metadata)["out"]
-            if not torch.equal(out.view(torch.uint8), eager.view(torch.uint8)):
-                found.append(f"step {k}: replayed from its CUDA graph, it differs from the step run eagerly in "
-                             f"{int((out.view(torch.uint8) != eager.view(torch.uint8)).any(dim=-1).any(dim=-1).sum())} "
-                             f"of {out.shape[0]} tokens")
-        else:
-            out = forward(S["q"], metadata)["out"]
-        found += [f"step {k}: {m}" for m in check_overrun(step["NUM_TOKENS"])]
-"""
-
-_TRACE_MQA_ENGINE = """\
-    # topk_indices_buffer= with indexer=None: the index group orders on the compute stream.
-    impl = Backend.get_impl_cls()(
-        case.heads, 576, runtime.SM_SCALE, 1, None, None, case.kv_cache_dtype, None, "decoder", None,
-        **runtime.impl_topk_kwargs(Backend.get_impl_cls(), topk_indices_buffer),
-        q_lora_rank=None, kv_lora_rank=512,
-        qk_nope_head_dim=128, qk_rope_head_dim=64, qk_head_dim=192, v_head_dim=128, kv_b_proj=None)
-"""
-_TRACE_MQA_FORWARD = """\
-        check_overrun = runtime.guard_index_group(impl, poison=k == 1)
-        q = S["q"]  # (ql_nope | q_pe), as the layer hands it to forward_mqa
-        out, _lse = impl.forward_mqa((q[..., :512], q[..., 512:]), cache, metadata, None)
-        found += [f"step {k}: {m}" for m in check_overrun(step["NUM_TOKENS"])]
-"""
-_DRAFT_FORWARD = _TRACE_MQA_FORWARD + """\
-        if step.get("DRAFT"):  # the same step on metadata built for it: the bits the in-place update promises
-            out = out.clone()
-            rebuilt, _lse = impl.forward_mqa((q[..., :512], q[..., 512:]), cache, builder.build(0, fresh), None)
-            if not torch.equal(out.view(torch.uint8), rebuilt.view(torch.uint8)):
-                found.append(f"step {k}: the MTP draft step on metadata updated in place (update_draft_decode_metadata) "
-                             f"differs from the same step on metadata built for it in "
-                             f"{int((out != rebuilt).any(dim=-1).any(dim=-1).sum())} of {out.shape[0]} tokens")
-"""
-_TRACE_LAYER_ENGINE = """\
-    layer = runtime.mla_layer(cfg, case.heads, T["kv_b_weight"], topk_indices_buffer, DEVICE, backend=Backend)
-    runtime.record_routes(layer.impl, route)
-"""
-_TRACE_LAYER_FORWARD = """\
-        route.clear()
-        check_overrun = runtime.guard_index_group(layer.impl, poison=k == 1)
-        out = torch.full((step["NUM_TOKENS"], case.heads * 128), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-        # Decode tokens go to forward_mqa, short prefills to dense MHA: vLLM's own split.
-        layer.forward_impl(S["q"], S["kv_c_normed"], S["k_pe"], cache, metadata, out)
-        found += [f"step {k}: {m}" for m in check_overrun(route.get("mqa_tokens", 0))]
-"""
-
-
-def repro_backend(target, layer: bool) -> str:
-    """A reproducer's line that gets vLLM's backend class (`Backend`) and binds the stand-ins it needs here."""
-    if layer:
-        return (f"Backend, emulated = runtime.sparse_backend({target.vllm_backend!r}, DEVICE)\n"
-                "emulated = tuple(dict.fromkeys(emulated + runtime.install_layer_standins(DEVICE)))\n")
-    return f"Backend, emulated = runtime.sparse_backend({target.vllm_backend!r}, DEVICE)\n"
-
-
-# What every FlashMLA reproducer sets up: vLLM's imports, the config the target builds (`Backend` comes from
-# `repro_backend`; the DCP reproducer imports FlashMLA's itself).
-REPRO_SETUP_ANY = """\
-from vllm.config import set_current_vllm_config
-from vllm.v1.attention.backend import CommonAttentionMetadata
-from vllm.v1.kv_cache_interface import MLAAttentionSpec
-
-"""
-REPRO_SETUP = REPRO_SETUP_ANY.replace("from vllm.v1.kv_cache_interface", f"from {BACKEND_MODULE} import "
-                                      "FlashMLASparseBackend as Backend\nfrom vllm.v1.kv_cache_interface")
-REPRO_CONFIG = """\
-cfg = runtime.configure(runtime.vllm_runtime(DEVICE, tempfile.mkdtemp()), case,
-                        max_num_batched_tokens=T["topk_indices_buffer"].shape[0])
-spec = MLAAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=576, dtype=torch.bfloat16,
-                        cache_dtype_str=case.kv_cache_dtype)
-"""
-
-_MQA_CALL = """\
-with set_current_vllm_config(cfg), torch.inference_mode():
-    metadata = Backend.get_builder_cls()(spec, [runtime.LAYER], cfg, torch.device(DEVICE)).build(0, cam)
-    # topk_indices_buffer= with indexer=None: the index group orders on the compute stream.
-    impl = Backend.get_impl_cls()(
-        case.heads, 576, runtime.SM_SCALE, 1, None, None, case.kv_cache_dtype, None, "decoder", None,
-        **runtime.impl_topk_kwargs(Backend.get_impl_cls(), T["topk_indices_buffer"]),
-        q_lora_rank=None, kv_lora_rank=512,
-        qk_nope_head_dim=128, qk_rope_head_dim=64, qk_head_dim=192, v_head_dim=128, kv_b_proj=None)
-    check_overrun = runtime.guard_index_group(impl)
-    q = T["q"]  # (ql_nope | q_pe), as the layer hands it to forward_mqa
-    out, _lse = impl.forward_mqa((q[..., :512], q[..., 512:]), cache, metadata, None)
-    found += check_overrun(NUM_TOKENS)
-"""
-
-_LAYER_CALL = """\
-with set_current_vllm_config(cfg), torch.inference_mode():
-    layer = runtime.mla_layer(cfg, case.heads, T["kv_b_weight"], T["topk_indices_buffer"], DEVICE, backend=Backend)
-    metadata = Backend.get_builder_cls()(spec, [runtime.LAYER], cfg, torch.device(DEVICE)).build(0, cam)
-    runtime.record_routes(layer.impl, route)
-    check_overrun = runtime.guard_index_group(layer.impl)
-    out = torch.full((NUM_TOKENS, case.heads * 128), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    # Decode tokens go to forward_mqa, short prefills to dense MHA: vLLM's own split.
-    layer.forward_impl(T["q"], T["kv_c_normed"], T["k_pe"], cache, metadata, out)
-    found += check_overrun(route.get("mqa_tokens", 0))
-"""
+        report={**({"routes of the last step:": "route"} if layer else {}),
+                "stand-ins for ops this host lacks:": '", ".join(emulated) or "none"',
+                **({"CUDA graphs:": "cuda_graphs"} if graphs else {})},
+        bounds_checked=dev == "cpu")

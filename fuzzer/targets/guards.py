@@ -6,8 +6,13 @@ on any device and without a sanitizer, at the cost of one comparison per guard; 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where it is used: fuzzer.targets.base imports this module, and `attnfuzz list` and `run`'s
+# argument checks import that (for its declarations) without wanting torch's seconds of start-up.
 
 GUARD_BYTES = 4096  # per side: a row of 576 bf16 is 1,152 bytes, so a few rows either way
 SENTINEL = 0xA5  # a byte no harness buffer is filled with
@@ -20,6 +25,8 @@ class Guards:
 
     def empty(self, name: str, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
         """A flat buffer of `numel` elements with guard bytes on both sides (contents: the sentinel)."""
+        import torch
+
         if not self.enabled:
             return torch.empty(numel, dtype=dtype, device=device)
         item = torch.empty((), dtype=dtype).element_size()
@@ -66,6 +73,8 @@ def poison_free_memory(device) -> bool:
     """Fill what the caching allocator hands out next with POISON_BYTE; returns whether it did."""
     if not allocator_poisoning(device):
         return False
+    import torch
+
     torch.cuda.empty_cache()  # the free blocks go back to the driver: only poisoned ones stay cached
     held = [torch.empty(POISON_LARGE_BYTES, dtype=torch.uint8, device=device)]
     held += [torch.empty(1 << 20, dtype=torch.uint8, device=device) for _ in range(POISON_SMALL_BLOCKS)]

@@ -8,10 +8,10 @@ vLLM's own.
 
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 
+from fuzzer.support.attn_metadata import attn_metadata
 from fuzzer.support.cudagraphs import FullGraph, RunnerBuffers
 from fuzzer.support.flashmla_runtime import has_cache_op
 from fuzzer.support.standins.cache_ops import concat_and_cache_mla
@@ -30,22 +30,12 @@ def new_token_slots(case) -> torch.Tensor:
 
 
 def common_attn_metadata(case, index, device):
-    """vLLM's CommonAttentionMetadata for the case, with only the fields the installed release declares."""
-    from vllm.v1.attention.backend import CommonAttentionMetadata
-
-    qsl = index.query_start_loc
-    seq_lens = index.seq_lens
-    values = dict(
-        query_start_loc=qsl.to(device), query_start_loc_cpu=qsl.cpu(), seq_lens=seq_lens.to(device),
-        seq_lens_cpu=seq_lens.cpu(), num_computed_tokens_cpu=torch.tensor([r.context_len for r in case.requests]),
-        seq_lens_cpu_upper_bound=seq_lens.cpu(), num_reqs=len(case.requests), num_actual_tokens=case.num_actual_tokens,
-        max_query_len=max((r.query_len for r in case.requests), default=0),
-        max_seq_len=max((r.seq_len for r in case.requests), default=0),
-        block_table_tensor=index.block_table.to(device),
-        slot_mapping=new_token_slots(case).to(device),
-    )
-    names = {f.name for f in dataclasses.fields(CommonAttentionMetadata)}
-    return CommonAttentionMetadata(**{k: v for k, v in values.items() if k in names})
+    """vLLM's CommonAttentionMetadata for the case (`attn_metadata`: the fields the installed release declares)."""
+    return attn_metadata(index.query_start_loc.to(device), index.seq_lens.to(device),
+                         torch.tensor([r.context_len for r in case.requests]), index.block_table.to(device),
+                         new_token_slots(case).to(device), case.num_actual_tokens,
+                         max((r.query_len for r in case.requests), default=0),
+                         max((r.seq_len for r in case.requests), default=0))
 
 
 class DecodeGraphs:
@@ -178,7 +168,7 @@ def note_guards_and_cache(obs, guards, cache, before: list) -> None:
 def repro_step(case, index, cache, topk_buffer, device) -> dict:
     """The tensors of a step every whole-backend reproducer loads: the paged cache as rows, blocks
     BLOCK_STRIDE_ROWS rows apart (none: the target saves its own), the top-k buffer and the inputs of
-    CommonAttentionMetadata (`REPRO_METADATA`)."""
+    CommonAttentionMetadata (`fuzzer.support.attn_metadata`)."""
     tensors = dict(topk_indices_buffer=topk_buffer, query_start_loc=index.query_start_loc, seq_lens=index.seq_lens,
                    block_table=index.block_table, slot_mapping=common_attn_metadata(case, index, device).slot_mapping,
                    num_computed_tokens=torch.tensor([r.context_len for r in case.requests], dtype=torch.int32))
@@ -189,40 +179,7 @@ def repro_step(case, index, cache, topk_buffer, device) -> dict:
 
 
 def repro_constants(case) -> dict:
-    """The step's sizes a whole-backend reproducer names (`REPRO_CACHE`, `REPRO_METADATA`)."""
+    """The step's sizes a whole-backend reproducer names."""
     return dict(BLOCK_SIZE=case.block_size, BLOCK_STRIDE_ROWS=case.stride_rows, NUM_BLOCKS=case.num_blocks,
                 NUM_REQS=len(case.requests), NUM_TOKENS=case.num_actual_tokens,  # CUDA-graph padding included
                 MAX_QUERY_LEN=max(r.query_len for r in case.requests), MAX_SEQ_LEN=max(r.seq_len for r in case.requests))
-
-
-def repro_case(case, dcp: str = "SimpleNamespace(size=1, interleave=1)") -> str:
-    """The case's fields vLLM's config reads, as a reproducer defines them (`case = SimpleNamespace(...)`)."""
-    return (f"case = SimpleNamespace(topk_width={case.topk_width}, heads={case.heads}, "
-            f"kv_cache_dtype={case.kv_cache_dtype!r}, block_size={case.block_size},\n"
-            f"                       dcp={dcp})\n")
-
-
-# A CPU reproducer's preparation, as the backend targets' prepare() makes it (modules: REPRO_CPU_SUPPORT).
-REPRO_CPU_SUPPORT = {"corrections": "fuzzer.support.interp.corrections", "cpu_shims": "fuzzer.support.standins.cpu_shims"}
-REPRO_CPU_PREPARE = """\
-corrections.install_corrections()  # Triton's interpreter: bf16 dot, casts
-cpu_shims.install_cpu_shims()  # no accelerator: no pinned memory
-"""
-
-# The paged cache as the layer left it before attention (other rows poisoned), and a copy to compare after.
-REPRO_CACHE = """\
-width = T["kv_cache_rows"].shape[-1]
-cache = T["kv_cache_rows"].as_strided((NUM_BLOCKS, BLOCK_SIZE, width), (BLOCK_STRIDE_ROWS * width, width, 1))
-before = cache.clone()
-"""
-
-# vLLM's CommonAttentionMetadata from the saved step (only the fields this release declares).
-REPRO_METADATA = """\
-fields = {f.name for f in dataclasses.fields(CommonAttentionMetadata)}
-cam = CommonAttentionMetadata(**{k: v for k, v in dict(
-    query_start_loc=T["query_start_loc"], query_start_loc_cpu=T["query_start_loc"].cpu(),
-    seq_lens=T["seq_lens"], seq_lens_cpu=T["seq_lens"].cpu(), seq_lens_cpu_upper_bound=T["seq_lens"].cpu(),
-    num_computed_tokens_cpu=T["num_computed_tokens"].cpu(), num_reqs=NUM_REQS, num_actual_tokens=NUM_TOKENS,
-    max_query_len=MAX_QUERY_LEN, max_seq_len=MAX_SEQ_LEN, block_table_tensor=T["block_table"],
-    slot_mapping=T["slot_mapping"]).items() if k in fields})
-"""

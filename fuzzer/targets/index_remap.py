@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from fuzzer.repro_spec import Judge, ReproSpec
+from fuzzer.repro_spec import Call, Judge, ReproSpec
+from fuzzer.support.index_remap import remap_topk_indices
 from fuzzer.targets import vllm_api
-from fuzzer.targets.base import Target
+from fuzzer.targets.base import WHOLE, RunPlan, Target
 from fuzzer.targets.probes import observe_paths
 from oracles.index import expected_remap, judge_remap, remap_args_for
 from strategies.batches import IndexFeatures, index_space
@@ -41,7 +42,7 @@ class IndexRemap(Target):
 
     PLANNED = ("api",)
 
-    def cases(self, profile):
+    def cases(self, profile, plan: RunPlan = WHOLE):
         api = self.api
         return index_space(profile, IndexFeatures(block_stride_rows=api.has_block_stride_rows,
                                                   idx_mapping=api.has_idx_mapping))
@@ -66,10 +67,7 @@ class IndexRemap(Target):
         kw = self.kwargs(case, a)
 
         def call():
-            # Looked up at call time, so that an injected patch takes effect as it would inside vLLM.
-            fn = getattr(vllm_api.sparse_utils(), self.entry_point)
-            res = fn(a.req_id, a.block_table, a.token_indices, **kw)
-            out, counts = res if isinstance(res, tuple) else (res, None)
+            out, counts = remap_topk_indices(self.entry_point, a.req_id, a.block_table, a.token_indices, **kw)
             return {"out": out, "valid_counts": counts}
 
         return observe_paths(self.observe, call, {"compacted": self.compacted(case)})
@@ -94,15 +92,9 @@ class IndexRemap(Target):
             about += "\n`expected` is the documented remap of topk_indices (attnfuzz's oracle)."
             judge = Judge("index", {"out": "out", "valid_counts": "valid_counts", "expected": "expected",
                                     "compacted": repr(bool(finding.observation.notes.get("compacted", False)))})
-        return ReproSpec(about=about, call=self.repro_call(case), judge=judge, literals=literals,
+        kw = {k: k if k in _REPRO_TENSORS else repr(v) for k, v in self.kwargs(case, a).items()}
+        call = Call(remap_topk_indices, dict(entry_point=repr(self.entry_point), req_id_per_token="req_id_per_token",
+                                             block_table="block_table", topk_indices="topk_indices", **kw),
+                    assign="out, valid_counts")
+        return ReproSpec(about=about, call=(call,), judge=judge, literals=literals,
                          bounds_checked=finding.host.device == "cpu")
-
-    def repro_call(self, case) -> str:
-        """The call in a reproducer, on the tensors it defines as literals; it assigns `out`, `valid_counts`."""
-        kw = self.kwargs(case, remap_args_for(case, materialize_index_inputs(case, "cpu")))
-        args = ", ".join(f"{k}={k if k in _REPRO_TENSORS else repr(v)}" for k, v in kw.items())
-        return (
-            "from vllm.v1.attention.backends.mla import sparse_utils\n"
-            f"res = sparse_utils.{self.entry_point}(req_id_per_token, block_table, topk_indices, {args})\n"
-            "out, valid_counts = res if isinstance(res, tuple) else (res, None)\n"
-        )

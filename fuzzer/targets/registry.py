@@ -1,43 +1,75 @@
-"""The target registry: name -> class. Add a target: one file here, one line below."""
+"""The target registry: name -> class. Add a target: one file here, one line below.
+
+A class is imported when it is first asked for (`TARGETS[name]`, `.items()`, `.values()`): a target module imports
+torch, and `attnfuzz list` and `run`'s argument checks need none of them. What they read of a target (its summary,
+bug classes, kv-cache dtypes, CUDA-graph modes, what it needs of the host) comes from `declared(name)`, read from
+the class's source (fuzzer/targets/declared.py)."""
 
 from __future__ import annotations
 
-from fuzzer.targets.base import Target
-from fuzzer.targets.dcp_filter import DcpFilter
-from fuzzer.targets.dsv4_flashmla import Dsv4FlashMLA
-from fuzzer.targets.dsv41_flashmla import Dsv41FlashMLA
-from fuzzer.targets.flashattn_layer import FlashAttnMLASparseLayer
-from fuzzer.targets.flashattn_sparse import FlashAttnMLASparse
-from fuzzer.targets.flashinfer_sparse_sm90 import FlashInferMLASparseSM90
-from fuzzer.targets.flashmla_dcp import FlashMLASparseDcp
-from fuzzer.targets.flashmla_dcp_ranks import FlashMLASparseDcpRanks
-from fuzzer.targets.flashmla_layer import FlashMLASparseLayer
-from fuzzer.targets.flashmla_layer_dcp import FlashMLASparseLayerDcp
-from fuzzer.targets.flashmla_layer_pcp import FlashMLASparseLayerPcp
-from fuzzer.targets.flashmla_sparse import FlashMLASparse
-from fuzzer.targets.index_remap import IndexRemap
-from fuzzer.targets.selftest import SelftestFault
-from fuzzer.targets.sparse_mla_all import SparseMLAAll
-from fuzzer.targets.triton_sparse import TritonSparse
+import importlib
+from collections.abc import Iterator, Mapping
+from functools import lru_cache
 
-TARGETS: dict[str, type[Target]] = {
-    IndexRemap.name: IndexRemap,
-    DcpFilter.name: DcpFilter,
-    TritonSparse.name: TritonSparse,
-    FlashMLASparse.name: FlashMLASparse,
-    FlashMLASparseLayer.name: FlashMLASparseLayer,
-    FlashMLASparseDcp.name: FlashMLASparseDcp,
-    FlashMLASparseDcpRanks.name: FlashMLASparseDcpRanks,
-    FlashMLASparseLayerDcp.name: FlashMLASparseLayerDcp,
-    FlashMLASparseLayerPcp.name: FlashMLASparseLayerPcp,
-    FlashAttnMLASparse.name: FlashAttnMLASparse,
-    FlashAttnMLASparseLayer.name: FlashAttnMLASparseLayer,
-    FlashInferMLASparseSM90.name: FlashInferMLASparseSM90,
-    SparseMLAAll.name: SparseMLAAll,
-    Dsv4FlashMLA.name: Dsv4FlashMLA,
-    Dsv41FlashMLA.name: Dsv41FlashMLA,
-    SelftestFault.name: SelftestFault,  # harness self-test, not vLLM
+from fuzzer.targets import declared as declarations
+from fuzzer.targets.base import Target
+
+# name -> "module:Class"
+REGISTERED: dict[str, str] = {
+    "vllm.index_remap": "fuzzer.targets.index_remap:IndexRemap",
+    "vllm.dcp_filter": "fuzzer.targets.dcp_filter:DcpFilter",
+    "vllm.triton_sparse": "fuzzer.targets.triton_sparse:TritonSparse",
+    "vllm.flashmla_sparse": "fuzzer.targets.flashmla_sparse:FlashMLASparse",
+    "vllm.flashmla_sparse.layer": "fuzzer.targets.flashmla_layer:FlashMLASparseLayer",
+    "vllm.flashmla_sparse.dcp": "fuzzer.targets.flashmla_dcp:FlashMLASparseDcp",
+    "vllm.flashmla_sparse.dcp.ranks": "fuzzer.targets.flashmla_dcp_ranks:FlashMLASparseDcpRanks",
+    "vllm.flashmla_sparse.layer.dcp": "fuzzer.targets.flashmla_layer_dcp:FlashMLASparseLayerDcp",
+    "vllm.flashmla_sparse.layer.pcp_dcp": "fuzzer.targets.flashmla_layer_pcp:FlashMLASparseLayerPcp",
+    "vllm.flashattn_sparse": "fuzzer.targets.flashattn_sparse:FlashAttnMLASparse",
+    "vllm.flashattn_sparse.layer": "fuzzer.targets.flashattn_layer:FlashAttnMLASparseLayer",
+    "vllm.flashinfer_sparse_sm90": "fuzzer.targets.flashinfer_sparse_sm90:FlashInferMLASparseSM90",
+    "vllm.sparse_mla.all": "fuzzer.targets.sparse_mla_all:SparseMLAAll",
+    "vllm.dsv4.flashmla": "fuzzer.targets.dsv4_flashmla:Dsv4FlashMLA",
+    "vllm.dsv41.flashmla": "fuzzer.targets.dsv41_flashmla:Dsv41FlashMLA",
+    "selftest.fault": "fuzzer.targets.selftest:SelftestFault",  # harness self-test, not vLLM
 }
+
+
+class _Registry(Mapping):
+    """A read-only mapping name -> class over REGISTERED that imports each class when it is first looked up."""
+
+    def __init__(self, registered: dict[str, str]) -> None:
+        self._registered = registered
+        self._classes: dict[str, type[Target]] = {}
+
+    def __getitem__(self, name: str) -> type[Target]:
+        cls = self._classes.get(name)
+        if cls is None:
+            module, _, attr = self._registered[name].partition(":")  # KeyError: an unknown name
+            cls = self._classes[name] = getattr(importlib.import_module(module), attr)
+        return cls
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._registered
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._registered)
+
+    def __len__(self) -> int:
+        return len(self._registered)
+
+    def __repr__(self) -> str:
+        return f"TARGETS({', '.join(self._registered)})"
+
+
+TARGETS: Mapping[str, type[Target]] = _Registry(REGISTERED)
+
+
+@lru_cache(maxsize=None)
+def declared(name: str) -> declarations.Declared:
+    """What target `name` declares (name, summary, bug classes, dtypes, graph modes, host needs, lineage), read
+    without importing it. KeyError: an unknown name."""
+    return declarations.read(REGISTERED[name])
 
 
 def get_target(name: str) -> type[Target]:

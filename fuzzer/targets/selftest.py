@@ -8,7 +8,8 @@ across worker replacements, in a file under the state directory) it does that fa
   illegal-address  a Triton kernel stores far outside its tensor (GPU: the CUDA context is lost)
   segfault         the process gets SIGSEGV        abort   abort()        hang   sleeps forever
   oom              allocates until the OS or the allocator gives up
-  device-lost      raises the error a lost CUDA context raises (CUDA error: out of memory), on any device
+  device-lost      raises the error a lost CUDA context raises (torch's AcceleratorError, "CUDA error: out of
+                   memory"), on any device
 Every other case passes.
 """
 
@@ -20,7 +21,7 @@ import time
 from pathlib import Path
 
 from fuzzer.env import STATE_DIR
-from fuzzer.targets.base import Target
+from fuzzer.targets.base import WHOLE, RunPlan, Target
 from oracles.verdict import Verdict, passed
 from strategies.batches import IndexFeatures, index_space
 
@@ -38,6 +39,7 @@ class SelftestFault(Target):
     summary = "harness self-test: faults on chosen cases (ATTNFUZZ_FAULT=segfault:3,hang:6); runs no vLLM"
     bug_classes = ""
     oracle = staticmethod(_judge)
+    needs_vllm = False
 
     @staticmethod
     def plan() -> dict[int, str]:
@@ -56,7 +58,7 @@ class SelftestFault(Target):
             return str(e)
         return None
 
-    def cases(self, profile):
+    def cases(self, profile, plan: RunPlan = WHOLE):
         return index_space(profile, IndexFeatures())
 
     def _count(self) -> int:
@@ -86,7 +88,9 @@ class SelftestFault(Target):
         elif fault == "illegal-address":
             _illegal_store(self.device)
         elif fault == "device-lost":  # what torch raises once the context is gone; the worker must be replaced
-            raise RuntimeError("CUDA error: out of memory")
+            import torch
+
+            raise torch.AcceleratorError("CUDA error: out of memory")
         return {}
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 from fuzzer.observation import Observation
-from fuzzer.targets.base import Target
+from fuzzer.targets.base import WHOLE, RunPlan, Target
 from fuzzer.targets.flashattn_sparse import FlashAttnMLASparse
 from fuzzer.targets.flashinfer_sparse_sm90 import FlashInferMLASparseSM90
 from fuzzer.targets.flashmla_sparse import FlashMLASparse
@@ -63,11 +63,11 @@ class SparseMLAAll(Target):
         self.block_stride_rows = all(self.parts[name].block_stride_rows for name in self.backends)
         self.real_parts = tuple(f"{name}: {part}" for name in self.backends for part in self.parts[name].real_parts)
 
-    def cases(self, profile):
+    def cases(self, profile, plan: RunPlan = WHOLE):
         stride_rows = self.block_stride_rows if self.block_stride_rows is not None else \
             self.parts[FlashMLASparse.vllm_backend].has_block_stride_rows()
         rows = ("drawn", "indexer") if set(self.backends or self.BACKENDS) & set(self.INDEXER_ROWS_ONLY) else ("drawn",)
-        return attention_space(profile, AttentionFeatures(kv_cache_dtypes=self.kv_cache_dtypes, block_sizes=(64, 128),
+        return attention_space(profile, AttentionFeatures(kv_cache_dtypes=plan.kv_dtypes(self), block_sizes=(64, 128),
                                                           block_stride_rows=stride_rows, cudagraph_padding=True,
                                                           topk_rows=rows))
 

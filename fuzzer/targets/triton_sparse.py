@@ -9,24 +9,21 @@ and bounds checks), native on a GPU.
 from __future__ import annotations
 
 import importlib
-from types import SimpleNamespace
 
 import torch
 
-from fuzzer.repro_spec import Judge, ReproSpec
-from fuzzer.support.builder_config import model_namespace
-from fuzzer.support.interp.corrections import CORRECTIONS, install_corrections
-from fuzzer.support.standins.cpu_shims import install_cpu_shims
+from fuzzer.repro_spec import Call, Judge, ReproSpec
+from fuzzer.support.attn_metadata import attn_metadata
+from fuzzer.support.cpu_host import prepare_cpu_host
+from fuzzer.support.triton_sparse_steps import BACKEND_MODULE, backend_config, paged_cache_view, sparse_attention
 from fuzzer.targets import harness
-from fuzzer.targets.base import Target
+from fuzzer.targets.base import WHOLE, RunPlan, Target
 from fuzzer.targets.guards import Guards
 from fuzzer.targets.probes import observe_paths
 from fuzzer.targets.vllm_api import remap_api
 from oracles.attention_judge import attention_tolerance, judge_attention, reference_for
 from strategies.batches import AttentionFeatures, attention_space
-from strategies.tensors import HEAD_SIZE, KV_LORA_RANK, SM_SCALE
-
-BACKEND_MODULE = "vllm.v1.attention.backends.mla.xpu_mla_sparse"
+from strategies.tensors import SM_SCALE
 
 
 class TritonSparse(Target):
@@ -55,15 +52,11 @@ class TritonSparse(Target):
 
     def prepare(self) -> None:
         self.block_stride_rows = remap_api().has_block_stride_rows
-        self.shims: list[str] = []
-        if self.device == "cpu":
+        self.shims: list[str] = prepare_cpu_host() if self.device == "cpu" else []
 
-            install_corrections()
-            self.shims = [*install_cpu_shims(), *(f"interpreter correction: {c}" for c in CORRECTIONS)]
-
-    def cases(self, profile):
+    def cases(self, profile, plan: RunPlan = WHOLE):
         stride_rows = self.block_stride_rows if self.block_stride_rows is not None else remap_api().has_block_stride_rows
-        return attention_space(profile, AttentionFeatures(kv_cache_dtypes=self.kv_cache_dtypes,
+        return attention_space(profile, AttentionFeatures(kv_cache_dtypes=plan.kv_dtypes(self),
                                                           block_stride_rows=stride_rows))
 
     def step(self, case, device, guards=None):
@@ -71,16 +64,18 @@ class TritonSparse(Target):
         inp, slots, topk_buffer = harness.step_tensors(case, device, guards=guards)
         return inp, slots, harness.paged_cache(case, device, guards=guards), topk_buffer
 
+    @staticmethod
+    def config_fields(case) -> dict:
+        """The step's fields `backend_config` gives the builder (and max_num_batched_tokens: the top-k buffer's rows)."""
+        return dict(heads=case.heads, topk_width=case.topk_width, kv_cache_dtype=case.kv_cache_dtype,
+                    block_size=case.block_size)
+
     def run(self, case):
         dev = self.device
         guards = Guards()
         inp, slots, cache, topk_buffer = self.step(case, dev, guards)
-        backend = self.backend_module().XPUMLASparseBackend
-        from vllm.v1.kv_cache_interface import MLAAttentionSpec
-
         write, emulated = harness.cache_writer(self.device)
-        cfg = model_namespace(case, max_num_batched_tokens=topk_buffer.shape[0])
-        spec = MLAAttentionSpec(block_size=case.block_size, num_kv_heads=1, head_size=HEAD_SIZE, dtype=torch.bfloat16)
+        cfg, spec = backend_config(**self.config_fields(case), max_num_batched_tokens=topk_buffer.shape[0])
         before = []
 
         def call():
@@ -88,15 +83,9 @@ class TritonSparse(Target):
             # through vLLM's cache writer (shared prefix blocks once); all other rows stay poisoned.
             write(inp.kv_c[slots], inp.k_pe[slots], cache, slots, "auto", torch.ones((), device=dev))
             before.append(cache.clone())
-            builder = backend.get_builder_cls()(spec, ["attnfuzz.layer"], cfg, torch.device(dev))
-            metadata = builder.build(0, harness.common_attn_metadata(case, inp.index, dev))
-            # The buffer through an indexer, as the model passes it (0.23's impl accepts nothing else).
-            impl = backend.get_impl_cls()(case.heads, HEAD_SIZE, SM_SCALE, 1, None, None, "auto", None, "decoder",
-                                          None, indexer=SimpleNamespace(topk_indices_buffer=topk_buffer),
-                                          kv_lora_rank=KV_LORA_RANK)
             q = harness.with_padded_tokens(case, inp.q)  # CUDA-graph padding tokens' rows, if the case has any
-            q = (q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:])  # (ql_nope, q_pe), as the layer passes it
-            out, lse = impl.forward_mqa(q, cache, metadata, None)
+            out, lse = sparse_attention(cfg, spec, harness.common_attn_metadata(case, inp.index, dev), case.heads,
+                                        SM_SCALE, topk_buffer, q, cache, dev)
             if case.padded_tokens and out is not None and out.shape[0] == case.num_actual_tokens:
                 out = out[: case.num_tokens]  # the runner drops padding tokens' rows; none is judged
             return {"out": out, "lse": lse}
@@ -107,50 +96,37 @@ class TritonSparse(Target):
         harness.note_guards_and_cache(obs, guards, cache, before)
         return obs
 
-
     def repro_spec(self, finding) -> ReproSpec:
-        """The step as the finding ran it (its values are drawn on its device): the cache as written, the builder
-        and forward_mqa on it, judged against the fp32 reference."""
-
+        """The step as the finding ran it (its values are drawn on its device): the cache as written, then the calls
+        run() makes (triton_sparse_steps: the builder and forward_mqa) on it, judged against the fp32 reference."""
         case, dev = finding.case, finding.host.device
-        cpu = dev == "cpu"
         inp, slots, cache, topk_buffer = self.step(case, dev)
         write, _ = harness.cache_writer(dev)
         write(inp.kv_c[slots], inp.k_pe[slots], cache, slots, "auto", torch.ones((), device=dev))
         tensors = harness.repro_step(case, inp.index, cache, topk_buffer, dev)
         tensors.update(q=harness.with_padded_tokens(case, inp.q), expected_out=reference_for(case, inp, dev)[0])
         atol, rtol = attention_tolerance(case, inp)
+        lens = dict(max_query_len=max(r.query_len for r in case.requests), max_seq_len=max(r.seq_len for r in case.requests))
         return ReproSpec(
             about=f"Shrunk case: {case.summary()}; {case.heads} heads, values {case.values}.\n"
                   "Inputs in tensors.safetensors beside this file: q, the paged KV cache as written before attention,\n"
                   "the top-k buffer, the step's metadata and the fp32 reference output (attnfuzz's oracle).",
-            imports=("import dataclasses", "from types import SimpleNamespace"),
-            constants=dict(HEADS=case.heads, SM_SCALE=SM_SCALE, **harness.repro_constants(case), ATOL=atol, RTOL=rtol),
-            tensors=tensors,
-            support={"builder_config": "fuzzer.support.builder_config", **(harness.REPRO_CPU_SUPPORT if cpu else {})},
-            prepare=harness.REPRO_CPU_PREPARE if cpu else "",
-            setup=_REPRO_SETUP + harness.repro_case(case) + harness.REPRO_CACHE + _REPRO_CONFIG + harness.REPRO_METADATA,
-            call=_REPRO_CALL,
+            prepare=(Call(prepare_cpu_host, note="Triton's interpreter corrected; no pinned memory"),) if dev == "cpu" else (),
+            setup=(Call(attn_metadata, dict(
+                       query_start_loc='T["query_start_loc"]', seq_lens='T["seq_lens"]',
+                       num_computed_tokens='T["num_computed_tokens"]', block_table='T["block_table"]',
+                       slot_mapping='T["slot_mapping"]', num_actual_tokens=repr(case.num_actual_tokens),  # padding too
+                       **{k: repr(v) for k, v in lens.items()}), assign="common"),
+                   Call(backend_config, dict(**{k: repr(v) for k, v in self.config_fields(case).items()},
+                                             max_num_batched_tokens='T["topk_indices_buffer"].shape[0]'),
+                        assign="cfg, spec"),
+                   Call(paged_cache_view, dict(rows='T["kv_cache_rows"]', num_blocks=repr(case.num_blocks),
+                                               block_size=repr(case.block_size),
+                                               block_stride_rows=repr(case.stride_rows)), assign="cache, before")),
+            call=(Call(sparse_attention, dict(cfg="cfg", spec="spec", common="common", heads=repr(case.heads),
+                                              sm_scale=repr(SM_SCALE), topk_indices_buffer='T["topk_indices_buffer"]',
+                                              q='T["q"]', kv_cache="cache", device="DEVICE"), assign="out, lse"),),
             judge=Judge("attention", dict(out="out", expected='T["expected_out"]', cache="cache", before="before",
                                           atol="ATOL", rtol="RTOL")),
-            bounds_checked=cpu and bool(finding.observation.memory))
-
-
-_REPRO_SETUP = f"""\
-from vllm.v1.attention.backend import CommonAttentionMetadata
-from {BACKEND_MODULE} import XPUMLASparseBackend as Backend
-from vllm.v1.kv_cache_interface import MLAAttentionSpec
-
-"""
-_REPRO_CONFIG = """\
-cfg = builder_config.model_namespace(case, max_num_batched_tokens=T["topk_indices_buffer"].shape[0])
-spec = MLAAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
-"""
-_REPRO_CALL = """\
-metadata = Backend.get_builder_cls()(spec, ["layer"], cfg, torch.device(DEVICE)).build(0, cam)
-impl = Backend.get_impl_cls()(HEADS, 576, SM_SCALE, 1, None, None, "auto", None, "decoder", None,
-                              indexer=SimpleNamespace(topk_indices_buffer=T["topk_indices_buffer"]),
-                              kv_lora_rank=512)
-q = T["q"]  # (ql_nope | q_pe), as the layer hands it to forward_mqa
-out, _lse = impl.forward_mqa((q[..., :512], q[..., 512:]), cache, metadata, None)
-"""
+            constants=dict(ATOL=atol, RTOL=rtol), tensors=tensors,
+            bounds_checked=dev == "cpu" and bool(finding.observation.memory))

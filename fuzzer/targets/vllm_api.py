@@ -14,11 +14,9 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
+from fuzzer.errors import TargetUnavailable
+
 SPARSE_UTILS = "vllm.v1.attention.backends.mla.sparse_utils"
-
-
-class TargetUnavailable(RuntimeError):
-    """The installed vLLM lacks what a target drives; the message says what and which release."""
 
 
 def import_vllm() -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from fuzzer.support.errors import EmptyLaunch
 from fuzzer.support.interp.sanitizer import SANITIZER, MemoryViolation
 
 
@@ -12,11 +13,6 @@ def _violation(op: str, argument: str, index: int, limit: int, elem_bytes: int, 
         kernel=f"{op} (attnfuzz stand-in)", op=access, argument=argument, byte_offset=index * elem_bytes,
         argument_bytes=limit * elem_bytes, element_bytes=elem_bytes, program_id=(0, 0, 0), lanes=1,
         inside_allocation=False))
-
-
-class EmptyLaunch(RuntimeError):
-    """A stand-in asked for what its CUDA op launches with an empty grid: the launch fails (cudaErrorInvalidValue)
-    and, unchecked, PyTorch raises it at the next kernel launch; the stand-in raises at the call instead."""
 
 
 def refuse_empty_grid(op: str, num_tokens: int) -> None:

@@ -70,6 +70,7 @@ from dataclasses import dataclass
 import torch
 
 from fuzzer.support import cudagraphs
+from fuzzer.support.errors import _BackendPlanUnsupportedError
 from fuzzer.support.interp.sanitizer import SANITIZER, MemoryViolation
 
 __version__ = "0.7.2.post1"  # what this stand-in follows
@@ -85,11 +86,6 @@ PLAN_INFO_FIELDS = ("num_blks_x", "num_blks_y", "q_indptr", "kv_indptr", "partia
 _FIELD = {name: i for i, name in enumerate(PLAN_INFO_FIELDS)}
 _KV_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
 LOG2E = 1.0 / math.log(2.0)
-
-
-class _BackendPlanUnsupportedError(ValueError):
-    """FlashInfer's typed preflight rejection (`_backends/_capabilities.py`): raised to the caller of an explicitly
-    requested backend."""
 
 
 def _violation(argument: str, index: int, limit: int, elem_bytes: int, access: str = "load",

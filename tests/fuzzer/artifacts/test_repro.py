@@ -1,18 +1,23 @@
 """Reproducers: one skeleton rendered from a target's ReproSpec, the support code in one generated file."""
 
 import ast
+import inspect
 import json
 import pkgutil
 import random
 import subprocess
 import sys
+import textwrap
 from types import SimpleNamespace
 
 import pytest
 
 import fuzzer.support
-from fuzzer.artifacts.repro import SUPPORT_FILE, compact_list, render, support_file, support_modules
-from fuzzer.repro_spec import Judge, ReproSpec
+from fuzzer.artifacts.repro import SUPPORT_FILE, compact_list, render, support_file
+from fuzzer.artifacts.slicer import slice_support
+from fuzzer.repro_spec import Call, Judge, ReproSpec
+from fuzzer.support.index_remap import remap_topk_indices
+from fuzzer.support.sparse_mla_steps import topk_buffer
 from tests.conftest import ROOT
 
 ALL_SUPPORT = [m.name for m in pkgutil.walk_packages(fuzzer.support.__path__, "fuzzer.support.") if not m.ispkg]
@@ -51,34 +56,36 @@ def _support_sources(text: str) -> dict[str, str]:
     return ast.literal_eval(node.value)
 
 
-def test_support_modules_import_nothing_of_attnfuzz_but_each_other():
-    """Every support module's closure stays inside fuzzer.support, and the file holds exactly that closure."""
-    text = support_file(support_modules(ALL_SUPPORT))
-    sources = _support_sources(text)
-    assert set(sources) == set(ALL_SUPPORT)
-    assert _imports(text) <= {"importlib", "linecache", "sys"}  # the loader itself: the standard library
-    for name, source in sources.items():
-        tree = ast.parse(source)
-        for node in ast.walk(tree):
+def test_a_slice_carries_what_its_roots_reach_and_imports_nothing_else_of_attnfuzz():
+    """Every support module sliced whole stays inside fuzzer.support; a slice of one name holds only what that
+    name needs (its support imports cut to the names used)."""
+    whole = slice_support([(m, "*") for m in ALL_SUPPORT])
+    assert set(whole) == set(ALL_SUPPORT)
+    for name, source in whole.items():
+        for node in ast.walk(ast.parse(source)):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in ATTNFUZZ:
-                assert node.level == 0
-                assert node.module in sources or all(f"{node.module}.{a.name}" in sources for a in node.names), (
-                    f"{name} imports {node.module} ({[a.name for a in node.names]}), which the support file lacks")
-            elif isinstance(node, ast.Import):
-                assert not [a.name for a in node.names if a.name.split(".")[0] in ATTNFUZZ and a.name not in sources], name
-    # The closure of one module is what it needs, not everything.
-    assert support_modules(["fuzzer.support.interp.sanitizer"]) == ["fuzzer.support.interp.sanitizer"]
-    assert "fuzzer.support.dcp_group" not in support_modules(["fuzzer.support.flashmla_runtime"])
+                assert node.module in whole or all(f"{node.module}.{a.name}" in whole for a in node.names), name
+    assert set(slice_support([("fuzzer.support.interp.sanitizer", "SANITIZER")])) == {
+        "fuzzer.support.interp.sanitizer", "fuzzer.support.errors"}  # CheckerBroke
+    one = slice_support([("fuzzer.support.flashmla_runtime", "guard_index_group")])
+    assert set(one) == {"fuzzer.support.flashmla_runtime"}
+    assert "def guard_index_group(" in one["fuzzer.support.flashmla_runtime"]
+    assert "def mla_layer(" not in one["fuzzer.support.flashmla_runtime"]
+    assert "fuzzer.support.dcp_group" not in slice_support([("fuzzer.support.flashmla_runtime", "sparse_backend")])
+    compile(support_file(whole), SUPPORT_FILE, "exec")
+    assert _imports(support_file(whole).split("SUPPORT = {")[0]) <= {"importlib", "linecache", "sys"}
 
 
 def test_the_support_file_imports_its_modules_under_their_own_names_without_attnfuzz(tmp_path):
     """Imported from a directory of its own, it serves every module from itself, and attnfuzz stays unreachable
     (even where attnfuzz is installed: the venvs install it editable)."""
-    (tmp_path / SUPPORT_FILE).write_text(support_file(support_modules(ALL_SUPPORT)))
+    (tmp_path / SUPPORT_FILE).write_text(support_file(slice_support([(m, "*") for m in ALL_SUPPORT])))
     probe = (
         "import sys, importlib\n"
         "import attnfuzz_support\n"
-        "from attnfuzz_support import flashmla_runtime, sanitizer, flashmla_ops, dcp_group\n"
+        "from fuzzer.support import flashmla_runtime, dcp_group\n"
+        "from fuzzer.support.interp import sanitizer\n"
+        "from fuzzer.support.standins import flashmla_ops\n"
         "mods = [m for n, m in sys.modules.items() if n.split('.')[0] in ('fuzzer', 'oracles', 'strategies')]\n"
         "assert all(type(m.__spec__.loader).__name__ == '_SupportFinder' for m in mods), mods\n"
         "assert flashmla_ops.SANITIZER is sanitizer.SANITIZER  # one module, shared by its importers\n"
@@ -105,53 +112,77 @@ def _script_imports(script: str) -> set[str]:
     return _imports(script.split("\n# ---- the injected bug")[0])
 
 
-def test_the_skeleton_renders_a_spec_into_a_script_and_its_support_file():
-    spec = ReproSpec(about="Shrunk case: one token.", call="out = torch.zeros(1, 1, 1)\n",
-                     judge=Judge("attention", dict(out="out", expected='T["expected_out"]', cache="cache",
-                                                   before="cache", atol="ATOL", rtol="RTOL")),
-                     setup="cache = torch.zeros(2)\n", constants={"ATOL": 0.01, "RTOL": 0.01},
-                     tensors={"expected_out": None}, support={"runtime": "fuzzer.support.flashmla_runtime"},
-                     bounds_checked=True)
+_REMAP = Call(remap_topk_indices, dict(entry_point="'triton_convert_req_index_to_global_index'",
+                                       req_id_per_token="r", block_table="b", topk_indices="t", BLOCK_SIZE="64"),
+              assign="out, valid_counts")
+
+
+def test_the_skeleton_shows_the_vllm_calls_and_imports_the_rest():
+    """The call's functions are copied into repro.py (the very source run() calls); prepare and setup
+    functions come from the support file; a judge is called with the spec's expressions."""
+    spec = ReproSpec(about="Shrunk case: one token.", call=(_REMAP,),
+                     judge=Judge("index_contract", dict(req_id_per_token="r", topk_indices="t")),
+                     setup=(Call(topk_buffer, dict(rows="9", topk_width="128", device="DEVICE"), assign="r"),),
+                     constants={"ATOL": 0.01}, bounds_checked=True)
     files = render(_finding(), spec)
     assert set(files) == {"repro.py", SUPPORT_FILE}
     script = files["repro.py"]
     compile(script, "repro.py", "exec")
-    assert _script_imports(script) <= ALLOWED_IMPORTS
-    assert "from attnfuzz_support import flashmla_runtime as runtime, sanitizer" in script
-    assert 'os.environ["TRITON_INTERPRET"] = "1"' in script and "sanitizer.SANITIZER.collect()" in script
-    assert "def judge_attention(" in script and "def compare_to_reference(" in script and "def judge_dcp(" not in script
-    assert "problems += judge_attention(out, expected=T[\"expected_out\"], cache=cache, before=cache" in script
-    assert "'fuzzer.support.standins.flashmla_ops'" in files[SUPPORT_FILE]  # flashmla_runtime imports it
-    # On a GPU: no interpreter, no bounds checker; with no support modules, no support file.
-    gpu = render(_finding("cuda"), ReproSpec(about="", call="out = 1\n", judge=Judge("index_contract", dict(
+    assert _script_imports(script) <= ALLOWED_IMPORTS | {"fuzzer", "importlib"}
+    assert inspect.getsource(remap_topk_indices) in script  # shown verbatim
+    assert "def topk_buffer(" not in script and "from fuzzer.support.sparse_mla_steps import topk_buffer" in script
+    assert "out, valid_counts = remap_topk_indices(entry_point=" in script and "BLOCK_SIZE=64)" in script
+    assert 'os.environ["TRITON_INTERPRET"] = "1"' in script and "SANITIZER.collect()" in script
+    assert "problems += judge_index_contract(error, req_id_per_token=r, topk_indices=t)" in script
+    assert "def topk_buffer(" in files[SUPPORT_FILE] and "def mla_layer(" not in files[SUPPORT_FILE]
+    # Imports sit inside the guard that maps their failure to exit 2.
+    assert script.index("try:  # torch, vLLM") < script.index("    import torch")
+    # On a GPU: no interpreter, no bounds checker.
+    gpu = render(_finding("cuda"), ReproSpec(about="", call=(_REMAP,), judge=Judge("index_contract", dict(
         req_id_per_token="r", topk_indices="t"))))
-    assert set(gpu) == {"repro.py"} and "TRITON_INTERPRET" not in gpu["repro.py"]
-    assert "contextlib.nullcontext([])" in gpu["repro.py"] and "attnfuzz_support" not in gpu["repro.py"]
+    assert "TRITON_INTERPRET" not in gpu["repro.py"] and "contextlib.nullcontext([])" in gpu["repro.py"]
 
 
-def test_a_judge_is_called_with_exactly_its_parameters():
+def test_a_judge_and_a_call_are_given_exactly_their_parameters():
     with pytest.raises(ValueError, match="no expression for"):
-        render(_finding(), ReproSpec(about="", call="", judge=Judge("index", {"out": "out"})))
+        render(_finding(), ReproSpec(about="", call=(), judge=Judge("index", {"out": "out"})))
     with pytest.raises(ValueError, match="no parameter"):
-        render(_finding(), ReproSpec(about="", call="", judge=Judge("index_contract", {"nope": "1"})))
+        render(_finding(), ReproSpec(about="", call=(), judge=Judge("index_contract", {"nope": "1"})))
+    with pytest.raises(ValueError, match="no expression for"):
+        render(_finding(), ReproSpec(about="", call=(Call(topk_buffer, {"rows": "1"}),),
+                                     judge=Judge("index_contract", dict(req_id_per_token="r", topk_indices="t"))))
     with pytest.raises(ValueError, match="judge"):
         Judge("exact")
 
 
-def test_the_standalone_form_inlines_the_support_file(tmp_path):
-    spec = ReproSpec(about="", call="out = sanitizer.MAX_VIOLATIONS\n",
-                     judge=Judge("index_contract", dict(req_id_per_token="out", topk_indices="out")), bounds_checked=True)
-    files = render(_finding(), spec, standalone=True)
-    assert set(files) == {"repro.py"}
-    script = files["repro.py"]
-    assert 'sys.modules["attnfuzz_support"] = sys.modules[__name__]' in script
-    assert script.index("SUPPORT = {") > script.index("def main():")  # the calls first, the support at the end
+def test_the_standalone_form_inlines_the_support_file():
+    spec = ReproSpec(about="", call=(_REMAP,), judge=Judge("index_contract", dict(req_id_per_token="r", topk_indices="t")),
+                     bounds_checked=True)
+    script = render(_finding(), spec, standalone=True)["repro.py"]
+    assert "import attnfuzz_support" not in script
+    assert script.index("SUPPORT = {") < script.index("from fuzzer.support.interp.sanitizer import SANITIZER")
+
+
+def test_no_code_in_strings_in_the_targets():
+    """A vLLM call is written once, as a function in fuzzer/support/: no string literal in fuzzer/targets/
+    compiles as more than one statement (a reproducer's code used to live there twice)."""
+    found = []
+    for path in sorted((ROOT / "fuzzer" / "targets").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and "\n" in node.value.strip():
+                try:
+                    body = ast.parse(textwrap.dedent(node.value)).body
+                except SyntaxError:
+                    continue
+                if len(body) > 1 or body and not isinstance(body[0], ast.Expr):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not found, found
 
 
 @pytest.mark.vllm
 def test_a_one_token_flashmla_reproducer_is_short_and_reads_as_vllm_calls():
-    """The committed one-token FlashMLA case, rendered: <= 150 lines, imports nothing of attnfuzz, and its
-    support file holds only the modules its path uses (no DCP group)."""
+    """The committed one-token FlashMLA case, rendered: <= 200 lines, the vLLM calls shown, imports nothing of
+    attnfuzz but its support file, which holds only the modules its path uses (no DCP group)."""
     from fuzzer.observation import Observation
     from fuzzer.records import Finding
     from fuzzer.targets.flashmla_sparse import FlashMLASparse
@@ -165,12 +196,12 @@ def test_a_one_token_flashmla_reproducer_is_short_and_reads_as_vllm_calls():
     finding = Finding(meta["target"], meta["signature"], case, [Verdict(**v) for v in meta["verdicts"]],
                       Observation(meta["target"], "cpu"), host, None, 3, 5.76)
     spec = FlashMLASparse("cpu").repro_spec(finding)
-    assert spec.tensors["q"].shape[0] == 1 and spec.judge.name == "attention"
+    assert spec.tensors["s1.q"].shape[0] == 1 and spec.judge.name == "attention"
     files = render(finding, spec)
     script = files["repro.py"]
-    assert len(script.splitlines()) <= 150, len(script.splitlines())
-    assert _script_imports(script) <= ALLOWED_IMPORTS
-    assert "impl.forward_mqa(" in script and "Backend.get_builder_cls()" in script
+    assert len(script.splitlines()) <= 200, len(script.splitlines())
+    assert _script_imports(script) <= ALLOWED_IMPORTS | {"fuzzer"}
+    assert "impl.forward_mqa(" in script or "forward_mqa(impl" in script
     assert "'fuzzer.support.dcp_group'" not in files[SUPPORT_FILE]
     # The committed reproducer is this rendering (but for the id it was saved under).
     assert (d / "repro.py").read_text() == script.replace(finding.id, meta["id"])

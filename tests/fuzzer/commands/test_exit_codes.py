@@ -135,22 +135,284 @@ def test_a_finding_the_repros_directory_cannot_take_goes_to_the_state_directory(
 
 
 
-def test_a_reproducer_whose_bounds_checker_breaks_says_it_could_not_run():
-    """Triton 3.6's interpreter called the checker's masked load with one argument more than it took: the
-    InterpreterError that came of it is attnfuzz's failure, never the bug's answer."""
-    import ast
-    import traceback
+# The committed reproducer's own vllms_answer on its own support file's checker, called by Triton's interpreter with
+# fewer arguments than it takes, the error re-raised as the interpreter re-raises it; then a CUDA fault.
+JUDGE_A_BROKEN_CHECKER = '''import runpy
+from triton.runtime import interpreter
+repro = runpy.run_path("repro.py", run_name="repro")
+repro["SANITIZER"].install()
+try:
+    try:
+        interpreter.InterpreterBuilder.create_masked_load(None, 1, 2)
+    except TypeError as inner:
+        raise RuntimeError(f"InterpreterError({inner!r})") from inner
+except RuntimeError as e:
+    print("checker broke:", type(e.__cause__).__name__, repro["vllms_answer"](e))
+try:
+    raise RuntimeError("CUDA error: an illegal memory access was encountered")
+except RuntimeError as e:
+    print("kernel fault:", repro["vllms_answer"](e))
+'''
 
-    source = (ROOT / "repros" / "index-remap-7e944ef6" / "repro.py").read_text()
-    fn = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "vllms_answer")
-    scope = {"traceback": traceback, "__file__": "repro.py"}
-    exec(compile(ast.Module([fn], []), "repro.py", "exec"), scope)
+
+def test_a_reproducer_whose_bounds_checker_breaks_says_it_could_not_run():
+    """Triton 3.6's interpreter once called the checker's masked load with one argument more than it took: the
+    error that came of it is attnfuzz's failure (raised by the checker as CheckerBroke), never the bug's answer;
+    a kernel's fault stays vLLM's answer."""
+    r = python("-c", JUDGE_A_BROKEN_CHECKER, cwd=ROOT / "repros" / "index-remap-7e944ef6", fresh=True,
+               env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "checker broke: CheckerBroke False" in r.stdout and "kernel fault: True" in r.stdout, r.stdout
+
+
+# -- issue 35: signals at any moment, start-up included; every command refuses what cannot work before it works --
+
+def _handles(pid: int, sig: int) -> bool:
+    """Whether process `pid` has a handler for `sig` (its /proc SigCgt mask); False once it is gone."""
     try:
-        raise RuntimeError("InterpreterError(\"TypeError('InterpreterSanitizer.install.<locals>.create_masked_load() "
-                           "takes 6 positional arguments but 7 were given')\")")
-    except RuntimeError as e:
-        assert scope["vllms_answer"](e) is False
+        caught = next(ln for ln in Path(f"/proc/{pid}/status").read_text().splitlines() if ln.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(int(caught.split()[1], 16) >> (sig - 1) & 1)
+
+
+def _children(pid: int) -> list[int]:
     try:
-        raise RuntimeError("CUDA error: an illegal memory access was encountered")
-    except RuntimeError as e:
-        assert scope["vllms_answer"](e) is True
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"  # a zombie is dead
+    except OSError:
+        return False
+
+
+def _until(condition, what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+def _start(tmp_path, *argv) -> subprocess.Popen:
+    """The CLI in a new interpreter, as a user (or a CI job that times out) starts it; once it returns, attnfuzz's own
+    SIGTERM handler is in (Python has none of its own): the process is importing its commands."""
+    env = dict(os.environ, ATTNFUZZ_STATE=str(tmp_path / "state"))
+    proc = subprocess.Popen([sys.executable, "-m", "fuzzer.cli", *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    _until(lambda: _handles(proc.pid, signal.SIGTERM) or proc.poll() is not None, "the signal handlers")
+    return proc
+
+
+@pytest.mark.parametrize("sig, phase", [(signal.SIGINT, "imports"), (signal.SIGTERM, "worker start")])
+def test_a_signal_in_start_up_ends_the_run_interrupted_and_every_output_says_so(tmp_path, sig, phase):
+    """Once: SIGINT in start-up gave a 28-line KeyboardInterrupt traceback and exit 130, SIGTERM (a CI timeout) exit
+    143 and nothing printed, and neither wrote --json or --out."""
+    proc = _start(tmp_path, *RUN, "--max-examples", "5", "--json", str(tmp_path / "s.json"), "--out",
+                  str(tmp_path / "out"), "--repros", str(tmp_path / "r"))
+    workers = []
+    if phase == "worker start":  # the worker is importing vLLM; this process waits for it to report ready
+        _until(lambda: _children(proc.pid) or proc.poll() is not None, "the worker process")
+        workers = _children(proc.pid)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 3, out + err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert f"INTERRUPTED by {sig.name} in start-up, before the first case" in out, out
+    s = json.loads((tmp_path / "s.json").read_text())
+    assert s["interrupted"] is True and s["interrupted_by"] == sig.name and s["examples"] == 0
+    assert json.loads((tmp_path / "out" / "campaign.json").read_text())["interrupted"] == sig.name
+    for report in ("report.md", "report.html"):
+        text = (tmp_path / "out" / report).read_text()
+        assert "INTERRUPTED" in text and f"by {sig.name} in start-up" in text, report
+        assert "every case passed every check" not in text, report
+    _until(lambda: not [w for w in workers if _alive(w)], "the starting worker's end", timeout=5)
+
+
+def test_a_second_signal_kills_at_once(tmp_path):
+    proc = _start(tmp_path, *RUN, "--max-examples", "5", "--json", str(tmp_path / "s.json"))
+    proc.send_signal(signal.SIGTERM)
+    _until(lambda: not _handles(proc.pid, signal.SIGTERM), "the default action back for the next signal")
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGTERM and not (tmp_path / "s.json").exists()
+
+
+@pytest.mark.parametrize("command", ["gate", "selftest"])
+def test_a_signal_in_start_up_ends_gate_and_selftest_interrupted_and_every_output_says_so(tmp_path, command):
+    outputs = ["--json", str(tmp_path / "s.json"), "--junit", str(tmp_path / "j.xml"), "--out", str(tmp_path / "o")]
+    if command == "selftest":
+        outputs += ["--markdown", str(tmp_path / "t.md")]
+    proc = _start(tmp_path, command, "--targets", "vllm.index_remap", "--repros", str(tmp_path / "none"), *outputs,
+                  *(["--no-repros"] if command == "gate" else []))
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 3, out + err
+    assert "Traceback" not in err, err
+    assert f"{command} INTERRUPTED by SIGTERM" in out, out
+    s = json.loads((tmp_path / "s.json").read_text())
+    assert s["interrupted"] is True and s["interrupted_by"] == "SIGTERM" and s["passed"] is False
+    import xml.etree.ElementTree as ET
+
+    error = ET.parse(tmp_path / "j.xml").getroot().find(".//testcase[@name='interrupted']/error")
+    assert error is not None and f"the {command} was interrupted by SIGTERM" in error.get("message")
+    if command == "selftest":
+        assert (tmp_path / "t.md").read_text().startswith("**INTERRUPTED by SIGTERM**")
+
+
+def test_after_a_signal_no_campaign_starts_and_a_running_one_is_told_to_wind_down(tmp_path, monkeypatch):
+    from fuzzer import interrupt
+    from fuzzer.commands.gate import judge_campaign
+    from fuzzer.run import campaign_process
+    from fuzzer.run.campaign_process import CampaignOutcome, CampaignSpec, run_campaigns
+
+    monkeypatch.setattr(interrupt, "_received", "SIGTERM")  # as the handler records it (no handler changed here)
+    assert run_campaigns([CampaignSpec("vllm.index_remap", 5, 0)], "cpu", tmp_path, 60) == []
+    sleeper = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    start = time.monotonic()
+    assert campaign_process._wait(sleeper, 600) == -signal.SIGTERM and time.monotonic() - start < 10
+    log = tmp_path / "log.txt"
+    log.write_text("")
+    cut = CampaignOutcome(CampaignSpec("vllm.index_remap", 40, 0), 3, 9.0, {"examples": 4, "findings": []}, log)
+    r = judge_campaign(cut, interrupted="SIGTERM")
+    assert r.outcome == "interrupted" and "interrupted by SIGTERM" in r.reason  # not an error, not a pass
+    assert judge_campaign(cut).outcome == "error"
+
+
+def test_the_report_of_an_interrupted_campaign_says_so(tmp_path):
+    from fuzzer.artifacts.campaign_report import render, write_campaign
+    from fuzzer.env import HostInfo
+    from fuzzer.search.campaign import CampaignResult
+
+    host = HostInfo("cpu", "x86_64", "0.33.0", "2.13", "3.9", "3.11", True)
+    write_campaign(tmp_path, CampaignResult("vllm.index_remap", examples=7, interrupted="SIGINT"), host=host, seed=0,
+                   inject=None, profile="cpu", options={}, findings_saved=[])
+    for report in render(tmp_path):
+        text = report.read_text()
+        assert "INTERRUPTED" in text and "by SIGINT after 7 case(s): the search did not finish" in text, report
+        assert "every case passed every check" not in text, report
+
+
+@pytest.mark.parametrize("argv, words", [
+    (("gate", "--no-repros", "--no-campaigns"), "--no-repros with --no-campaigns: nothing to test"),
+    (("gate", "--budget-scale", "nan"), "--budget-scale nan: must be a finite number more than 0"),
+    (("gate", "--budget-scale", "inf"), "--budget-scale inf: must be a finite number more than 0"),
+    (("gate", "--budget-scale", "0"), "--budget-scale 0.0: must be a finite number more than 0"),
+    (("gate", "--budget-scale", "-2"), "--budget-scale -2.0: must be a finite number more than 0"),
+    (("selftest", "--budget-scale", "nan"), "--budget-scale nan: must be a finite number more than 0"),
+])
+def test_gate_and_selftest_refuse_arguments_that_cannot_test(argv, words):
+    r = attnfuzz(*argv)
+    assert r.returncode == 2 and words in r.stderr, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr and " on cpu (" not in r.stdout  # refused before anything ran
+
+
+@pytest.mark.parametrize("argv, option", [
+    (("gate", "--no-repros", "--junit", "{blocked}/g.xml"), "--junit"),
+    (("gate", "--no-repros", "--json", "{dir}"), "--json"),
+    (("selftest", "--markdown", "{blocked}/t.md"), "--markdown"),
+    (("selftest", "--junit", "{dir}"), "--junit"),
+])
+def test_gate_and_selftest_check_their_outputs_before_the_first_campaign(tmp_path, argv, option):
+    (tmp_path / "afile").write_text("")
+    argv = [a.format(blocked=tmp_path / "afile", dir=tmp_path) for a in argv]
+    start = time.monotonic()
+    r = attnfuzz(*argv, "--targets", "vllm.index_remap", "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and f"{option} " in r.stderr and "cannot write there" in r.stderr, r.stdout + r.stderr
+    assert " on cpu (" not in r.stdout and time.monotonic() - start < 60
+
+
+def _finding(tmp_path, **change) -> Path:
+    d = tmp_path / "finding"
+    shutil.copytree(ROOT / "repros" / "index-remap-7e944ef6", d)
+    record = json.loads((d / "finding.json").read_text())
+    (d / "finding.json").write_text(json.dumps({**record, **change}))
+    return d
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"inject": "no-such-mutant"}, "its injected mutant 'no-such-mutant' is missing"),
+    ({"inject": "/nowhere/deleted_mutant.py"}, "its injected mutant '/nowhere/deleted_mutant.py' is missing"),
+    ({"target": "vllm.renamed_target"}, "target 'vllm.renamed_target' is not one this attnfuzz knows"),
+])
+def test_a_replay_that_cannot_say_anything_of_the_bug_exits_2_naming_what_is_missing(tmp_path, change, words):
+    """Once: a finding whose mutant was gone gave a traceback and exit 1, "bug present"."""
+    r = attnfuzz("replay", str(_finding(tmp_path, **change)))
+    assert r.returncode == 2 and words in r.stderr, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr and "still failing" not in r.stdout
+
+
+@pytest.mark.vllm
+def test_a_replay_on_a_release_without_the_targets_api_exits_2_naming_it(tmp_path):
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text(HIDE_REMAP)
+    env = dict(os.environ, PYTHONPATH=f"{hide}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    r = subprocess.run([sys.executable, "-m", "fuzzer.cli", "replay", str(ROOT / "repros" / "index-remap-7e944ef6")],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # a new interpreter: hidden
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert ("target vllm.index_remap is not available here: cannot import "
+            "vllm.v1.attention.backends.mla.sparse_utils") in r.stderr and "Traceback" not in r.stderr
+
+
+def test_report_checks_its_directory_and_outputs_first(tmp_path):
+    r = attnfuzz("report", str(tmp_path / "nowhere"))
+    assert r.returncode == 2 and "nowhere: no such directory" in r.stderr, r.stderr
+    r = attnfuzz("report", str(tmp_path))
+    assert r.returncode == 2 and "campaign.json: no such file" in r.stderr, r.stderr
+    (tmp_path / "campaign.json").write_text("{}")
+    (tmp_path / "report.md").mkdir()
+    r = attnfuzz("report", str(tmp_path))
+    assert r.returncode == 2 and "report.md: cannot write there (it is a directory)" in r.stderr, r.stderr
+
+
+# -- issue 35, item 5: two distinct failures replayed from the example database under --no-shrink -----------------
+
+# An --inject file: selftest.fault's oracle fails one way on cases of two requests, another on three or more.
+TWO_BUGS = '''from fuzzer.targets.selftest import SelftestFault
+from oracles.verdict import Verdict, passed
+
+
+def _two_bugs(case, obs):
+    n = len(case.requests)
+    if n == 2:
+        return [Verdict("output", False, "bug A: two requests", where="two-requests")]
+    if n >= 3:
+        return [Verdict("output", False, "bug B: three or more requests", where="many-requests")]
+    return [passed("selftest", "one request")]
+
+
+SelftestFault.oracle = staticmethod(_two_bugs)
+'''
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("extra", [(), ("--max-findings", "1")])
+def test_two_stored_failures_without_shrinking_are_saved_printed_and_exit_1(tmp_path, monkeypatch, extra):
+    """Once: a BaseExceptionGroup traceback, exit 1, nothing under --repros, no --json, both findings left
+    unannounced in .attnfuzz/pending/ (Hypothesis's replay of each failure before it reports them stopped the
+    campaign past --max-examples, once per failure, and grouped the stops)."""
+    monkeypatch.setenv("ATTNFUZZ_FAULT", "hang:1000000")  # selftest.fault's own faults: never
+    bugs = tmp_path / "two_bugs.py"
+    bugs.write_text(TWO_BUGS)
+    state = tmp_path / "state"
+    run = ("run", "--target", "selftest.fault", "--inject", str(bugs), "--no-shrink", "--reruns", "0", "--quiet")
+    first = attnfuzz(*run, "--max-examples", "40", "--repros", str(tmp_path / "first"), state=state)  # stores both
+    assert first.returncode == 1 and first.stdout.count("FOUND") == 2, first.stdout + first.stderr[-3000:]
+    r = attnfuzz(*run, "--max-examples", "2", *extra, "--repros", str(tmp_path / "repros"), "--json",
+                 str(tmp_path / "s.json"), state=state)
+    assert r.returncode == 1, r.stdout + r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and "ExceptionGroup" not in r.stderr
+    s = json.loads((tmp_path / "s.json").read_text())
+    assert sorted(f["signature"] for f in s["findings"]) == ["output:many-requests", "output:two-requests"]
+    printed = r.stdout.replace("\n", "")  # rich folds long lines
+    assert r.stdout.count("FOUND") == 2 and "2 finding(s)" in printed
+    for f in s["findings"]:
+        assert f"FOUND {tmp_path / 'repros' / f['id']}" in printed and f["shrunk"] is False
+        report = (tmp_path / "repros" / f["id"] / "report.md").read_text()
+        assert "not shrunk (the campaign ran without shrinking, --no-shrink): the case as first found" in report
+        assert "shrunk to:" not in report
+    assert not list((state / "pending" / "selftest.fault").glob("*/finding.json"))

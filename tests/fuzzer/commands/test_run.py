@@ -4,11 +4,12 @@ Each campaign runs in a fresh process: mutants patch vLLM process-wide.
 """
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import attnfuzz, run_repro
+from tests.conftest import attnfuzz, python, run_repro
 
 pytestmark = pytest.mark.vllm
 
@@ -118,6 +119,53 @@ def test_topk_length_mutant_is_found_on_the_flashmla_layer(tmp_path):
     finding, *_ = _load(tmp_path / "s.json")["findings"]  # (a trace may show it under more than one signature)
     assert finding["examples_to_find"] <= 10 and finding["inject"] == "flashmla-topk-length-dropped"
     assert (tmp_path / "repros" / finding["id"] / "repro.py").exists()
+
+
+NARROWED = """
+import json, sys
+from fuzzer import cli
+from fuzzer.commands import run
+from fuzzer.targets.registry import TARGETS
+
+NARROWED = ("kv_cache_dtypes", "cudagraph_modes")
+
+
+def metadata():  # every registered target's class and base classes: what each defines of the narrowed names
+    return {f"{c.__module__}.{c.__qualname__}": {k: v for k, v in vars(c).items() if k in NARROWED}
+            for cls in TARGETS.values() for c in cls.__mro__}
+
+
+before, seen = metadata(), []
+
+
+class Spy(run.Campaign):
+    def __init__(self, target, *args, **kwargs):
+        seen.append(target)
+        super().__init__(target, *args, **kwargs)
+
+
+run.Campaign = Spy
+rc = cli.main(sys.argv[1:])
+(target,) = seen
+print(json.dumps({"rc": int(rc), "metadata_changed": metadata() != before,
+                  "on_the_instance": sorted(set(vars(target)) & set(NARROWED))}))
+"""
+
+
+def test_a_narrowed_campaign_leaves_the_targets_metadata_alone(tmp_path):
+    """`--kv-cache-dtype` and `--cudagraph` narrow the cases through the run's RunPlan, an argument: neither the
+    target's class (nor any class it derives from) nor the instance the campaign drives is written to."""
+    r = python("-c", NARROWED, "--device", "cpu", "run", "--target", "vllm.flashmla_sparse", "--kv-cache-dtype",
+               "bfloat16", "--cudagraph", "full", "--max-examples", "3", "--max-steps", "1", "--reruns", "0",
+               "--quiet", "--json", str(tmp_path / "s.json"), "--out", str(tmp_path / "out"), "--repros",
+               str(tmp_path / "repros"), env=dict(os.environ, ATTNFUZZ_STATE=str(tmp_path / "state")))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    assert report == {"rc": 0, "metadata_changed": False, "on_the_instance": []}
+    assert _load(tmp_path / "s.json")["kv_cache_dtypes"] == ["bfloat16"]
+    cases = _load(tmp_path / "out" / "campaign.json")["cases"]
+    assert len(cases) >= 3 and {c["kv_cache_dtype"] for c in cases} == {"bfloat16"}
+    assert all("cudagraph=full" in c["summary"] for c in cases)
 
 
 def test_usage_errors_exit_2(tmp_path):

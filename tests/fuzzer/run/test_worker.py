@@ -40,12 +40,52 @@ def test_a_crash_on_the_third_case_does_not_stop_the_campaign(tmp_path, fault, s
     assert (tmp_path / "repros" / finding["id"] / "case.json").exists()
 
 
-def test_a_hang_is_killed_by_the_watchdog(tmp_path):
-    r = campaign(tmp_path, "hang:2", "--case-timeout", "5s", "--reruns", "0", max_examples=6)
+def test_a_hang_is_killed_by_the_watchdog_and_confirmed_on_a_fresh_worker(tmp_path):
+    # The 2nd case hangs, and so does its re-run on a fresh worker (the fault counter's 3rd case).
+    r = campaign(tmp_path, "hang:2,hang:3", "--case-timeout", "5s", "--reruns", "0", max_examples=6)
     assert r.returncode == 1, r.stderr[-2000:]
     s = json.loads((tmp_path / "summary.json").read_text())
     (finding,) = s["findings"]
     assert finding["signature"] == "hang:hang" and s["examples"] >= 6
+    title = "no result within 5 s, nor within 20 s on a fresh worker (watchdog): worker killed"
+    assert [v["detail"] for v in finding["verdicts"]] == [title] and title in r.stdout.replace("\n", "")
+    report = (tmp_path / "repros" / finding["id"] / "report.md").read_text()
+    assert "- seen by: the watchdog: no result within 5 s, nor within 20 s on a fresh worker\n" in report
+
+
+def test_a_case_past_the_deadline_once_is_no_hang(tmp_path):
+    """Once: `--case-timeout 5s` on a loaded 2-core host saved a working case as a hang (0 of 3 re-runs, after 5
+    minutes of shrinking, exit 1). A case past the watchdog's deadline runs again on a fresh worker with a longer
+    one, and the answer it gives there is its verdict: here it passes (the fault counter's 3rd case hangs not)."""
+    r = campaign(tmp_path, "hang:2", "--case-timeout", "5s", "--reruns", "0", max_examples=6)
+    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["findings"] == [] and s["examples"] >= 6 and s["workers_started"] == 2
+    assert "0 finding(s)" in " ".join(r.stdout.split()) and "hang" not in r.stdout  # rich wraps the summary
+    assert not (tmp_path / "repros").exists() or not any((tmp_path / "repros").iterdir())
+
+
+def test_the_watchdogs_deadline_learns_from_the_cases_own_times(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from fuzzer.run import worker
+    from fuzzer.run.worker import HANG_FACTOR, RECENT_CASES, WorkerExecutor, WorkerSpec
+
+    executor = WorkerExecutor(WorkerSpec("selftest.fault", "cpu", case_timeout=5.0), tmp_path / "logs")
+    assert executor.deadline() == 5.0  # no case yet: --case-timeout
+    executor.recent.extend([0.1, 0.2])
+    assert executor.deadline() == 5.0  # fast cases: --case-timeout is the floor
+    executor.recent.append(3.0)
+    assert executor.deadline() == 3.0 * HANG_FACTOR  # a multiple of the slowest recent case
+    executor.recent.extend([0.1] * RECENT_CASES)
+    assert executor.deadline() == 5.0  # the slow case is no longer recent
+    assert worker._run_delays(os.getpid())  # this kernel tells each thread's wait for a CPU
+    # A case's own time: the wall clock's less the longest wait for a CPU of one of the worker's threads.
+    executor.proc = SimpleNamespace(pid=1)
+    executor._starved_from = {(1, 1): 1.0, (1, 2): 0.5}
+    monkeypatch.setattr(worker, "_run_delays", lambda pid: {(1, 1): 4.0, (1, 2): 1.0, (1, 3): 0.5})
+    assert 6.9 < executor._own_seconds(time.perf_counter() - 10.0) < 7.5  # 10 s, 3 of them queued for a CPU
+    executor.proc = None
 
 
 def test_sigkill_of_the_campaign_loses_no_finding(tmp_path):

@@ -38,7 +38,7 @@ class Counting(Target):
     def unavailable(self):
         return None
 
-    def cases(self, profile):
+    def cases(self, profile, plan=None):
         return CaseSpace(lambda swarm: st.integers(0, 200).map(_case), {})
 
     def run(self, case):
@@ -81,3 +81,29 @@ def test_without_shrinking_a_failed_batch_stops_at_the_count_too():
     campaign.result.examples = 10
     with pytest.raises(_Stop):
         campaign._test(_case(1))
+
+
+class TwoBugs(Counting):
+    """Fails one way on contexts of 7k + 3, another on contexts of 7k + 5."""
+    name = "test.two-bugs"
+    oracle = staticmethod(lambda case, obs: {3: [Verdict("output", False, "a", where="a")],
+                                             5: [Verdict("output", False, "b", where="b")]}.get(
+                                                 case.requests[0].context_len % 7, [passed("output", "fine")]))
+
+
+@pytest.mark.parametrize("max_findings", [None, 1])
+def test_two_stored_failures_replayed_without_shrinking_are_both_recorded(max_findings):
+    """--no-shrink (and --max-findings) with two distinct failures stored: Hypothesis replays each failure once more
+    before it reports them, and past max_examples that replay raised the campaign's stop in both, which Hypothesis
+    grouped into a BaseExceptionGroup that ended the campaign with neither finding saved. The replay runs no case."""
+    db = InMemoryExampleDatabase()
+    first = TwoBugs()
+    found = Campaign(first, PROFILES["cpu"], HOST, executor=InProcessExecutor(first), max_examples=30, reruns=0,
+                     shrink=False, database=db, search="plain").run()
+    assert {f.signature for f in found.findings} == {"output:a", "output:b"}
+    target = TwoBugs()
+    result = Campaign(target, PROFILES["cpu"], HOST, executor=InProcessExecutor(target), max_examples=2, reruns=0,
+                      shrink=False, database=db, search="plain", max_findings=max_findings).run()
+    assert {f.signature for f in result.findings} == {"output:a", "output:b"}
+    assert not any(f.shrunk for f in result.findings)
+    assert target.ran == result.examples == 2  # the two stored failures; Hypothesis's last replay ran nothing

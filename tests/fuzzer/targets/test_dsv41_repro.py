@@ -34,7 +34,9 @@ def test_a_mutant_finding_gets_a_reproducer_that_shows_it_and_passes_without_it(
     d = write_repro(finding, t, tmp_path / "repros")
     script = (d / "repro.py").read_text()
     assert (d / SUPPORT_FILE).is_file() and "def apply(" in script and "deepseek_v41" in script
-    assert "runtime.attention_layers(" in script and "layer.forward_mqa(" in script and "KV_RECORD = 528" in script
+    # V4.1's objects (dsv41_runtime.step_layer, shown) through V4's builders and forward_mqa (dsv4_runtime's, shown)
+    assert "def step_layer(" in script and "attention_layers(" in script and "kv_record=528" in script
+    assert "def build_metadata(" in script and "layer.forward_mqa(" in script and "guard_compressed=False" in script
     (d / "fixed.py").write_text(script.replace("apply()  # the injected bug", "pass  # no injected bug"))
     run = python("-c", TWICE, str(d), cwd=d, timeout=600)
     assert run.returncode == 0 and "EXIT [0, 1]" in run.stdout, run.stdout + run.stderr[-3000:]
@@ -59,5 +61,5 @@ def test_a_sliding_window_finding_gets_a_reproducer(tmp_path):
     finding = Finding(t.name, verdict.signature, case, [verdict], Observation(t.name, "cpu"), host_info("cpu"),
                       "dsv41-mxfp8-scales-not-interleaved", 1, 1.0)
     script = (write_repro(finding, t, tmp_path / "repros") / "repro.py").read_text()
-    assert "kv_cache = None" in script and "COMPRESS_RATIO = 0" in script
+    assert "kv_cache = None" in script and "compress_ratio=0" in script
     compile(script, "repro.py", "exec")

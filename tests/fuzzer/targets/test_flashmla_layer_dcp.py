@@ -77,8 +77,12 @@ def test_a_finding_gets_a_reproducer_that_emulates_the_ranks_and_shows_it(tmp_pa
     finding = Finding(t.name, verdict.signature, case, [verdict], obs, host_info("cpu"), "dcp-empty-shard-lse-zero", 1, 1.0)
     d = write_repro(finding, t, tmp_path / "repros")
     script = (d / "repro.py").read_text()
-    assert (d / SUPPORT_FILE).is_file() and "layer.forward_impl(" in script and "dcp.LockstepRanks(DCP_SIZE)" in script
-    assert not [ln for ln in script.splitlines() if ln.strip().startswith(("import fuzzer", "from fuzzer", "from oracles"))]
+    assert (d / SUPPORT_FILE).is_file() and "def replay_layer_dcp_ranks(" in script and "layer_forward(layer, " in script
+    assert "on_dcp_ranks(dcp_size, rank_step)" in script and "def layer_forward(" in (d / SUPPORT_FILE).read_text()
+    # attnfuzz's own code only as its support modules, which attnfuzz_support.py serves
+    assert not [ln for ln in script.splitlines()
+                if ln.strip().startswith(("import fuzzer", "from fuzzer", "from oracles"))
+                and not ln.strip().startswith(("from fuzzer.support.", "import fuzzer.support."))]
     (d / "fixed.py").write_text(script.replace("apply()  # the injected bug", "pass  # no injected bug"))
     run = python("-c", TWICE, str(d), cwd=d, timeout=600)
     assert run.returncode == 0 and "EXIT [0, 1]" in run.stdout, run.stdout + run.stderr[-3000:]

@@ -122,8 +122,12 @@ def test_a_finding_gets_a_reproducer_that_emulates_every_rank_and_shows_it(tmp_p
                       1, 1.0)
     d = write_repro(finding, t, tmp_path / "repros")
     script = (d / "repro.py").read_text()
-    assert (d / SUPPORT_FILE).is_file() and "pcp.rank_batch(" in script and "ranks.run(rank_step)" in script
-    assert not [ln for ln in script.splitlines() if ln.strip().startswith(("import fuzzer", "from fuzzer", "from oracles"))]
+    assert (d / SUPPORT_FILE).is_file() and "pcp_runtime.rank_batch(" in script and "def replay_pcp_ranks(" in script
+    assert "on_pcp_ranks(cfg, ranks, groups, pcp, tp, write, rank_step)" in script
+    # attnfuzz's own code only as its support modules, which attnfuzz_support.py serves
+    assert not [ln for ln in script.splitlines()
+                if ln.strip().startswith(("import fuzzer", "from fuzzer", "from oracles"))
+                and not ln.strip().startswith(("from fuzzer.support.", "import fuzzer.support."))]
     (d / "fixed.py").write_text(script.replace("apply()  # the injected bug", "pass  # no injected bug"))
     run = python("-c", TWICE, str(d), cwd=d, timeout=600)
     assert run.returncode == 0 and "EXIT [0, 1]" in run.stdout, run.stdout + run.stderr[-3000:]

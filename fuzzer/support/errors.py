@@ -1,0 +1,29 @@
+"""The errors of attnfuzz's support code (fuzzer/support/). Reproducers ship these modules without the rest of
+attnfuzz, so they cannot raise from fuzzer/errors.py: every exception class of fuzzer/support/ is defined here."""
+
+from __future__ import annotations
+
+import torch
+
+# What PyTorch raises for a CUDA error (torch >= 2.8); a reproducer may meet an older torch, which raised RuntimeError.
+CUDA_ERROR = getattr(torch, "AcceleratorError", RuntimeError)
+
+
+class RankFailed(RuntimeError):
+    """Another rank raised, so this one's collective can never complete (fuzzer/support/dcp_group.py)."""
+
+
+class EmptyLaunch(CUDA_ERROR):
+    """A stand-in asked for what its CUDA op launches with an empty grid: the launch fails (cudaErrorInvalidValue)
+    and, unchecked, PyTorch raises it (an AcceleratorError) at the next kernel launch; the stand-in raises at the call
+    instead (fuzzer/support/standins/cache_ops.py)."""
+
+
+class _BackendPlanUnsupportedError(ValueError):
+    """FlashInfer's typed preflight rejection (`_backends/_capabilities.py`): raised to the caller of an explicitly
+    requested backend (the stand-in fuzzer/support/standins/flashinfer_mla.py keeps FlashInfer's name for it)."""
+
+
+class CheckerBroke(TypeError):
+    """Triton's interpreter called a bounds-checked entry point in a way it cannot take (a Triton release that passes
+    other arguments): attnfuzz's failure, never the kernel's (fuzzer/support/interp/sanitizer.py)."""
