@@ -3,6 +3,7 @@
 
   .venv/bin/python bench/time_to_find.py --device cpu --out /tmp/ttf [--seeds 5] [--cap 300] [--search swarm,plain]
                                          [--mutants A,B] [--jobs 2] [--max-steps N]
+  .venv/bin/python bench/time_to_find.py --device cpu --out /tmp/ttf --search swarm --mutants call-modes
 
 Each (mutant, target) runs in a process of its own (a mutant patches vLLM for the process's life): vLLM is
 imported once, the mutant applied, and then one campaign per search and seed runs in that process (cases in
@@ -11,8 +12,13 @@ database each, so that no seed replays another's failure). "Found" is any findin
 found-as-other); the cases and seconds are the campaign's own up to its first finding. `--clean N` adds one
 clean campaign of N cases per target and search (any finding there is a false finding).
 
-Writes OUT/time_to_find.md (a table per search: median and worst cases and seconds, share missed within the cap)
-and OUT/time_to_find.json (every campaign).
+`--mutants` also takes a named set (GROUPS): `call-modes` is the seed bug (`remap-no-length-check`) in one call
+mode of the index remap at a time (plain, valid counts, compaction, prefill workspace, idx_mapping,
+BLOCK_STRIDE_ROWS: fuzzer/mutants/_kernel_patch.CALL_MODES), each found only by a case that pairs its mode with the
+full-batch req_id_per_token.
+
+Writes OUT/time_to_find.md (a table per search: median and worst cases and seconds, share missed within the cap,
+the cases to find per seed) and OUT/time_to_find.json (every campaign).
 """
 
 from __future__ import annotations
@@ -77,11 +83,19 @@ def one(device: str, mutant: str | None, target_name: str, seeds: list[int], sea
     return rows
 
 
+def groups() -> dict[str, list[str]]:
+    """Named sets of built-in mutants for --mutants."""
+    from fuzzer.mutants._kernel_patch import CALL_MODES
+
+    return {"call-modes": [f"remap-no-length-check-{mode.replace('_', '-')}" for mode in CALL_MODES]}
+
+
 def summarize(rows: list[dict], cap: int) -> list[dict]:
     out = []
     keys = sorted({(r["mutant"] or "", r["target"], r["search"]) for r in rows})
     for mutant, target, search in keys:
-        rs = [r for r in rows if (r["mutant"] or "", r["target"], r["search"]) == (mutant, target, search)]
+        rs = sorted((r for r in rows if (r["mutant"] or "", r["target"], r["search"]) == (mutant, target, search)),
+                    key=lambda r: r["seed"])
         found = [r for r in rs if r["found"]]
         # A miss counts as the cap (and its seconds) in the median and the worst: it was not found in that many.
         cases = [r["cases_to_find"] if r["found"] else cap for r in rs]
@@ -91,7 +105,8 @@ def summarize(rows: list[dict], cap: int) -> list[dict]:
                     "median_cases": statistics.median(cases), "worst_cases": max(cases),
                     "median_seconds": round(statistics.median(secs), 1), "worst_seconds": round(max(secs), 1),
                     "classes": sorted({c for r in found for c in r["classes"]}),
-                    "pairs": round(statistics.median(r["pairs"] for r in rs), 3)})
+                    "pairs": round(statistics.median(r["pairs"] for r in rs), 3),
+                    "per_seed": {r["seed"]: r["cases_to_find"] for r in rs}})  # None: missed within the cap
     return out
 
 
@@ -99,20 +114,22 @@ def markdown(summary: list[dict], cap: int) -> str:
     searches = sorted({s["search"] for s in summary}, key=lambda s: s != "plain")
     by = {(s["mutant"], s["target"], s["search"]): s for s in summary}
     pairs = sorted({(s["mutant"], s["target"]) for s in summary}, key=lambda p: (p[0] is None, p[0] or "", p[1]))
-    head = "| mutant | target | " + " | ".join(f"{s}: median / worst cases (s) | {s}: missed" for s in searches) + " |"
-    lines = [head, "|---|---|" + "---|---|" * len(searches)]
+    head = "| mutant | target | " + " | ".join(f"{s}: median / worst cases (s) | {s}: missed | {s}: cases per seed"
+                                              for s in searches) + " |"
+    lines = [head, "|---|---|" + "---|---|---|" * len(searches)]
     for m, t in pairs:
         cells = []
         for s in searches:
             x = by.get((m, t, s))
             if x is None:
-                cells += ["-", "-"]
+                cells += ["-", "-", "-"]
             elif m is None:  # a clean run: findings are false findings
-                cells += [f"{x['seeds']} clean run(s), {x['found']} with a finding", "-"]
+                cells += [f"{x['seeds']} clean run(s), {x['found']} with a finding", "-", "-"]
             else:
                 worst = f">{cap}" if x["found"] < x["seeds"] else str(x["worst_cases"])
                 cells += [f"{x['median_cases']:g} / {worst} ({x['median_seconds']:g} / {x['worst_seconds']:g})",
-                          f"{x['seeds'] - x['found']}/{x['seeds']}"]
+                          f"{x['seeds'] - x['found']}/{x['seeds']}",
+                          ", ".join(f"{seed}: {n if n is not None else f'>{cap}'}" for seed, n in x["per_seed"].items())]
         lines.append(f"| {'`' + m + '`' if m else 'clean'} | `{t}` | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -124,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=5, help="seeds 0 .. N-1")
     p.add_argument("--cap", type=int, default=300, help="cases per campaign at most (a miss)")
     p.add_argument("--search", default="swarm,plain")
-    p.add_argument("--mutants", default=None, help="comma-separated (default: every built-in mutant)")
+    p.add_argument("--mutants", default=None,
+                   help="comma-separated names or sets (call-modes); default: every built-in mutant")
     p.add_argument("--targets", default=None, help="comma-separated: only these targets")
     p.add_argument("--clean", type=int, default=0, metavar="N", help="also a clean campaign of N cases per target")
     p.add_argument("--jobs", type=int, default=2)
@@ -145,7 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     unavailable, _ = host_targets(args.device)
     only = set(args.targets.split(",")) if args.targets else None
     jobs = []
-    for m in (args.mutants.split(",") if args.mutants else MUTANTS):
+    sets = groups()
+    names = [n for m in args.mutants.split(",") for n in sets.get(m.strip(), [m.strip()])] if args.mutants else MUTANTS
+    for m in names:
         jobs += [(m, t) for t in load(m).TARGETS if not unavailable.get(t, "?") and (not only or t in only)]
     if args.clean:
         jobs += [("-", t) for t in sorted({t for _, t in jobs})]

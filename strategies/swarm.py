@@ -271,6 +271,56 @@ def _table_layout(case: Case) -> str:
     return "arange" if ids == sorted(ids) else "permuted"
 
 
+# -- the index remap's call modes ------------------------------------------------------------------------
+# Each call mode is a specialisation of the remap kernel that a call site selects through its arguments. A bug in
+# one of them shows only when a case pairs that mode with whatever else the bug needs (the full-batch
+# req_id_per_token, say). The search pins the pairs no case has covered yet, the rarest first
+# (fuzzer.search.combinations). These modes are the ones fuzzer.mutants._kernel_patch.CALL_MODES breaks:
+# "valid_counts" counts on one tile, "compaction" counts on the multi-tile path (the atomic slot allocator), and
+# "plain" uses none of them. Several can hold at once; "plain" holds alone.
+CALL_MODES = ("plain", "valid_counts", "compaction", "prefill_workspace", "idx_mapping", "block_stride")
+_MODE_FLAGS = ("valid_counts", "prefill_workspace", "idx_mapping", "block_stride")  # the knobs that select a mode
+
+
+def remap_single_tile(width: int) -> bool:
+    """Whether the remap counts a row of this top-k width in one tile (vLLM's `_remap_tiling` with counting: powers
+    of two and widths up to 4096)."""
+    return width & (width - 1) == 0 or width <= 4096
+
+
+def call_modes(case: Case) -> frozenset[str]:
+    """The call modes of the index remap that `case` calls it in."""
+    modes = set()
+    if case.call.valid_counts:
+        modes.add("valid_counts" if remap_single_tile(case.topk_width) else "compaction")
+    if case.call.prefill_workspace:
+        modes.add("prefill_workspace")
+    if case.idx_mapping is not None:
+        modes.add("idx_mapping")
+    if case.block_stride_rows and case.block_stride_rows != case.block_size:
+        modes.add("block_stride")
+    return frozenset(modes or {"plain"})
+
+
+def call_mode_pins(mode: str, domains: dict[str, tuple[str, ...]]) -> dict[str, str] | None:
+    """Pins that put a batch's cases in `mode`. None where this space draws no case in that mode (a space that
+    does not turn the knob; compaction without `tile_edge` widths). Valid counts leave the width unpinned, so a
+    third of that batch counts on the multi-tile path instead."""
+    if mode == "plain":
+        return {k: "off" for k in _MODE_FLAGS if k in domains}
+    if mode == "compaction":
+        return {"valid_counts": "on", "topk_width": "tile_edge"} if "tile_edge" in domains.get("topk_width", ()) \
+            and "valid_counts" in domains else None
+    return {mode: "on"} if mode in domains else None
+
+
+def call_mode_partners(mode: str, domains: dict[str, tuple[str, ...]]) -> list[tuple[str, str]]:
+    """The categories of other knobs that a case in `mode` can take: the pairs to cover. The knobs that select
+    the mode are not partners, and neither is a width that moves a valid-counts case off its tile."""
+    own = set(_MODE_FLAGS) if mode == "plain" else set(call_mode_pins(mode, domains) or ())
+    return [(k, v) for k, vs in domains.items() if k not in own for v in vs
+            if not (mode == "valid_counts" and (k, v) == ("topk_width", "tile_edge"))]
+
 
 # A pin that only means something with other knobs in some categories (a decode query length needs decodes):
 # a swarm that pins the first pins those too, or drops the first where one of them is pinned otherwise.
@@ -299,6 +349,23 @@ REQUIRES: dict[tuple[str, str | None], tuple[tuple[str, tuple[str, ...] | None],
     ("c4_order", None): (("compress_ratio", ("4",)),),
     ("kv_source", None): (("compress_ratio", ("1", "2")),),
 }
+
+
+def category_share(name: str, value: str, domains: dict[str, tuple[str, ...]], depth: int = 3) -> float:
+    """About how often a case drawn with nothing pinned takes `value` of knob `name`: one in its knob's categories,
+    times the share of what it requires (REQUIRES; the full-batch req_id_per_token needs the decode rows passed,
+    decodes, prefills: 1/2 x 1/2 x 1/2 x 2/3). A category at the end of such a chain is what chance is slowest to
+    make in a batch."""
+    values = domains.get(name, ())
+    share = 1 / len(values) if values else 1.0
+    if depth == 0:
+        return share
+    for other, allowed in REQUIRES.get((name, value)) or REQUIRES.get((name, None)) or ():
+        if other not in domains:
+            continue
+        ok = [v for v in domains[other] if (v in allowed if allowed else v != "1")]
+        share *= sum(category_share(other, v, domains, depth - 1) for v in ok)
+    return share
 
 
 def coherent(pins: dict[str, str], domains: dict[str, tuple[str, ...]], rng, keep: set[str] = frozenset()) -> Swarm:

@@ -20,6 +20,12 @@ from fuzzer.errors import MutantError  # noqa: F401 (re-exported: `from fuzzer.m
 
 MUTANTS: dict[str, str] = {
     "remap-no-length-check": "fuzzer.mutants.remap_no_length_check",
+    "remap-no-length-check-plain": "fuzzer.mutants.remap_no_length_check_plain",
+    "remap-no-length-check-valid-counts": "fuzzer.mutants.remap_no_length_check_valid_counts",
+    "remap-no-length-check-compaction": "fuzzer.mutants.remap_no_length_check_compaction",
+    "remap-no-length-check-prefill-workspace": "fuzzer.mutants.remap_no_length_check_prefill_workspace",
+    "remap-no-length-check-idx-mapping": "fuzzer.mutants.remap_no_length_check_idx_mapping",
+    "remap-no-length-check-block-stride": "fuzzer.mutants.remap_no_length_check_block_stride",
     "remap-count-past-table": "fuzzer.mutants.remap_count_past_table",
     "remap-past-table-not-invalid": "fuzzer.mutants.remap_past_table_not_invalid",
     "dcp-owner-ignores-interleave": "fuzzer.mutants.dcp_owner_ignores_interleave",

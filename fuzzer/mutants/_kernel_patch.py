@@ -84,3 +84,49 @@ def converter_without_checks(checks=ROW_CHECKS, scope=None):
     scope = vars(sparse_utils) if scope is None else scope
     exec(compile(ast.fix_missing_locations(DropChecks().visit(tree)), inspect.getsourcefile(fn), "exec"), scope)
     return scope[fn.__name__]
+
+
+# The converter's call modes, each a specialisation of the remap kernel a call site selects: a test over the
+# converter's own arguments that holds in that mode. "valid_counts" is counting on one tile (an in-register count;
+# 0.33 compacts there too), "compaction" counting on the multi-tile path (the atomic slot allocator, widths past
+# 4096 that are not powers of two); the others are the argument that switches them on, "plain" none of them.
+CALL_MODES = {
+    "plain": ("not return_valid_counts and not HAS_PREFILL_WORKSPACE and idx_mapping is None"
+              " and BLOCK_STRIDE_ROWS in (None, BLOCK_SIZE)"),
+    "valid_counts": "return_valid_counts and _remap_tiling(NUM_TOPK_TOKENS, BLOCK_N, True)[0]",
+    "compaction": "return_valid_counts and not _remap_tiling(NUM_TOPK_TOKENS, BLOCK_N, True)[0]",
+    "prefill_workspace": "HAS_PREFILL_WORKSPACE",
+    "idx_mapping": "idx_mapping is not None",
+    "block_stride": "BLOCK_STRIDE_ROWS not in (None, BLOCK_SIZE)",
+}
+
+
+def converter_without_row_check_in(mode, scope=None):
+    """vLLM's index converter whose row check (req_id and token_indices cover the same tokens) is skipped in one
+    call mode (CALL_MODES) and kept in every other, defined in `scope` (default: sparse_utils' own namespace, where
+    its callers look it up); returns it."""
+    from vllm.v1.attention.backends.mla import sparse_utils
+
+    fn = sparse_utils.triton_convert_req_index_to_global_index
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    in_mode = ast.parse(CALL_MODES[mode], mode="eval").body
+    names = {n.id for n in ast.walk(in_mode) if isinstance(n, ast.Name)}
+    missing = sorted(names - set(inspect.signature(fn).parameters) - set(vars(sparse_utils)) - {"None"})
+    if missing:
+        raise RuntimeError(f"mutant call mode {mode}: {', '.join(missing)} not found in this vLLM's {fn.__name__}")
+    found = []
+
+    class SkipInMode(ast.NodeTransformer):
+        def visit_Assert(self, node):
+            if ast.unparse(node.test).replace(" ", "") == ROW_CHECKS[0]:
+                found.append(node)
+                node.test = ast.BoolOp(ast.Or(), [node.test, in_mode])
+            return node
+
+    tree = ast.fix_missing_locations(SkipInMode().visit(tree))
+    if not found:
+        raise RuntimeError(f"mutant call mode {mode}: the row check `{ROW_CHECKS[0]}` not found in this vLLM's "
+                           f"{fn.__name__}")
+    scope = vars(sparse_utils) if scope is None else scope
+    exec(compile(tree, inspect.getsourcefile(fn), "exec"), scope)
+    return scope[fn.__name__]

@@ -2,10 +2,20 @@
 
 Every case is read back as knob categories (strategies.swarm.case_features); the campaign counts which pairs
 and triples of categories of different knobs its cases have covered, and which pairs of a vLLM path (the
-coverage probes' names) with a knob category. Each batch's swarm is steered one of two ways:
+coverage probes' names) with a knob category. In a space of index-remap calls it also counts the pairs of a call
+mode of the remap (strategies.swarm.call_modes: plain, valid counts, compaction, prefill workspace, idx_mapping,
+block stride) with each category of the other knobs: a bug in one call mode shows only where its mode meets what
+else it needs (the full-batch req_id_per_token), and left to chance a mode drawn in one case in sixteen (plain)
+meets a category drawn in one in twelve within 300 cases, or does not. Each batch's swarm is steered one of three
+ways:
 - one batch in three, to a combination of knob categories no case has covered: one triple pinned whole (the
   least tried first; a combination the strategies cannot make is tried twice, then left);
-- the others, to vLLM's rarest pair of paths (two paths taken together, by the fewest cases so far): the categories its
+- the others, while any is left, to call-mode pairs no case has covered: the mode's knobs pinned with the category
+  of the pair chance is slowest to make (the least share of an unpinned draw, requirements included:
+  strategies.swarm.category_share), and up to MODE_PARTNERS - 1 more of that mode's, with what they require; a pair
+  the requirements rule out is left at once, one the strategies cannot make after GIVE_UP_AFTER batches (in a
+  campaign that finds nothing, the first 300-370 cases of an index-remap campaign on the CPU profile);
+- after that, to vLLM's rarest pair of paths (two paths taken together, by the fewest cases so far): the categories its
   cases share that are rare elsewhere (highest lift) are pinned, so the batch explores the region of the
   input space where vLLM's rarely combined paths meet, which is where narrow bugs live;
 and each other knob is pinned, with probability PIN_SHARE, to a random category (Groce et al.'s swarm testing:
@@ -18,11 +28,21 @@ import itertools
 import random
 from collections import Counter
 
-from strategies.swarm import Swarm, case_features, coherent
+from strategies.swarm import (
+    CALL_MODES,
+    Swarm,
+    call_mode_partners,
+    call_mode_pins,
+    call_modes,
+    case_features,
+    category_share,
+    coherent,
+)
 
 PIN_SHARE = 0.25  # a knob outside the steered triple is pinned in a quarter of the batches (more adds variance, not hits)
 GIVE_UP_AFTER = 2  # batches that pinned a triple without covering it: then it is taken as infeasible
 PATH_PINS = 5  # categories pinned for a rare pair of paths
+MODE_PARTNERS = 3  # uncovered categories pinned with a call mode in one batch
 
 
 def _esp(sizes: list[int], k: int) -> int:
@@ -47,6 +67,15 @@ class Combinations:
         self.path_categories: dict[tuple, Counter] = {}  # the same -> (knob, category) -> cases
         self.tried: Counter = Counter()  # steered triple -> batches that pinned it
         self.swarms = 0
+        # The index remap's call modes this space draws (a space of index calls turns valid_counts), each with the
+        # categories it pairs with; (mode, (knob, category)) pairs covered, modes' cases, and pairs steered to.
+        index = "valid_counts" in self.knobs
+        self.mode_partners = {m: call_mode_partners(m, self.knobs) for m in CALL_MODES
+                              if index and call_mode_pins(m, self.knobs) is not None}
+        self.mode_pairs: set[tuple] = set()
+        self.mode_cases: Counter = Counter()
+        self.mode_tried: Counter = Counter()
+        self.shares = {(n, v): category_share(n, v, self.knobs) for n, vs in self.knobs.items() for v in vs}
 
     @property
     def total_pairs(self) -> int:
@@ -69,6 +98,10 @@ class Combinations:
                 self.triples.add(t)
         for p in paths:
             self.path_pairs.update((p, it) for it in items)
+        if self.mode_partners:
+            for mode in call_modes(case) & self.mode_partners.keys():
+                self.mode_cases[mode] += 1
+                self.mode_pairs.update((mode, it) for it in items)
         self.cases += 1
         paths = sorted(set(paths))
         for key in [(p,) for p in paths] + list(itertools.combinations(paths, 2)):
@@ -109,9 +142,68 @@ class Combinations:
                     best.append(t)
         return rng.choice(best) if best else None
 
+    @property
+    def total_mode_pairs(self) -> int:
+        return sum(len(p) for p in self.mode_partners.values())
+
+    def _rarity(self, item: tuple[str, str]) -> tuple[float, int]:
+        """What chance is slowest to make first: the category's share of an unpinned draw (its requirements
+        included: strategies.swarm.category_share), then the fewest cases so far."""
+        return self.shares[item], self.categories[item]
+
+    def uncovered_mode_pairs(self, mode: str) -> list[tuple]:
+        """`mode`'s pairs no case has covered and not given up, the least tried first, then the rarest category."""
+        left = [(mode, it) for it in self.mode_partners[mode]
+                if (mode, it) not in self.mode_pairs and self.mode_tried[(mode, it)] < GIVE_UP_AFTER]
+        return sorted(left, key=lambda p: (self.mode_tried[p], *self._rarity(p[1]), p))
+
+    def uncovered_mode_pair(self, rng: random.Random) -> tuple | None:
+        """A (call mode, (knob, category)) pair no case has covered: the least tried, then the category chance is
+        slowest to make, then of the mode with the most such pairs left (a batch of it covers the most), then the
+        category the fewest cases took."""
+        left = {m: self.uncovered_mode_pairs(m) for m in self.mode_partners}
+        keyed = [((self.mode_tried[p], self.shares[p[1]], -len(ps), self.categories[p[1]]), p)
+                 for ps in left.values() for p in ps]
+        if not keyed:
+            return None
+        least = min(k for k, _ in keyed)
+        return rng.choice([p for k, p in keyed if k == least])
+
+    def _held(self, pins: dict[str, str], rng: random.Random) -> dict[str, str] | None:
+        """`pins` with what they require pinned too (strategies.swarm.REQUIRES), or None where the requirements
+        undo one of them."""
+        held = coherent(pins, self.knobs, rng, keep=set(pins))
+        return dict(held.pins) if all(held.pinned(k) == v for k, v in pins.items()) else None
+
+    def mode_pair_pins(self, rng: random.Random) -> dict[str, str]:
+        """Pins for uncovered call-mode pairs a swarm can hold: the mode's knobs, the category of one pair, and those
+        of up to MODE_PARTNERS - 1 more of the same mode (other knobs, rarest first) that hold with them, with what
+        they require (the full-batch req_id_per_token: decode rows passed, decodes, prefills), so that no pin drawn
+        at random undoes them; {} when none is left. A pair whose pins the requirements undo (a prefill workspace
+        without prefills) is given up."""
+        while (pair := self.uncovered_mode_pair(rng)) is not None:
+            mode, (name, value) = pair
+            pins = {**call_mode_pins(mode, self.knobs), name: value}
+            held = self._held(pins, rng)
+            if held is None:
+                self.mode_tried[pair] = GIVE_UP_AFTER
+                continue
+            steered = [pair]
+            for other in self.uncovered_mode_pairs(mode):
+                if len(steered) == MODE_PARTNERS:
+                    break
+                k, v = other[1]
+                more = self._held({**pins, k: v}, rng) if k not in held else None
+                if more is not None:
+                    pins[k], held = v, more
+                    steered.append(other)
+            self.mode_tried.update(steered)
+            return held
+        return {}
+
     def next_swarm(self, rng: random.Random) -> Swarm:
         steer = self.uncovered_triple(rng) if self.swarms % 3 == 0 else None
-        pins = dict(steer or ()) or self.rare_path_pins(rng)
+        pins = dict(steer or ()) or (self.mode_pair_pins(rng) if self.mode_partners else {}) or self.rare_path_pins(rng)
         steered = set(pins)
         for name, values in self.knobs.items():
             if name not in pins and rng.random() < PIN_SHARE:
@@ -130,6 +222,8 @@ class Combinations:
             "pairs": {"covered": len(self.pairs), "total": self.total_pairs},
             "triples": {"covered": len(self.triples), "total": self.total_triples},
             "path_pairs": len(self.path_pairs),
+            "mode_pairs": {"covered": sum((m, it) in self.mode_pairs for m, its in self.mode_partners.items()
+                                          for it in its), "total": self.total_mode_pairs},
             "swarms": self.swarms,
             "least_combined_knobs": [n for n, _ in sorted(seen.items(), key=lambda kv: kv[1])[:limit]],
         }

@@ -6,8 +6,20 @@ import pytest
 from hypothesis import HealthCheck, given, seed, settings
 
 from strategies.batches import AttentionFeatures, IndexFeatures, attention_space, index_space
+from strategies.case import Case, IndexCall, Request, TopkSpec
 from strategies.profiles import PROFILES
-from strategies.swarm import KNOBS, REQUIRES, Swarm, case_features, coherent
+from strategies.swarm import (
+    CALL_MODES,
+    KNOBS,
+    REQUIRES,
+    Swarm,
+    call_mode_partners,
+    call_mode_pins,
+    call_modes,
+    case_features,
+    category_share,
+    coherent,
+)
 
 P = PROFILES["cpu"]
 SPACES = {
@@ -75,3 +87,40 @@ def test_an_unknown_knob_is_refused():
 @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
 def test_swarm_cases_are_valid_cases(case):
     assert case.validate() is case and case.kv_cache_dtype == "fp8_ds_mla" and case.fp8_scale == "arbitrary"
+
+
+def _index_case(width=256, **kw):
+    reqs = (Request(1, 70), Request(5, 30))
+    return Case(requests=reqs, num_decodes=1, block_size=64, block_table=((1, 2), (3, 0)), topk_width=width,
+                topk=(TopkSpec(40), TopkSpec(20)), **kw).validate()
+
+
+def test_call_modes_are_read_from_the_case():
+    assert call_modes(_index_case()) == {"plain"}
+    assert call_modes(_index_case(call=IndexCall(valid_counts=True))) == {"valid_counts"}
+    assert call_modes(_index_case(2176, call=IndexCall(valid_counts=True))) == {"valid_counts"}  # one tile
+    assert call_modes(_index_case(4224, call=IndexCall(valid_counts=True))) == {"compaction"}  # tiled
+    assert call_modes(_index_case(4224)) == {"plain"}  # tiled, but no counting: nothing to compact
+    both = _index_case(call=IndexCall(prefill_workspace=True), block_stride_rows=128, idx_mapping=(1, 0))
+    assert call_modes(both) == {"prefill_workspace", "block_stride", "idx_mapping"}
+    assert call_modes(_index_case(block_stride_rows=64)) == {"plain"}  # a stride of one block is packed
+
+
+def test_a_category_s_share_includes_what_it_requires():
+    knobs = SPACES["index"].knobs
+    assert category_share("block_size", "16", knobs) == 1 / len(knobs["block_size"])
+    # the full-batch req_id_per_token: the decode rows passed (which needs decodes) and prefills
+    assert abs(category_share("req_id_rows", "full_batch", knobs) - 1 / 2 * (1 / 2 * 1 / 2) * (2 / 3)) < 1e-9
+
+
+@pytest.mark.parametrize("mode", CALL_MODES)
+def test_a_call_mode_s_pins_put_the_cases_in_it(mode):
+    space = SPACES["index"]
+    pins = call_mode_pins(mode, space.knobs)
+    assert pins is not None and not {k for k, _ in call_mode_partners(mode, space.knobs)} & set(pins)
+    swarm = coherent(pins, space.knobs, random.Random(0), keep=set(pins))
+    assert all(swarm.pinned(k) == v for k, v in pins.items())
+    cases = draw_cases(space, swarm, 12)
+    share = sum(mode in call_modes(c) for c in cases) / len(cases)
+    assert share >= (0.5 if mode == "valid_counts" else 0.9), (mode, share)  # a third of valid counts are tiled
+    assert call_mode_pins("prefill_workspace", SPACES["attention"].knobs) is None  # not a knob there

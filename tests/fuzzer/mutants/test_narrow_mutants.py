@@ -6,11 +6,15 @@ code a mutant cannot patch (its edit is "not found in this vLLM") skips that mut
 
 from __future__ import annotations
 
+import functools
 import json
+from pathlib import Path
 
 import pytest
 
 from strategies.case import Case, Dcp, IndexCall, Request, TopkSpec
+
+ROOT = Path(__file__).resolve().parents[3]
 
 # Runs in a fresh process: prepare the targets as a campaign worker does, then inject, then judge each case.
 PROBE = """
@@ -143,6 +147,30 @@ def full_batch_req_id_fp8_separate():
             ("a prefill with cached context", LAYER, case(prefill_context=20), False)]
 
 
+def seed_bug_in_one_call_mode(mode):
+    """remap-no-length-check-<mode>: the full-batch req_id_per_token in its call mode fails; the same call sliced,
+    and the full batch in any other call mode (vLLM's row check refuses it), pass."""
+    def case(in_mode, full_batch=True):
+        reqs = (Request(1, 70), Request(5, 30))
+        return Case(requests=reqs, num_decodes=1, block_size=64, block_table=_table(reqs),
+                    topk_width=4224 if in_mode == "compaction" else 256, topk=(TopkSpec(40), TopkSpec(20)),
+                    block_stride_rows=128 if in_mode == "block_stride" else 0,
+                    idx_mapping=(0, 1) if in_mode == "idx_mapping" else None,
+                    call=IndexCall(valid_counts=in_mode in ("valid_counts", "compaction"),
+                                   prefill_workspace=in_mode == "prefill_workspace", token_rows="decodes",
+                                   req_id_rows="full_batch" if full_batch else "match"), seed=3).validate()
+
+    others = [m for m in ("plain", "valid_counts", "compaction", "prefill_workspace", "idx_mapping", "block_stride")
+              if m != mode]
+    return [("conjunction", REMAP, case(mode), True), ("req_id sliced", REMAP, case(mode, full_batch=False), False),
+            *((f"full batch, {other}", REMAP, case(other), False) for other in others)]
+
+
+CALL_MODE_MUTANTS = {f"remap-no-length-check-{m.replace('_', '-')}": functools.partial(seed_bug_in_one_call_mode, m)
+                     for m in ("plain", "valid_counts", "compaction", "prefill_workspace", "idx_mapping",
+                               "block_stride")}
+
+
 NARROW = {
     "remap-compact-gap-multitile": compact_gap_multitile,
     "remap-stride-last-column": stride_last_column,
@@ -150,7 +178,21 @@ NARROW = {
     "flashmla-mtp-padded-decode": mtp_padded_decode,
     "flashmla-fp8-uncompacted-topk-length": fp8_uncompacted_topk_length,
     "remap-full-batch-req-id-fp8-separate": full_batch_req_id_fp8_separate,
+    **CALL_MODE_MUTANTS,
 }
+
+
+def test_the_time_to_find_benchmark_s_call_mode_set_is_these_mutants():
+    import importlib.util
+
+    from fuzzer.mutants._kernel_patch import CALL_MODES
+    from strategies.swarm import CALL_MODES as SEARCHED_MODES
+
+    spec = importlib.util.spec_from_file_location("time_to_find", ROOT / "bench" / "time_to_find.py")
+    ttf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ttf)
+    assert ttf.groups()["call-modes"] == list(CALL_MODE_MUTANTS)
+    assert tuple(CALL_MODES) == SEARCHED_MODES  # the modes the mutants break are the modes the search pairs
 
 
 def test_narrow_mutants_are_registered_with_their_targets():

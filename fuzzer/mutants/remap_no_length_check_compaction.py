@@ -1,0 +1,17 @@
+"""The seed bug in one call mode of the index remap (class A; vLLM issue 48611, bug 1, kernel level): as
+`remap-no-length-check`, the converter launches without the row check vLLM added in the fix, but only in a call with
+return_valid_counts whose top-k width the remap tiles (the multi-tile compaction: widths above 4096 that are not
+powers of two, e.g. 4224); every other call mode keeps the check and refuses the call. A call with the full-batch
+req_id_per_token and only the MQA rows of topk_indices sizes the grid by req_id and writes past the output sized
+like topk_indices. Needs all of: valid counts (call.valid_counts) on a tiled width (`tile_edge`, e.g. 4224); the
+decode rows of topk_indices (call.token_rows decodes, so decodes in the step) with the whole batch's
+req_id_per_token (call.req_id_rows full_batch, so prefills in the step)."""
+
+from fuzzer.mutants._kernel_patch import converter_without_row_check_in
+
+BUG_CLASS = "A"
+TARGETS = ("vllm.index_remap",)
+
+
+def apply():
+    converter_without_row_check_in("compaction")
