@@ -115,9 +115,14 @@ def raising():
 
 
 def defer() -> None:
-    """From here to the end of the `raising()` section around it, a signal is only recorded."""
+    """From here to the end of the `raising()` section around it, a signal is only recorded (and a retry still
+    pending raises nothing)."""
     global _raising
     _raising = False
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    except ValueError:  # not the main thread
+        pass
 
 
 @contextmanager

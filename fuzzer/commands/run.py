@@ -201,6 +201,7 @@ def main(args, device: str) -> int:
                             max_findings=args.max_findings, search=args.search, known=tuple(args.known),
                             plan=run_plan(args))
     except Interrupted as e:  # before the first case: the outputs all say so, and exit 3
+        interrupt.defer()  # a retry still pending (fuzzer/interrupt.py) must not cut these outputs short
         if executor is not None:
             abandon(executor)
         result = CampaignResult(args.target, interrupted=e.signal)

@@ -29,8 +29,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fuzzer.support.errors import CheckerBroke
-
 MAX_VIOLATIONS = 64  # per case: the first accesses name the bug; thousands more add nothing
 
 
@@ -220,6 +218,8 @@ def _taking(entry):
 
     def method(*args):
         if not least <= len(args) <= most:
+            from fuzzer.support.errors import CheckerBroke  # here: its module imports torch, `attnfuzz list` must not
+
             raise CheckerBroke(f"attnfuzz's bounds checker cannot take Triton's call {entry.__name__} with "
                                f"{len(args)} arguments (it takes {least}{'+' if most > least else ''})")
         return entry(*args)
