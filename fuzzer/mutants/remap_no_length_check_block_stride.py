@@ -1,4 +1,5 @@
-"""The seed bug in one call mode of the index remap (class A; vLLM issue 48611, bug 1, kernel level): as
+"""The seed bug in the index remap's BLOCK_STRIDE_ROWS call only
+(class A; vLLM issue 48611, bug 1, kernel level): as
 `remap-no-length-check`, the converter launches without the row check vLLM added in the fix, but only in a call
 whose BLOCK_STRIDE_ROWS exceeds the block size (other layers' pages between blocks); every other call mode keeps the
 check and refuses the call. A call with the full-batch req_id_per_token and only the MQA rows of topk_indices sizes

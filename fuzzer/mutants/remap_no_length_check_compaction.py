@@ -1,4 +1,5 @@
-"""The seed bug in one call mode of the index remap (class A; vLLM issue 48611, bug 1, kernel level): as
+"""The seed bug in the index remap's valid-counts call on the multi-tile path (compaction) only
+(class A; vLLM issue 48611, bug 1, kernel level): as
 `remap-no-length-check`, the converter launches without the row check vLLM added in the fix, but only in a call with
 return_valid_counts whose top-k width the remap tiles (the multi-tile compaction: widths above 4096 that are not
 powers of two, e.g. 4224); every other call mode keeps the check and refuses the call. A call with the full-batch

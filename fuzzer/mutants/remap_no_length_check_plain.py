@@ -1,4 +1,5 @@
-"""The seed bug in one call mode of the index remap (class A; vLLM issue 48611, bug 1, kernel level): as
+"""The seed bug in the index remap's plain call (no counts, workspace, idx_mapping or block stride) only
+(class A; vLLM issue 48611, bug 1, kernel level): as
 `remap-no-length-check`, the converter launches without the row check vLLM added in the fix, but only in the plain
 call (no valid counts, no prefill workspace, no idx_mapping, packed blocks: BLOCK_STRIDE_ROWS the block size); every
 other call mode keeps the check and refuses the call. A call with the full-batch req_id_per_token and only the MQA

@@ -218,7 +218,7 @@ def _taking(entry):
 
     def method(*args):
         if not least <= len(args) <= most:
-            from fuzzer.support.errors import CheckerBroke  # here: its module imports torch, `attnfuzz list` must not
+            from fuzzer.support.errors import CheckerBroke  # deferred: its module imports torch (`attnfuzz list` must not)
 
             raise CheckerBroke(f"attnfuzz's bounds checker cannot take Triton's call {entry.__name__} with "
                                f"{len(args)} arguments (it takes {least}{'+' if most > least else ''})")
