@@ -18,7 +18,7 @@ from typing import Callable, ClassVar
 from fuzzer.errors import HarnessConfigError, RankError
 from fuzzer.observation import Observation
 from fuzzer.repro_spec import ReproSpec
-from fuzzer.support.interp.sanitizer import SANITIZER
+from fuzzer.support.interp.sanitizer import SANITIZER, speed_up_interpreter
 from fuzzer.targets.guards import poison_free_memory
 from oracles.verdict import Verdict
 from strategies.batches import CaseSpace
@@ -178,5 +178,6 @@ def memory_checked(device: str):
         yield []  # native GPU runs: compute-sanitizer's job (fuzzer/run/compute_sanitizer), not ours
         return
 
+    speed_up_interpreter()  # a campaign's many cases; a reproducer's one case goes without (fewer lines to read)
     with SANITIZER.install().collect() as found:
         yield found

@@ -10,11 +10,12 @@ Correction applied here: a scalar `mask=` on a scalar pointer reaches the interp
 0-d numpy bool and fails with "mask has unsupported dtype" (Trap 4); masks are broadcast to the pointer
 shape as a bool array, which is what the compiled kernel does.
 
-`install()` also makes the interpreter cheaper per operation (`speed_up_interpreter`), never changing what an
-operation computes or which accesses are checked: interpreted, each Triton operation costs tens of microseconds of
-Triton's front end in Python (type checks, broadcasting, shape bookkeeping) against a few of numpy work, and a
-kernel runs its body once per program, so a case's cost grows with its grid (the index remap: tokens x top-k
-width / 128 programs). ATTNFUZZ_INTERP_FAST=0 leaves the interpreter as Triton ships it (to measure the difference).
+A campaign also makes the interpreter cheaper per operation (`speed_up_interpreter`, before `install()`), never
+changing what an operation computes or which accesses are checked (tests/fuzzer/support/test_interp_speedups.py):
+interpreted, each Triton operation costs tens of microseconds of Triton's front end in Python (type checks,
+broadcasting, shape bookkeeping) against a few of numpy work, and a kernel runs its body once per program, so a case's
+cost grows with its grid (the index remap: tokens x top-k width / 128 programs). A reproducer runs one case and leaves
+the interpreter as Triton ships it, as a campaign does with ATTNFUZZ_INTERP_FAST=0 (to measure the difference).
 """
 
 from __future__ import annotations
@@ -103,7 +104,6 @@ class InterpreterSanitizer:
             return self
         from triton.runtime import interpreter as interp
 
-        speed_up_interpreter()
         san = self
         grid_call = interp.GridExecutor.__call__
 
