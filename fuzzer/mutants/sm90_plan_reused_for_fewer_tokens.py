@@ -11,7 +11,7 @@ query rows past q and writes output rows past the step's (the grid follows the p
 from fuzzer.mutants._kernel_patch import patch_method
 
 BUG_CLASS = "A"
-TARGETS = ("vllm.flashinfer_sparse_sm90",)
+TARGETS = ("vllm.flashinfer_sparse_sm90", "vllm.flashinfer_sparse_sm90.layer")
 
 
 def apply():

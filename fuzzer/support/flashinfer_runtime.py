@@ -29,9 +29,12 @@ from fuzzer.support.flashmla_runtime import (
     ROPE_DIM,
     SM_SCALE,
     impl_topk_kwargs,
+    install_layer_standins,
+    mla_layer,
     prefill_outputs_under_initcheck,
+    record_routes,
 )
-from fuzzer.support.sparse_mla_steps import prepare_cpu
+from fuzzer.support.sparse_mla_steps import metadata_builder, prepare_cpu
 from fuzzer.support.standins import flashinfer_mla
 
 BACKEND_MODULE = "vllm.v1.attention.backends.mla.flashinfer_mla_sparse_sm90"
@@ -94,6 +97,13 @@ def prepare_sm90_host(device: str):
     return backend_cls, emulated, shims + list(prefill_outputs_under_initcheck(device))
 
 
+def prepare_sm90_layer_host(device: str):
+    """prepare_sm90_host, and stand-ins for the compiled ops of MLAAttention's dense-MHA path this host lacks (as
+    sparse_mla_steps.prepare_layer_host for FlashMLA's)."""
+    backend_cls, emulated, shims = prepare_sm90_host(device)
+    return backend_cls, tuple(dict.fromkeys((*emulated, *install_layer_standins(device)))), shims
+
+
 def kv_cache_spec(cfg, kv_cache_dtype: str, block_size: int):
     """MLAAttention.get_kv_cache_spec's spec for this cache: a per-tensor fp8 cache is uint8 (the builder plans its
     FlashInfer kernel for e4m3 from that), a bf16 one bf16."""
@@ -135,3 +145,26 @@ def _engine(backend_cls, cfg, spec, heads, kv_cache_dtype, topk_indices_buffer, 
     with contextlib.nullcontext() if real_flashinfer(device) else flashinfer_mla.importable():
         builder = backend_cls.get_builder_cls()(spec, [LAYER], cfg, torch.device(device))
     return impl, layer, builder
+
+
+def layer_engine(backend_cls, cfg, spec, heads: int, kv_b_weight: torch.Tensor, topk_indices_buffer: torch.Tensor,
+                 k_scale: float, device: str):
+    """(builder, MLAAttention layer on this backend, its route counts) as the runner keeps them: vLLM's own layer
+    (sparse_mla_steps.mla_attention_engine's, with its prefill backend, so short prefills leave for dense MHA and
+    the builder plans the decode prefix alone), its kv-cache scale set as a checkpoint's would be (1.0 unless it
+    has one), and the builder made while `flashinfer.mla` imports (FlashInfer's own where the host has it, else
+    the stand-in)."""
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(cfg), torch.inference_mode():
+        layer = mla_layer(cfg, heads, kv_b_weight, topk_indices_buffer, device, backend=backend_cls)
+        # What the checkpoint's kv-cache scale sets after loading: forward_mqa passes `_k_scale_float` to FlashInfer,
+        # the dense-MHA context gather dequantizes with `_k_scale`.
+        layer._k_scale.fill_(k_scale)
+        layer._k_scale_cpu.fill_(k_scale)
+        layer._k_scale_float = k_scale
+        with contextlib.nullcontext() if real_flashinfer(device) else flashinfer_mla.importable():
+            builder = metadata_builder(backend_cls, spec, cfg, device)
+    route: dict = {}
+    record_routes(layer.impl, route)
+    return builder, layer, route

@@ -28,6 +28,7 @@ REGISTERED: dict[str, str] = {
     "vllm.flashattn_sparse": "fuzzer.targets.flashattn_sparse:FlashAttnMLASparse",
     "vllm.flashattn_sparse.layer": "fuzzer.targets.flashattn_layer:FlashAttnMLASparseLayer",
     "vllm.flashinfer_sparse_sm90": "fuzzer.targets.flashinfer_sparse_sm90:FlashInferMLASparseSM90",
+    "vllm.flashinfer_sparse_sm90.layer": "fuzzer.targets.flashinfer_sparse_sm90_layer:FlashInferMLASparseSM90Layer",
     "vllm.sparse_mla.all": "fuzzer.targets.sparse_mla_all:SparseMLAAll",
     "vllm.dsv4.flashmla": "fuzzer.targets.dsv4_flashmla:Dsv4FlashMLA",
     "vllm.dsv41.flashmla": "fuzzer.targets.dsv41_flashmla:Dsv41FlashMLA",

@@ -227,3 +227,14 @@ def test_budgets_scale_and_refuse_nonsense():
     assert budgets.examples("cuda", "a.target.added.later", "selftest") == budgets.DEFAULT["cuda"].selftest
     with pytest.raises(ValueError, match="device 'tpu'"):
         budgets.examples("tpu", "vllm.index_remap", "gate")
+
+
+def test_a_known_bug_of_a_backend_is_known_on_the_targets_built_over_it():
+    """The 2026-12-05 H100 gate: the open fp8 RoPE-scale bug of vllm.flashinfer_sparse_sm90 (a committed reproducer)
+    failed the gate through vllm.flashinfer_sparse_sm90.layer, whose MQA route runs the same forward_mqa."""
+    from fuzzer.commands.gate import reached_through
+
+    assert reached_through("vllm.flashinfer_sparse_sm90", "vllm.flashinfer_sparse_sm90.layer")
+    assert reached_through("vllm.flashmla_sparse", "vllm.flashmla_sparse")
+    assert not reached_through("vllm.flashmla_sparse.layer", "vllm.flashmla_sparse")
+    assert not reached_through("vllm.flashmla_sparse", "vllm.flashmla_sparse_v2")
