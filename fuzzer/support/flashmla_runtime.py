@@ -225,14 +225,19 @@ def cpu_shims() -> tuple[str, ...]:
 _C_QUERIES = ("cutlass_scaled_mm_supports_block_fp8", "cutlass_scaled_mm_supports_fp8")
 
 
+@functools.cache  # a library that cannot load here is tried once a process (a failed dlopen costs tenths of a second)
+def _load_vllm_libraries() -> None:
+    for library in ("vllm._C", "vllm._C_stable_libtorch"):
+        with contextlib.suppress(Exception):  # not built for this host (no CUDA driver: ImportError)
+            importlib.import_module(library)
+
+
 def define_missing_c_queries() -> tuple[str, ...]:
     """Define the `_C` capability queries no compiled library of vLLM's registers here, answering False. vLLM's
     libraries are loaded first: a query defined in Python before the library that registers it is loaded makes
     that library's registration a duplicate when vLLM loads it later (the likely cause of the SIGABRT reproducers that
     asked first met on the GPU host with the real ops; not yet confirmed there: bench/scenarios/gpu-repros-real-ops)."""
-    for library in ("vllm._C", "vllm._C_stable_libtorch"):
-        with contextlib.suppress(Exception):  # not built for this host (no CUDA driver: ImportError)
-            importlib.import_module(library)
+    _load_vllm_libraries()
     missing = []
     for name in _C_QUERIES:
         try:

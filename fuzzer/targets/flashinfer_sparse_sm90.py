@@ -49,6 +49,15 @@ from strategies.batches import AttentionFeatures, attention_space
 from strategies.tensors import fp8_kv_scale
 
 
+def sm90_repro(target, finding, layer: bool) -> ReproSpec:
+    """FlashMLA's reproducer of the step (or the layer's), saying what FlashInfer's wrapper was."""
+    spec = flashmla_repro(target, finding, layer=layer)
+    return dataclasses.replace(spec, about=spec.about + (
+        f" FLASHINFER_MLA_SPARSE_SM90{' under MLAAttention' if layer else ''}: FlashInfer's "
+        "BatchMLAPagedAttentionWrapper is attnfuzz's stand-in (flashinfer.mla, imported by the builder), FlashInfer 0.7.2.post1's planner and kernel "
+        "semantics, unless the GPU host has FlashInfer itself (the script prints which)."))
+
+
 class FlashInferMLASparseSM90(FlashMLASparse):
     name = "vllm.flashinfer_sparse_sm90"
     summary = ("FlashInfer sparse-MLA backend for Hopper (FLASHINFER_MLA_SPARSE_SM90): builder + plan/clamp + "
@@ -122,16 +131,17 @@ class FlashInferMLASparseSM90(FlashMLASparse):
 
     def new_engine(self, ctx: StepContext, step) -> None:
         impl, layer, builder = flashinfer_runtime.engine(
-            self.backend, ctx.cfg, ctx.spec, step.heads, step.kv_cache_dtype, ctx.topk_buffer,
-            fp8_kv_scale(step) if step.kv_cache_dtype == "fp8" else 1.0, self.device)
+            self.backend, ctx.cfg, ctx.spec, step.heads, step.kv_cache_dtype, ctx.topk_buffer, self.k_scale(step),
+            self.device)
         ctx.engine.update(impl=impl, layer=layer, builder=builder)
 
+    @staticmethod
+    def k_scale(case) -> float:
+        """The layer's k_scale: per-tensor fp8's (1.0 or a calibrated checkpoint's), 1.0 for bf16."""
+        return fp8_kv_scale(case) if case.kv_cache_dtype == "fp8" else 1.0
+
     def repro_spec(self, finding) -> ReproSpec:
-        spec = flashmla_repro(self, finding, layer=False)
-        return dataclasses.replace(spec, about=spec.about + (
-            " FLASHINFER_MLA_SPARSE_SM90: FlashInfer's BatchMLAPagedAttentionWrapper is attnfuzz's stand-in "
-            "(flashinfer.mla, imported by the builder), FlashInfer 0.7.2.post1's planner and kernel semantics, unless "
-            "the GPU host has FlashInfer itself (the script prints which)."))
+        return sm90_repro(self, finding, layer=False)
 
     def repro_prepare(self, layer: bool) -> Call:
         return Call(flashinfer_runtime.prepare_sm90_host, dict(device="DEVICE"), assign="backend, emulated, shims")

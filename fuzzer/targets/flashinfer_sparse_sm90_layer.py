@@ -17,11 +17,10 @@ import dataclasses
 from fuzzer.repro_spec import Call
 from fuzzer.support import flashinfer_runtime
 from fuzzer.targets.base import WHOLE, RunPlan
-from fuzzer.targets.flashinfer_sparse_sm90 import FlashInferMLASparseSM90
+from fuzzer.targets.flashinfer_sparse_sm90 import FlashInferMLASparseSM90, sm90_repro
 from fuzzer.targets.flashmla_layer import FlashMLASparseLayer
-from fuzzer.targets.flashmla_sparse import StepContext, flashmla_repro
+from fuzzer.targets.flashmla_sparse import StepContext
 from strategies.batches import AttentionFeatures, attention_space
-from strategies.tensors import fp8_kv_scale
 
 
 class FlashInferMLASparseSM90Layer(FlashMLASparseLayer, FlashInferMLASparseSM90):
@@ -58,16 +57,8 @@ class FlashInferMLASparseSM90Layer(FlashMLASparseLayer, FlashInferMLASparseSM90)
                 self.k_scale(step), self.device)
         return super().layer_step(ctx, step, inputs)
 
-    @staticmethod
-    def k_scale(case) -> float:
-        return fp8_kv_scale(case) if case.kv_cache_dtype == "fp8" else 1.0
-
     def repro_spec(self, finding):
-        spec = flashmla_repro(self, finding, layer=True)
-        return dataclasses.replace(spec, about=spec.about + (
-            " FLASHINFER_MLA_SPARSE_SM90 under MLAAttention: FlashInfer's BatchMLAPagedAttentionWrapper is attnfuzz's "
-            "stand-in (flashinfer.mla, imported by the builder), FlashInfer 0.7.2.post1's planner and kernel "
-            "semantics, unless the GPU host has FlashInfer itself (the script prints which)."))
+        return sm90_repro(self, finding, layer=True)
 
     def repro_prepare(self, layer: bool) -> Call:
         if not layer:
