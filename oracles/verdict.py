@@ -28,6 +28,10 @@ CHECKS: dict[str, str] = {
     "slot": "the valid prefix holds slots no entry maps to (a wrong address)",
     "layout": "valid indices are not where the mode puts them (compaction, padding)",
     "values": "index values differ from the documented remap",
+    "topk": "the indexer's top-k rows are not a top-k of the step's scores (an id outside the causal window, a repeat, "
+            "a wrong count, -1 before an id, or a selected score below the k-th best beyond the tolerance)",
+    "padded_rows": "a CUDA-graph padding token's row is not as vLLM's code leaves it (the indexer clears it to -1)",
+    "buffer_rows": "a persistent buffer changed in rows past the step's",
     "output": "attention output outside the tolerance of the fp32 reference",
     "cpu_second_opinion": "vLLM's own CPU implementation (its layer and kernel), run on the same step as a second "
                           "opinion, outside the tolerance of the fp32 reference",

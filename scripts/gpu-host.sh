@@ -35,6 +35,13 @@ if [ -n "$VER" ]; then
   if [ -d "$ROOT/.gpu-extra/so-$VER" ]; then cp -u "$ROOT/.gpu-extra/so-$VER"/*.so "$SRC/vllm/"; fi
   export PYTHONPATH="$SRC:/tmp/gpu-bundle/site"
 fi
+# vLLM's vendored DeepGEMM (its extension and JIT headers), when `scripts/gpu-ops.sh unpack` stashed it: in place of
+# the bundle's Python-only copy, for the indexer's CUDA route. Its JIT needs a CUDA toolkit (CUDA_HOME).
+DG=/tmp/gpu-bundle/src/vllm/third_party/deep_gemm
+if [ -z "$VER" ] && [ -f /tmp/gpu-bundle-ops/deep_gemm.tar.xz ] && [ ! -f "$DG/_C_extension.abi3.so" ]; then
+  tar xJf /tmp/gpu-bundle-ops/deep_gemm.tar.xz -C "$(dirname "$DG")"
+fi
+if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda; fi
 # vLLM 0.33.0's own vllm_flash_attn with its FA3 extension (scripts/gpu-kernels.sh install fa3), for the runs that ask
 # with ATTNFUZZ_FA3=real: a tree of links to the bundle's vllm/ with that package in place of the bundle's import
 # stand-in, so that other runs on the machine keep theirs.

@@ -14,12 +14,24 @@
 # `emulated` list leaves them out. `check` exits 1 when they are not loaded (the machine went back between the
 # calls: start again at call 1).
 #
+# Part b also carries vLLM's vendored DeepGEMM (vllm/third_party/deep_gemm: its stable-ABI extension and the headers
+# its JIT compiles against; 6 MB compressed), which the indexer's CUDA route calls; scripts/gpu-host.sh puts it in
+# place of the bundle's Python-only copy.
+#
 #   scripts/gpu-ops.sh build [VLLM_VERSION=0.33.0] | split | stash | unpack | check
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OPS=$ROOT/.gpu-ops
 STASH=/tmp/gpu-bundle-ops
 XZ=_C_stable_libtorch.abi3.so.xz
+deep_gemm_pack() {  # VERSION DEST: vllm/third_party/deep_gemm of that release's wheel, as a tar.xz
+  local tmp; tmp=$(mktemp -d)
+  python3 -m pip download -q --no-deps "vllm==$1" -d "$tmp/w"
+  unzip -q "$tmp"/w/vllm-*.whl 'vllm/third_party/deep_gemm/*' -d "$tmp/x"
+  tar cJf "$2" -C "$tmp/x/vllm/third_party" deep_gemm
+  rm -rf "$tmp"
+}
+
 case ${1:-} in
   build) bash "$ROOT/../shared/gpu-host/build-ops.sh" "$OPS" "${2:-0.33.0}" && "$0" split;;
   split)  # part a: the first 48 MiB; part b: the rest, the checksum of the whole and the version
@@ -28,7 +40,10 @@ case ${1:-} in
     tail -c +$(((48 << 20) + 1)) "$OPS/$XZ" > "$OPS/b/$XZ.part-b"
     (cd "$OPS" && sha256sum "$XZ") > "$OPS/b/SHA256SUMS"
     cp "$OPS/VERSION" "$OPS/b/"
-    du -b "$OPS/a/$XZ.part-a" "$OPS/b/$XZ.part-b";;
+    deep_gemm_pack "$(cat "$OPS/VERSION")" "$OPS/b/deep_gemm.tar.xz"
+    du -b "$OPS/a/$XZ.part-a" "$OPS/b/$XZ.part-b" "$OPS/b/deep_gemm.tar.xz";;
+  deep-gemm)  # (re)pack DeepGEMM alone into part b
+    deep_gemm_pack "$(cat "$OPS/VERSION")" "$OPS/b/deep_gemm.tar.xz" && du -b "$OPS/b/deep_gemm.tar.xz";;
   stash)  # call 1, on the GPU host
     mkdir -p "$STASH" && cp "$OPS/a/$XZ.part-a" "$STASH/"
     echo "gpu-ops: part a stashed in $STASH ($(du -b "$STASH/$XZ.part-a" | cut -f1) bytes)";;
@@ -40,6 +55,7 @@ case ${1:-} in
     (cd "$STASH" && sha256sum -c "$OPS/b/SHA256SUMS" >/dev/null) || { echo "gpu-ops: checksum mismatch" >&2; exit 1; }
     xz -dc "$STASH/$XZ" > "$STASH/_C_stable_libtorch.abi3.so" && rm -f "$STASH/$XZ" "$STASH/$XZ.part-a"
     cp "$OPS/b/VERSION" "$STASH/"
+    [ ! -f "$OPS/b/deep_gemm.tar.xz" ] || cp "$OPS/b/deep_gemm.tar.xz" "$STASH/"
     echo "gpu-ops: ops for vLLM $(cat "$STASH/VERSION") unpacked in $STASH";;
   check)
     "$ROOT/scripts/gpu-host.sh" python3 -c "
@@ -56,5 +72,5 @@ missing = [n for n in names if not has(n)]
 print('gpu-ops: vLLM cache ops', 'missing: ' + ', '.join(missing) if missing else 'loaded: ' + ', '.join(names))
 raise SystemExit(1 if missing else 0)" 2>&1 | grep '^gpu-ops:'
     exit "${PIPESTATUS[0]}";;
-  *) echo "usage: scripts/gpu-ops.sh build [VERSION] | split | stash | unpack | check" >&2; exit 2;;
+  *) echo "usage: scripts/gpu-ops.sh build [VERSION] | split | deep-gemm | stash | unpack | check" >&2; exit 2;;
 esac

@@ -52,6 +52,11 @@ V41_BLOCK_SIZES = (64, 128)
 V41_SWA_BLOCK_SIZE = 32
 C4_ORDERS = ("scored", "ascending")  # top_k_per_row by score (any order), or the short-context fill's 0, 1, 2, ...
 ATTN_SINKS = ("finite", "none", "large")  # weights of order 1, -inf (no sink: make_attention_sink's init), ~ +6
+# The indexer (Case.indexer): the sparse_indexer_topk_backend values vLLM 0.33.0 resolves on an SM90 CUDA host
+# ("auto": cooperative for <= 64 rows, then persistent for widths 512/1024/2048, else per_row; "torch": its
+# Python reference; deep_select / aiter / flashinfer need SM100, ROCm or FlashInfer's top-k).
+INDEXER_TOPK_BACKENDS = ("auto", "per_row", "persistent", "cooperative", "torch")
+INDEXER_MAX_SPECULATIVE = 3  # MTP draft tokens: next_n 1-4 (SM90's paged logits take 1, 2, 4 natively; 3 flattens)
 DSV4_BLOCK_SIZE = 256  # tokens a block of the compressed K cache covers (the backend's kernel block size)
 DSV4_MAX_SPECULATIVE = 7
 
@@ -164,6 +169,18 @@ class Dsv4:
 
 
 @dataclass(frozen=True)
+class IndexerStep:
+    """A DeepSeek-V3.2 / GLM-5 indexer step (`vllm.indexer`): the indexer makes every request's top-k rows itself
+    (Case.topk is empty), over `Case.heads` index heads of 128 dims, into a persistent buffer Case.topk_width wide."""
+
+    topk_backend: str = "auto"  # kernel_config.sparse_indexer_topk_backend
+    num_speculative_tokens: int = 0  # MTP: the builder's decode threshold is 1 + this
+    # VLLM_SPARSE_INDEXER_MAX_LOGITS_MB (vLLM's default 512): the builder's prefill chunks hold at most this many MB
+    # of fp32 logits; 0 puts every request in a chunk of its own, one query row per sub-chunk
+    max_logits_mb: int = 512
+
+
+@dataclass(frozen=True)
 class Case:
     requests: tuple[Request, ...]
     num_decodes: int  # the leading requests that are decodes (uniform query_len, padding rows allowed)
@@ -194,6 +211,7 @@ class Case:
     # before is a decode of one token per request; this one holds the same requests one token later.
     mtp_draft: bool = False
     dsv4: Dsv4 | None = None  # a DeepSeek-V4 step (see Dsv4); None: a DeepSeek-V3.2-style sparse-MLA step
+    indexer: IndexerStep | None = None  # an indexer step (see IndexerStep); None: the top-k rows are drawn
     schema: int = SCHEMA
 
     # -- derived ---------------------------------------------------------------------------------------
@@ -270,6 +288,11 @@ class Case:
                          + (f" max_model_len={d.max_model_len}" if d.max_model_len else "")
                          + (f" block={d.compressed_block_size} kv_source={d.kv_source} record={d.kv_record}"
                             if d.version == "4.1" else ""))
+        if self.indexer is not None:
+            x = self.indexer
+            extra.append(f"indexer: heads={self.heads} topk_backend={x.topk_backend}"
+                         + (f" mtp={x.num_speculative_tokens}" if x.num_speculative_tokens else "")
+                         + (f" max_logits_mb={x.max_logits_mb}" if x.max_logits_mb != 512 else ""))
         if self.earlier:
             extra.append(f"after {len(self.earlier)} earlier step(s) of {'/'.join(str(e.num_tokens) for e in self.earlier)} tokens")
         return f"[{reqs}] topk={self.topk_width} block={self.block_size} {' '.join(extra)}".strip()
@@ -312,8 +335,8 @@ class Case:
             "topk_width",
             f"must be a positive multiple of 128, got {self.topk_width}",
         )
-        if self.dsv4 is not None:
-            _check(not self.topk, "topk", "a DeepSeek-V4 step holds none (its indexer rows follow from positions)")
+        if self.dsv4 is not None or self.indexer is not None:
+            _check(not self.topk, "topk", "a DeepSeek-V4 or indexer step holds none (its indexer makes the rows)")
         else:
             _check(len(self.topk) == n, "topk", f"needs one TopkSpec per request ({n}), got {len(self.topk)}")
         for i, t in enumerate(self.topk):
@@ -353,7 +376,16 @@ class Case:
             _check(len(width) <= 1, "block_table", f"a full-graph engine's steps share one table width, got {sorted(width)}")
         if self.dsv4 is not None:
             _validate_dsv4(self)
-        elif self.padded_tokens:
+        if self.indexer is not None:
+            x = self.indexer
+            _check(x.topk_backend in INDEXER_TOPK_BACKENDS, "indexer.topk_backend",
+                   f"one of {INDEXER_TOPK_BACKENDS}, got {x.topk_backend!r}")
+            _check(0 <= x.num_speculative_tokens <= INDEXER_MAX_SPECULATIVE, "indexer.num_speculative_tokens",
+                   f"must be in [0, {INDEXER_MAX_SPECULATIVE}], got {x.num_speculative_tokens}")
+            _check(x.max_logits_mb >= 0, "indexer.max_logits_mb", f"must be >= 0, got {x.max_logits_mb}")
+            _check(all(q <= 1 + x.num_speculative_tokens for q in dq), "num_decodes",
+                   f"decode query_len must be <= 1 + num_speculative_tokens, got {sorted(dq)}")
+        if self.dsv4 is None and self.padded_tokens:
             pads = [i for i, r in enumerate(self.requests) if r.query_len == 0]
             want = len(pads) * max(dq, default=0)
             _check(self.num_decodes == n and pads and pads[0] == n - len(pads) and self.padded_tokens == want,
@@ -382,8 +414,9 @@ class Case:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         for step in (data, *data["earlier"]):  # a case without a DSv4 step reads as it did before the field
-            if step.get("dsv4", 0) is None:
-                del step["dsv4"]
+            for name in ("dsv4", "indexer"):
+                if step.get(name, 0) is None:
+                    del step[name]
             if step["dcp"]["pcp"] == 1 and step["dcp"]["tp"] == 1:  # nor one without PCP
                 del step["dcp"]["pcp"], step["dcp"]["tp"]
         return data
@@ -488,7 +521,7 @@ def _validate_dsv4(case: "Case") -> None:
 
 
 ENGINE_FIELDS = ("block_size", "block_stride_rows", "topk_width", "heads", "kv_cache_dtype", "fp8_scale", "values",
-                 "dcp", "call", "cudagraph")
+                 "dcp", "call", "cudagraph", "indexer")
 
 
 def pcp_splits(query_len: int, pcp: int) -> bool:
@@ -515,7 +548,7 @@ def _check(ok: bool, path: str, msg: str) -> None:
         raise CaseError(f"case.{path}: {msg}")
 
 
-_NESTED = {"requests": Request, "topk": TopkSpec, "dcp": Dcp, "call": IndexCall, "dsv4": Dsv4}
+_NESTED = {"requests": Request, "topk": TopkSpec, "dcp": Dcp, "call": IndexCall, "dsv4": Dsv4, "indexer": IndexerStep}
 
 
 def _build(cls, data: Any, path: str):
@@ -537,7 +570,7 @@ def _build(cls, data: Any, path: str):
             if not isinstance(value, (list, tuple)):
                 raise CaseError(f"{where}: expected a list")
             value = tuple(_build(_NESTED[name], v, f"{where}[{i}]") for i, v in enumerate(value))
-        elif name in ("dcp", "call") or (name == "dsv4" and value is not None):
+        elif name in ("dcp", "call") or (name in ("dsv4", "indexer") and value is not None):
             value = _build(_NESTED[name], value, where)
         elif name == "compressed_block_table":
             value = _int_table(value, where)

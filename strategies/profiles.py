@@ -24,6 +24,22 @@ class Dsv4Sizes:
 
 
 @dataclass(frozen=True)
+class IndexerSizes:
+    """Indexer steps (strategies.indexer_batches). Its kernels are stand-ins in torch on a CPU (no interpreted
+    Triton on the hot path), so contexts reach past the widths the top-k kernels take (512, 1024, 2048) there too;
+    a "tight" logits budget splits a step's prefills into chunks: 0 MB on a CPU (every request a chunk of its own,
+    one query row per sub-chunk: the code paths a long prompt takes at vLLM's 512 MB), a few MB on a GPU."""
+
+    max_decodes: int
+    max_prefills: int
+    max_tokens: int
+    max_context: int
+    topk_widths: tuple[int, ...]  # index_topk; the first is where shrinking goes
+    heads: tuple[int, ...]  # index_n_heads: DeepSeek-V3.2's 64, GLM-5's 32
+    tight_logits_mb: int = 0
+
+
+@dataclass(frozen=True)
 class Profile:
     name: str
     max_decodes: int  # decode requests (uniform query_len 1-4, MTP included)
@@ -51,6 +67,8 @@ class Profile:
     dsv4: Dsv4Sizes = Dsv4Sizes(max_decodes=12, max_prefills=6, max_tokens=512, max_context=9000,
                                 max_prefill_context=4096, max_prefill_compressed=4096, topk_widths=(512,),
                                 window_sizes=(128,), heads=(16, 8, 32, 64, 128))
+    indexer: IndexerSizes = IndexerSizes(max_decodes=16, max_prefills=4, max_tokens=512, max_context=8000,
+                                         topk_widths=(2048, 512, 1024), heads=(64, 32), tight_logits_mb=4)
 
     def for_attention(self) -> "Profile":
         return replace(self, max_tokens=self.attn_max_tokens, topk_widths=self.attn_topk_widths,
@@ -64,7 +82,9 @@ PROFILES = {
                    edge_topk_widths=(4224,),
                    dsv4=Dsv4Sizes(max_decodes=3, max_prefills=2, max_tokens=10, max_context=1100,
                                   max_prefill_context=600, max_prefill_compressed=12, topk_widths=(128,),
-                                  window_sizes=(32, 64), heads=(16, 8, 64, 128), max_speculative=3)),
+                                  window_sizes=(32, 64), heads=(16, 8, 64, 128), max_speculative=3),
+                   indexer=IndexerSizes(max_decodes=4, max_prefills=2, max_tokens=48, max_context=2600,
+                                        topk_widths=(512, 2048, 256), heads=(64, 32))),
     "gpu": Profile("gpu", max_decodes=12, max_prefills=4, max_tokens=512, max_context=4096,
                    topk_widths=(128, 256, 512, 1024, 2048, 2176), block_sizes=(64, 16, 32, 128),
                    edge_topk_widths=(4224, 8320)),

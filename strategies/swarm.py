@@ -91,6 +91,10 @@ KNOBS = _knobs(
          "steps one engine ran before the case: none, one, or two to three (strategies.traces)"),
     Knob("mtp_draft", ("off", "on"), "the steps before the case include an MTP draft step: the step before's "
                                      "metadata updated in place (strategies.traces.draft_pair)"),
+    # Indexer steps (strategies.indexer_batches)
+    Knob("topk_backend", (), "the indexer's sparse_indexer_topk_backend (values: the target's)"),
+    Knob("logits_budget", ("default", "tight"), "VLLM_SPARSE_INDEXER_MAX_LOGITS_MB: vLLM's 512, or small enough "
+                                                "that the builder splits the step's prefills into chunks"),
     # DeepSeek-V4 steps (strategies.dsv4_batches)
     Knob("compress_ratio", (), "DeepSeek-V4 layer type: 4 (C4A, the indexer's top-k), 128 (C128A, every compressed "
                                "entry), 1 (sliding window only)"),
@@ -219,6 +223,10 @@ def case_features(case: Case, domains: dict[str, tuple[str, ...]], max_context: 
         f["topk_rows"] = {"indexer" if all(t.valid == case.topk_width for t in case.topk) else "drawn"}
     if case.dsv4 is not None:
         f.update(dsv4_features(case, decodes))
+    if case.indexer is not None:
+        f["topk_backend"] = {case.indexer.topk_backend}
+        f["logits_budget"] = {"default" if case.indexer.max_logits_mb == 512 else "tight"}
+        f["padded_tokens"] = {"some" if case.padded_tokens else "none"}
     out = {}
     for name, values in domains.items():
         if name in f:  # a value outside the strategy's categories (a width past the profile's) counts as "other"

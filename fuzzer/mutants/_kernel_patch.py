@@ -130,3 +130,22 @@ def converter_without_row_check_in(mode, scope=None):
     scope = vars(sparse_utils) if scope is None else scope
     exec(compile(tree, inspect.getsourcefile(fn), "exec"), scope)
     return scope[fn.__name__]
+
+
+def patch_function(module_name, function_name, edits, label):
+    """Rewrite one of vLLM's module-level functions in place: its source with `edits` applied, compiled in its
+    module, and the new code set on the same function object, so that every name bound to it (other modules'
+    imports, a torch custom op registered over it: the indexer's `sparse_attn_indexer`) runs the edit."""
+    module = importlib.import_module(module_name)
+    fn = getattr(module, function_name)
+    fn = inspect.unwrap(fn)  # under vLLM's decorators (eager_break_during_capture) and attnfuzz's coverage probe
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    tree.body[0].decorator_list = []  # the decorated object keeps calling the function object whose code changes
+    src = ast.unparse(tree)
+    for old, new in edits:
+        if old not in src:
+            raise RuntimeError(f"mutant {label}: `{old}` not found in this vLLM's {function_name}")
+        src = src.replace(old, new)
+    scope = dict(vars(module))
+    exec(compile(src, f"<attnfuzz mutant {label}>", "exec"), scope)
+    fn.__code__ = scope[function_name].__code__

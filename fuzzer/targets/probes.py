@@ -46,6 +46,9 @@ DSV4_SWA = "vllm.v1.attention.backends.mla.sparse_swa"
 DSV4_COMPRESSOR_UTILS = "vllm.v1.attention.backends.mla.compressor_utils"
 DSV41_LAYER = "vllm.models.deepseek_v41.nvidia.flashmla"
 V32_ATTENTION = "vllm.models.deepseek_v32.attention"
+INDEXER_BUILDER = "vllm.v1.attention.backends.mla.indexer"
+INDEXER_OP = "vllm.model_executor.layers.sparse_attn_indexer"
+INDEXER_TOPK = "vllm.model_executor.layers.indexer_topk"
 
 Classify = Callable[[tuple, dict], Iterable[str]]
 
@@ -226,7 +229,38 @@ def _dsv4_chunks(args: tuple, kwargs: dict, result) -> Iterator[str]:
         yield "dsv4.prefill.chunks"  # the prefill requests did not fit one workspace chunk
 
 
+def _indexer_metadata(args: tuple, kwargs: dict, result) -> Iterator[str]:
+    """The indexer's metadata as its builder made it: the decode route (native next_n rows, flattened to one row per
+    token, packed for ragged lengths) and the prefill chunks (split by the logits budget, sub-chunked by query)."""
+    if result.decode is not None:
+        d = result.decode
+        yield "indexer.decode"
+        if d.seq_lens.dim() == 2 and d.seq_lens.shape[1] > 1:
+            yield "indexer.decode.native_mtp"
+        elif result.num_decode_tokens > result.num_decodes:
+            yield "indexer.decode.flattened"
+        if d.requires_padding:
+            yield "indexer.decode.requires_padding"
+    if result.prefill is not None:
+        chunks = result.prefill.chunks
+        yield "indexer.prefill"
+        if len(chunks) > 1:
+            yield "indexer.prefill.chunks"
+        if any(c.skip_kv_gather for c in chunks):
+            yield "indexer.prefill.query_subchunks"
+
+
+def _indexer_topk(args: tuple, kwargs: dict, result) -> Iterator[str]:
+    yield f"indexer.topk.{result}"  # SparseIndexerTopk.resolve_backend: the decode top-k kernel it chose
+
+
 PROBES: tuple[Probe, ...] = (
+    # DeepSeek-V3.2's indexer: its builder's split and metadata, the op's kernels, the decode top-k's choice
+    Probe(INDEXER_BUILDER, SPLIT, after=_split_result),
+    Probe(INDEXER_BUILDER, "DeepseekV32IndexerMetadataBuilder.build", after=_indexer_metadata),
+    Probe(INDEXER_BUILDER, "DeepseekV32IndexerMetadataBuilder.update_draft_decode_metadata", "mtp_draft.update"),
+    Probe(INDEXER_OP, "pack_seq_triton", "indexer.decode.pack"),
+    Probe(INDEXER_TOPK, "SparseIndexerTopk.resolve_backend", after=_indexer_topk),
     # the batch as vLLM's builders split it
     Probe(SPARSE_MLA, SPLIT, after=_split_result),
     Probe(MLA, SPLIT, after=_split_result),
@@ -320,6 +354,10 @@ KNOWN_PATHS: tuple[str, ...] = (
     "dsv41.combine",
     "dsv41.kernel.decode.swa", "dsv41.kernel.decode.extra", "dsv41.kernel.prefill", "pcp_dcp.prefill_shards", "pcp_dcp.prefill_shards.split",
     "pcp_dcp.prefill_shards.whole", "pcp_dcp.kv_gather", "pcp.cache_inputs_gather", "pcp.finalize_decode",
+    "indexer.decode", "indexer.decode.native_mtp", "indexer.decode.flattened", "indexer.decode.requires_padding",
+    "indexer.decode.pack", "indexer.prefill", "indexer.prefill.chunks", "indexer.prefill.query_subchunks",
+    *(f"indexer.topk.{b}" for b in ("cooperative", "persistent", "per_row", "torch", "deep_select", "flashinfer",
+                                    "aiter")),
 )
 
 

@@ -1,0 +1,126 @@
+"""`vllm.indexer`: DeepSeek-V3.2 / GLM-5's lightning indexer on vLLM's CUDA route, whole.
+
+DeepSeek-V3.2's indexer module (`DeepseekV32Indexer`: its k-cache layer and `SparseAttnIndexer` op) and its
+metadata builder (`DeepseekV32IndexerMetadataBuilder`), kept for the life of an engine across the steps of a
+trace: each step's metadata built from the runner's CommonAttentionMetadata, then `forward_cuda` (the
+`sparse_attn_indexer` op): the index K-cache write, the prefill gather and logits per chunk, the decode's paged
+logits (native MTP rows, flattened or packed), the top-k kernel `sparse_indexer_topk_backend` resolves, into the
+persistent top-k buffer. On a CPU the indexer's modules see an SM90 CUDA platform and DeepGEMM's and vLLM's
+compiled kernels are bounds-checked stand-ins (named in every result); on the H200 they are real where the host
+has them. Judged by oracles/indexer.py from the index cache's bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fuzzer.env import STATE_DIR
+from fuzzer.repro_spec import ReproSpec
+from fuzzer.support.attn_metadata import attn_metadata
+from fuzzer.support.indexer_runtime import (
+    BUILDER_MODULE,
+    INDEXER_MODULE,
+    index_cache,
+    indexer_builder,
+    indexer_config,
+    indexer_layer,
+    indexer_step,
+    logits_budget,
+    prepare_indexer_host,
+    write_index_keys,
+)
+from fuzzer.support.sparse_mla_steps import TOPK_POISON, prepare_cpu
+from fuzzer.targets.base import WHOLE, RunPlan, Target
+from fuzzer.targets.probes import observe_paths
+from oracles.indexer import judge_indexer
+from oracles.steps import judge_steps
+from strategies.indexer_batches import indexer_space
+from strategies.indexer_tensors import key_pool, materialize_indexer_inputs
+
+
+class Indexer(Target):
+    name = "vllm.indexer"
+    summary = ("DeepSeek-V3.2/GLM-5 lightning indexer (SparseAttnIndexer.forward_cuda): builder + index K-cache "
+               "write + DeepGEMM logits + top-k")
+    bug_classes = "A C D H O"
+    oracle = staticmethod(judge_steps(judge_indexer))
+    real_parts = ("DeepseekV32IndexerMetadataBuilder", "DeepseekV32Indexer", "SparseAttnIndexer.forward_cuda",
+                  "sparse_attn_indexer (the op)", "SparseIndexerTopk", "vLLM's wrappers of DeepGEMM",
+                  "pack_seq_triton / unpack_seq_triton, as_fp32_logits and the builder's Triton kernels")
+    kv_cache_dtypes = ("bfloat16",)  # the MLA cache's; the index cache is always fp8 with ue8m0 scales
+    cudagraph_modes = ("none", "full")
+
+    def unavailable(self) -> str | None:
+        import importlib
+
+        try:
+            for module in (INDEXER_MODULE, BUILDER_MODULE, "vllm.models.deepseek_v32.attention"):
+                importlib.import_module(module)
+        except Exception as e:
+            return f"cannot import vLLM's indexer: {type(e).__name__}: {e}"
+        return None
+
+    def prepare(self) -> None:
+        self.shims = prepare_cpu(self.device)
+        self.emulated, self.overrides = prepare_indexer_host(self.device)
+
+    def cases(self, profile, plan: RunPlan = WHOLE):
+        return indexer_space(profile)
+
+    def run(self, case):
+        dev = self.device
+        steps = case.steps
+        pool = key_pool(case, dev)
+        cache = index_cache(case.pool_blocks, case.block_size, dev)
+        rows = max(s.num_actual_tokens for s in steps) + 8  # the model's buffer: max_num_batched_tokens rows
+        topk_buffer = torch.full((rows, case.topk_width), TOPK_POISON, dtype=torch.int32, device=dev)
+        cfg = indexer_config(dev, str(STATE_DIR), case, max_num_batched_tokens=rows)
+        written = torch.zeros(pool.shape[0], dtype=torch.bool, device=dev)
+        engine: dict = {}
+        observed = []
+        for step in steps:
+            inp = materialize_indexer_inputs(step, pool)
+            fresh = inp.context_slots[~written[inp.context_slots]]  # context no earlier step of the engine wrote
+
+            def call(step=step, inp=inp, fresh=fresh):
+                if not engine:
+                    engine["layer"] = indexer_layer(cfg, topk_buffer, cache)
+                    engine["builder"] = indexer_builder(cfg, engine["layer"], dev, len(step.block_table[0]))
+                write_index_keys(pool[fresh], cache, fresh)
+                before = topk_buffer.clone()
+                common = self.common_metadata(step, inp, dev)
+                with logits_budget(step.indexer.max_logits_mb):
+                    indexer_step(cfg, engine["builder"], engine["layer"], common, inp.q_fp8, inp.k, inp.weights,
+                                 step.num_actual_tokens, step.cudagraph)
+                return {"topk_indices_buffer": topk_buffer.clone(), "topk_before": before,
+                        "index_cache": cache.clone()}
+
+            obs = observe_paths(self.observe, call)
+            obs.emulated = self.emulated
+            obs.notes["shims"] = (*self.shims, *self.overrides)
+            if step.padded_tokens:
+                obs.notes["padded_tokens"] = step.padded_tokens
+            observed.append(obs)
+            written[inp.context_slots] = True
+            written[inp.slots[inp.slots >= 0]] = True
+            if obs.error_type or obs.memory:
+                break
+        last = observed[-1]
+        last.steps = observed[:-1]
+        if last.steps:
+            last.notes["paths"] = sorted({p for o in observed for p in o.notes.get("paths", ())})
+        return last
+
+    @staticmethod
+    def common_metadata(step, inp, device):
+        """vLLM's CommonAttentionMetadata for the step, as the runner makes it (padding tokens included)."""
+        reqs = step.requests
+        qsl = torch.tensor([0] + [sum(r.query_len for r in reqs[: i + 1]) for i in range(len(reqs))], dtype=torch.int32)
+        seq_lens = torch.tensor([r.seq_len for r in reqs], dtype=torch.int32)
+        table = torch.tensor(step.block_table, dtype=torch.int32)
+        return attn_metadata(qsl.to(device), seq_lens.to(device), torch.tensor([r.context_len for r in reqs]),
+                             table.to(device), inp.slots.to(device), step.num_actual_tokens,
+                             max((r.query_len for r in reqs), default=0), max((r.seq_len for r in reqs), default=0))
+
+    def repro_spec(self, finding) -> ReproSpec | None:
+        return None  # a standalone reproducer of an indexer finding: not yet

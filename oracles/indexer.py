@@ -1,0 +1,178 @@
+"""The oracle of DeepSeek-V3.2 / GLM-5's lightning indexer (`vllm.indexer`), judged from the index cache's bytes.
+
+The index cache of one layer is [num_blocks, block_size, 132] uint8, block-major: a block holds block_size keys of
+128 fp8 (e4m3) values, then block_size fp32 scales, one per key (quant block 128; ue8m0: a power of two). A step:
+  * cache_write: every key the step (and the engine before it) wrote decodes to the bf16 key within fp8's rounding
+    at its scale, and the scale is the power of two ue8m0 makes of amax / 448; slots nothing wrote stay poisoned.
+  * topk: for each real token of a request at position p, the row holds min(p + 1, topk) distinct ids in [0, p],
+    then -1; its scores, in fp64 from the cache's bytes as written (sum over heads of relu(q . k) x weight), are the
+    top ones: none below the k-th best by more than the tolerance (ties may go either way).
+  * padded_rows: a CUDA-graph padding token's row is all -1 (the op clears the rows it is handed first).
+  * buffer_rows: the persistent buffer's rows past the step's are as the step found them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from oracles.verdict import Verdict, passed
+from strategies.case import Case
+from strategies.indexer_tensors import FP8_MAX, INDEX_HEAD_DIM, key_pool, materialize_indexer_inputs
+
+SCALE_BYTES = 4
+POISON_BYTE = 0xFF  # the cache before the first write: every value e4m3 NaN, every scale an fp32 NaN
+BUG_CLASS_TOPK = "O"
+
+
+def decode_index_cache(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values fp64 [slots, 128], scales fp64 [slots]) of a [num_blocks, block_size, 132] uint8 index cache."""
+    num_blocks, block_size, entry = cache.shape
+    flat = cache.reshape(num_blocks, block_size * entry)
+    values = flat[:, : block_size * INDEX_HEAD_DIM].reshape(num_blocks * block_size, INDEX_HEAD_DIM)
+    scales = flat[:, block_size * INDEX_HEAD_DIM:].contiguous().view(torch.float32).reshape(-1)
+    return values.contiguous().view(torch.float8_e4m3fn).double(), scales.double()
+
+
+def _ue8m0_scale(k: torch.Tensor) -> torch.Tensor:
+    """The scale vLLM's writer makes of a key with scale_fmt "ue8m0": 2^ceil(log2(amax / 448))."""
+    amax = k.double().abs().amax(dim=-1).clamp(min=1e-4)  # the kernel's floor (csrc cache_kernels: fmaxf(amax, 1e-4))
+    return torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
+
+
+def judge_index_cache(cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, never_written: torch.Tensor) -> list[Verdict]:
+    values, scales = decode_index_cache(cache.cpu())
+    slots, keys = slots.cpu(), keys.cpu().double()
+    bad = []
+    if slots.numel():
+        want_scale = _ue8m0_scale(keys)
+        got_scale = scales[slots]
+        wrong_scale = ~torch.isclose(got_scale, want_scale, rtol=0, atol=0)
+        deq = values[slots] * got_scale[:, None]
+        # e4m3 keeps 3 mantissa bits: half an ulp is 1/16 of the value's binade; subnormals 2^-10 of the scale
+        tol = keys.abs() / 16 + 2.0 ** -10 * want_scale[:, None] + 1e-12
+        wrong_value = ((deq - keys).abs() > tol) | ~torch.isfinite(deq)
+        rows = wrong_scale | wrong_value.any(dim=-1)
+        for i in rows.nonzero().flatten()[:3].tolist():
+            off = wrong_value[i]
+            bad.append(f"slot {int(slots[i])}: scale {float(got_scale[i]):.6g} (ue8m0 of amax / 448: "
+                       f"{float(want_scale[i]):.6g})" + (f", {int(off.sum())} of 128 values off (first: "
+                       f"{float(deq[i][off][0]):.6g} for {float(keys[i][off][0]):.6g})" if off.any() else ""))
+        if rows.any():
+            bad.insert(0, f"{int(rows.sum())} of {slots.numel()} written keys decode wrong")
+    if never_written.numel():
+        num_blocks, block_size, _ = cache.shape
+        flat = cache.cpu().reshape(num_blocks, -1)
+        b, p = never_written // block_size, never_written % block_size
+        val = flat[b[:, None], p[:, None] * INDEX_HEAD_DIM + torch.arange(INDEX_HEAD_DIM)]
+        sc = flat[b[:, None], block_size * INDEX_HEAD_DIM + p[:, None] * SCALE_BYTES + torch.arange(SCALE_BYTES)]
+        stray = ((val != POISON_BYTE).any(dim=-1) | (sc != POISON_BYTE).any(dim=-1)).nonzero().flatten()
+        if stray.numel():
+            bad.append(f"{stray.numel()} slots no token was written to changed (first slot "
+                       f"{int(never_written[stray[0]])})")
+    if bad:  # scales off while every value decodes right: the scale convention (K)
+        klass = "K" if slots.numel() and bool(wrong_scale.any()) and not bool(wrong_value.any()) else ""
+        return [Verdict("cache_write", False, "; ".join(bad), bug_class=klass, where="index_cache")]
+    return [passed("cache_write", f"{slots.numel()} keys")]
+
+
+def scores(q_fp8: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """fp64 [keys]: one token's index scores, sum over heads of relu(q_h . k) x w_h."""
+    dots = q_fp8.double() @ keys.T  # [heads, keys]
+    return (dots.clamp(min=0) * weights.double()[:, None]).sum(dim=0)
+
+
+def judge_topk_rows(step_case: Case, buffer: torch.Tensor, cache: torch.Tensor, q_fp8: torch.Tensor,
+                    weights: torch.Tensor) -> list[Verdict]:
+    values, scales = decode_index_cache(cache.cpu())
+    keys = values * scales[:, None]
+    buffer, q_fp8, weights = buffer.cpu(), q_fp8.cpu(), weights.cpu()
+    width = step_case.topk_width
+    problems, worst, row, classes = [], 0.0, 0, set()
+    for r, req in enumerate(step_case.requests):
+        table = step_case.block_table[step_case.table_row(r)]
+        for i in range(req.query_len):
+            pos = req.context_len + i
+            got = buffer[row, :width].long()
+            want_count = min(pos + 1, width)
+            where = f"request {r} ({'decode' if r < step_case.num_decodes else 'prefill'}) position {pos}, row {row}"
+            valid = got[got >= 0]
+            issue, short_window = None, False
+            if bool((got[:want_count] < 0).any()) or bool((got[want_count:] != -1).any()):
+                issue = (f"{where}: {int((got >= 0).sum())} ids where min(window {pos + 1}, topk {width}) = "
+                         f"{want_count} come first, then -1 (first entries {got[:8].tolist()})")
+                # fewer ids, none at the row's own end: the row was given a shorter window (a length off)
+                short_window = valid.numel() < want_count and int(valid.max()) < pos if valid.numel() else pos == 0
+            elif bool((valid > pos).any()) or valid.unique().numel() != valid.numel():
+                outside = valid[valid > pos]
+                issue = (f"{where}: ids outside the causal window [0, {pos}] ({outside[:4].tolist()})"
+                         if outside.numel() else f"{where}: a repeated id")
+            elif want_count < pos + 1:  # a real selection: judge the scores
+                window = torch.arange(pos + 1)
+                slots = torch.tensor(table, dtype=torch.int64)[window // step_case.block_size] * step_case.block_size \
+                    + window % step_case.block_size
+                s = scores(q_fp8[row], weights[row], keys[slots])
+                if not bool(torch.isfinite(s).all()):
+                    issue = f"{where}: the cache holds non-finite keys in the window (a slot never written?)"
+                else:
+                    kth = s.topk(want_count).values[-1]
+                    tol = 1e-4 * float(s.abs().max()) + 1e-9
+                    short = float(kth - s[valid].min())
+                    worst = max(worst, short / tol)
+                    if short > tol:
+                        j = int(valid[s[valid].argmin()])
+                        issue = (f"{where}: selected position {j} scores {float(s[j]):.6g}, below the "
+                                 f"{want_count}-th best {float(kth):.6g} by {short:.3g} (tolerance {tol:.3g})")
+                        chosen = torch.zeros(pos + 1, dtype=torch.bool)
+                        chosen[valid] = True
+                        missed = (~chosen & (s > kth + tol)).nonzero().flatten()
+                        short_window = bool(missed.numel()) and int(missed.min()) > int(valid.max())
+            if issue:
+                problems.append(issue + (" (the row's window ends early: a length short)" if short_window else ""))
+                classes.add("D" if short_window else BUG_CLASS_TOPK)
+            row += 1
+    if problems:
+        return [Verdict("topk", False, f"{len(problems)} token rows wrong; first: {problems[0]}",
+                        bug_class="D" if classes == {"D"} else BUG_CLASS_TOPK, margin=worst or None, where="topk")]
+    return [passed("topk", f"{row} rows", margin=worst)]
+
+
+def judge_padding_and_buffer(step_case: Case, buffer: torch.Tensor, before: torch.Tensor) -> list[Verdict]:
+    out = []
+    t, n = step_case.num_tokens, step_case.num_actual_tokens
+    buffer, before = buffer.cpu(), before.cpu()
+    pad = buffer[t:n]
+    if pad.numel() and bool((pad != -1).any()):
+        out.append(Verdict("padded_rows", False, f"{int((pad != -1).any(dim=1).sum())} of {n - t} padding tokens' "
+                           f"rows hold ids (first row {t}: {pad[(pad != -1).any(dim=1)][0][:8].tolist()}); vLLM "
+                           "clears every row it is handed", bug_class="H", where="padded_rows"))
+    else:
+        out.append(passed("padded_rows", f"{n - t} rows"))
+    changed = (buffer[n:] != before[n:]).any(dim=1).nonzero().flatten()
+    if changed.numel():
+        out.append(Verdict("buffer_rows", False, f"{changed.numel()} rows of the persistent top-k buffer past the "
+                           f"step's {n} changed (first row {n + int(changed[0])})", bug_class="A",
+                           where="buffer_rows"))
+    else:
+        out.append(passed("buffer_rows"))
+    return out
+
+
+def judge_indexer(case: Case, obs) -> list[Verdict]:
+    """One step (with its history: `case.steps`), from what `vllm.indexer` recorded of it: the top-k buffer after
+    and before the call, and the index cache after it."""
+    if obs.error_type:
+        return [Verdict("error", False, f"{obs.error_type}: {obs.error}", where=obs.error_type)]
+    o = obs.outputs
+    if "topk_indices_buffer" not in o:
+        return [Verdict("shape", False, f"no top-k buffer recorded (outputs: {sorted(o)})", where="outputs")]
+    pool = key_pool(case)
+    written = torch.zeros(pool.shape[0], dtype=torch.bool)
+    for s in case.steps:  # what the engine's steps so far wrote: every request's context, every new token
+        inp = materialize_indexer_inputs(s, pool)
+        written[inp.context_slots] = True
+        written[inp.slots[inp.slots >= 0]] = True
+    slots = written.nonzero().flatten()
+    cache = o["index_cache"][: pool.shape[0] // case.block_size]  # the trace's blocks (its pool may be larger)
+    return (judge_index_cache(cache, slots, pool[slots], (~written).nonzero().flatten())
+            + judge_topk_rows(case, o["topk_indices_buffer"], cache, inp.q_fp8, inp.weights)
+            + judge_padding_and_buffer(case, o["topk_indices_buffer"], o["topk_before"]))
