@@ -70,6 +70,16 @@ class Profile:
     indexer: IndexerSizes = IndexerSizes(max_decodes=16, max_prefills=4, max_tokens=512, max_context=8000,
                                          topk_widths=(2048, 512, 1024), heads=(64, 32), tight_logits_mb=4)
 
+    def reaching_routes(self) -> "Profile":
+        """This profile with steps long enough for a layer's routing thresholds: vLLM's sparse builders count a query
+        of up to 128 tokens (16 or 32 heads) or 256 (64 and 128 heads, SM90) as a decode, and a prefill leaves for
+        dense MHA only past that and within top-k. A CPU profile's steps (12 tokens) pass neither: steps of up to
+        300 tokens, top-k 256 and heads 16, 32 and 64 there (the prefill tokens go to torch's attention, the decode
+        ones to the stand-ins' torch kernels). SM100's 1024 (128 heads) needs FlashMLA's SM100 route: not driven here."""
+        if self.attn_max_tokens >= 300:
+            return self
+        return replace(self, attn_max_tokens=300, attn_topk_widths=(256,), attn_heads=(16, 32, 64))
+
     def for_attention(self) -> "Profile":
         return replace(self, max_tokens=self.attn_max_tokens, topk_widths=self.attn_topk_widths,
                        max_decodes=min(self.max_decodes, self.attn_max_tokens))

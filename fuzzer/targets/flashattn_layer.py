@@ -12,9 +12,6 @@ result.
 
 from __future__ import annotations
 
-import dataclasses
-
-from fuzzer.targets.base import WHOLE, RunPlan
 from fuzzer.targets.flashattn_sparse import FlashAttnMLASparse
 from fuzzer.targets.flashmla_layer import FlashMLASparseLayer
 
@@ -30,12 +27,3 @@ class FlashAttnMLASparseLayer(FlashMLASparseLayer):
     kv_cache_dtypes = ("bfloat16",)
     vllm_backend = "FLASH_ATTN_MLA_SPARSE"
     real_parts_here = FlashAttnMLASparse.real_parts_here
-
-    def cases(self, profile, plan: RunPlan = WHOLE):
-        # A request leaves for dense MHA only past the reorder threshold (129 query tokens or more) and within top-k:
-        # the CPU profile's steps of 12 tokens would never split. On a CPU, steps of up to 300 tokens, with top-k 256
-        # and 16 or 32 heads (threshold 128), so that both routes show; the prefill tokens go to torch's attention,
-        # not to interpreted kernels. (The GPU profiles' steps, widths and heads reach the split as they are.)
-        if profile.attn_max_tokens < 300:
-            profile = dataclasses.replace(profile, attn_max_tokens=300, attn_topk_widths=(256,), attn_heads=(16, 32))
-        return super().cases(profile, plan)

@@ -12,7 +12,6 @@ named in every result. Eager engines.
 
 from __future__ import annotations
 
-import dataclasses
 
 from fuzzer.repro_spec import Call
 from fuzzer.support import flashinfer_runtime
@@ -38,12 +37,7 @@ class FlashInferMLASparseSM90Layer(FlashMLASparseLayer, FlashInferMLASparseSM90)
     cudagraph_modes = ("none",)  # eager engines: full graphs are replayed on vllm.flashinfer_sparse_sm90's forward_mqa
 
     def cases(self, profile, plan: RunPlan = WHOLE):
-        # A request leaves for dense MHA only past the reorder threshold (129 query tokens or more at 8/16/32 heads)
-        # and within top-k: the CPU profile's steps of 12 tokens would never split. On a CPU, steps of up to 300
-        # tokens with top-k 256, so that both routes show (the prefill tokens go to torch's attention); the CPU
-        # profile's heads (8/16/32) all have threshold 128. (The GPU profiles reach the split as they are.)
-        if profile.attn_max_tokens < 300:
-            profile = dataclasses.replace(profile, attn_max_tokens=300, attn_topk_widths=(256,))
+        profile = profile.reaching_routes()  # steps past the decode thresholds (128, 256 by heads), up to top-k
         # Top-k rows as the indexer fills them only: the builder plans each row's count from its context.
         return attention_space(profile, AttentionFeatures(
             kv_cache_dtypes=plan.kv_dtypes(self), block_sizes=(64, 128), block_stride_rows=self.has_block_stride_rows(),

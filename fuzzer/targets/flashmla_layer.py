@@ -65,7 +65,7 @@ class FlashMLASparseLayer(FlashMLASparse):
         flashmla_runtime.record_gathers()
 
     def cases(self, profile, plan: RunPlan = WHOLE):
-
+        profile = profile.reaching_routes()  # steps past the decode thresholds (128, 256 by heads), up to top-k
         return attention_space(profile, AttentionFeatures(kv_cache_dtypes=plan.kv_dtypes(self), block_sizes=(64, 128),
                                                           block_stride_rows=self.has_block_stride_rows(),
                                                           indexer_fills_short_seqs=True,
