@@ -304,7 +304,8 @@ class FlashMLASparse(Target):
             obs.outputs["cache_entries"] = before[0][slots // case.block_size, slots % case.block_size]
         out = obs.outputs.get("out")
         if case.padded_tokens and out is not None and out.shape[0] == case.num_actual_tokens:
-            obs.outputs["out"] = out[: case.num_tokens]  # the runner drops padding tokens' rows; none is judged
+            # the reference covers the requests' tokens; the padding tokens' rows are judged finite (padded_rows)
+            obs.outputs["out"], obs.outputs["out_padded"] = out[: case.num_tokens], out[case.num_tokens:]
             obs.notes["padded_tokens"] = case.padded_tokens
         obs.emulated = tuple(dict.fromkeys(x for x in (*self.emulated, write_emulated) if x))  # each op once
         obs.notes["shims"] = self.shims
