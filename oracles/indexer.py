@@ -40,8 +40,8 @@ def _ue8m0_scale(k: torch.Tensor) -> torch.Tensor:
 
 
 def judge_index_cache(cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, never_written: torch.Tensor) -> list[Verdict]:
-    values, scales = decode_index_cache(cache.cpu())
-    slots, keys = slots.cpu(), keys.cpu().double()
+    values, scales = decode_index_cache(cache)
+    slots, keys = slots.to(cache.device), keys.to(cache.device).double()
     bad = []
     if slots.numel():
         want_scale = _ue8m0_scale(keys)
@@ -61,10 +61,12 @@ def judge_index_cache(cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tens
             bad.insert(0, f"{int(rows.sum())} of {slots.numel()} written keys decode wrong")
     if never_written.numel():
         num_blocks, block_size, _ = cache.shape
-        flat = cache.cpu().reshape(num_blocks, -1)
+        flat = cache.reshape(num_blocks, -1)
+        never_written = never_written.to(cache.device)
         b, p = never_written // block_size, never_written % block_size
-        val = flat[b[:, None], p[:, None] * INDEX_HEAD_DIM + torch.arange(INDEX_HEAD_DIM)]
-        sc = flat[b[:, None], block_size * INDEX_HEAD_DIM + p[:, None] * SCALE_BYTES + torch.arange(SCALE_BYTES)]
+        val = flat[b[:, None], p[:, None] * INDEX_HEAD_DIM + torch.arange(INDEX_HEAD_DIM, device=flat.device)]
+        sc = flat[b[:, None], block_size * INDEX_HEAD_DIM + p[:, None] * SCALE_BYTES
+                  + torch.arange(SCALE_BYTES, device=flat.device)]
         stray = ((val != POISON_BYTE).any(dim=-1) | (sc != POISON_BYTE).any(dim=-1)).nonzero().flatten()
         if stray.numel():
             bad.append(f"{stray.numel()} slots no token was written to changed (first slot "
@@ -75,71 +77,111 @@ def judge_index_cache(cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tens
     return [passed("cache_write", f"{slots.numel()} keys")]
 
 
-def scores(q_fp8: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """fp64 [keys]: one token's index scores, sum over heads of relu(q_h . k) x w_h."""
-    dots = q_fp8.double() @ keys.T  # [heads, keys]
-    return (dots.clamp(min=0) * weights.double()[:, None]).sum(dim=0)
+def scores(q_fp8: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp64 [rows, keys]: tokens' index scores, sum over heads of relu(q_h . k) x w_h; and each score's magnitude
+    (sum over heads of |w_h| x (|q_h| . |k|)), which bounds a kernel's fp32 rounding of it."""
+    q, k, w = q_fp8.double(), keys.double(), weights.double()[:, :, None]
+    dots = torch.einsum("rhd,kd->rhk", q, k)
+    size = (torch.einsum("rhd,kd->rhk", q.abs(), k.abs()) * w.abs()).sum(dim=1)
+    return (dots.clamp(min=0) * w).sum(dim=1), size
+
+
+FP32_ROUNDING = 2e-5  # of a score's magnitude: 128-term fp32 dot products, then 64 heads, with room to spare
+
+
+ROWS_AT_ONCE = 32  # fp64 [rows, heads, keys] per batch: 32 x 64 x 8,000 keys is 131 MB
+
+
+def _row_problem(got: torch.Tensor, pos: int, want: int, s: torch.Tensor | None,
+                 tol: float) -> tuple[str, bool, float]:
+    """(what is wrong with one token's row, whether its window looks short, the score margin) for a row the vectorised
+    checks flagged (or '' when the row is right)."""
+    valid = got[got >= 0]
+    if bool((got[:want] < 0).any()) or bool((got[want:] != -1).any()):
+        short = bool(valid.numel() < want and (int(valid.max()) < pos if valid.numel() else True))
+        return (f"{int((got >= 0).sum())} ids where min(window {pos + 1}, topk {got.numel()}) = {want} come first, then "
+                f"-1 (first entries {got[:8].tolist()})", short, 0.0)
+    if bool((valid > pos).any()):
+        return f"ids outside the causal window [0, {pos}] ({valid[valid > pos][:4].tolist()})", False, 0.0
+    if valid.unique().numel() != valid.numel():
+        return "a repeated id", False, 0.0
+    if s is None or want == pos + 1:
+        return "", False, 0.0
+    if not bool(torch.isfinite(s).all()):
+        return "the cache holds non-finite keys in the window (a slot never written?)", False, 0.0
+    kth = s.topk(want).values[-1]
+    gap = float(kth - s[valid].min())
+    if gap <= tol:
+        return "", False, gap / tol
+    j = int(valid[s[valid].argmin()])
+    chosen = torch.zeros(pos + 1, dtype=torch.bool, device=s.device)
+    chosen[valid] = True
+    missed = (~chosen & (s > kth + tol)).nonzero().flatten()
+    short = bool(missed.numel()) and int(missed.min()) > int(valid.max())
+    return (f"selected position {j} scores {float(s[j]):.6g}, below the {want}-th best {float(kth):.6g} by {gap:.3g} "
+            f"(tolerance {tol:.3g})", short, gap / tol)
 
 
 def judge_topk_rows(step_case: Case, buffer: torch.Tensor, cache: torch.Tensor, q_fp8: torch.Tensor,
                     weights: torch.Tensor) -> list[Verdict]:
-    values, scales = decode_index_cache(cache.cpu())
+    """Every real token's row, a request's rows at a time on the tensors' device: counts, -1 placement, the causal
+    window and repeats for every row at once; the scores (fp64) of the selected ids against the k-th best."""
+    dev = buffer.device
+    values, scales = decode_index_cache(cache)
     keys = values * scales[:, None]
-    buffer, q_fp8, weights = buffer.cpu(), q_fp8.cpu(), weights.cpu()
     width = step_case.topk_width
-    problems, worst, row, classes = [], 0.0, 0, set()
+    problems, worst, classes, row0 = [], 0.0, set(), 0
     for r, req in enumerate(step_case.requests):
-        table = step_case.block_table[step_case.table_row(r)]
-        for i in range(req.query_len):
-            pos = req.context_len + i
-            got = buffer[row, :width].long()
-            want_count = min(pos + 1, width)
-            where = f"request {r} ({'decode' if r < step_case.num_decodes else 'prefill'}) position {pos}, row {row}"
-            valid = got[got >= 0]
-            issue, short_window = None, False
-            if bool((got[:want_count] < 0).any()) or bool((got[want_count:] != -1).any()):
-                issue = (f"{where}: {int((got >= 0).sum())} ids where min(window {pos + 1}, topk {width}) = "
-                         f"{want_count} come first, then -1 (first entries {got[:8].tolist()})")
-                # fewer ids, none at the row's own end: the row was given a shorter window (a length off)
-                short_window = valid.numel() < want_count and int(valid.max()) < pos if valid.numel() else pos == 0
-            elif bool((valid > pos).any()) or valid.unique().numel() != valid.numel():
-                outside = valid[valid > pos]
-                issue = (f"{where}: ids outside the causal window [0, {pos}] ({outside[:4].tolist()})"
-                         if outside.numel() else f"{where}: a repeated id")
-            elif want_count < pos + 1:  # a real selection: judge the scores
-                window = torch.arange(pos + 1)
-                slots = torch.tensor(table, dtype=torch.int64)[window // step_case.block_size] * step_case.block_size \
-                    + window % step_case.block_size
-                s = scores(q_fp8[row], weights[row], keys[slots])
-                if not bool(torch.isfinite(s).all()):
-                    issue = f"{where}: the cache holds non-finite keys in the window (a slot never written?)"
-                else:
-                    kth = s.topk(want_count).values[-1]
-                    tol = 1e-4 * float(s.abs().max()) + 1e-9
-                    short = float(kth - s[valid].min())
-                    worst = max(worst, short / tol)
-                    if short > tol:
-                        j = int(valid[s[valid].argmin()])
-                        issue = (f"{where}: selected position {j} scores {float(s[j]):.6g}, below the "
-                                 f"{want_count}-th best {float(kth):.6g} by {short:.3g} (tolerance {tol:.3g})")
-                        chosen = torch.zeros(pos + 1, dtype=torch.bool)
-                        chosen[valid] = True
-                        missed = (~chosen & (s > kth + tol)).nonzero().flatten()
-                        short_window = bool(missed.numel()) and int(missed.min()) > int(valid.max())
-            if issue:
-                problems.append(issue + (" (the row's window ends early: a length short)" if short_window else ""))
-                classes.add("D" if short_window else BUG_CLASS_TOPK)
-            row += 1
+        if not req.query_len:
+            continue
+        table = torch.tensor(step_case.block_table[step_case.table_row(r)], dtype=torch.int64, device=dev)
+        window = torch.arange(req.seq_len, device=dev)
+        slots = table[window // step_case.block_size] * step_case.block_size + window % step_case.block_size
+        for lo in range(0, req.query_len, ROWS_AT_ONCE):
+            hi = min(lo + ROWS_AT_ONCE, req.query_len)
+            rows = torch.arange(row0 + lo, row0 + hi, device=dev)
+            pos = req.context_len + torch.arange(lo, hi, device=dev)
+            got = buffer[rows, :width].long()
+            want = torch.clamp(pos + 1, max=width)
+            col = torch.arange(width, device=dev)
+            in_prefix = col[None, :] < want[:, None]
+            bad = ((got < 0) & in_prefix).any(1) | ((got != -1) & ~in_prefix).any(1) | (got > pos[:, None]).any(1)
+            ordered = got.sort(dim=1).values
+            bad |= ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any(1)
+            s = None
+            if bool((want < pos + 1).any()):  # a real selection in some row: judge the scores
+                s, size = scores(q_fp8[rows], weights[rows], keys[slots])
+                s = s.masked_fill(window[None, :] > pos[:, None], float("-inf"))
+                kth = s.sort(dim=1, descending=True).values.gather(1, (want - 1)[:, None]).squeeze(1)
+                picked = s.gather(1, got.clamp(min=0, max=req.seq_len - 1)).masked_fill(~in_prefix, float("inf"))
+                tol = FP32_ROUNDING * size.masked_fill(~torch.isfinite(size), 0).amax(1) + 1e-30
+                selecting = want < pos + 1
+                gap = torch.where(selecting, kth - picked.min(1).values, torch.zeros_like(kth))
+                worst = max(worst, float(torch.nan_to_num(gap / tol, nan=0.0, posinf=0.0).max()))
+                bad |= selecting & ((gap > tol) | ~torch.isfinite(gap))
+            for i in bad.nonzero().flatten().tolist():
+                p = int(pos[i])
+                issue, short, margin = _row_problem(got[i], p, int(want[i]), None if s is None else s[i, : p + 1],
+                                                    0.0 if s is None else float(tol[i]))
+                if not issue:
+                    continue
+                kind = "decode" if r < step_case.num_decodes else "prefill"
+                problems.append(f"request {r} ({kind}) position {p}, row {row0 + lo + i}: {issue}"
+                                + (" (the row's window ends early: a length short)" if short else ""))
+                classes.add("D" if short else BUG_CLASS_TOPK)
+                if len(problems) > 20:
+                    break
+        row0 += req.query_len
     if problems:
-        return [Verdict("topk", False, f"{len(problems)} token rows wrong; first: {problems[0]}",
-                        bug_class="D" if classes == {"D"} else BUG_CLASS_TOPK, margin=worst or None, where="topk")]
-    return [passed("topk", f"{row} rows", margin=worst)]
+        return [Verdict("topk", False, f"{len(problems)}{'+' if len(problems) > 20 else ''} token rows wrong; first: "
+                        f"{problems[0]}", bug_class="D" if classes == {"D"} else BUG_CLASS_TOPK,
+                        margin=worst or None, where="topk")]
+    return [passed("topk", f"{row0} rows", margin=worst)]
 
 
 def judge_padding_and_buffer(step_case: Case, buffer: torch.Tensor, before: torch.Tensor) -> list[Verdict]:
     out = []
     t, n = step_case.num_tokens, step_case.num_actual_tokens
-    buffer, before = buffer.cpu(), before.cpu()
     pad = buffer[t:n]
     if pad.numel() and bool((pad != -1).any()):
         out.append(Verdict("padded_rows", False, f"{int((pad != -1).any(dim=1).sum())} of {n - t} padding tokens' "
@@ -165,8 +207,8 @@ def judge_indexer(case: Case, obs) -> list[Verdict]:
     o = obs.outputs
     if "topk_indices_buffer" not in o:
         return [Verdict("shape", False, f"no top-k buffer recorded (outputs: {sorted(o)})", where="outputs")]
-    pool = key_pool(case)
-    written = torch.zeros(pool.shape[0], dtype=torch.bool)
+    pool = key_pool(case, o["index_cache"].device)  # judged where the step ran (fp64 scores of 8,000-key windows)
+    written = torch.zeros(pool.shape[0], dtype=torch.bool, device=pool.device)
     for s in case.steps:  # what the engine's steps so far wrote: every request's context, every new token
         inp = materialize_indexer_inputs(s, pool)
         written[inp.context_slots] = True

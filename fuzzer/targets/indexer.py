@@ -29,6 +29,7 @@ from fuzzer.support.indexer_runtime import (
     prepare_indexer_host,
     write_index_keys,
 )
+from fuzzer.support.flashmla_runtime import standins_forced
 from fuzzer.support.sparse_mla_steps import TOPK_POISON, prepare_cpu
 from fuzzer.targets.base import WHOLE, RunPlan, Target
 from fuzzer.targets.probes import observe_paths
@@ -36,6 +37,17 @@ from oracles.indexer import judge_indexer
 from oracles.steps import judge_steps
 from strategies.indexer_batches import indexer_space
 from strategies.indexer_tensors import key_pool, materialize_indexer_inputs
+
+
+# The compiled kernels the route calls, named as results list them when they ran for real (on a GPU host that has them)
+REAL_KERNELS = (
+    ("DeepGEMM's fp8_fp4_mqa_logits, fp8_fp4_paged_mqa_logits and get_paged_mqa_logits_metadata (vllm.third_party.deep_gemm)",
+     ("deep_gemm.fp8_fp4_mqa_logits", "deep_gemm.fp8_fp4_paged_mqa_logits", "deep_gemm.get_paged_mqa_logits_metadata")),
+    ("vLLM's indexer_k_quant_and_cache and cp_gather_indexer_k_quant_cache (_C_stable_libtorch)",
+     ("indexer_k_quant_and_cache", "cp_gather_indexer_k_quant_cache")),
+    ("vLLM's top-k kernels top_k_per_row_prefill/decode, persistent_topk, cooperative_topk (_C_stable_libtorch)",
+     ("top_k_per_row_prefill", "top_k_per_row_decode", "persistent_topk", "cooperative_topk")),
+)
 
 
 class Indexer(Target):
@@ -49,6 +61,7 @@ class Indexer(Target):
                   "pack_seq_triton / unpack_seq_triton, as_fp32_logits and the builder's Triton kernels")
     kv_cache_dtypes = ("bfloat16",)  # the MLA cache's; the index cache is always fp8 with ue8m0 scales
     cudagraph_modes = ("none", "full")
+    outputs_stay_on_device = True  # oracles/indexer.py scores the windows on the device the step ran on
 
     def unavailable(self) -> str | None:
         import importlib
@@ -62,7 +75,9 @@ class Indexer(Target):
 
     def prepare(self) -> None:
         self.shims = prepare_cpu(self.device)
-        self.emulated, self.overrides = prepare_indexer_host(self.device)
+        self.emulated, self.overrides = prepare_indexer_host(self.device, standins_forced())
+        real = [p for p, names in REAL_KERNELS if not set(names) & set(self.emulated)]
+        self.real_parts = (*type(self).real_parts, *real)
 
     def cases(self, profile, plan: RunPlan = WHOLE):
         return indexer_space(profile)
