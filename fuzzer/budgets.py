@@ -34,6 +34,7 @@ BUDGETS: dict[str, dict[str, Budget]] = {
         "vllm.sparse_mla.all": Budget(gate=20, selftest=10),  # four backends a case, the Triton ones interpreted: ~2 s (12: 0.69 of the pairs)
         "vllm.dsv4.flashmla": Budget(gate=30, selftest=16),  # decodes ~0.1 s, prefills' interpreted gathers 1-4 s
         "vllm.dsv41.flashmla": Budget(gate=30, selftest=16),  # V4.1's layer kinds on the same step: ~0.4 s a case
+        "vllm.indexer": Budget(gate=100, selftest=60),  # torch stand-ins, little interpreted Triton: ~0.2 s a case
     },
     "cuda": {  # native kernels, 2-13 cases/s (mostly host-side work per case)
         "vllm.index_remap": Budget(gate=300, selftest=150),
@@ -51,6 +52,7 @@ BUDGETS: dict[str, dict[str, Budget]] = {
         "vllm.sparse_mla.all": Budget(gate=100, selftest=40),
         "vllm.dsv4.flashmla": Budget(gate=150, selftest=40),
         "vllm.dsv41.flashmla": Budget(gate=150, selftest=40),
+        "vllm.indexer": Budget(gate=200, selftest=60),
     },
 }
 DEFAULT = {"cpu": Budget(gate=30, selftest=30), "cuda": Budget(gate=100, selftest=60)}  # a target added later

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 import time
 
 STARTED = time.monotonic()  # a run's summary counts its start-up (imports, vLLM's set-up) from here
@@ -64,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as e:
         print(f"attnfuzz {args.command}: interrupted by {e.signal} before it finished", file=sys.stderr)
         return ExitCode.INTERRUPTED
+    except Exception:  # attnfuzz's own fault outside any case: nothing was judged, so never exit 1 ("findings")
+        traceback.print_exc()
+        print(f"attnfuzz {args.command}: COULD NOT TEST: attnfuzz itself failed (above); exit 2", file=sys.stderr)
+        return ExitCode.USAGE
 
 
 if __name__ == "__main__":

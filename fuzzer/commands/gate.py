@@ -369,6 +369,9 @@ def main(args: argparse.Namespace, device: str) -> int:
 
     failed = [r for r in repro_results if r.outcome not in PASSING | {"skipped", "interrupted"}] + \
              [c for c in campaign_results if c.outcome in ("failed", "error")]
+    # A gate that ran nothing to its end (every reproducer and campaign skipped here) tested nothing: never green.
+    tested = any(r.outcome not in ("skipped", "interrupted") for r in repro_results) or \
+        any(c.outcome not in ("skipped", "interrupted") for c in campaign_results)
     seconds = time.monotonic() - start
     not_run = (f"not run to their end: {sum(r.outcome == 'interrupted' for r in repro_results)} reproducer(s), "
                f"{sum(c.outcome == 'interrupted' for c in campaign_results)} campaign(s)"
@@ -384,13 +387,13 @@ def main(args: argparse.Namespace, device: str) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
-            "passed": not failed and not stopped, "seconds": round(seconds, 1), **properties,
+            "passed": not failed and not stopped and tested, "seconds": round(seconds, 1), **properties,
             "interrupted": bool(stopped), "interrupted_by": stopped, "seed": args.seed,
             "budget_scale": args.budget_scale, "out": str(out),
             "repros": [asdict(r) for r in repro_results], "campaigns": [asdict(c) for c in campaign_results],
         }, indent=1) + "\n")
     news = [r for r in repro_results if r.outcome == "now-passes"]
-    verdict = "FAILED" if failed else "PASSED"
+    verdict = "FAILED" if failed else "PASSED" if tested else "COULD NOT TEST (everything skipped here)"
     if stopped:
         verdict = f"FAILED (and INTERRUPTED by {stopped})" if failed else f"INTERRUPTED by {stopped}"
     print(f"gate {verdict} in {seconds:.0f} s: "
@@ -398,4 +401,4 @@ def main(args: argparse.Namespace, device: str) -> int:
           f"{f' ({len(news)} now pass: update their finding.json)' if news else ''}, "
           f"{sum(c.outcome == 'passed' for c in campaign_results)}/{len(campaign_results)} campaigns clean"
           f" ({sum(c.outcome == 'skipped' for c in campaign_results)} skipped){'; ' + not_run if stopped else ''}", flush=True)
-    return 1 if failed else 3 if stopped else 0
+    return 1 if failed else 3 if stopped else 0 if tested else 2

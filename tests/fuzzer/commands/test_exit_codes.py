@@ -416,3 +416,20 @@ def test_two_stored_failures_without_shrinking_are_saved_printed_and_exit_1(tmp_
         assert "not shrunk (the campaign ran without shrinking, --no-shrink): the case as first found" in report
         assert "shrunk to:" not in report
     assert not list((state / "pending" / "selftest.fault").glob("*/finding.json"))
+
+
+def test_a_target_module_that_does_not_import_is_skipped_and_a_gate_of_only_it_could_not_test(tmp_path):
+    """A target whose own module fails to import (a broken checkout, a stand-in missing) is that target's lack, named,
+    never a traceback with exit 1; and a gate whose every campaign was skipped tested nothing: exit 2, not 0."""
+    script = tmp_path / "gate.py"
+    script.write_text(
+        "import sys\n"
+        "from fuzzer.targets import registry\n"
+        "registry.REGISTERED['vllm.broken'] = 'fuzzer.targets.no_such_module:Broken'\n"
+        "from fuzzer.cli import main\n"
+        f"sys.exit(main(['gate', '--targets', 'vllm.broken', '--no-repros', '--out', {str(tmp_path / 'g')!r}, "
+        f"'--json', {str(tmp_path / 'g.json')!r}]))\n")
+    done = python(str(script), cwd=ROOT)
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "vllm.broken: skipped (its module does not import: ModuleNotFoundError" in done.stdout
+    assert "COULD NOT TEST" in done.stdout and not json.loads((tmp_path / "g.json").read_text())["passed"]
