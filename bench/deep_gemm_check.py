@@ -1,7 +1,9 @@
 """attnfuzz's DeepGEMM stand-ins (fuzzer/support/standins/deep_gemm.py) against vLLM 0.33.0's vendored DeepGEMM on a
 GPU host that has its extension (scripts/gpu-ops.sh carries it): random indexer-shaped calls of each function, the
-same inputs to both; logits compared within each row's keys (fp32 sums: within 1e-5 of the row's magnitude), and the
-real paged kernel's rows checked to need no more than the stand-in reads. Prints a table; exits 1 if any differ.
+same inputs to both; logits compared within each row's keys, as a share of the row's largest logit (Hopper's FP8
+tensor cores accumulate with about 14 mantissa bits: the kernels and the stand-in's fp32 differ by up to ~4e-3;
+semantics that differ, a wrong key, scale or weight, differ by order 1). Prints a table; exits 1 if any differ by
+more than 1e-2.
 
     python3 bench/deep_gemm_check.py [--cases 40] [--seed 0] [--json FILE]   (scripts/gpu-host.sh sets the path)
 """
@@ -79,10 +81,10 @@ def main() -> int:
         rows.append(("prefill", heads, 1, width, err2))
     print(f"{'form':8} {'heads':>5} {'next_n':>6} {'len':>6} {'max rel diff':>12}")
     for form, heads, next_n, length, err in rows:
-        flag = err > 1e-5
+        flag = err > 1e-2
         bad += flag
         print(f"{form:8} {heads:5} {next_n:6} {length:6} {err:12.2e}{'  DIFFERS' if flag else ''}")
-    print(f"deep_gemm_check: {len(rows)} calls, {bad} differ beyond 1e-5 of the row's magnitude")
+    print(f"deep_gemm_check: {len(rows)} calls, {bad} differ by more than 1e-2 of the row's largest logit")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"calls": len(rows), "differ": bad, "rows": rows}, f)

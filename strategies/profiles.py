@@ -67,7 +67,7 @@ class Profile:
     dsv4: Dsv4Sizes = Dsv4Sizes(max_decodes=12, max_prefills=6, max_tokens=512, max_context=9000,
                                 max_prefill_context=4096, max_prefill_compressed=4096, topk_widths=(512,),
                                 window_sizes=(128,), heads=(16, 8, 32, 64, 128))
-    indexer: IndexerSizes = IndexerSizes(max_decodes=16, max_prefills=4, max_tokens=512, max_context=8000,
+    indexer: IndexerSizes = IndexerSizes(max_decodes=16, max_prefills=4, max_tokens=256, max_context=8000,
                                          topk_widths=(2048, 512, 1024), heads=(64, 32), tight_logits_mb=4)
 
     def reaching_routes(self) -> "Profile":
