@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import re
 from pathlib import Path
 from typing import Mapping
 
-from fuzzer.artifacts import repro_judges, slicer
+from fuzzer.artifacts import repro_harness, repro_judges, slicer
 from fuzzer.artifacts.finding_dir import save_finding
 from fuzzer.artifacts.finding_report import sanitizer_run_line
 from fuzzer.mutants import source
@@ -92,80 +93,67 @@ sys.meta_path.insert(0, _SupportFinder())
 '''
 
 
+def _harness() -> str:
+    """fuzzer/artifacts/repro_harness.py as the support file carries it (its docstring said by the heading)."""
+    source = inspect.getsource(repro_harness)
+    return source[source.index('"""', 3) + 3:].lstrip("\n")
+
+
+def judges_source(judge: str) -> str:
+    """fuzzer/artifacts/repro_judges.py cut to the judge a reproducer calls (with its helpers)."""
+    return ("# attnfuzz's fuzzer.artifacts.repro_judges: the check this reproducer runs.\n\n"
+            "from __future__ import annotations\n\nimport torch\n\n\n"
+            + "\n\n".join(inspect.getsource(fn) for fn in repro_judges.FUNCTIONS[judge]))
+
+
 def support_body(sources: dict[str, str]) -> str:
-    """SUPPORT (each module's source as the reproducer needs it) and the finder that imports them."""
+    """The harness, SUPPORT (each module's source as the reproducer needs it) and the finder that imports them."""
     entries = []
     for name, text in sources.items():
         if "'''" in text:
             raise ValueError(f"{name}: a support module's source may not hold ''' (it is inlined in r''' quotes)")
         entries.append(f"    {name!r}: r'''{text}''',")
-    return ("import importlib.abc\nimport importlib.util\nimport linecache\nimport sys\n\n"
+    return ("# ---- the harness repro.py runs under (fuzzer/artifacts/repro_harness.py, verbatim) ----\n\n"
+            + _harness() + "\n\n# ---- attnfuzz's modules, served under their own names ----\n\n"
+            "import importlib.abc\nimport importlib.util\nimport linecache\n\n"
             "SUPPORT = {\n" + "\n".join(entries) + "\n}\n" + _SUPPORT_LOADER)
 
 
 def support_file(sources: dict[str, str]) -> str:
     listed = "".join(f"  {m}\n" for m in sources)
-    return ('"""attnfuzz\'s support code for repro.py beside it, generated: of each module below, the statements\n'
-            "repro.py reaches, verbatim, importable under the module's own name once this file is imported (as\n"
-            f"inside attnfuzz):\n{listed}"
+    return ('"""attnfuzz\'s support code for repro.py beside it, generated: the harness repro.py runs under (exit\n'
+            "codes), and of each module below the statements repro.py reaches, importable under the module's own name\n"
+            f"once this file is imported (as inside attnfuzz):\n{listed}"
             'Needs torch, numpy, triton and vLLM only."""\n\n' + support_body(sources))
 
 
 # -- the script -----------------------------------------------------------------------------------------------
 
-_CPU_ENV = """
-# CPU: Triton's interpreter (an empty CUDA_VISIBLE_DEVICES keeps vLLM from swapping Triton for a placeholder)
+_CPU_ENV = """# CPU: Triton's interpreter (an empty CUDA_VISIBLE_DEVICES keeps vLLM from swapping Triton for a placeholder)
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 os.environ["TRITON_INTERPRET"] = "1"
 """
 
-_EXITS = '''
-def could_not_run(stage, e):  # exit 2: no answer from vLLM, so nothing about the bug
-    traceback.print_exception(e, limit=-4)
-    print(f"COULD NOT RUN ({stage}): {type(e).__name__}: {e} - this says nothing about the bug (exit 2)")
-    return 2
-
-
-def vllms_answer(e):  # judged, unless a name or signature this vLLM lacks (met in this script or in attnfuzz's
-    # support code) or attnfuzz's bounds checker breaking (the error, or one it was raised from, passed through it)
-    frames = [f.filename for f in traceback.extract_tb(e.__traceback__)]
-    ours = frames[-1] == __file__ or frames[-1].startswith("<attnfuzz_support")
-    chain, cause = [], e
-    while cause is not None and cause not in chain:
-        chain.append(cause)
-        cause = cause.__cause__ or cause.__context__
-    chain = [f.filename for c in chain for f in traceback.extract_tb(c.__traceback__)]
-    return not (isinstance(e, (ImportError, NameError)) or isinstance(e, (TypeError, AttributeError)) and ours
-                or any("fuzzer.support.interp.sanitizer" in f for f in chain))
+_HARNESS_IMPORT = '''try:  # the harness beside this file (exit codes; vllms_answer: which errors are vLLM's answer)
+    from attnfuzz_support import run, stage, vllm_call, vllms_answer  # noqa: F401
+except ImportError as e:
+    print(f"COULD NOT RUN (the imports): {e} - this says nothing about the bug (exit 2)")
+    sys.exit(2)
 '''
 
 _MAIN = """
 def main():
-    try:  # setting the step up: a failure here is not the bug's answer
-{body}    except Exception as e:
-        return could_not_run("the set-up", e)
-    problems, error, found = [], None, []
-    with {collect} as oob:
-        try:
-{call}        except Exception as e:
-            if not vllms_answer(e):
-                return could_not_run("the call", e)
-            error = e  # vLLM raised: judged below
-    problems += [v.describe() for v in oob] + found
-{judge}{report}    for p in problems:
-        print("BUG:", p)
-    print("vLLM", __import__("vllm").__version__, "-", "bug present" if problems else "no bug: fixed")
-    return 1 if problems else 0
+    with stage("the set-up"):  # a failure here is not the bug's answer
+{body}{found}    with vllm_call({checker}) as call:  # what vLLM raises is its answer (judged below); ours: exit 2
+{call}    problems = call.problems{plus_found}  # call.problems: what the bounds checker saw
+{judge}{report}    return problems
 """
 
 _LOAD_TENSORS = 'T = load_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tensors.safetensors"), device=DEVICE)'
 _SANITIZER = "fuzzer.support.interp.sanitizer"
 _ENTRY = '''
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except Exception as e:  # in the check itself
-        sys.exit(could_not_run("the check", e))
+    run(main)  # prints each problem; exit 1: the bug present, 0: fixed, 2: could not run
 '''
 
 
@@ -216,14 +204,14 @@ def _line(call: Call, width: int = 100) -> str:
 def _judge_call(spec: ReproSpec) -> str:
     """`judge_<name>(...)` on the spec's expressions, in the function's parameter order."""
     fn = repro_judges.FUNCTIONS[spec.judge.name][-1]
-    given = dict(spec.judge.args, **({"error": "error"} if spec.judge.name == "index_contract" else {}))
+    given = dict(spec.judge.args, **({"error": "call.error"} if spec.judge.name == "index_contract" else {}))
     return f"{fn.__name__}({_arguments(fn, given, f'judge {spec.judge.name}')})"
 
 
-def _header(finding, spec: ReproSpec, support: str | None) -> str:
+def _header(finding, spec: ReproSpec, support: str) -> str:
     host, run = finding.host, sanitizer_run_line(finding)
-    where = {None: "", "file": f"attnfuzz's support code it uses is in {SUPPORT_FILE} beside this file.\n",
-             "inline": "attnfuzz's support code it uses is inlined near the top of this file.\n"}[support]
+    where = {"file": f"The harness, attnfuzz's support code it uses and the check are in {SUPPORT_FILE} beside it.\n",
+             "inline": "The harness, attnfuzz's support code it uses and the check are inlined above.\n"}[support]
     return (f'#!/usr/bin/env python3\n"""attnfuzz reproducer {finding.id}: {finding.title[:150]}\n\n'
             f"Found by attnfuzz target `{finding.target}` on vLLM {host.vllm}, {host.device} ({host.device_name})"
             + (f", with the injected bug `{finding.inject}` (inlined below)" if finding.inject else "") + ".\n"
@@ -259,10 +247,10 @@ def _shown(spec: ReproSpec):
         first = bound.setdefault(name, (line, value))
         if first[0] != line and first[1] is not value:
             raise ValueError(f"two shown functions mean different things by {name!r}: {first[0]!r}, {line!r}")
-    return list(zip(fns, shown)), _grouped([ln for ln, _ in bound.values()]), roots
+    return list(zip(fns, shown)), [ln for ln, _ in bound.values()], roots
 
 
-def _grouped(lines: list[str], width: int = 100) -> list[str]:
+def _grouped(lines: list[str], width: int = 116) -> list[str]:
     """Import lines, `from m import a` of one module joined (wrapped past `width`), plain imports first."""
     plain = sorted({ln for ln in lines if not ln.startswith("from ")})
     names: dict[str, list[str]] = {}
@@ -272,59 +260,68 @@ def _grouped(lines: list[str], width: int = 100) -> list[str]:
             names.setdefault(module, []).append(name)
     joined = []
     for module in sorted(names):
-        line = f"from {module} import {', '.join(sorted(set(names[module])))}"
-        if len(line) > width:
-            line = f"from {module} import (\n" + "".join(f"    {n},\n" for n in sorted(set(names[module]))) + ")"
-        joined.append(line)
+        line, wrapped = f"from {module} import ", []
+        for k, name in enumerate(sorted(set(names[module]))):
+            if k and len(line) + len(name) + 2 > width:
+                wrapped.append(line.rstrip())
+                line = " " * 4
+            line += name + ", "
+        wrapped.append(line.removesuffix(", "))
+        joined.append(wrapped[0] if len(wrapped) == 1 else
+                      wrapped[0].replace(" import ", " import (", 1) + "\n" + "\n".join(wrapped[1:]) + ")")
     return plain + joined
 
 
 def render(finding, spec: ReproSpec, standalone: bool = False) -> dict[str, str]:
-    """The reproducer's files: repro.py, and attnfuzz_support.py beside it where it uses support code
-    (`standalone`: inlined into repro.py instead)."""
+    """The reproducer's files: repro.py, and attnfuzz_support.py beside it (the harness, the support code it uses
+    and the check; `standalone`: inlined into repro.py instead)."""
     cpu = finding.host.device == "cpu"
     functions, support_imports, roots = _shown(spec)
     sources = slicer.slice_support(roots) if roots else {}
+    judge = spec.judge.name
+    sources["fuzzer.artifacts.repro_judges"] = judges_source(judge)
+    fn = repro_judges.FUNCTIONS[judge][-1]
+    support_imports = _grouped([*support_imports, f"from fuzzer.artifacts.repro_judges import {fn.__name__}"])
     body = [_line(c) for c in spec.prepare]
     if spec.bounds_checked:
         body.append("SANITIZER.install()  # bounds checks on every interpreted Triton load/store")
     if finding.inject:
         body.append("apply()  # the injected bug")
     body += [_LOAD_TENSORS if spec.tensors else "", *(_line(c) for c in spec.setup)]
-    judge = spec.judge.name
     judge_lines = (f"problems += {_judge_call(spec)}\n" if judge == "index_contract" else
-                   'if error is not None:\n    problems.append(f"raised {type(error).__name__}: {error}")\n'
+                   "if call.error is not None:\n    problems.append(call.raised)\n"
                    f"else:\n    problems += {_judge_call(spec)}\n")
     report = "".join(f"print({label!r}, {expr})\n" for label, expr in spec.report.items())
-    stdlib = sorted({"import os", "import sys", "import traceback", *([] if spec.bounds_checked else ["import contextlib"])})
+    uses_found = any(re.search(r"\bfound\b", e) for c in (*spec.call, spec.judge) for e in c.args.values())
+    stdlib = ["import os"] * (cpu or bool(spec.tensors)) + ["import sys"] * (not standalone)
     # Not vLLM: the bounds checker is installed before vLLM's kernels are imported (main() does both).
-    imports = ["import torch", *(["from safetensors.torch import load_file"] if spec.tensors else []),
-               *(["import attnfuzz_support  # noqa: F401 (serves the fuzzer.support modules below)"]
-                 if sources and not standalone else []), *(ln for ln in support_imports if ln != "import torch")]
-    guarded = ("try:  # torch, vLLM and attnfuzz's support code: a failure to import is not the bug's answer\n"
-               + _indent("\n".join(imports), 4) + 'except Exception as e:\n    sys.exit(could_not_run("the imports", e))\n')
-    inlined = (f"\n# ---- {SUPPORT_FILE}, inlined: attnfuzz's support code, the statements this script reaches ----\n"
-               + support_body(sources) + "\n") if sources and standalone else ""
-    module = ["\n".join(stdlib) + "\n", _CPU_ENV if cpu else "", _EXITS, inlined, guarded,
+    plain = sorted({"import torch", *(ln for ln in support_imports if not ln.startswith("from "))})
+    imports = [*plain, *(["from safetensors.torch import load_file"] if spec.tensors else []),
+               *(ln for ln in support_imports if ln.startswith("from "))]
+    guarded = ("with stage(\"the imports\"):  # torch, vLLM and attnfuzz's support code\n"
+               + _indent("\n".join(imports), 4))
+    harness = (f"\n# ---- {SUPPORT_FILE}, inlined: the harness, attnfuzz's support code this script reaches ----\n\n"
+               + support_body(sources) + "\n") if standalone else _HARNESS_IMPORT
+    module = ["\n".join(stdlib) + "\n" if stdlib else "", _CPU_ENV if cpu else "", harness, guarded,
               "\n".join([f'DEVICE = "{"cpu" if cpu else "cuda"}"', *(f"{k} = {v!r}" for k, v in spec.constants.items()),
                          *_saw(finding.verdicts)]) + "\n",
               "\n".join(tensor_literal(k, t) for k, t in spec.literals.items()) + "\n" if spec.literals else ""]
     main = _MAIN.format(body=_indent("\n".join(b for b in body if b), 8),
-                        call=_indent("\n".join(_line(c) for c in spec.call), 12),
+                        call=_indent("\n".join(_line(c) for c in spec.call), 8),
                         judge=_indent(judge_lines, 4), report=_indent(report, 4),
-                        collect="SANITIZER.collect()" if spec.bounds_checked else "contextlib.nullcontext([])")
+                        checker="SANITIZER" if spec.bounds_checked else "",
+                        found="    found = []  # what the calls' own checks see\n" if uses_found else "",
+                        plus_found=" + found" if uses_found else "")
     tail = []
     for module_name, group in itertools.groupby(functions, key=lambda f: f[0].__module__):
         path = module_name.replace(".", "/") + ".py"
         tail.append(f"\n# ---- the calls main() makes, as attnfuzz makes them ({path}, verbatim) ----\n\n"
                     + "\n\n".join(s.source.rstrip("\n") + "\n" for _, s in group))
-    tail.append("\n# ---- the check (attnfuzz's fuzzer/artifacts/repro_judges.py, verbatim) ----\n\n"
-                + "\n\n".join(inspect.getsource(fn) for fn in repro_judges.FUNCTIONS[judge]))
     if finding.inject:
         tail.append(f"\n# ---- the injected bug ({finding.inject}) ----\n{source(finding.inject)}")
-    header = _header(finding, spec, None if not sources else "inline" if standalone else "file")
+    header = _header(finding, spec, "inline" if standalone else "file")
     script = "\n".join(p for p in [header, *module, main, *tail, _ENTRY] if p)
-    return {"repro.py": script, **({SUPPORT_FILE: support_file(sources)} if sources and not standalone else {})}
+    return {"repro.py": script, **({} if standalone else {SUPPORT_FILE: support_file(sources)})}
 
 
 def write_repro(finding, target, root: Path) -> Path:

@@ -73,7 +73,8 @@ def test_a_slice_carries_what_its_roots_reach_and_imports_nothing_else_of_attnfu
     assert "def mla_layer(" not in one["fuzzer.support.flashmla_runtime"]
     assert "fuzzer.support.dcp_group" not in slice_support([("fuzzer.support.flashmla_runtime", "sparse_backend")])
     compile(support_file(whole), SUPPORT_FILE, "exec")
-    assert _imports(support_file(whole).split("SUPPORT = {")[0]) <= {"importlib", "linecache", "sys"}
+    assert _imports(support_file(whole).split("SUPPORT = {")[0]) <= {"contextlib", "importlib", "linecache", "sys",
+                                                                    "traceback"}
 
 
 def test_the_support_file_imports_its_modules_under_their_own_names_without_attnfuzz(tmp_path):
@@ -132,15 +133,17 @@ def test_the_skeleton_shows_the_vllm_calls_and_imports_the_rest():
     assert inspect.getsource(remap_topk_indices) in script  # shown verbatim
     assert "def topk_buffer(" not in script and "from fuzzer.support.sparse_mla_steps import topk_buffer" in script
     assert "out, valid_counts = remap_topk_indices(entry_point=" in script and "BLOCK_SIZE=64)" in script
-    assert 'os.environ["TRITON_INTERPRET"] = "1"' in script and "SANITIZER.collect()" in script
-    assert "problems += judge_index_contract(error, req_id_per_token=r, topk_indices=t)" in script
+    assert 'os.environ["TRITON_INTERPRET"] = "1"' in script and "with vllm_call(SANITIZER) as call:" in script
+    assert "problems += judge_index_contract(error=call.error, req_id_per_token=r, topk_indices=t)" in script
+    assert "def judge_index_contract(" in files[SUPPORT_FILE] and "def judge_attention(" not in files[SUPPORT_FILE]
+    assert "def vllms_answer(" in files[SUPPORT_FILE] and "def vllms_answer(" not in script  # the harness
     assert "def topk_buffer(" in files[SUPPORT_FILE] and "def mla_layer(" not in files[SUPPORT_FILE]
     # Imports sit inside the guard that maps their failure to exit 2.
-    assert script.index("try:  # torch, vLLM") < script.index("    import torch")
+    assert script.index('with stage("the imports")') < script.index("    import torch")
     # On a GPU: no interpreter, no bounds checker.
     gpu = render(_finding("cuda"), ReproSpec(about="", call=(_REMAP,), judge=Judge("index_contract", dict(
         req_id_per_token="r", topk_indices="t"))))
-    assert "TRITON_INTERPRET" not in gpu["repro.py"] and "contextlib.nullcontext([])" in gpu["repro.py"]
+    assert "TRITON_INTERPRET" not in gpu["repro.py"] and "with vllm_call() as call:" in gpu["repro.py"]
 
 
 def test_a_judge_and_a_call_are_given_exactly_their_parameters():
@@ -159,7 +162,8 @@ def test_the_standalone_form_inlines_the_support_file():
     spec = ReproSpec(about="", call=(_REMAP,), judge=Judge("index_contract", dict(req_id_per_token="r", topk_indices="t")),
                      bounds_checked=True)
     script = render(_finding(), spec, standalone=True)["repro.py"]
-    assert "import attnfuzz_support" not in script
+    assert "import attnfuzz_support" not in script and "from attnfuzz_support" not in script
+    assert script.index("def vllms_answer(") < script.index('with stage("the imports")')
     assert script.index("SUPPORT = {") < script.index("from fuzzer.support.interp.sanitizer import SANITIZER")
 
 

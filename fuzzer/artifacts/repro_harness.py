@@ -1,0 +1,83 @@
+"""The harness every reproducer runs its vLLM calls under: exit 2 where vLLM gave no answer (an import or the
+set-up failed, a name or signature this vLLM lacks, attnfuzz's bounds checker broke), else 1 while the bug is
+present and 0 once fixed. `fuzzer.artifacts.repro` copies this module verbatim into the reproducer's
+attnfuzz_support.py (standard library only: it guards the imports of torch and vLLM).
+"""
+
+import contextlib
+import sys
+import traceback
+
+
+def could_not_run(stage, e):  # exit 2: no answer from vLLM, so nothing about the bug
+    traceback.print_exception(e, limit=-4)
+    print(f"COULD NOT RUN ({stage}): {type(e).__name__}: {e} - this says nothing about the bug (exit 2)")
+    return 2
+
+
+def vllms_answer(e):  # judged, unless a name or signature this vLLM lacks (met in the script or in attnfuzz's
+    # support code) or attnfuzz's bounds checker breaking (the error, or one it was raised from, passed through it)
+    frames = [f.filename for f in traceback.extract_tb(e.__traceback__)]
+    script = getattr(sys.modules["__main__"], "__file__", None)
+    ours = frames[-1] in (script, __file__) or frames[-1].startswith("<attnfuzz_support")
+    chain, cause = [], e
+    while cause is not None and cause not in chain:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    chain = [f.filename for c in chain for f in traceback.extract_tb(c.__traceback__)]
+    return not (isinstance(e, (ImportError, NameError)) or isinstance(e, (TypeError, AttributeError)) and ours
+                or any("fuzzer.support.interp.sanitizer" in f for f in chain))
+
+
+class stage:
+    """`with stage("the set-up"):` a step before vLLM's answer; an exception in it exits 2."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb):
+        if isinstance(e, Exception):
+            sys.exit(could_not_run(self.name, e))
+        return False
+
+
+class vllm_call:
+    """`with vllm_call(checker) as call:` the vLLM calls. What they raise is vLLM's answer, kept in `call.error` for
+    the script to judge, unless `vllms_answer` says otherwise (exit 2); `call.problems`: what the bounds checker
+    (`checker`, None on a GPU) saw meanwhile."""
+
+    def __init__(self, checker=None):
+        self.collect = contextlib.nullcontext([]) if checker is None else checker.collect()
+        self.error, self.problems = None, []
+
+    def __enter__(self):
+        self.seen = self.collect.__enter__()
+        return self
+
+    def __exit__(self, kind, e, tb):
+        self.collect.__exit__(None, None, None)
+        if isinstance(e, Exception) and not vllms_answer(e):
+            sys.exit(could_not_run("the call", e))
+        self.problems = [v.describe() for v in self.seen]
+        self.error = e if isinstance(e, Exception) else None
+        return self.error is not None
+
+    @property
+    def raised(self):
+        return f"raised {type(self.error).__name__}: {self.error}"
+
+
+def run(main):
+    """Runs `main()` (-> the problems seen) and exits: 1 with the bug present (each problem printed), 0 fixed."""
+    try:
+        problems = main()
+    except Exception as e:  # in the check itself
+        sys.exit(could_not_run("the check", e))
+    for p in problems:
+        print("BUG:", p)
+    version = getattr(sys.modules.get("vllm"), "__version__", "(not imported)")
+    print("vLLM", version, "-", "bug present" if problems else "no bug: fixed")
+    sys.exit(1 if problems else 0)
