@@ -5,7 +5,8 @@ what they use in its support file. `slice_support(roots)` follows, from (module,
 definition those names need in `fuzzer.support.*` (module-level names, `alias.attr` on imported support
 modules, imports inside functions, `importlib.import_module("fuzzer.support...")`) and returns each module's
 source cut down to those statements, in their own order. A support module's top-level statement that defines
-nothing (a registration call) is always kept, with what it needs.
+nothing (a registration call) is always kept, with what it needs. A slice leaves out docstrings and comment-only
+lines (a heading names the file they are in): the reproducer's support file is read for what it runs.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import builtins
 import importlib
 import importlib.util
 import inspect
+import io
 import textwrap
+import tokenize
 import types
 from dataclasses import dataclass, field
 
@@ -134,12 +137,16 @@ class _Module:
     def __init__(self, name: str):
         self.name = name
         self.source = inspect.getsource(importlib.import_module(name))
+        self.lines = self.source.splitlines(keepends=True)
         tree = ast.parse(self.source)
         self.lazy = any(isinstance(s, ast.ImportFrom) and s.module == "__future__" for s in tree.body)
         self.stmts = tree.body
         self.aliases = module_aliases(name, tree)
         self.defines = [_defined(s) for s in self.stmts]
         self._refs: dict[int, _Refs] = {}
+        tokens = tokenize.generate_tokens(io.StringIO(self.source).readline)
+        self.comment_lines = {t.start[0] for t in tokens  # a comment alone on its line
+                              if t.type == tokenize.COMMENT and not self.lines[t.start[0] - 1][: t.start[1]].strip()}
 
     def refs(self, i: int) -> _Refs:
         if i not in self._refs:
@@ -213,21 +220,72 @@ def slice_support(roots) -> dict[str, str]:
             for name in sorted(modules)}
 
 
+def _docstring(node: ast.AST) -> ast.Expr | None:
+    body = node.body if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) else None
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+            and isinstance(body[0].value.value, str):
+        return body[0]
+    return None
+
+
+def _dropped_lines(mod: _Module, stmt: ast.stmt) -> set[int]:
+    """Line numbers (1-based) of `stmt`'s docstrings and comment-only lines, and the blank lines right after a
+    docstring: what a slice leaves out (a docstring that is a whole body stays: it is the body)."""
+    drop = {n for n in range(stmt.lineno, stmt.end_lineno + 1) if n in mod.comment_lines}
+    for node in ast.walk(stmt):
+        doc = _docstring(node)
+        if doc is None or len(node.body) == 1 or doc.lineno == node.lineno:
+            continue
+        drop |= set(range(doc.lineno, doc.end_lineno + 1))
+        after = doc.end_lineno + 1
+        while after <= stmt.end_lineno and not mod.lines[after - 1].strip():
+            drop.add(after)
+            after += 1
+    return drop
+
+
+def _import_line(node: ast.ImportFrom, width: int = 120) -> str:
+    """`from m import a, b` wrapped in parentheses past `width`."""
+    line = ast.unparse(node)
+    if len(line) <= width:
+        return line
+    head, names = line.split(" import ", 1)
+    lines, cur = [], f"{head} import ("
+    for k, name in enumerate(names.split(", ")):
+        piece = name + (", " if k < len(node.names) - 1 else ")")
+        if len(cur) + len(piece.rstrip()) > width:
+            lines.append(cur.rstrip())
+            cur = "    "
+        cur += piece
+    return "\n".join([*lines, cur])
+
+
+_SIMPLE = (ast.Import, ast.ImportFrom, ast.Assign, ast.AnnAssign, ast.AugAssign, ast.Expr)
+
+
 def _render(mod: _Module, keep: set[int], imported: dict[int, set[str]]) -> str:
-    lines = mod.source.splitlines(keepends=True)
-    parts = []
+    """The kept statements in their order, without docstrings and comment-only lines (the heading says where they
+    are); a blank line around definitions, none between simple statements."""
+    path = mod.name.replace(".", "/") + ".py"
+    parts: list[tuple[bool, str]] = []  # (a simple statement, its text)
     for i, s in enumerate(mod.stmts):
+        if i == 0 and _docstring(ast.Module(body=[s], type_ignores=[])) is not None:
+            continue  # the module's docstring: the heading names the file
         if i in imported:  # a support import, cut to the names the slice needs
             names = [a for a in s.names if (a.asname or a.name) in imported[i]]
-            parts.append(ast.unparse(ast.ImportFrom(module=s.module, names=names, level=s.level)) + "\n")
+            parts.append((True, _import_line(ast.ImportFrom(module=s.module, names=names, level=s.level))))
         elif i in keep:
-            start = min([s.lineno, *(d.lineno for d in getattr(s, "decorator_list", []))]) - 1
-            parts.append("".join(lines[start: s.end_lineno]))
-    if len(keep) < len(mod.stmts):  # said after the docstring, which stays one
-        at = 1 if 0 in keep and isinstance(mod.stmts[0], ast.Expr) else 0
-        parts.insert(at, f"# attnfuzz's {mod.name}: the {len(keep)} of its {len(mod.stmts)} top-level statements "
-                         "this reproducer reaches.\n")
-    return "\n".join(p if p.endswith("\n") else p + "\n" for p in parts)
+            start = min([s.lineno, *(d.lineno for d in getattr(s, "decorator_list", []))])
+            drop = _dropped_lines(mod, s)
+            text = "".join(mod.lines[n - 1] for n in range(start, s.end_lineno + 1) if n not in drop)
+            parts.append((isinstance(s, _SIMPLE), text.rstrip("\n")))
+    reached = f"{len(keep)} of its {len(mod.stmts)}" if len(keep) < len(mod.stmts) else "all its"
+    out = [f"# {path}: {reached} top-level statements (docstrings, comment lines: see there)"]
+    for k, (simple, text) in enumerate(parts):
+        if k == 0 or not (simple and parts[k - 1][0]):
+            out.append("")
+        out.append(text)
+    return "\n".join(out) + "\n"
 
 
 # -- the functions a reproducer shows ----------------------------------------------------------------------------

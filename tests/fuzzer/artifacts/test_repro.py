@@ -72,6 +72,12 @@ def test_a_slice_carries_what_its_roots_reach_and_imports_nothing_else_of_attnfu
     assert "def guard_index_group(" in one["fuzzer.support.flashmla_runtime"]
     assert "def mla_layer(" not in one["fuzzer.support.flashmla_runtime"]
     assert "fuzzer.support.dcp_group" not in slice_support([("fuzzer.support.flashmla_runtime", "sparse_backend")])
+    for name, source in whole.items():  # without docstrings and comment lines, the heading naming the file
+        tree = ast.parse(source)
+        assert source.startswith(f"# {name.replace('.', '/')}.py: "), name
+        assert not any(ast.get_docstring(n, clean=False) and len(n.body) > 1 for n in ast.walk(tree)
+                       if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef))), name
+        assert not any(ln.lstrip().startswith("#") for ln in source.splitlines()[1:]), name
     compile(support_file(whole), SUPPORT_FILE, "exec")
     assert _imports(support_file(whole).split("SUPPORT = {")[0]) <= {"contextlib", "importlib", "linecache", "sys",
                                                                     "traceback"}
