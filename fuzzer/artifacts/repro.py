@@ -135,7 +135,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 """
 
 _HARNESS_IMPORT = '''try:  # the harness beside this file (exit codes; vllms_answer: which errors are vLLM's answer)
-    from attnfuzz_support import run, stage, vllm_call, vllms_answer  # noqa: F401
+    from attnfuzz_support import run, stage, verdict, vllm_call, vllms_answer  # noqa: F401
 except ImportError as e:
     print(f"COULD NOT RUN (the imports): {e} - this says nothing about the bug (exit 2)")
     sys.exit(2)
@@ -146,14 +146,14 @@ def main():
     with stage("the set-up"):  # a failure here is not the bug's answer
 {body}{found}    with vllm_call({checker}) as call:  # what vLLM raises is its answer (judged below); ours: exit 2
 {call}    problems = call.problems{plus_found}  # call.problems: what the bounds checker saw
-{judge}{report}    return problems
+{judge}{report}    return verdict(problems)  # prints each problem; 1: the bug present, 0: fixed
 """
 
 _LOAD_TENSORS = 'T = load_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tensors.safetensors"), device=DEVICE)'
 _SANITIZER = "fuzzer.support.interp.sanitizer"
 _ENTRY = '''
 if __name__ == "__main__":
-    run(main)  # prints each problem; exit 1: the bug present, 0: fixed, 2: could not run
+    run(main)  # exits with main()'s code; 2: the check itself failed
 '''
 
 
@@ -279,9 +279,11 @@ def render(finding, spec: ReproSpec, standalone: bool = False) -> dict[str, str]
     functions, support_imports, roots = _shown(spec)
     sources = slicer.slice_support(roots) if roots else {}
     judge = spec.judge.name
-    sources["fuzzer.artifacts.repro_judges"] = judges_source(judge)
     fn = repro_judges.FUNCTIONS[judge][-1]
-    support_imports = _grouped([*support_imports, f"from fuzzer.artifacts.repro_judges import {fn.__name__}"])
+    if not standalone:  # served beside repro.py (standalone: the check's source closes the script)
+        sources["fuzzer.artifacts.repro_judges"] = judges_source(judge)
+        support_imports.append(f"from attnfuzz_support import {fn.__name__}")
+    support_imports = _grouped(support_imports)
     body = [_line(c) for c in spec.prepare]
     if spec.bounds_checked:
         body.append("SANITIZER.install()  # bounds checks on every interpreted Triton load/store")
@@ -317,6 +319,9 @@ def render(finding, spec: ReproSpec, standalone: bool = False) -> dict[str, str]
         path = module_name.replace(".", "/") + ".py"
         tail.append(f"\n# ---- the calls main() makes, as attnfuzz makes them ({path}, verbatim) ----\n\n"
                     + "\n\n".join(s.source.rstrip("\n") + "\n" for _, s in group))
+    if standalone:
+        tail.append("\n# ---- the check (attnfuzz's fuzzer/artifacts/repro_judges.py, verbatim) ----\n\n"
+                    + "\n\n".join(inspect.getsource(fn) for fn in repro_judges.FUNCTIONS[judge]))
     if finding.inject:
         tail.append(f"\n# ---- the injected bug ({finding.inject}) ----\n{source(finding.inject)}")
     header = _header(finding, spec, "inline" if standalone else "file")

@@ -5,6 +5,7 @@ attnfuzz_support.py (standard library only: it guards the imports of torch and v
 """
 
 import contextlib
+import importlib
 import sys
 import traceback
 
@@ -70,14 +71,25 @@ class vllm_call:
         return f"raised {type(self.error).__name__}: {self.error}"
 
 
-def run(main):
-    """Runs `main()` (-> the problems seen) and exits: 1 with the bug present (each problem printed), 0 fixed."""
-    try:
-        problems = main()
-    except Exception as e:  # in the check itself
-        sys.exit(could_not_run("the check", e))
+def verdict(problems):
+    """Prints each problem and what they mean; the exit code: 1 with the bug present, 0 fixed."""
     for p in problems:
         print("BUG:", p)
     version = getattr(sys.modules.get("vllm"), "__version__", "(not imported)")
     print("vLLM", version, "-", "bug present" if problems else "no bug: fixed")
-    sys.exit(1 if problems else 0)
+    return 1 if problems else 0
+
+
+def run(main):
+    """Exits with `main()`'s code; 2 where the check itself failed."""
+    try:
+        code = main()
+    except Exception as e:  # in the check itself
+        code = could_not_run("the check", e)
+    sys.exit(code)
+
+
+def __getattr__(name):  # the check, as attnfuzz_support.judge_<name>: imported (with torch) when asked for
+    if name.startswith(("judge_", "compare_to_reference")) and "fuzzer.artifacts.repro_judges" in SUPPORT:
+        return getattr(importlib.import_module("fuzzer.artifacts.repro_judges"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
