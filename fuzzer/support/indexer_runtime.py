@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import torch
 
-from fuzzer.support.flashmla_runtime import configure, vllm_runtime
+from fuzzer.support.flashmla_runtime import _has_op, configure, vllm_runtime
 from fuzzer.support.standins import deep_gemm as deep_gemm_standin
 from fuzzer.support.standins import indexer_ops
 
@@ -81,14 +81,6 @@ def _has_real_deep_gemm() -> bool:
         return False
     return all(hasattr(deep_gemm, n) for n in ("fp8_fp4_mqa_logits", "fp8_fp4_paged_mqa_logits",
                                                 "get_paged_mqa_logits_metadata"))
-
-
-def _has_op(namespace: str, name: str) -> bool:
-    try:
-        getattr(getattr(torch.ops, namespace), name)
-        return True
-    except (AttributeError, RuntimeError):
-        return False
 
 
 CACHE_OPS = ("indexer_k_quant_and_cache", "cp_gather_indexer_k_quant_cache")
