@@ -51,10 +51,15 @@ def compare_to_reference(out, expected, atol, rtol, what="output", heads=None):
 
 
 def judge_attention(out, expected, cache, before, atol, rtol):
-    """The output against attnfuzz's fp32 reference, and the paged cache byte for byte against its copy from
+    """The output against attnfuzz's fp32 reference, the rows of padding tokens finite, and the paged cache byte for byte against its copy from
     before the call (attention must not write it)."""
     problems, expected = [], expected.float().cpu()
-    out = out[: expected.shape[0]]  # rows of CUDA-graph padding tokens (if any) are dropped, as the runner does
+    padded = out[expected.shape[0]:]  # CUDA-graph padding tokens: no reference, but the next layers read them
+    bad = ~torch.isfinite(padded.float()).flatten(1).all(dim=1)
+    if bool(bad.any()):
+        problems.append(f"{int(bad.sum())} of {padded.shape[0]} padding tokens' output rows hold NaN or Inf "
+                        f"(first: row {expected.shape[0] + int(bad.nonzero()[0])})")
+    out = out[: expected.shape[0]]
     if out.numel() != expected.numel():
         problems.append(f"output has shape {tuple(out.shape)}; expected {tuple(expected.shape)} (the heads of this rank)")
         out = expected  # nothing more to compare

@@ -98,6 +98,25 @@ def reached_through(found_on: str, target: str) -> bool:
     return target == found_on or target.startswith(found_on + ".")
 
 
+# Targets that run other targets' backends side by side, each verdict named after its backend ("check:BACKEND:where"):
+# target -> {member target: vLLM's backend name} (tests/fuzzer/commands check it against SparseMLAAll.BACKENDS).
+SIDE_BY_SIDE = {"vllm.sparse_mla.all": {"vllm.flashmla_sparse": "FLASHMLA_SPARSE",
+                                        "vllm.flashattn_sparse": "FLASH_ATTN_MLA_SPARSE",
+                                        "vllm.triton_sparse": "XPU_MLA_SPARSE",
+                                        "vllm.flashinfer_sparse_sm90": "FLASHINFER_MLA_SPARSE_SM90"}}
+
+
+def known_signature(found_on: str, signature: str, target: str) -> str | None:
+    """The signature a bug found on `found_on` carries when `target` meets it again, or None where it does not."""
+    if reached_through(found_on, target):
+        return signature
+    backend = SIDE_BY_SIDE.get(target, {}).get(found_on)
+    if backend is None:
+        return None
+    check, _, where = signature.partition(":")
+    return f"{check}:{backend}:{where}" if where else f"{check}:{backend}"
+
+
 def find_repros(root: Path) -> list[FindingRecord]:
     if not root.is_dir():
         raise GateError(f"--repros {root}: no such directory")
@@ -335,8 +354,8 @@ def main(args: argparse.Namespace, device: str) -> int:
             print(f"  repro {r.id}: {r.outcome} ({r.seconds:.1f} s) {r.detail}", flush=True)
 
         if not args.no_campaigns:
-            known = {(t, rec.signature): rec.id for rec in records if rec.expects_bug(vllm_version)
-                     for t in TARGETS if reached_through(rec.target, t)}
+            known = {(t, sig): rec.id for rec in records if rec.expects_bug(vllm_version) for t in TARGETS
+                     if (sig := known_signature(rec.target, rec.signature, t))}
             per_target: dict[str, tuple[str, ...]] = {}
             for target, sig in known:
                 per_target[target] = per_target.get(target, ()) + (sig,)

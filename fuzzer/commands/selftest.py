@@ -30,7 +30,7 @@ from pathlib import Path
 
 from fuzzer import budgets, interrupt
 from fuzzer.artifacts.junit import JUnitCase, JUnitSuite, write_junit
-from fuzzer.commands.gate import find_repros, reached_through, target_list
+from fuzzer.commands.gate import find_repros, known_signature, target_list
 from fuzzer.commands.outputs import check_outputs
 from fuzzer.commands.run import host_after_interrupt
 from fuzzer.env import STATE_DIR, host_info, installed_vllm
@@ -127,14 +127,14 @@ def judge_clean(o: CampaignOutcome, interrupted: str | None = None) -> SelftestR
 
 def known_open_bugs(repros: Path, vllm_version: str) -> dict[str, tuple[str, ...]]:
     """target -> signatures of the reproducers under `repros` whose bug is expected present on this release (on
-    their own target and those built over it: `reached_through`)."""
+    their own target, those built over it and those running it side by side: `known_signature`)."""
     if not repros.is_dir():
         return {}
     known: dict[str, tuple[str, ...]] = {}
     for rec in find_repros(repros):
         for target in TARGETS if rec.expects_bug(vllm_version) else ():
-            if reached_through(rec.target, target):
-                known[target] = tuple(sorted({*known.get(target, ()), rec.signature}))
+            if sig := known_signature(rec.target, rec.signature, target):
+                known[target] = tuple(sorted({*known.get(target, ()), sig}))
     return known
 
 

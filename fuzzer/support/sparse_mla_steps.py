@@ -8,7 +8,9 @@ the ones run() makes.
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
+import warnings
 from types import SimpleNamespace
 
 import torch
@@ -122,13 +124,30 @@ def mla_attention_engine(backend, spec, cfg, heads: int, kv_b_weight, topk_indic
 
 def forward_mqa(impl, q, kv_cache, metadata, layer=None):
     """impl.forward_mqa on q = (ql_nope | q_pe), split as the layer hands it over; returns (out, lse)."""
-    return impl.forward_mqa((q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:]), kv_cache, metadata, layer)
+    with uninitialized_memory_as_nan():
+        return impl.forward_mqa((q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:]), kv_cache, metadata, layer)
+
+
+@contextlib.contextmanager
+def uninitialized_memory_as_nan():
+    """What torch.empty hands out reads NaN (PyTorch's fill_uninitialized_memory, on with deterministic
+    algorithms; warn_only: no op refuses): an output row no kernel writes is NaN on every host and allocator,
+    not whatever the memory held before."""
+    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "... does not have a deterministic implementation"
+            yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn_only)
 
 
 def layer_forward(layer, q, kv_c_normed, k_pe, kv_cache, metadata, output):
     """MLAAttention.forward_impl: decode tokens to forward_mqa, short prefills to dense MHA (vLLM's own
     split); writes `output` [tokens, heads * 128]."""
-    layer.forward_impl(q, kv_c_normed, k_pe, kv_cache, metadata, output)
+    with uninitialized_memory_as_nan():
+        layer.forward_impl(q, kv_c_normed, k_pe, kv_cache, metadata, output)
     return output
 
 

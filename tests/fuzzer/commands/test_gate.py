@@ -238,3 +238,18 @@ def test_a_known_bug_of_a_backend_is_known_on_the_targets_built_over_it():
     assert reached_through("vllm.flashmla_sparse", "vllm.flashmla_sparse")
     assert not reached_through("vllm.flashmla_sparse.layer", "vllm.flashmla_sparse")
     assert not reached_through("vllm.flashmla_sparse", "vllm.flashmla_sparse_v2")
+
+
+def test_a_known_bug_of_a_backend_is_known_where_it_runs_side_by_side():
+    """vllm.sparse_mla.all names each backend's verdicts after it: FlashInfer SM90's open padding-rows bug comes
+    back there as padded_rows:FLASHINFER_MLA_SPARSE_SM90:padded_rows, and must count as known, not new."""
+    from fuzzer.commands.gate import SIDE_BY_SIDE, known_signature
+    from fuzzer.targets.registry import TARGETS
+
+    assert known_signature("vllm.flashinfer_sparse_sm90", "padded_rows:padded_rows", "vllm.sparse_mla.all") == \
+        "padded_rows:FLASHINFER_MLA_SPARSE_SM90:padded_rows"
+    assert known_signature("vllm.flashinfer_sparse_sm90", "output:output", "vllm.flashinfer_sparse_sm90.layer") == \
+        "output:output"
+    assert known_signature("vllm.flashmla_sparse.layer", "output:output", "vllm.sparse_mla.all") is None
+    members = TARGETS["vllm.sparse_mla.all"].BACKENDS
+    assert SIDE_BY_SIDE["vllm.sparse_mla.all"] == {cls.name: backend for backend, cls in members.items()}
