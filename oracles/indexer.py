@@ -202,9 +202,10 @@ def judge_padding_and_buffer(step_case: Case, buffer: torch.Tensor, before: torc
     return out
 
 
-def judge_indexer(case: Case, obs) -> list[Verdict]:
+def judge_indexer(case: Case, obs, rows_scored: bool = True) -> list[Verdict]:
     """One step (with its history: `case.steps`), from what `vllm.indexer` recorded of it: the top-k buffer after
-    and before the call, and the index cache after it."""
+    and before the call, and the index cache after it. `rows_scored` False: the op was entitled to leave the step's
+    rows as it found them (DeepSeek-V3.2's attention module, every token on dense MHA), so they are not judged."""
     if obs.error_type:
         return [Verdict("error", False, f"{obs.error_type}: {obs.error}", where=obs.error_type)]
     o = obs.outputs
@@ -218,6 +219,7 @@ def judge_indexer(case: Case, obs) -> list[Verdict]:
         written[inp.slots[inp.slots >= 0]] = True
     slots = written.nonzero().flatten()
     cache = o["index_cache"][: pool.shape[0] // case.block_size]  # the trace's blocks (its pool may be larger)
-    return (judge_index_cache(cache, slots, pool[slots], (~written).nonzero().flatten())
-            + judge_topk_rows(case, o["topk_indices_buffer"], cache, inp.q_fp8, inp.weights)
+    rows = (judge_topk_rows(case, o["topk_indices_buffer"], cache, inp.q_fp8, inp.weights) if rows_scored else
+            [passed("topk", "not judged: every token took dense MHA, whose rows the indexer leaves unscored")])
+    return (judge_index_cache(cache, slots, pool[slots], (~written).nonzero().flatten()) + rows
             + judge_padding_and_buffer(case, o["topk_indices_buffer"], o["topk_before"]))

@@ -32,6 +32,8 @@ CHECKS: dict[str, str] = {
             "a wrong count, -1 before an id, or a selected score below the k-th best beyond the tolerance)",
     "padded_rows": "a CUDA-graph padding token's row is not as vLLM's code leaves it (the indexer clears it to -1)",
     "buffer_rows": "a persistent buffer changed in rows past the step's",
+    "route": "the indexer and the MLA layer disagree on a token's route: dense MHA over a causal window wider than "
+             "the top-k, or forward_mqa over a top-k row the indexer left unscored",
     "output": "attention output outside the tolerance of the fp32 reference",
     "cpu_second_opinion": "vLLM's own CPU implementation (its layer and kernel), run on the same step as a second "
                           "opinion, outside the tolerance of the fp32 reference",

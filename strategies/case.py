@@ -178,6 +178,10 @@ class IndexerStep:
     # VLLM_SPARSE_INDEXER_MAX_LOGITS_MB (vLLM's default 512): the builder's prefill chunks hold at most this many MB
     # of fp32 logits; 0 puts every request in a chunk of its own, one query row per sub-chunk
     max_logits_mb: int = 512
+    # DeepSeek-V3.2's attention module around the indexer (`vllm.dsv32.attention`): its MLA heads per rank (0: the
+    # indexer alone), and whether a second layer with no indexer of its own (skip_topk) attends with the first's top-k
+    attention_heads: int = 0
+    skip_topk_layer: bool = False
 
 
 @dataclass(frozen=True)
@@ -292,7 +296,9 @@ class Case:
             x = self.indexer
             extra.append(f"indexer: heads={self.heads} topk_backend={x.topk_backend}"
                          + (f" mtp={x.num_speculative_tokens}" if x.num_speculative_tokens else "")
-                         + (f" max_logits_mb={x.max_logits_mb}" if x.max_logits_mb != 512 else ""))
+                         + (f" max_logits_mb={x.max_logits_mb}" if x.max_logits_mb != 512 else "")
+                         + (f" attention_heads={x.attention_heads}" if x.attention_heads else "")
+                         + (" skip_topk_layer" if x.skip_topk_layer else ""))
         if self.earlier:
             extra.append(f"after {len(self.earlier)} earlier step(s) of {'/'.join(str(e.num_tokens) for e in self.earlier)} tokens")
         return f"[{reqs}] topk={self.topk_width} block={self.block_size} {' '.join(extra)}".strip()
@@ -383,6 +389,10 @@ class Case:
             _check(0 <= x.num_speculative_tokens <= INDEXER_MAX_SPECULATIVE, "indexer.num_speculative_tokens",
                    f"must be in [0, {INDEXER_MAX_SPECULATIVE}], got {x.num_speculative_tokens}")
             _check(x.max_logits_mb >= 0, "indexer.max_logits_mb", f"must be >= 0, got {x.max_logits_mb}")
+            _check(0 <= x.attention_heads <= 128, "indexer.attention_heads",
+                   f"must be in [0, 128], got {x.attention_heads}")
+            _check(x.attention_heads or not x.skip_topk_layer, "indexer.skip_topk_layer",
+                   "a skip_topk layer needs the attention module (attention_heads > 0)")
             _check(all(q <= 1 + x.num_speculative_tokens for q in dq), "num_decodes",
                    f"decode query_len must be <= 1 + num_speculative_tokens, got {sorted(dq)}")
         if self.dsv4 is None and self.padded_tokens:

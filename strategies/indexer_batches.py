@@ -76,3 +76,19 @@ def indexer_cases(draw, p: Profile, topk_backends: tuple[str, ...] = INDEXER_TOP
                                  max_earlier=p.max_steps - 1, max_tokens=x.max_tokens))
     earlier = tuple(dataclasses.replace(e, topk=(), cudagraph=case.cudagraph) for e in earlier)
     return dataclasses.replace(case, earlier=earlier).validate() if earlier else case
+
+
+def attention_module_space(p: Profile, attention_heads: tuple[int, ...]) -> CaseSpace:
+    """DeepSeek-V3.2's attention module around its indexer (`vllm.dsv32.attention`): the indexer's steps (same knobs),
+    each engine with the module's MLA heads per rank and, half the time, a second layer that reuses the first's top-k."""
+    return CaseSpace(lambda swarm: attention_module_cases(p, attention_heads, swarm), indexer_knobs(p))
+
+
+@st.composite
+def attention_module_cases(draw, p: Profile, attention_heads: tuple[int, ...], swarm: Swarm | None = None) -> Case:
+    case = draw(indexer_cases(p, INDEXER_TOPK_BACKENDS, swarm))
+    # Drawn after the steps (the engine's fields: every step of a trace holds them): shrinking keeps them.
+    x = dataclasses.replace(case.indexer, attention_heads=draw(st.sampled_from(attention_heads)),
+                            skip_topk_layer=draw(st.booleans()))
+    earlier = tuple(dataclasses.replace(e, indexer=x) for e in case.earlier)
+    return dataclasses.replace(case, indexer=x, earlier=earlier).validate()

@@ -8,11 +8,12 @@ the weights) and head weights come from that step's own seed.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from strategies.case import Case
+from strategies.case import Case, TopkSpec
 
 INDEX_HEAD_DIM = 128
 FP8_MAX = 448.0
@@ -73,3 +74,19 @@ def materialize_indexer_inputs(step: Case, pool: torch.Tensor) -> IndexerInputs:
         q_fp8=q.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(device), weights=weights.to(device),
         k=k.to(device), slots=slots_t.to(device), positions=torch.tensor(positions, dtype=torch.int64).to(device),
         context_slots=context_t.to(device), context_k=pool[context_t.to(device)])
+
+
+SKIP_TOPK_SEED = 7919  # the skip_topk layer's values: its own q, K/V and kv_b_proj, from the step's seed + this
+
+
+def attention_view(case: Case, layer: int = 0) -> Case:
+    """The step (with its history) as layer `layer` of DeepSeek-V3.2's attention module sees it (0: the indexer's
+    layer; 1: the skip_topk layer after it): a plain sparse-MLA case of the module's MLA heads, its own values, no
+    indexer. `strategies.tensors` draws its q, K/V and kv_b_proj from it; its top-k rows are the indexer's, read from
+    the persistent buffer (the drawn ones, empty TopkSpecs, are unused)."""
+
+    def one(step: Case) -> Case:
+        return dataclasses.replace(step, heads=step.indexer.attention_heads, indexer=None, earlier=(),
+                                   topk=(TopkSpec(0),) * len(step.requests), seed=step.seed + layer * SKIP_TOPK_SEED)
+
+    return dataclasses.replace(one(case), earlier=tuple(one(e) for e in case.earlier))

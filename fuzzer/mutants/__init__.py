@@ -61,6 +61,8 @@ MUTANTS: dict[str, str] = {
     "indexer-cache-scale-not-ue8m0": "fuzzer.mutants.indexer_cache_scale_not_ue8m0",
     "indexer-buffer-clear-past-step": "fuzzer.mutants.indexer_buffer_clear_past_step",
     "indexer-prefill-weights-from-row-zero": "fuzzer.mutants.indexer_prefill_weights_from_row_zero",
+    "dsv32-dense-mha-skip-with-decodes": "fuzzer.mutants.dsv32_dense_mha_skip_with_decodes",
+    "dsv32-dense-mha-split-ignores-context": "fuzzer.mutants.dsv32_dense_mha_split_ignores_context",
 }
 
 

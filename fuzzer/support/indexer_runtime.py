@@ -138,6 +138,7 @@ def indexer_config(device: str, state_dir: str, step, max_num_batched_tokens: in
     cfg.kernel_config.sparse_indexer_topk_backend = step.indexer.topk_backend
     n = step.indexer.num_speculative_tokens
     cfg.speculative_config = (SimpleNamespace(num_speculative_tokens=n, enable_adaptive_verification=False,
+                                              parallel_drafting=False,
                                               method="mtp", use_eagle=lambda: False)
                               if n else None)
     return cfg

@@ -250,6 +250,12 @@ def _indexer_metadata(args: tuple, kwargs: dict, result) -> Iterator[str]:
             yield "indexer.prefill.query_subchunks"
 
 
+def _dsv32_layer(args: tuple, kwargs: dict) -> Iterator[str]:
+    # DeepseekV32Attention._sparse_indexer_and_attn(self, ...): a layer with its own indexer, or a skip_topk layer
+    # (none: it attends with the top-k the layer before it left in the buffer)
+    yield "dsv32.layer.indexer" if getattr(args[0], "indexer", None) is not None else "dsv32.layer.skip_topk"
+
+
 def _indexer_topk(args: tuple, kwargs: dict, result) -> Iterator[str]:
     yield f"indexer.topk.{result}"  # SparseIndexerTopk.resolve_backend: the decode top-k kernel it chose
 
@@ -261,6 +267,9 @@ PROBES: tuple[Probe, ...] = (
     Probe(INDEXER_BUILDER, "DeepseekV32IndexerMetadataBuilder.update_draft_decode_metadata", "mtp_draft.update"),
     Probe(INDEXER_OP, "pack_seq_triton", "indexer.decode.pack"),
     Probe(INDEXER_TOPK, "SparseIndexerTopk.resolve_backend", after=_indexer_topk),
+    # DeepSeek-V3.2's attention module: its seam between the indexer and sparse MLA, and the indexer op it calls
+    Probe(V32_ATTENTION, "DeepseekV32Attention._sparse_indexer_and_attn", before=_dsv32_layer),
+    Probe(V32_ATTENTION, "sparse_attn_indexer", "dsv32.indexer_op"),
     # the batch as vLLM's builders split it
     Probe(SPARSE_MLA, SPLIT, after=_split_result),
     Probe(MLA, SPLIT, after=_split_result),
@@ -356,6 +365,7 @@ KNOWN_PATHS: tuple[str, ...] = (
     "pcp_dcp.prefill_shards.whole", "pcp_dcp.kv_gather", "pcp.cache_inputs_gather", "pcp.finalize_decode",
     "indexer.decode", "indexer.decode.native_mtp", "indexer.decode.flattened", "indexer.decode.requires_padding",
     "indexer.decode.pack", "indexer.prefill", "indexer.prefill.chunks", "indexer.prefill.query_subchunks",
+    "dsv32.layer.indexer", "dsv32.layer.skip_topk", "dsv32.indexer_op",
     *(f"indexer.topk.{b}" for b in ("cooperative", "persistent", "per_row", "torch", "deep_select", "flashinfer",
                                     "aiter")),
 )

@@ -31,6 +31,7 @@ REGISTERED: dict[str, str] = {
     "vllm.flashinfer_sparse_sm90.layer": "fuzzer.targets.flashinfer_sparse_sm90_layer:FlashInferMLASparseSM90Layer",
     "vllm.sparse_mla.all": "fuzzer.targets.sparse_mla_all:SparseMLAAll",
     "vllm.indexer": "fuzzer.targets.indexer:Indexer",
+    "vllm.dsv32.attention": "fuzzer.targets.dsv32_attention:Dsv32Attention",
     "vllm.dsv4.flashmla": "fuzzer.targets.dsv4_flashmla:Dsv4FlashMLA",
     "vllm.dsv41.flashmla": "fuzzer.targets.dsv41_flashmla:Dsv41FlashMLA",
     "selftest.fault": "fuzzer.targets.selftest:SelftestFault",  # harness self-test, not vLLM

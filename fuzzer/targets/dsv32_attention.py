@@ -1,0 +1,215 @@
+"""`vllm.dsv32.attention`: DeepSeek-V3.2 / GLM-5's attention module (`DeepseekV32Attention`) whole, its indexer feeding
+its sparse MLA on FLASHMLA_SPARSE, over the steps of a trace.
+
+One engine for the trace, as vLLM's model runner keeps it: the module's layer (vLLM's `DeepseekV32Indexer` inside it),
+the indexer's `DeepseekV32IndexerMetadataBuilder` and FLASHMLA_SPARSE's builder, the index and MLA caches, the
+persistent `topk_indices_buffer` and the index group over it; optionally a second layer with no indexer of its own
+(skip_topk) that attends with the first's top-k through the same index group. Each step runs the module's own seam,
+`_sparse_indexer_and_attn` (`fuzzer.support.dsv32_runtime`): the indexer op (its dense-MHA skip included), then the
+layer's split (decodes through W_UK to `forward_mqa` over the indexer's rows, short prefills to dense MHA) and W_UV.
+
+Judged stage by stage (`oracles/dsv32.py`): the indexer as `vllm.indexer` judges it, from the index cache's bytes;
+attention against the dense fp32 reference over the top-k rows vLLM's indexer left in the buffer (a dense-MHA token
+over its whole causal window); padding tokens' rows finite; a token whose route and top-k row disagree (class F).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from fuzzer.env import STATE_DIR
+from fuzzer.support import dsv32_runtime
+from fuzzer.support.dsv32_runtime import SKIP_TOPK_LAYER, clear_topk_rows, dsv32_layer, index_group_builder, module_step
+from fuzzer.support.flashmla_runtime import LAYER, guard_index_group, record_routes, standins_forced
+from fuzzer.support.indexer_runtime import (
+    Sm90View,
+    index_cache,
+    indexer_builder,
+    indexer_config,
+    indexer_layer,
+    logits_budget,
+    prepare_indexer_host,
+    write_index_keys,
+)
+from fuzzer.support.sparse_mla_steps import TOPK_POISON, metadata_builder, mla_spec, uninitialized_memory_as_nan
+from fuzzer.targets.base import WHOLE, RunPlan
+from fuzzer.targets.flashmla_layer import FlashMLASparseLayer
+from fuzzer.targets.harness import paged_cache, with_padded_tokens
+from fuzzer.targets.indexer import REAL_KERNELS, Indexer
+from fuzzer.targets.probes import observe_paths
+from oracles.dsv32 import judge_dsv32
+from oracles.steps import judge_steps
+from strategies.indexer_batches import attention_module_space
+from strategies.indexer_tensors import attention_view, key_pool, materialize_indexer_inputs
+from strategies.tensors import materialize_layer_inputs, written_slots
+
+EMULATED = ("fused_norm_rope's side effects before the seam: the MLA cache write (concat_and_cache_mla), the index "
+            "K-cache write (indexer_k_quant_and_cache) and the top-k rows cleared to -1; the projections, norms, "
+            "RoPE and fused_q before it (the step hands the seam their outputs)",)
+
+
+class Dsv32Attention(FlashMLASparseLayer):
+    name = "vllm.dsv32.attention"
+    summary = ("DeepSeek-V3.2/GLM-5 attention module (DeepseekV32Attention._sparse_indexer_and_attn): the real "
+               "indexer feeding FLASHMLA_SPARSE, dense-MHA split, skip_topk layers, traces")
+    bug_classes = "A C D F H I O"
+    oracle = staticmethod(judge_steps(judge_dsv32))
+    real_parts = ("DeepseekV32Attention._sparse_indexer_and_attn (the indexer/attention seam, dense-MHA split, W_UV)",
+                  "DeepseekV32Indexer", "DeepseekV32IndexerMetadataBuilder", "sparse_attn_indexer (the op)",
+                  "SparseIndexerTopk", "vLLM's wrappers of DeepGEMM", "FlashMLASparseMetadataBuilder",
+                  "FlashMLASparseImpl.forward_mqa / forward_mha", "SparseMLAIndexGroup (shared by the layers)",
+                  "the index-remap Triton kernel", "CPU_SDPA_MLA prefill backend",
+                  "pack_seq_triton / unpack_seq_triton, as_fp32_logits and the builders' Triton kernels")
+    kv_cache_dtypes = ("bfloat16",)  # the MLA cache's; the index cache is always fp8 with ue8m0 scales
+    cudagraph_modes = ("none", "full")  # full: the indexer's padded decode batches, run eagerly under FULL's mode
+    outputs_stay_on_device = True
+
+    def unavailable(self) -> str | None:
+        return super().unavailable() or Indexer(self.device).unavailable()
+
+    def prepare(self) -> None:
+        super().prepare()
+        emulated, overrides = prepare_indexer_host(self.device, standins_forced())
+        attention = importlib.import_module(dsv32_runtime.V32_ATTENTION)
+        if self.device == "cpu":  # its __init__ turns the indexer's dense-MHA skip on for CUDA only
+            if not isinstance(attention.current_platform, Sm90View):
+                attention.current_platform = Sm90View(attention.current_platform)
+            overrides = (*overrides, f"current_platform of {attention.__name__}: an SM90 CUDA platform (Sm90View)",
+                         *dsv32_runtime.cpu_capture_query())
+        real = [p for p, names in REAL_KERNELS if not set(names) & set(emulated)]
+        self.real_parts = (*type(self).real_parts, *real, *(("FlashMLA's CUDA kernels (vllm._flashmla_C)",)
+                                                            if self.device == "cuda" else ()))
+        self.emulated = tuple(dict.fromkeys((*self.emulated, *emulated)))
+        self.shims = (*self.shims, *overrides)
+
+    def cases(self, profile, plan: RunPlan = WHOLE):
+        return attention_module_space(profile, profile.attn_heads)
+
+    def run(self, case):
+        dev = self.device
+        steps = case.steps
+        x = case.indexer
+        pool = key_pool(case, dev)
+        index_kv = index_cache(case.pool_blocks, case.block_size, dev)
+        rows = max(s.num_actual_tokens for s in steps) + 8  # the model's buffer: max_num_batched_tokens rows
+        topk_buffer = torch.full((rows, case.topk_width), TOPK_POISON, dtype=torch.int32, device=dev)
+        cfg = indexer_config(dev, str(STATE_DIR), case, max_num_batched_tokens=rows)
+        cfg.model_config.get_num_attention_heads = lambda parallel_config=None: x.attention_heads  # the MLA heads
+        views = [attention_view(case, layer) for layer in range(2 if x.skip_topk_layer else 1)]
+        caches = [paged_cache(v, dev) for v in views]
+        write, write_emulated = self.writer(views[0])
+        index_written = torch.zeros(pool.shape[0], dtype=torch.bool, device=dev)
+        engine: dict = {}
+        observed = []
+        for k, step in enumerate(steps):
+            inp = materialize_indexer_inputs(step, pool)
+            fresh = inp.context_slots[~index_written[inp.context_slots]]  # context no earlier step of the engine wrote
+            layer_steps = [v.steps[k] for v in views]
+            layer_inputs = [materialize_layer_inputs(s, dev) for s in layer_steps]
+
+            def call(step=step, inp=inp, fresh=fresh, layer_steps=layer_steps, layer_inputs=layer_inputs, first=k == 0):
+                from vllm.config import set_current_vllm_config
+
+                if not engine:
+                    self.new_engine(engine, cfg, case, layer_inputs, topk_buffer, index_kv, caches)
+                with set_current_vllm_config(cfg), torch.inference_mode(), logits_budget(step.indexer.max_logits_mb), \
+                        uninitialized_memory_as_nan():
+                    return self.module_step(engine, cfg, step, inp, pool[fresh], fresh, layer_steps, layer_inputs,
+                                            topk_buffer, index_kv, caches, write, first)
+
+            result: list = []
+            obs = observe_paths(self.observe, lambda call=call, result=result: _keep(result, call()))
+            if result:
+                _, overruns, changed = result[0]
+                if overruns:
+                    obs.notes["buffer_overrun"] = overruns
+                if any(changed):
+                    obs.notes["cache_changed"] = f"MLA cache rows changed by attention: {changed}"
+            obs.notes["route"] = dict(engine.get("routes", [{}])[0])
+            obs.notes["layer_routes"] = self.routes
+            obs.emulated = tuple(dict.fromkeys(e for e in (*self.emulated, write_emulated, *EMULATED) if e))
+            obs.notes["shims"] = self.shims
+            if step.padded_tokens:
+                obs.notes["padded_tokens"] = step.padded_tokens
+            observed.append(obs)
+            index_written[inp.context_slots] = True
+            index_written[inp.slots[inp.slots >= 0]] = True
+            if obs.error_type or obs.memory:
+                break
+        last = observed[-1]
+        last.steps = observed[:-1]
+        if last.steps:
+            last.notes["paths"] = sorted({p for o in observed for p in o.notes.get("paths", ())})
+        return last
+
+    def module_step(self, engine, cfg, step, inp, fresh_keys, fresh, layer_steps, layer_inputs, topk_buffer, index_kv,
+                    caches, write, first: bool):
+        """One step: the caches and the top-k buffer as the model's fused_norm_rope leaves them before the seam,
+        both builders' metadata from the step's CommonAttentionMetadata, then each layer's `_sparse_indexer_and_attn`.
+        Returns (outputs, index-group overruns, MLA cache rows the attention changed per layer)."""
+        dev = self.device
+        real = inp.slots >= 0
+        write_index_keys(fresh_keys, index_kv, fresh)  # what earlier steps (or a prefix-cache hit) left there
+        write_index_keys(inp.k[real], index_kv, inp.slots[real])
+        for s, li, cache in zip(layer_steps, layer_inputs, caches):
+            w = written_slots(s).to(dev)
+            write(li.attention.kv_c[w], li.attention.k_pe[w], cache, w)
+        clear_topk_rows(topk_buffer, step.num_actual_tokens)
+        before = topk_buffer.clone()
+        cache_before = [c.clone() for c in caches]
+        for route in engine["routes"]:
+            route.clear()
+            route.update(mqa_tokens=0, mha_tokens=0)
+        check_overrun = guard_index_group(engine["layers"][0].impl, poison=first)
+        common = Indexer.common_metadata(step, inp, dev)
+        indexer_md = engine["indexer_builder"].build(0, common)
+        mla_md = engine["mla_builder"].build(0, common)
+        outs = []
+        for layer, s, li in zip(engine["layers"], layer_steps, layer_inputs):
+            new = torch.cat([li.attention.slot_of[r][req.context_len:] for r, req in enumerate(s.requests)]).to(dev)
+            outs += module_step(cfg, [layer], indexer_md, mla_md, with_padded_tokens(s, li.q),
+                                with_padded_tokens(s, li.attention.kv_c[new]), with_padded_tokens(s, li.attention.k_pe[new]),
+                                inp.q_fp8, inp.weights, inp.positions, inp.slots, step.cudagraph)
+        overruns = check_overrun(engine["routes"][0]["mqa_tokens"])
+        n = step.num_tokens
+        out = {"topk_indices_buffer": topk_buffer.clone(), "topk_before": before, "index_cache": index_kv.clone()}
+        for i, o in enumerate(outs):
+            name = "out" if i == 0 else "out_skip_topk"
+            out[name], out[name + "_padded"] = o[:n].clone(), o[n:].clone()
+        changed = [int((c.view(torch.uint8) != b.view(torch.uint8)).any(dim=-1).sum()) for c, b in zip(caches, cache_before)]
+        return out, overruns, changed
+
+    def new_engine(self, engine: dict, cfg, case, layer_inputs, topk_buffer, index_kv, caches) -> None:
+        """What the runner keeps for the engine's life: the indexer module and its builder, the attention layers
+        (the first with the indexer, a skip_topk one after it) over one index group, FLASHMLA_SPARSE's builder."""
+        from vllm.config import set_current_vllm_config
+
+        dev = self.device
+        indexer = indexer_layer(cfg, topk_buffer, index_kv)
+        group = index_group_builder(cfg, topk_buffer)
+        layers, routes = [], []
+        with set_current_vllm_config(cfg), torch.inference_mode():
+            for i, li in enumerate(layer_inputs):
+                layer = dsv32_layer(cfg, case.indexer.attention_heads, li.kv_b_weight, topk_buffer,
+                                    indexer if i == 0 else None, group, dev, prefix=LAYER if i == 0 else SKIP_TOPK_LAYER)
+                layer.kv_cache = caches[i]
+                route: dict = {}
+                record_routes(layer.impl, route)
+                layers.append(layer)
+                routes.append(route)
+            engine["mla_builder"] = metadata_builder(self.backend, mla_spec(case.block_size, case.kv_cache_dtype), cfg,
+                                                     dev)
+        engine["indexer_builder"] = indexer_builder(cfg, indexer, dev, len(case.block_table[0]))
+        engine["layers"], engine["routes"] = layers, routes
+
+    def repro_spec(self, finding):
+        return None  # a standalone reproducer of the module: not yet
+
+
+def _keep(result: list, value):
+    """call() returns (outputs, overruns, cache rows changed); observe() keeps the outputs, the rest is noted."""
+    result.append(value)
+    return value[0]
+

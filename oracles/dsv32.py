@@ -1,0 +1,99 @@
+"""The oracle of DeepSeek-V3.2 / GLM-5's attention module (`vllm.dsv32.attention`): its indexer feeding its sparse MLA,
+judged stage by stage from what the target recorded of one step (the top-k buffer, the index cache, each layer's
+output and the route vLLM gave the tokens).
+  * the indexer, as `vllm.indexer` is judged (oracles/indexer.py); where every token took dense MHA the op leaves
+    the step's rows as it found them (vLLM's short-prefill skip), so its rows are judged only where it scored them;
+  * route (F): a dense-MHA token attends its whole causal window, which is the sparse result only where the window
+    fits the top-k; a forward_mqa token reads the row the indexer made, which is never all -1 (its window holds
+    its own position): an unscored row means the indexer and the MLA layer disagree on the token's route;
+  * attention, layer by layer (the indexer's, then a skip_topk layer reusing its top-k): the output after W_UV
+    against the dense fp32 reference (oracles/attention_judge.py) over the rows the indexer left in the buffer (a
+    dense-MHA token's unscored row: its causal window); CUDA-graph padding tokens' output rows finite.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import torch
+
+from oracles.attention_judge import _call_verdicts, _output_verdicts, layer_reference_for, layer_tolerance, padded_row_verdicts
+from oracles.indexer import judge_indexer
+from oracles.verdict import Verdict, passed
+from strategies.indexer_tensors import attention_view
+from strategies.tensors import materialize_layer_inputs
+
+LAYER_OUTPUTS = ("out", "out_skip_topk")  # layer 0 (the indexer's), layer 1 (skip_topk)
+
+
+def judge_dsv32(case, obs) -> list[Verdict]:
+    verdicts, go_on = _call_verdicts(obs)
+    n, mha = case.num_tokens, int(obs.notes.get("route", {}).get("mha_tokens", 0))
+    if not go_on:  # the routes vLLM gave before it raised still say whether a token left for dense MHA too wide
+        view = attention_view(case)
+        return verdicts + wide_mha_verdicts(view, token_positions(view), n - min(mha, n), "")
+    o = obs.outputs
+    buffer = o["topk_indices_buffer"]
+    unscored = bool((buffer[:n] == -1).all()) if n else False
+    verdicts += judge_indexer(case, obs, rows_scored=not (mha == n and unscored))
+    for layer, name in enumerate(LAYER_OUTPUTS):
+        if name in o:
+            verdicts += layer_verdicts(case, obs, layer, name, mha)
+    return verdicts
+
+
+def token_positions(case) -> torch.Tensor:
+    return torch.cat([torch.arange(r.context_len, r.seq_len) for r in case.requests] or [torch.zeros(0, dtype=torch.long)])
+
+
+def wide_mha_verdicts(view, pos: torch.Tensor, first_mha: int, label: str) -> list[Verdict]:
+    """Tokens first_mha.. took dense MHA: each attends its whole causal window, the sparse result only if it fits."""
+    width = view.topk_width
+    wide = (pos[first_mha:] + 1 > width).nonzero().flatten()
+    if not len(wide):
+        return []
+    t = first_mha + int(wide[0])
+    return [Verdict("route", False, f"{label}{len(wide)} tokens took dense MHA over causal windows wider than the top-k "
+                    f"({width}); first: token {t} at position {int(pos[t])} attends {int(pos[t]) + 1} positions where "
+                    f"the indexer selects {width}", "F", where="route.mha")]
+
+
+def layer_verdicts(case, obs, layer: int, name: str, mha: int) -> list[Verdict]:
+    """One layer's route and output, with the top-k rows the indexer left in the buffer."""
+    dev = obs.device
+    view = attention_view(case, layer)
+    n, width = view.num_tokens, view.topk_width
+    first_mha = n - mha
+    rows = obs.outputs["topk_indices_buffer"][:n].to(dev).clone()
+    pos = token_positions(view).to(dev)
+    label = "" if layer == 0 else "skip_topk layer: "
+    verdicts = wide_mha_verdicts(view, pos, first_mha, label)
+    empty = (rows[:first_mha] == -1).all(dim=1).nonzero().flatten()
+    if len(empty):
+        t = int(empty[0])
+        verdicts.append(Verdict("route", False, f"{label}{len(empty)} of {first_mha} tokens took forward_mqa with top-k "
+                                f"rows the indexer left unscored (all -1); first: token {t} at position {int(pos[t])}",
+                                "F", where="route.mqa"))
+    # A dense-MHA token's unscored row: the causal window it attends (the sparse result where it fits the top-k).
+    col = torch.arange(width, device=dev)
+    window = torch.where(col[None, :] <= pos[:, None], col[None, :], -1).to(rows.dtype)
+    take_window = (torch.arange(n, device=dev) >= first_mha) & (rows == -1).all(dim=1)
+    rows = torch.where(take_window[:, None], window, rows)
+    li = materialize_layer_inputs(view, dev)
+    index = dataclasses.replace(li.attention.index, topk_indices=rows)
+    li = dataclasses.replace(li, attention=dataclasses.replace(li.attention, index=index))
+    out_ref, valid_rows = layer_reference_for(view, li, dev, None, mha)
+    atol, rtol = layer_tolerance(view, li)
+    out = obs.outputs[name].to(dev).float()
+    if out.numel() != out_ref.numel():
+        return verdicts + [Verdict("output", False, f"{label}output shape {tuple(out.shape)}, expected "
+                                   f"{tuple(out_ref.shape)}", "J", where=f"{name}.shape")]
+    found, margin = _output_verdicts(out.view(out_ref.shape), out_ref, valid_rows, atol, rtol)
+    found += padded_row_verdicts(view, SimpleNamespace(outputs={"out_padded": obs.outputs.get(name + "_padded")}))
+    if layer:
+        found = [dataclasses.replace(v, detail=label + v.detail, where=f"skip_topk.{v.where}") for v in found]
+    verdicts += found
+    if not [v for v in verdicts if not v.ok]:
+        verdicts.append(passed("output", f"{label}{n} tokens within tolerance ({mha} on dense MHA)", margin=margin))
+    return verdicts

@@ -1,0 +1,99 @@
+"""The `vllm.dsv32.attention` target on CPU: DeepSeek-V3.2's attention module, its real indexer feeding FLASHMLA_SPARSE
+through `_sparse_indexer_and_attn`, judged stage by stage (oracles/dsv32.py); a short clean campaign and each
+built-in mutant of the module's seam found through the CLI."""
+
+import functools
+import json
+
+import pytest
+
+from strategies.case import Case, CaseError, IndexerStep, Request
+from tests.conftest import attnfuzz
+
+pytestmark = pytest.mark.vllm
+
+
+@functools.cache
+def target():
+    from fuzzer.targets.dsv32_attention import Dsv32Attention
+
+    t = Dsv32Attention("cpu")
+    if t.unavailable():
+        pytest.skip(t.unavailable())
+    t.prepare()
+    return t
+
+
+def step(requests, num_decodes, table, width=512, heads=32, mtp=0, pad=0, earlier=(), attention_heads=16, skip=True,
+         seed=5):
+    return Case(requests=tuple(requests), num_decodes=num_decodes, block_size=64, block_table=tuple(table),
+                topk_width=width, topk=(), heads=heads, seed=seed, padded_tokens=pad,
+                cudagraph="full" if pad else "none", earlier=tuple(earlier),
+                indexer=IndexerStep(num_speculative_tokens=mtp, attention_heads=attention_heads,
+                                    skip_topk_layer=skip)).validate()
+
+
+CASES = {
+    # MTP decodes (native next_n 2) with an extend and a fresh prefill, contexts past the top-k: every token on MQA
+    "mtp_mixed": (step([Request(2, 700), Request(2, 530), Request(6, 600), Request(9, 0)], 2,
+                       [tuple(range(1, 13)), tuple(range(13, 22)) + (0,) * 3, tuple(range(22, 32)) + (0, 0),
+                        (32,) + (0,) * 11], mtp=1),
+                  {"mqa", "indexer.decode.native_mtp", "dsv32.layer.indexer", "dsv32.layer.skip_topk"}),
+    # a decode and a short prefill (seq_len <= top-k): the layer sends the prefill to dense MHA
+    "dense_mha_split": (step([Request(1, 40), Request(9, 0)], 1, [(1, 0), (2, 0)]),
+                        {"mqa", "mha.dense", "indexer.prefill", "dsv32.indexer_op"}),
+    # a full CUDA graph's padded decode batch, run eagerly under FULL's mode: padding rows finite
+    "graph_padded": (step([Request(1, 1200), Request(1, 80), Request(0, 0), Request(0, 0)], 4,
+                          [tuple(range(1, 20)), (20, 21) + (0,) * 17, (0,) * 19, (0,) * 19], pad=2, skip=False),
+                     {"batch.padding_rows", "dsv32.layer.indexer"}),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_a_step_is_judged_stage_by_stage(name):
+    case, paths = CASES[name]
+    t = target()
+    obs = t.run(case)
+    verdicts = t.oracle(case, obs)
+    assert obs.error is None and all(v.ok for v in verdicts), (case.summary(), obs.error, verdicts)
+    assert paths <= set(obs.notes["paths"]), sorted(obs.notes["paths"])
+    assert {"topk", "cache_write", "output"} <= {v.check for v in verdicts}
+    assert ("out_skip_topk" in obs.outputs) == case.indexer.skip_topk_layer
+    assert not obs.memory
+
+
+def test_a_trace_keeps_the_engine():
+    table = [(1,) + (0,) * 10, tuple(range(2, 12)) + (0,)]
+    first = step([Request(20, 0), Request(30, 600)], 0, table)
+    case = step([Request(1, 20), Request(1, 630)], 2, table, earlier=[first])
+    t = target()
+    obs = t.run(case)
+    verdicts = t.oracle(case, obs)
+    assert all(v.ok for v in verdicts), verdicts
+    assert len(obs.steps) == 1
+
+
+def test_the_attention_fields_are_checked():
+    case, _ = CASES["mtp_mixed"]
+    x = case.to_dict()["indexer"]
+    with pytest.raises(CaseError, match="indexer.skip_topk_layer"):
+        Case.from_dict({**case.to_dict(), "indexer": {**x, "attention_heads": 0}})
+    assert Case.from_json(case.to_json()) == case
+
+
+def test_a_short_clean_campaign(tmp_path):
+    run = attnfuzz("run", "--target", "vllm.dsv32.attention", "--max-examples", "8", "--seed", "3",
+                   "--json", str(tmp_path / "run.json"), state=tmp_path / "state")
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    summary = json.loads((tmp_path / "run.json").read_text())
+    assert summary["examples"] == 8 and not summary["findings"]
+
+
+@pytest.mark.parametrize("mutant", ["dsv32-dense-mha-skip-with-decodes", "dsv32-dense-mha-split-ignores-context"])
+def test_a_seam_mutant_is_found(tmp_path, mutant):
+    run = attnfuzz("run", "--target", "vllm.dsv32.attention", "--max-examples", "20", "--max-findings", "1",
+                   "--no-shrink", "--seed", "1", "--inject", mutant, "--json", str(tmp_path / "run.json"),
+                   state=tmp_path / "state")
+    assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
+    finding = json.loads((tmp_path / "run.json").read_text())["findings"][0]
+    assert "F" in finding["bug_classes"], finding
