@@ -56,6 +56,7 @@ from fuzzer.targets.harness import (
     step_slots,
     step_tensors,
     topk_buffer_for,
+    trace_observation,
     with_padded_tokens,
 )
 from fuzzer.targets.probes import observe_paths
@@ -221,11 +222,7 @@ class FlashMLASparse(Target):
             observed.append(obs)
             if obs.error_type or obs.memory or obs.notes.get("guard"):
                 break
-        last = observed[-1]
-        last.steps = observed[:-1]
-        if last.steps:  # the trace's paths, every step's
-            last.notes["paths"] = sorted({p for o in observed for p in o.notes.get("paths", ())})
-        return last
+        return trace_observation(observed)
 
     def kv_cache_spec(self, case, cfg):
         """The layer's KV-cache spec as the builder gets it."""

@@ -183,3 +183,12 @@ def repro_constants(case) -> dict:
     return dict(BLOCK_SIZE=case.block_size, BLOCK_STRIDE_ROWS=case.stride_rows, NUM_BLOCKS=case.num_blocks,
                 NUM_REQS=len(case.requests), NUM_TOKENS=case.num_actual_tokens,  # CUDA-graph padding included
                 MAX_QUERY_LEN=max(r.query_len for r in case.requests), MAX_SEQ_LEN=max(r.seq_len for r in case.requests))
+
+
+def trace_observation(observed: list):
+    """A trace's observation: its last step's, carrying the earlier steps' (`steps`) and every step's paths."""
+    last = observed[-1]
+    last.steps = observed[:-1]
+    if last.steps:
+        last.notes["paths"] = sorted({p for o in observed for p in o.notes.get("paths", ())})
+    return last

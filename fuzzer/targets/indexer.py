@@ -32,6 +32,7 @@ from fuzzer.support.indexer_runtime import (
 from fuzzer.support.flashmla_runtime import standins_forced
 from fuzzer.support.sparse_mla_steps import TOPK_POISON, prepare_cpu
 from fuzzer.targets.base import WHOLE, RunPlan, Target
+from fuzzer.targets.harness import trace_observation
 from fuzzer.targets.probes import observe_paths
 from oracles.indexer import judge_indexer
 from oracles.steps import judge_steps
@@ -120,11 +121,7 @@ class Indexer(Target):
             written[inp.slots[inp.slots >= 0]] = True
             if obs.error_type or obs.memory:
                 break
-        last = observed[-1]
-        last.steps = observed[:-1]
-        if last.steps:
-            last.notes["paths"] = sorted({p for o in observed for p in o.notes.get("paths", ())})
-        return last
+        return trace_observation(observed)
 
     @staticmethod
     def common_metadata(step, inp, device):
