@@ -84,6 +84,8 @@ PLAN_INFO_FIELDS = ("num_blks_x", "num_blks_y", "q_indptr", "kv_indptr", "partia
                     "merge_partial_stride", "q_len", "kv_len", "q_start", "kv_start", "kv_end", "work_indptr",
                     "partial_o", "partial_lse")
 _FIELD = {name: i for i, name in enumerate(PLAN_INFO_FIELDS)}
+WORK_FIELDS = PLAN_INFO_FIELDS[2:5] + PLAN_INFO_FIELDS[10:15]  # the per-work arrays, in a work item's order
+MERGE_FIELDS = PLAN_INFO_FIELDS[5:10]  # the merge arrays (one entry per SM)
 _KV_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
 LOG2E = 1.0 / math.log(2.0)
 
@@ -95,10 +97,12 @@ def _violation(argument: str, index: int, limit: int, elem_bytes: int, access: s
         element_bytes=elem_bytes, program_id=(0, 0, 0), lanes=1, inside_allocation=inside))
 
 
-def _report(argument: str, bad: torch.Tensor, index: torch.Tensor, limit: int, elem_bytes: int,
-            access: str = "load") -> None:
-    for i in index[bad].flatten().tolist()[:4]:  # the first few name the bug
-        _violation(argument, int(i), limit, elem_bytes, access)
+def _check(error: type, *checks: tuple[object, str]) -> None:
+    """FlashInfer's checks in their order: raises `error` with the message of the first (failed, message) that failed
+    (every condition and message is evaluated first: each must be safe to evaluate whatever an earlier one found)."""
+    for failed, message in checks:
+        if failed:
+            raise error(message)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -123,19 +127,12 @@ class _MinHeap:
     libstdc++ does (`__adjust_heap`, `__push_heap`), so that ties go to the cluster the C++ picks."""
 
     def __init__(self, capacity: int):
-        self.h = [(i, 0.0) for i in range(capacity)]
+        self.h = [(i, 0.0) for i in range(capacity)]  # (cluster, cost); a < b: a's cost > b's
 
-    @staticmethod
-    def _less(a, b) -> bool:  # the comparator: a "less than" b for the max-heap the std algorithms keep
-        return a[1] > b[1]
-
-    def _push_up(self, hole: int, top: int, value) -> None:
+    def _push_up(self, hole: int, top: int, value) -> None:  # __push_heap
         h = self.h
-        parent = (hole - 1) // 2
-        while hole > top and self._less(h[parent], value):
-            h[hole] = h[parent]
-            hole = parent
-            parent = (hole - 1) // 2
+        while hole > top and h[parent := (hole - 1) // 2][1] > value[1]:
+            h[hole], hole = h[parent], parent
         h[hole] = value
 
     def insert(self, element) -> None:
@@ -145,19 +142,15 @@ class _MinHeap:
     def pop(self):
         h = self.h
         if len(h) > 1:
-            value = h[-1]
-            h[-1] = h[0]
+            value, h[-1] = h[-1], h[0]
             length, hole, child = len(h) - 1, 0, 0  # __adjust_heap over [0, length)
             while child < (length - 1) // 2:
                 child = 2 * (child + 1)
-                if self._less(h[child], h[child - 1]):
-                    child -= 1
-                h[hole] = h[child]
-                hole = child
+                child -= h[child][1] > h[child - 1][1]
+                h[hole], hole = h[child], child
             if length % 2 == 0 and child == (length - 2) // 2:
                 child = 2 * (child + 1)
-                h[hole] = h[child - 1]
-                hole = child - 1
+                h[hole], hole = h[child - 1], child - 1
             self._push_up(hole, 0, value)
         return h.pop()
 
@@ -166,10 +159,17 @@ def _kv_len_limit(x: int) -> int:
     return 32 if x <= 8 else 64 if x <= 16 else 128 if x <= 32 else 192 if x <= 64 else _ceil_div(x, 256) * 256
 
 
-def _packed_causal_kv_end(qo_len, kv_len, tile, cluster_tile_q, num_tiles, group_size) -> int:
-    if tile + 1 == num_tiles:
-        return kv_len
-    return max(min(kv_len - qo_len + _ceil_div((tile + 1) * cluster_tile_q, group_size), kv_len), 0)
+def _schedule(q_lens: list[int], kv_lens: list[int], num_heads: int, num_sm: int, causal: bool):
+    """What MLAPlan (and the wrapper's preflight, alike) derives first: the cluster size (2 CTAs where the batch's
+    average packed query length passes 64), the clusters, a cluster tile's rows, each batch row's KV length per query
+    tile (causal: packed_causal_kv_end, but the last tile's) and the KV split limit from their total over the
+    clusters."""
+    cluster = 2 if sum(q * num_heads for q in q_lens) // len(q_lens) > 64 else 1
+    tile_q = cluster * CTA_TILE_Q
+    tiles = [[kv if not causal or t + 1 == n else max(min(kv - q + _ceil_div((t + 1) * tile_q, num_heads), kv), 0)
+              for t in range(n)] for q, kv in zip(q_lens, kv_lens) for n in [_ceil_div(q * num_heads, tile_q)]]
+    clusters = num_sm // cluster
+    return cluster, clusters, tile_q, tiles, _kv_len_limit(max(_ceil_div(sum(map(sum, tiles)), clusters), 1))
 
 
 class _Allocator:
@@ -200,147 +200,90 @@ class Plan:
 
 def mla_plan(qo_indptr: list[int], kv_indptr: list[int], kv_len: list[int], num_heads: int, head_dim_o: int,
              causal: bool, num_sm: int, int_workspace_bytes: int, float_workspace_bytes: int) -> Plan:
-    batch_size = len(kv_len)
-    accum, items = 0, []
-    for i in range(batch_size):
-        qo_len = qo_indptr[i + 1] - qo_indptr[i]
-        if qo_len < 0:
-            raise RuntimeError(f"qo_indptr[{i + 1}]{qo_indptr[i + 1]} - qo_indptr[{i}]{qo_indptr[i]} should be "
-                               "non-negative")
-        accum += qo_len * num_heads
-        items.append((i, qo_len, kv_len[i]))
-    cluster_size = 2 if accum // batch_size > 64 else 1
-    num_clusters = num_sm // cluster_size
-    cluster_tile_q = cluster_size * CTA_TILE_Q
-
-    def remaining_of(qo_len, kv, tile, tiles):
-        return _packed_causal_kv_end(qo_len, kv, tile, cluster_tile_q, tiles, num_heads) if causal else kv
-
-    total_kv = sum(remaining_of(q, kv, t, _ceil_div(q * num_heads, cluster_tile_q))
-                   for _, q, kv in items for t in range(_ceil_div(q * num_heads, cluster_tile_q)))
-    limit = _kv_len_limit(max(_ceil_div(total_kv, num_clusters), 1))
-
+    q_lens = [qo_indptr[i + 1] - qo_indptr[i] for i in range(len(kv_len))]
+    for i in (i for i, qo_len in enumerate(q_lens) if qo_len < 0):
+        raise RuntimeError(f"qo_indptr[{i + 1}]{qo_indptr[i + 1]} - qo_indptr[{i}]{qo_indptr[i]} should be "
+                           "non-negative")
+    cluster_size, num_clusters, cluster_tile_q, row_tiles, limit = _schedule(q_lens, kv_len, num_heads, num_sm, causal)
     heap = _MinHeap(num_clusters)
-    fields = ("q_indptr", "kv_indptr", "partial_indptr", "q_len", "kv_len", "q_start", "kv_start", "kv_end")
     clusters: list[list[tuple]] = [[] for _ in range(num_clusters)]
-    merge = {k: [0] * num_sm for k in ("merge_packed_offset_start", "merge_packed_offset_end",
-                                       "merge_partial_packed_offset_start", "merge_partial_packed_offset_end",
-                                       "merge_partial_stride")}
-    merge_ctas, partial_nnz = 0, 0
-    for i, qo_len, kv in items:
-        packed = qo_len * num_heads
-        tiles = _ceil_div(packed, cluster_tile_q)
-        for tile in range(tiles - 1, -1, -1):
-            remaining = remaining_of(qo_len, kv, tile, tiles)
-            kv_start = 0
-            split = remaining > limit
-            row_tile = min(cluster_tile_q, packed - tile * cluster_tile_q)
+    merge = {name: [0] * num_sm for name in MERGE_FIELDS}
+    merge_ctas = partial_nnz = 0
+    for i, (qo_len, kv, remainings) in enumerate(zip(q_lens, kv_len, row_tiles)):
+        for tile in range(len(remainings) - 1, -1, -1):
+            remaining, kv_start = remainings[tile], 0
+            split, row_tile = remaining > limit, min(cluster_tile_q, qo_len * num_heads - tile * cluster_tile_q)
             if split:
-                chunks = max(remaining * cluster_size // limit, 1)
-                row_chunk = _ceil_div(row_tile, chunks)
+                row_chunk = _ceil_div(row_tile, max(remaining * cluster_size // limit, 1))
                 for offset in range(0, row_tile, row_chunk):
                     if merge_ctas >= num_sm:  # the C++ writes past its vectors here, then its check fails
                         raise RuntimeError("Internal Error: merge_cta_counter should be less than or equal to num_sm, "
                                            "please report this bug to the developers")
                     base = qo_indptr[i] * num_heads + tile * cluster_tile_q
-                    merge["merge_packed_offset_start"][merge_ctas] = base + offset
-                    merge["merge_packed_offset_end"][merge_ctas] = base + min(offset + row_chunk, row_tile)
-                    merge["merge_partial_packed_offset_start"][merge_ctas] = partial_nnz + offset
-                    merge["merge_partial_packed_offset_end"][merge_ctas] = (partial_nnz + _ceil_div(remaining, limit)
-                                                                            * row_tile)
-                    merge["merge_partial_stride"][merge_ctas] = row_tile
+                    values = (base + offset, base + min(offset + row_chunk, row_tile), partial_nnz + offset,
+                              partial_nnz + _ceil_div(remaining, limit) * row_tile, row_tile)
+                    for name, value in zip(MERGE_FIELDS, values):
+                        merge[name][merge_ctas] = value
                     merge_ctas += 1
             zero = remaining == 0
-            while remaining > 0 or zero:
+            while remaining > 0 or zero:  # an empty tile: one work all the same
                 cluster, cost = heap.pop()
                 actual = min(remaining, limit)
                 heap.insert((cluster, _f32(cost + _f32(2.0 * cluster_tile_q + actual))))
                 clusters[cluster].append((qo_indptr[i], kv_indptr[i], partial_nnz if split else -1, qo_len, kv,
                                           tile * cluster_tile_q, kv_start, kv_start + actual))
-                if split:
-                    partial_nnz += row_tile
-                remaining -= actual
-                kv_start += actual
-                if zero:
-                    break
+                partial_nnz += row_tile if split else 0
+                remaining, kv_start, zero = remaining - actual, kv_start + actual, False
     works = [w for c in clusters for w in c]
     if len(works) > MAX_WORKS:  # the C++ would write past its work arrays: the wrapper's preflight stops it first
         raise _BackendPlanUnsupportedError(f"FA MLA needs {len(works)} work items including KV splits; native "
                                            f"capacity is {MAX_WORKS}.")
-    work_indptr = [0]
-    for c in clusters:
-        work_indptr.append(work_indptr[-1] + len(c))
-
-    ints = _Allocator(int_workspace_bytes)
-    offsets = {}
-    for name in ("q_indptr", "kv_indptr", "partial_indptr"):
-        offsets[name] = ints.alloc(4 * MAX_WORKS, 16, "mla_" + name)
-    for name in merge:
-        offsets[name] = ints.alloc(4 * num_sm, 16, "mla_" + name)
-    for name in ("q_len", "kv_len", "q_start", "kv_start", "kv_end", "work_indptr"):
-        offsets[name] = ints.alloc(4 * MAX_WORKS, 16, "mla_" + name)
+    ints = _Allocator(int_workspace_bytes)  # the arrays in MLAPlanInfo's order
+    offsets = {name: ints.alloc(4 * (num_sm if name in merge else MAX_WORKS), 16, "mla_" + name)
+               for name in PLAN_INFO_FIELDS[2:16]}
     # The host staging buffer is a fresh allocation each plan (FlashInfer's pinned buffer of a new backend object):
     # what the plan leaves unwritten is undefined there, and copied to the device with the rest.
     staged = torch.full((ints.used // 4,), -1, dtype=torch.int32)
-    for k, name in enumerate(fields):
-        values = [w[k] for w in works]
-        if values:
-            staged[offsets[name] // 4: offsets[name] // 4 + len(values)] = torch.tensor(values, dtype=torch.int32)
-    for name, values in merge.items():
-        staged[offsets[name] // 4: offsets[name] // 4 + num_sm] = torch.tensor(values, dtype=torch.int32)
-    staged[offsets["work_indptr"] // 4: offsets["work_indptr"] // 4 + len(work_indptr)] = torch.tensor(
-        work_indptr, dtype=torch.int32)
-    floats = _Allocator(float_workspace_bytes)
-    offsets["partial_o"] = floats.alloc(2 * num_clusters * cluster_tile_q * 2 * head_dim_o, 16, "mla_partial_o")
-    offsets["partial_lse"] = floats.alloc(2 * num_clusters * cluster_tile_q * 4, 16, "mla_partial_lse")
+    arrays = {**{name: [w[k] for w in works] for k, name in enumerate(WORK_FIELDS)}, **merge,
+              "work_indptr": [sum(len(c) for c in clusters[:k]) for k in range(num_clusters + 1)]}
+    for name, values in ((name, values) for name, values in arrays.items() if values):
+        staged[offsets[name] // 4: offsets[name] // 4 + len(values)] = torch.tensor(values, dtype=torch.int32)
+    floats, partial_rows = _Allocator(float_workspace_bytes), 2 * num_clusters * cluster_tile_q
+    offsets["partial_o"] = floats.alloc(partial_rows * 2 * head_dim_o, 16, "mla_partial_o")
+    offsets["partial_lse"] = floats.alloc(partial_rows * 4, 16, "mla_partial_lse")
     info = [cluster_size, num_clusters] + [offsets[name] for name in PLAN_INFO_FIELDS[2:]]
     return Plan(info, staged.view(torch.uint8), len(works), merge_ctas)
 
 
 # -- the wrapper's checks (_planning.py, _fa_common.py) -----------------------------------------------------------
 
-def _metadata_tensor(name: str, t, device: torch.device) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} metadata must be a torch.Tensor.")
-    if t.ndim != 1:
-        raise ValueError(f"{name} metadata must be rank-1, got shape {tuple(t.shape)}.")
-    if t.dtype != torch.int32:
-        raise ValueError(f"{name} metadata must have dtype torch.int32, got {t.dtype}.")
-    if t.device.type != "cpu" and t.device != device:
-        raise ValueError(f"{name} metadata must be on CPU or wrapper device {device}, got {t.device}.")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} metadata must be contiguous.")
-    return t
-
-
-def _indptr_values(name: str, t: torch.Tensor) -> list[int]:
-    if t.numel() == 0:
-        raise ValueError(f"{name} metadata must contain at least one element.")
-    values = t.cpu().long()
-    if int(values[0]) != 0:
-        raise ValueError(f"{name} metadata must start at zero.")
-    if bool((values[1:] < values[:-1]).any()):
-        raise ValueError(f"{name} metadata must be nondecreasing.")
-    return values.tolist()
-
-
 def _validate_csr(qo_indptr, kv_indptr, kv_indices, kv_len_arr, page_size: int, device: torch.device):
+    """_planning.py's flat CSR checks (each tensor, then the indptrs, then their agreement); returns the host lists."""
     for name, t in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices),
                     ("kv_len_arr", kv_len_arr)):
-        _metadata_tensor(name, t, device)
-    qo, kv = _indptr_values("qo_indptr", qo_indptr), _indptr_values("kv_indptr", kv_indptr)
+        _check(ValueError, (not isinstance(t, torch.Tensor), f"{name} metadata must be a torch.Tensor."))
+        _check(ValueError, (t.ndim != 1, f"{name} metadata must be rank-1, got shape {tuple(t.shape)}."),
+               (t.dtype != torch.int32, f"{name} metadata must have dtype torch.int32, got {t.dtype}."),
+               (t.device.type != "cpu" and t.device != device,
+                f"{name} metadata must be on CPU or wrapper device {device}, got {t.device}."),
+               (not t.is_contiguous(), f"{name} metadata must be contiguous."))
+    indptrs = []
+    for name, t in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr)):
+        _check(ValueError, (t.numel() == 0, f"{name} metadata must contain at least one element."))
+        values = t.cpu().long()
+        _check(ValueError, (int(values[0]) != 0, f"{name} metadata must start at zero."),
+               (bool((values[1:] < values[:-1]).any()), f"{name} metadata must be nondecreasing."))
+        indptrs.append(values.tolist())
+    (qo, kv), lens = indptrs, kv_len_arr.cpu().long()
     batch = len(qo) - 1
-    if len(kv) != batch + 1 or kv_len_arr.numel() != batch:
-        raise ValueError(f"CSR metadata batch dimensions must agree: qo_indptr describes {batch}, kv_indptr describes "
-                         f"{len(kv) - 1}, and kv_len_arr has {kv_len_arr.numel()} entries.")
-    if kv[-1] > kv_indices.numel():
-        raise ValueError(f"kv_indices metadata has {kv_indices.numel()} entries but kv_indptr[-1] is {kv[-1]}.")
-    lens = kv_len_arr.cpu().long()
-    if bool((lens < 0).any()):
-        raise ValueError("kv_len_arr metadata must be nonnegative.")
-    pages = [(n + page_size - 1) // page_size for n in lens.tolist()]
-    if pages != [kv[i + 1] - kv[i] for i in range(batch)]:
-        raise ValueError("CSR metadata page counts in kv_indptr must equal ceil(kv_len_arr / page_size).")
+    _check(ValueError, (len(kv) != batch + 1 or kv_len_arr.numel() != batch,
+                        (f"CSR metadata batch dimensions must agree: qo_indptr describes {batch}, kv_indptr describes "
+                        f"{len(kv) - 1}, and kv_len_arr has {kv_len_arr.numel()} entries.")),
+           (kv[-1] > kv_indices.numel(),
+            f"kv_indices metadata has {kv_indices.numel()} entries but kv_indptr[-1] is {kv[-1]}."),
+           (bool((lens < 0).any()), "kv_len_arr metadata must be nonnegative."),
+           ([_ceil_div(n, page_size) for n in lens.tolist()] != [kv[i + 1] - kv[i] for i in range(len(kv) - 1)],
+            "CSR metadata page counts in kv_indptr must equal ceil(kv_len_arr / page_size)."))
     return qo, kv, lens.tolist()
 
 
@@ -352,95 +295,65 @@ def _storage_interval(t: torch.Tensor) -> tuple[int, int, int]:
 def _validate_graph_buffers(device, named) -> None:
     """_fa_common.py `_validate_graph_metadata_buffers`: reserved buffers of the sources' shapes (kv_indices may be
     larger), int32, contiguous, on the device, none overlapping another, no source overlapping another's target."""
-    for name, reserved, source, allow_larger in named:
-        if reserved is None:
-            continue
-        if reserved.dtype != torch.int32:
-            raise ValueError(f"CUDA graph reserved {name} buffer must have dtype torch.int32.")
-        if reserved.device != device:
-            raise ValueError(f"CUDA graph reserved {name} buffer must be on {device}.")
-        if not reserved.is_contiguous():
-            raise ValueError(f"CUDA graph reserved {name} buffer must be contiguous.")
-        if name == "kv_indices" and reserved.ndim != 1:
-            raise ValueError("CUDA graph reserved kv_indices buffer must have rank 1.")
-        if (allow_larger and reserved.shape[0] < source.shape[0]) or (not allow_larger and reserved.shape != source.shape):
-            raise ValueError(f"CUDA graph reserved {name} buffer has insufficient or incompatible capacity.")
+    for name, reserved, source, larger in ((n, r, s, a) for n, r, s, a in named if r is not None):
+        _check(ValueError, *((failed, f"CUDA graph reserved {name} buffer {what}.") for failed, what in (
+            (reserved.dtype != torch.int32, "must have dtype torch.int32"),
+            (reserved.device != device, f"must be on {device}"),
+            (not reserved.is_contiguous(), "must be contiguous"),
+            (name == "kv_indices" and reserved.ndim != 1, "must have rank 1"),
+            (reserved.shape[:1] < source.shape[:1] if larger else reserved.shape != source.shape,
+             "has insufficient or incompatible capacity"))))
     intervals = [(name, _storage_interval(r)) for name, r, _, _ in named if r is not None]
     for k, (a, (pa, sa, ea)) in enumerate(intervals):
         for b, (pb, sb, eb) in intervals[k + 1:]:
-            if pa == pb and max(sa, sb) < min(ea, eb):
-                raise ValueError(f"CUDA graph reserved metadata buffers must not overlap: {a} overlaps {b}.")
+            _check(ValueError, (pa == pb and max(sa, sb) < min(ea, eb),
+                                f"CUDA graph reserved metadata buffers must not overlap: {a} overlaps {b}."))
     targets = {name: (r[: s.shape[0]] if larger else r) for name, r, s, larger in named if r is not None}
-    for source_name, _, source, _ in named:
-        si = _storage_interval(source)
-        for target_name, target in targets.items():
-            ti = _storage_interval(target)
-            if si[0] == ti[0] and max(si[1], ti[1]) < min(si[2], ti[2]) and not (
-                    source_name == target_name and si == ti):
-                raise ValueError(f"CUDA graph {source_name} source overlaps reserved {target_name} target; only exact "
-                                 "same-source/same-target reuse is allowed.")
-    if any(r is None for _, r, _, _ in named):
-        raise ValueError("CUDA graph mode requires reserved qo_indptr, kv_indptr, kv_indices, and kv_len_arr buffers.")
+    for (source_name, _, source, _), (target_name, target) in ((n, t) for n in named for t in targets.items()):
+        si, ti = _storage_interval(source), _storage_interval(target)
+        _check(ValueError, (si[0] == ti[0] and max(si[1], ti[1]) < min(si[2], ti[2])
+                            and not (source_name == target_name and si == ti),
+                            (f"CUDA graph {source_name} source overlaps reserved {target_name} target; only exact "
+                            "same-source/same-target reuse is allowed.")))
+    _check(ValueError, (any(r is None for _, r, _, _ in named),
+                        "CUDA graph mode requires reserved qo_indptr, kv_indptr, kv_indices, and kv_len_arr buffers."))
 
 
 def _validate_fa3_plan(device, head_dim_ckv, head_dim_kpe, q_data_type, kv_data_type) -> str:
     """_fa_common.py `_validate_generated_fa_plan` for fa3 on an SM90 device; returns the plan's scale mode."""
-    if q_data_type not in (torch.float16, torch.bfloat16):
-        raise _BackendPlanUnsupportedError(f"MLA q_data_type {q_data_type} is not supported by the fa3 backend.")
-    if kv_data_type not in _KV_DTYPES:
-        raise _BackendPlanUnsupportedError(f"MLA kv_data_type {kv_data_type} is not supported by the fa3 backend. "
-                                           f"Supported dtypes: {list(_KV_DTYPES)}.")
-    if head_dim_kpe < 0:
-        raise ValueError(f"head_dim_kpe must be >= 0, got {head_dim_kpe}.")
-    if kv_data_type == torch.float8_e4m3fn:
-        if q_data_type != torch.bfloat16:
-            raise _BackendPlanUnsupportedError("FP8 kv_data_type for MLA currently only supports "
-                                               f"q_data_type=torch.bfloat16, got {q_data_type}.")
-        if head_dim_ckv != 512 or head_dim_kpe not in (0, 64):
-            raise _BackendPlanUnsupportedError("FP8 kv_data_type for MLA currently only supports head_dim_ckv=512 and "
-                                               f"head_dim_kpe in (0, 64), got head_dim_ckv={head_dim_ckv}, "
-                                               f"head_dim_kpe={head_dim_kpe}.")
-        scale_mode = "kv-per-tensor"
-    elif kv_data_type != q_data_type:
-        raise _BackendPlanUnsupportedError(f"fa3 non-FP8 KV dtype must match query dtype, got {kv_data_type} and "
-                                           f"{q_data_type}.")
-    else:
-        scale_mode = "default"
-    if head_dim_ckv % 128 or head_dim_kpe % 64:
-        raise _BackendPlanUnsupportedError("fa3 requires head_dim_ckv to be a multiple of 128 and head_dim_kpe to be a "
-                                           "multiple of 64 (including zero).")
-    if head_dim_ckv not in (128, 256, 512):
-        raise _BackendPlanUnsupportedError("fa3 MLA requires head_dim_ckv in (128, 256, 512).")
-    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] != 9:
-        raise _BackendPlanUnsupportedError("fa3 MLA requires SM90 and CUDA >= 12.3.")
-    return scale_mode
+    fp8, unsupported = kv_data_type == torch.float8_e4m3fn, _BackendPlanUnsupportedError
+    _check(unsupported, (q_data_type not in (torch.float16, torch.bfloat16),
+                         f"MLA q_data_type {q_data_type} is not supported by the fa3 backend."),
+           (kv_data_type not in _KV_DTYPES,
+            (f"MLA kv_data_type {kv_data_type} is not supported by the fa3 backend. Supported dtypes: "
+            f"{list(_KV_DTYPES)}.")))
+    _check(ValueError, (head_dim_kpe < 0, f"head_dim_kpe must be >= 0, got {head_dim_kpe}."))
+    _check(unsupported, (fp8 and q_data_type != torch.bfloat16,
+                         ("FP8 kv_data_type for MLA currently only supports q_data_type=torch.bfloat16, got "
+                         f"{q_data_type}.")),
+           (fp8 and (head_dim_ckv != 512 or head_dim_kpe not in (0, 64)),
+            ("FP8 kv_data_type for MLA currently only supports head_dim_ckv=512 and head_dim_kpe in (0, 64), got "
+            f"head_dim_ckv={head_dim_ckv}, head_dim_kpe={head_dim_kpe}.")),
+           (not fp8 and kv_data_type != q_data_type,
+            f"fa3 non-FP8 KV dtype must match query dtype, got {kv_data_type} and {q_data_type}."),
+           (head_dim_ckv % 128 or head_dim_kpe % 64, ("fa3 requires head_dim_ckv to be a multiple of 128 and "
+                                                     "head_dim_kpe to be a multiple of 64 (including zero).")),
+           (head_dim_ckv not in (128, 256, 512), "fa3 MLA requires head_dim_ckv in (128, 256, 512)."),
+           (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] != 9,
+            "fa3 MLA requires SM90 and CUDA >= 12.3."))
+    return "kv-per-tensor" if fp8 else "default"
 
 
 def _fa_plan_work_count(q_lens: list[int], kv_lens: list[int], num_heads: int, num_sm: int, causal: bool) -> int:
     """_fa_common.py's preflight (MLAPlan's work count, splits included), raising before the native planner would
     overrun its arrays."""
-    if not q_lens:
-        raise _BackendPlanUnsupportedError("FA MLA native planning requires a nonempty batch.")
-    if num_heads <= 0:
-        raise ValueError(f"num_heads must be a positive integer, got {num_heads!r}.")
-    cluster = 2 if sum(q_lens) * num_heads // len(q_lens) > 64 else 1
-    clusters = num_sm // cluster
-    tile = 64 * cluster
-    counts = [(q * num_heads + tile - 1) // tile for q in q_lens]
-    if sum(counts) > MAX_WORKS:
-        raise _BackendPlanUnsupportedError(f"FA MLA needs at least {sum(counts)} work items; native capacity is "
-                                           f"{MAX_WORKS}.")
-    effective = []
-    for q, kv, count in zip(q_lens, kv_lens, counts):
-        for index in range(count):
-            effective.append(max(min(kv - q + ((index + 1) * tile + num_heads - 1) // num_heads, kv), 0)
-                             if causal and index + 1 != count else kv)
-    average = max((sum(effective) + clusters - 1) // clusters, 1)
-    limit = _kv_len_limit(average)
-    count = sum(max(1, (kv + limit - 1) // limit) for kv in effective)
-    if count > MAX_WORKS:
-        raise _BackendPlanUnsupportedError(f"FA MLA needs {count} work items including KV splits; native capacity is "
-                                           f"{MAX_WORKS}.")
+    _check(_BackendPlanUnsupportedError, (not q_lens, "FA MLA native planning requires a nonempty batch."))
+    _check(ValueError, (num_heads <= 0, f"num_heads must be a positive integer, got {num_heads!r}."))
+    _, _, _, tiles, limit = _schedule(q_lens, kv_lens, num_heads, num_sm, causal)
+    tile_count, count = sum(map(len, tiles)), sum(max(1, _ceil_div(kv, limit)) for row in tiles for kv in row)
+    _check(_BackendPlanUnsupportedError, (tile_count > MAX_WORKS, (f"FA MLA needs at least {tile_count} work items; "
+                                                                  f"native capacity is {MAX_WORKS}.")),
+           (count > MAX_WORKS, f"FA MLA needs {count} work items including KV splits; native capacity is {MAX_WORKS}."))
     return count
 
 
@@ -468,12 +381,10 @@ class _PlannedFa3Backend:
     _backend = "fa3"
 
     def __init__(self, float_workspace_buffer, use_cuda_graph, buffers, int_workspace_buffer=None):
-        self._float_workspace_buffer = float_workspace_buffer
-        self.device = float_workspace_buffer.device
+        self._float_workspace_buffer, self.device = float_workspace_buffer, float_workspace_buffer.device
         if int_workspace_buffer is None:
             int_workspace_buffer = torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        self._int_workspace_buffer = int_workspace_buffer
-        self._use_cuda_graph = use_cuda_graph
+        self._int_workspace_buffer, self._use_cuda_graph = int_workspace_buffer, use_cuda_graph
         self._qo_indptr_buf, self._kv_indptr_buf, self._kv_indices_buf, self._kv_len_arr_buf = buffers
         self._plan_info: list[int] | None = None
 
@@ -487,17 +398,14 @@ class BatchMLAPagedAttentionWrapper:
                  backend: str = "auto") -> None:
         accepted = ("auto", "fa2", "fa3", "cutlass", "cutile", "trtllm-gen", "xqa", "cute-dsl", "cute-dsl-monolithic",
                     "cute-dsl-modular")
-        if backend not in accepted:
-            raise ValueError("backend must be one of " + ", ".join(repr(b) for b in sorted(accepted))
-                             + f", got {backend!r}.")
-        if backend not in ("auto", "fa3"):
-            raise NotImplementedError(f"attnfuzz's {OP} models the fa3 backend only (SM90), not {backend!r}")
-        self._float_workspace_buffer = float_workspace_buffer
-        self.device = float_workspace_buffer.device
-        self._use_cuda_graph = use_cuda_graph
+        _check(ValueError, (backend not in accepted, "backend must be one of "
+                            + ", ".join(repr(b) for b in sorted(accepted)) + f", got {backend!r}."))
+        _check(NotImplementedError, (backend not in ("auto", "fa3"),
+                                     f"attnfuzz's {OP} models the fa3 backend only (SM90), not {backend!r}"))
+        self._float_workspace_buffer, self.device = float_workspace_buffer, float_workspace_buffer.device
+        self._use_cuda_graph, self._backend = use_cuda_graph, backend
         self._qo_indptr_buf, self._kv_indptr_buf = qo_indptr, kv_indptr
         self._kv_indices_buf, self._kv_len_arr_buf = kv_indices, kv_len_arr
-        self._backend = backend
         self._planned_backend: _PlannedFa3Backend | None = None
         self._plan_info: list[int] | None = None
         self._warned_positional = False
@@ -512,37 +420,32 @@ class BatchMLAPagedAttentionWrapper:
     def plan(self, qo_indptr=None, kv_indptr=None, kv_indices=None, kv_len_arr=None, num_heads=None, head_dim_ckv=None,
              head_dim_kpe=None, page_size=None, causal=None, sm_scale=None, q_data_type=None, kv_data_type=None,
              use_profiler: bool = False, *, metadata=None, lse_mode: str = "none", **unsupported) -> None:
-        if metadata is not None or unsupported:
-            raise NotImplementedError(f"attnfuzz's {OP} takes the flat CSR plan() form vLLM calls, not "
-                                      f"{'metadata=' if metadata is not None else ', '.join(unsupported)}")
+        _check(NotImplementedError, (metadata is not None or unsupported, (f"attnfuzz's {OP} takes the flat CSR plan() "
+               f"form vLLM calls, not {'metadata=' if metadata is not None else ', '.join(unsupported)}")))
         if qo_indptr is not None and num_heads is not None:
             self._warn_positional()
         required = dict(num_heads=num_heads, head_dim_ckv=head_dim_ckv, head_dim_kpe=head_dim_kpe, page_size=page_size,
                         causal=causal, sm_scale=sm_scale, q_data_type=q_data_type, kv_data_type=kv_data_type)
         missing = [name for name, value in required.items() if value is None]
-        if missing:
-            raise TypeError("plan() missing required arguments: " + ", ".join(missing))
-        if any(t is None for t in (qo_indptr, kv_indptr, kv_indices, kv_len_arr)):
-            raise ValueError("CSR metadata form is partial.")
-        if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size <= 0:
-            raise ValueError(f"page_size must be a positive int, got {page_size!r}.")
-        if lse_mode not in ("none", "base2", "basee"):
-            raise ValueError(f"unsupported lse_mode {lse_mode!r}.")
+        _check(TypeError, (missing, "plan() missing required arguments: " + ", ".join(missing)))
+        _check(ValueError, (any(t is None for t in (qo_indptr, kv_indptr, kv_indices, kv_len_arr)),
+                            "CSR metadata form is partial."),
+               (not isinstance(page_size, int) or isinstance(page_size, bool) or page_size <= 0,
+                f"page_size must be a positive int, got {page_size!r}."),
+               (lse_mode not in ("none", "base2", "basee"), f"unsupported lse_mode {lse_mode!r}."))
         previous = self._planned_backend
         qo, kv, lens = _validate_csr(qo_indptr, kv_indptr, kv_indices, kv_len_arr, page_size, self.device)
         scale_mode = _validate_fa3_plan(self.device, head_dim_ckv, head_dim_kpe, q_data_type, kv_data_type)
+        reserved = (self._qo_indptr_buf, self._kv_indptr_buf, self._kv_indices_buf, self._kv_len_arr_buf)
         if self._use_cuda_graph:
-            _validate_graph_buffers(self.device, (("qo_indptr", self._qo_indptr_buf, qo_indptr, False),
-                                                  ("kv_indptr", self._kv_indptr_buf, kv_indptr, False),
-                                                  ("kv_indices", self._kv_indices_buf, kv_indices, True),
-                                                  ("kv_len_arr", self._kv_len_arr_buf, kv_len_arr, False)))
+            _validate_graph_buffers(self.device, tuple(zip(("qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr"),
+                                                           reserved, (qo_indptr, kv_indptr, kv_indices, kv_len_arr),
+                                                           (False, False, True, False))))
         sms = num_sms(self.device)
         _fa_plan_work_count([qo[i + 1] - qo[i] for i in range(len(lens))], lens, num_heads, sms, causal)
         # A graph plan reuses the int workspace of the plan before (FlashInfer: its captured pointer must stay).
         reuse = previous._int_workspace_buffer if self._use_cuda_graph and previous is not None else None
-        backend = _PlannedFa3Backend(self._float_workspace_buffer, self._use_cuda_graph,
-                                     (self._qo_indptr_buf, self._kv_indptr_buf, self._kv_indices_buf,
-                                      self._kv_len_arr_buf), reuse)
+        backend = _PlannedFa3Backend(self._float_workspace_buffer, self._use_cuda_graph, reserved, reuse)
         plan = mla_plan(qo, kv, lens, num_heads, head_dim_ckv, causal, sms, backend._int_workspace_buffer.numel(),
                         self._float_workspace_buffer.numel() * self._float_workspace_buffer.element_size())
         if self._use_cuda_graph:  # the user's reserved buffers take the metadata in place
@@ -554,19 +457,15 @@ class BatchMLAPagedAttentionWrapper:
             backend._qo_indptr_buf, backend._kv_indptr_buf = qo_indptr.to(self.device), kv_indptr.to(self.device)
             backend._kv_indices_buf, backend._kv_len_arr_buf = kv_indices.to(self.device), kv_len_arr.to(self.device)
         backend._int_workspace_buffer[: plan.staged.numel()].copy_(plan.staged)
-        backend._plan_info = plan.info
-        backend._page_size, backend._sm_scale, backend._causal = page_size, float(sm_scale), bool(causal)
-        backend._head_dims, backend._q_data_type, backend._kv_data_type = (head_dim_ckv, head_dim_kpe), q_data_type, kv_data_type
-        backend._scale_mode, backend._lse_mode, backend._num_heads = scale_mode, lse_mode, num_heads
-        backend._works = plan.works
-        self._planned_backend = backend
-        self._backend = "fa3"
-        self._qo_indptr_buf, self._kv_indptr_buf = backend._qo_indptr_buf, backend._kv_indptr_buf
-        self._kv_indices_buf, self._kv_len_arr_buf = backend._kv_indices_buf, backend._kv_len_arr_buf
-        self._int_workspace_buffer = backend._int_workspace_buffer
-        self._plan_info = plan.info
-        self._sm_scale, self._causal, self._page_size = float(sm_scale), bool(causal), page_size
-        self._q_data_type, self._kv_data_type, self._head_dim_ckv = q_data_type, kv_data_type, head_dim_ckv
+        vars(backend).update(_plan_info=plan.info, _page_size=page_size, _sm_scale=float(sm_scale),
+                             _causal=bool(causal), _head_dims=(head_dim_ckv, head_dim_kpe), _q_data_type=q_data_type,
+                             _kv_data_type=kv_data_type, _scale_mode=scale_mode, _lse_mode=lse_mode,
+                             _num_heads=num_heads, _works=plan.works)
+        vars(self).update(_planned_backend=backend, _backend="fa3", _qo_indptr_buf=backend._qo_indptr_buf,
+                          _kv_indptr_buf=backend._kv_indptr_buf, _kv_indices_buf=backend._kv_indices_buf,
+                          _kv_len_arr_buf=backend._kv_len_arr_buf, _int_workspace_buffer=backend._int_workspace_buffer,
+                          _plan_info=plan.info, _sm_scale=float(sm_scale), _causal=bool(causal), _page_size=page_size,
+                          _q_data_type=q_data_type, _kv_data_type=kv_data_type, _head_dim_ckv=head_dim_ckv)
 
     def run(self, q_nope: torch.Tensor | None = None, q_pe: torch.Tensor | None = None,
             ckv_cache: torch.Tensor | None = None, kpe_cache: torch.Tensor | None = None,
@@ -578,83 +477,72 @@ class BatchMLAPagedAttentionWrapper:
             bmm2_scale=None):
         if q_nope is not None and q_pe is not None:
             self._warn_positional()
-        if query is not None or kv_cache is not None:
-            raise NotImplementedError(f"attnfuzz's {OP} takes the split q_nope/q_pe, ckv_cache/kpe_cache form vLLM calls")
-        if (q_nope is None) != (q_pe is None):
-            raise ValueError("q_nope and q_pe must both be provided.")
-        if (ckv_cache is None) != (kpe_cache is None):
-            raise ValueError("ckv_cache and kpe_cache must both be provided.")
-        if q_nope is None or ckv_cache is None:
-            raise TypeError("run() requires query= or q_nope and q_pe.")
+        _check(NotImplementedError, (query is not None or kv_cache is not None,
+                                     f"attnfuzz's {OP} takes the split q_nope/q_pe, ckv_cache/kpe_cache form vLLM calls"))
+        _check(ValueError, ((q_nope is None) != (q_pe is None), "q_nope and q_pe must both be provided."),
+               ((ckv_cache is None) != (kpe_cache is None), "ckv_cache and kpe_cache must both be provided."))
+        _check(TypeError, (q_nope is None or ckv_cache is None, "run() requires query= or q_nope and q_pe."))
         b = self._planned_backend
-        if b is None:
-            raise RuntimeError("BatchMLAPagedAttentionWrapper.run() called before plan().")
-        # _contracts.py validate_run_options, then the fa backend's own checks
+        _check(RuntimeError, (b is None, "BatchMLAPagedAttentionWrapper.run() called before plan()."))
+        # _contracts.py validate_run_options, then the fa backend's own checks. A legacy flat CSR plan (LSE mode
+        # "none") keeps its historical dynamic-LSE behavior (FlashInfer warns).
         actual_lse = "none" if not (return_lse or lse is not None or return_lse_base_on_e) else (
             "basee" if return_lse_base_on_e else "base2")
-        if actual_lse != b._lse_mode and b._lse_mode == "none":
-            pass  # a legacy flat CSR plan keeps its historical dynamic-LSE behavior (FlashInfer warns)
-        elif actual_lse != b._lse_mode:
-            raise ValueError(f"run() LSE mode {actual_lse!r} does not match the planned {b._lse_mode!r}.")
-        if out is not None and out.dtype != b._q_data_type:
-            raise ValueError(f"run() output dtype {out.dtype} does not match the planned {b._q_data_type}.")
-        if o_scale is not None:
-            raise ValueError("o_scale is only supported with the cutlass backend for now.")
-        if sinks is not None:
-            raise ValueError("sinks are not supported with an fa2/fa3 backend.")
-        if skip_softmax_threshold_scale_factor is not None:
-            raise ValueError("skip_softmax_threshold_scale_factor is not supported with an fa2/fa3 backend.")
-        if bmm1_scale is not None or bmm2_scale is not None:
-            raise ValueError("BMM scales are not supported with an fa2/fa3 backend.")
-        if kv_len is not None:
-            raise ValueError("kv_len is only supported with cutlass backend.")
-        if page_table is not None:
-            raise ValueError("page_table is only supported with cutlass backend.")
+        _check(ValueError, (actual_lse != b._lse_mode != "none",
+                            f"run() LSE mode {actual_lse!r} does not match the planned {b._lse_mode!r}."),
+               (out is not None and out.dtype != b._q_data_type,
+                f"run() output dtype {getattr(out, 'dtype', None)} does not match the planned {b._q_data_type}."),
+               (o_scale is not None, "o_scale is only supported with the cutlass backend for now."),
+               (sinks is not None, "sinks are not supported with an fa2/fa3 backend."),
+               (skip_softmax_threshold_scale_factor is not None,
+                "skip_softmax_threshold_scale_factor is not supported with an fa2/fa3 backend."),
+               (bmm1_scale is not None or bmm2_scale is not None,
+                "BMM scales are not supported with an fa2/fa3 backend."),
+               (kv_len is not None, "kv_len is only supported with cutlass backend."),
+               (page_table is not None, "page_table is only supported with cutlass backend."))
         widths = b._head_dims
-        for name, left, right, dtype in (("query", q_nope, q_pe, b._q_data_type),
-                                         ("KV cache", ckv_cache, kpe_cache, b._kv_data_type)):
-            if left.ndim != 3 or right.ndim != 3:
-                raise ValueError(f"split {name} tensors must have rank 3.")
-            if left.shape[:-1] != right.shape[:-1]:
-                raise ValueError(f"split {name} tensor shapes must match before the last axis.")
-            for leaf, leaf_name in zip((left, right), ("q_nope", "q_pe") if name == "query" else ("ckv_cache", "kpe_cache")):
-                if leaf.dtype != dtype:
-                    raise ValueError(f"{leaf_name}.dtype={leaf.dtype} does not match the planned "
-                                     f"{'q_data_type' if name == 'query' else 'kv_data_type'}={dtype}.")
-            if (left.shape[-1], right.shape[-1]) != widths:
-                raise ValueError(f"split {name} last dimensions do not match planned widths.")
+        for name, leaves, leaf_names, dtype, planned in (
+                ("query", (q_nope, q_pe), ("q_nope", "q_pe"), b._q_data_type, "q_data_type"),
+                ("KV cache", (ckv_cache, kpe_cache), ("ckv_cache", "kpe_cache"), b._kv_data_type, "kv_data_type")):
+            left, right = leaves
+            _check(ValueError, (left.ndim != 3 or right.ndim != 3, f"split {name} tensors must have rank 3."),
+                   (left.shape[:-1] != right.shape[:-1],
+                    f"split {name} tensor shapes must match before the last axis."),
+                   *((leaf.dtype != dtype,
+                      f"{leaf_name}.dtype={leaf.dtype} does not match the planned {planned}={dtype}.")
+                     for leaf, leaf_name in zip(leaves, leaf_names)),
+                   (left.shape[-1:] + right.shape[-1:] != widths,
+                    f"split {name} last dimensions do not match planned widths."))
         fp8 = b._kv_data_type == torch.float8_e4m3fn
         if fp8:
-            if (ckv_scale is None) == (ckv_scale_arr is None):
-                raise ValueError("Exactly one of ckv_scale or ckv_scale_arr is required when kv_data_type is FP8.")
-            if kpe_scale is None:
-                raise ValueError("kpe_scale is required when kv_data_type is FP8.")
+            _check(ValueError, ((ckv_scale is None) == (ckv_scale_arr is None),
+                                "Exactly one of ckv_scale or ckv_scale_arr is required when kv_data_type is FP8."),
+                   (kpe_scale is None, "kpe_scale is required when kv_data_type is FP8."))
             ckv_f, kpe_f = 1.0 if ckv_scale is None else float(ckv_scale), float(kpe_scale)
-            if ckv_scale is not None and (not math.isfinite(ckv_f) or ckv_f <= 0.0):
-                raise ValueError(f"ckv_scale must be a finite positive value, got {ckv_scale}")
-            if not math.isfinite(kpe_f) or kpe_f <= 0.0:
-                raise ValueError(f"kpe_scale must be a finite positive value, got {kpe_scale}")
-            if ckv_scale_arr is not None:
-                want = (*ckv_cache.shape[:-1], widths[0] // 128)
-                if tuple(ckv_scale_arr.shape) != want or ckv_scale_arr.dtype != torch.float32:
-                    raise ValueError(f"Invalid ckv_scale_arr: expected shape {want} and dtype torch.float32, got "
-                                     f"{tuple(ckv_scale_arr.shape)} {ckv_scale_arr.dtype}.")
-                if not ckv_scale_arr.is_contiguous():
-                    raise ValueError("ckv_scale_arr must be contiguous.")
+            want = (*ckv_cache.shape[:-1], widths[0] // 128)
+            _check(ValueError, (ckv_scale is not None and (not math.isfinite(ckv_f) or ckv_f <= 0.0),
+                                f"ckv_scale must be a finite positive value, got {ckv_scale}"),
+                   (not math.isfinite(kpe_f) or kpe_f <= 0.0,
+                    f"kpe_scale must be a finite positive value, got {kpe_scale}"),
+                   (ckv_scale_arr is not None and (tuple(ckv_scale_arr.shape) != want
+                                                   or ckv_scale_arr.dtype != torch.float32),
+                    (f"Invalid ckv_scale_arr: expected shape {want} and dtype torch.float32, got "
+                    f"{tuple(getattr(ckv_scale_arr, 'shape', ()))} {getattr(ckv_scale_arr, 'dtype', None)}.")),
+                   (ckv_scale_arr is not None and not ckv_scale_arr.is_contiguous(),
+                    "ckv_scale_arr must be contiguous."))
         else:
-            if ckv_scale is not None or ckv_scale_arr is not None or kpe_scale is not None:
-                raise ValueError("ckv_scale / ckv_scale_arr / kpe_scale are only valid when kv_data_type is FP8.")
+            _check(ValueError, (ckv_scale is not None or ckv_scale_arr is not None or kpe_scale is not None,
+                                "ckv_scale / ckv_scale_arr / kpe_scale are only valid when kv_data_type is FP8."))
             ckv_f = kpe_f = 1.0
         if out is None:  # FlashInfer: torch.empty_like(q_nope), undefined until written; NaN here
             out = torch.full(q_nope.shape, float("nan"), dtype=q_nope.dtype, device=q_nope.device)
-        elif tuple(out.shape) != tuple(q_nope.shape) or out.device != q_nope.device:
-            raise ValueError(f"Invalid out: expected shape {tuple(q_nope.shape)} on {q_nope.device}, got "
-                             f"{tuple(out.shape)} on {out.device}.")
-        if return_lse:
-            if lse is None:
-                lse = torch.full(q_nope.shape[:2], float("nan"), dtype=torch.float32, device=q_nope.device)
-            elif tuple(lse.shape) != tuple(q_nope.shape[:2]) or lse.dtype != torch.float32:
-                raise ValueError(f"Invalid lse: expected shape {tuple(q_nope.shape[:2])} and dtype torch.float32.")
+        if return_lse and lse is None:
+            lse = torch.full(q_nope.shape[:2], float("nan"), dtype=torch.float32, device=q_nope.device)
+        _check(ValueError, (tuple(out.shape) != tuple(q_nope.shape) or out.device != q_nope.device,
+                            (f"Invalid out: expected shape {tuple(q_nope.shape)} on {q_nope.device}, got "
+                            f"{tuple(out.shape)} on {out.device}.")),
+               (return_lse and (tuple(lse.shape) != tuple(q_nope.shape[:2]) or lse.dtype != torch.float32),
+                f"Invalid lse: expected shape {tuple(q_nope.shape[:2])} and dtype torch.float32."))
         launch = cudagraphs.launch_parameters(("flashinfer.mla", id(self)), _Launch(
             tuple(b._plan_info), b._int_workspace_buffer, b._float_workspace_buffer, b._kv_indices_buf, b._page_size,
             b._sm_scale, b._causal, ckv_f, kpe_f))
@@ -666,13 +554,10 @@ class BatchMLAPagedAttentionWrapper:
 # Bytes of fp32 keys and scores emulated at once (works x positions x (width + the CTA rows' scores)): a CPU
 # campaign's workers share a small host's memory; on a GPU each chunk costs launches, so a 512-token step takes few.
 CHUNK_BYTES = {"cpu": 64 << 20, "cuda": 1 << 30}
-WORK_FIELDS = ("q_indptr", "kv_indptr", "partial_indptr", "q_len", "kv_len", "q_start", "kv_start", "kv_end")
-MERGE_FIELDS = ("merge_packed_offset_start", "merge_packed_offset_end", "merge_partial_packed_offset_start",
-                "merge_partial_packed_offset_end", "merge_partial_stride")
 
 
 class _Checks:
-    """The launch's out-of-range accesses, found on the device as it runs and reported (`_report`, in the order
+    """The launch's out-of-range accesses, found on the device as it runs and reported (`_violation`, in the order
     the kernel reaches them) at its end: one host sync for all of them, not one each."""
 
     def __init__(self) -> None:
@@ -686,8 +571,8 @@ class _Checks:
         if self.pending:
             hits = torch.stack([bad.any() for _, bad, *_ in self.pending]).tolist()
             for hit, (argument, bad, index, limit, elem_bytes, access) in zip(hits, self.pending):
-                if hit:
-                    _report(argument, bad, index, limit, elem_bytes, access)
+                for i in index[bad].flatten().tolist()[:4] if hit else ():  # the first few name the bug
+                    _violation(argument, int(i), limit, elem_bytes, access)
         self.pending.clear()
 
 
@@ -744,7 +629,9 @@ def _mla_kernel(launch: _Launch, q_nope, q_pe, ckv, kpe, out, lse, lse_base_e: b
         per_work = int(tiles.max()) * CTA_TILE_KV * 4 * (d_ckv + d_kpe + 3 * bx * CTA_TILE_Q)
         per = max(1, CHUNK_BYTES.get(dev.type, CHUNK_BYTES["cpu"]) // max(1, per_work))
         work_dev = torch.cat([work, tiles[None]]).to(dev)  # one copy to the device
-        scales = _kv_scales(launch, fp8)
+        # repack_fp8_kv_to_bf16's scales, as bf16 (__hmul2: a bf16 product): ckv's, kpe's; None for a 16-bit cache
+        scales = tuple(float(torch.tensor(s, dtype=torch.float32).to(torch.bfloat16))
+                       for s in (launch.ckv_scale, launch.kpe_scale)) if fp8 else None
         for c0 in range(0, n_work, per):
             c1 = min(n_work, c0 + per)
             _work_chunk(work_dev[:-1, c0:c1], work_dev[-1, c0:c1], int(tiles[c0:c1].max()) * CTA_TILE_KV, bx, heads,
@@ -752,14 +639,6 @@ def _mla_kernel(launch: _Launch, q_nope, q_pe, ckv, kpe, out, lse, lse_base_e: b
                         ckv_scale_arr, out, lse, lse_base_e, partial_o, partial_lse, partial_rows, checks)
     _merge(info, host, heads, bx * by, partial_o, partial_lse, partial_rows, out, lse, lse_base_e, checks)
     checks.report()
-
-
-def _kv_scales(launch: _Launch, fp8: bool) -> tuple[float, float] | None:
-    """repack_fp8_kv_to_bf16's scales, as bf16 (__hmul2: a bf16 product): ckv's, kpe's; None for a 16-bit cache."""
-    if not fp8:
-        return None
-    return tuple(float(torch.tensor(s, dtype=torch.float32).to(torch.bfloat16)) for s in (launch.ckv_scale,
-                                                                                           launch.kpe_scale))
 
 
 def _work_chunk(work, tiles, span, bx, heads, q_nope, q_pe, ckv_rows, kpe_rows, flat_idx, page_size, num_pages,
