@@ -45,7 +45,7 @@ from fuzzer.errors import GateError, Interrupted, UsageError
 from fuzzer.records import FindingRecord, read_finding, release_of, verdicts_title
 from fuzzer.run.campaign_process import CampaignOutcome, CampaignSpec, campaign_figures, run_campaigns
 from fuzzer.run.host import host_targets, import_vllm
-from fuzzer.targets.registry import TARGETS
+from fuzzer.targets.registry import REGISTERED, TARGETS, declared
 
 # A finding is kept as first seen: shrinking one can take a thousand cases, and the gate's time must stay bounded
 # (`attnfuzz run` with the campaign's target, dtype and seed shrinks it).
@@ -107,8 +107,10 @@ SIDE_BY_SIDE = {"vllm.sparse_mla.all": {"vllm.flashmla_sparse": "FLASHMLA_SPARSE
 
 
 def known_signature(found_on: str, signature: str, target: str) -> str | None:
-    """The signature a bug found on `found_on` carries when `target` meets it again, or None where it does not."""
-    if reached_through(found_on, target):
+    """The signature a bug found on `found_on` carries when `target` meets it again, or None where it does not: on
+    `found_on`, a target built over it, or one declaring (`runs_backend_of`) that it runs such a target's backend."""
+    also = declared(target).runs_backend_of if target in REGISTERED else ()
+    if any(reached_through(found_on, t) for t in (target, *also)):
         return signature
     backend = SIDE_BY_SIDE.get(target, {}).get(found_on)
     if backend is None:

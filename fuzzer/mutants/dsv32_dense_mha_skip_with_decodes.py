@@ -7,7 +7,7 @@ of decodes and short prefills the indexer returns early and the decodes' forward
 from fuzzer.mutants._kernel_patch import patch_function
 
 BUG_CLASS = "F"
-TARGETS = ("vllm.dsv32.attention",)
+TARGETS = ("vllm.dsv32.attention", "vllm.dsv32.attention.flashattn", "vllm.dsv32.attention.flashinfer_sm90")
 
 
 def apply():

@@ -7,7 +7,7 @@ indexer selects only top-k of them (or, with no decode in the batch, skips scori
 from fuzzer.mutants._kernel_patch import patch_method
 
 BUG_CLASS = "F"
-TARGETS = ("vllm.dsv32.attention",)
+TARGETS = ("vllm.dsv32.attention", "vllm.dsv32.attention.flashattn", "vllm.dsv32.attention.flashinfer_sm90")
 
 
 def apply():

@@ -32,8 +32,8 @@ from fuzzer.support.flashmla_runtime import (
     SM_SCALE,
     V_HEAD,
 )
+from fuzzer.support.pcp_runtime import V32_ATTENTION
 
-V32_ATTENTION = "vllm.models.deepseek_v32.attention"
 INDEX_GROUP_MODULE = "vllm.v1.attention.backends.mla.index_group"
 SKIP_TOPK_LAYER = "attnfuzz.layer.skip_topk"  # the second layer's prefix: no indexer, the first's top-k
 
@@ -54,8 +54,8 @@ def index_group_builder(cfg, topk_indices_buffer: torch.Tensor):
 
 
 def dsv32_layer(cfg, heads: int, kv_b_weight: torch.Tensor, topk_indices_buffer: torch.Tensor, indexer, group_builder,
-                device: str, prefix: str = LAYER):
-    """`DeepseekV32Attention` on FLASHMLA_SPARSE with `indexer` (a DeepseekV32Indexer, or None: a skip_topk layer),
+                device: str, prefix: str = LAYER, backend=None):
+    """`DeepseekV32Attention` on `backend` (vLLM's sparse-MLA backend class; None: FLASHMLA_SPARSE) with `indexer` (a DeepseekV32Indexer, or None: a skip_topk layer),
     vLLM's CPU_SDPA_MLA prefill backend, kv_b_proj holding `kv_b_weight`, registered as `prefix`. Call inside
     `set_current_vllm_config(cfg)`."""
     from vllm.model_executor.layers.attention.mla_attention import MLAAttention
@@ -74,7 +74,7 @@ def dsv32_layer(cfg, heads: int, kv_b_weight: torch.Tensor, topk_indices_buffer:
             layer, num_heads=heads, scale=SM_SCALE, qk_nope_head_dim=QK_NOPE, qk_rope_head_dim=ROPE_DIM,
             v_head_dim=V_HEAD, q_lora_rank=None, kv_lora_rank=KV_LORA_RANK, kv_b_proj=kv_b_proj,
             cache_config=cfg.cache_config, prefix=prefix,
-            attn_backend=importlib.import_module(BACKEND_MODULE).FlashMLASparseBackend, use_sparse=True,
+            attn_backend=backend or importlib.import_module(BACKEND_MODULE).FlashMLASparseBackend, use_sparse=True,
             indexer=indexer, topk_indices_buffer=topk_indices_buffer, index_group_builder=group_builder,
             prefill_backend_cls=importlib.import_module(CPU_SDPA_PREFILL_MODULE).CPUSDPAMLAPrefillBackend)
     layer.process_weights_after_loading(torch.bfloat16)

@@ -137,6 +137,9 @@ class Target(ABC):
     # What it needs of the host, read without importing it (fuzzer/targets/declared.py: `attnfuzz list`): literals.
     needs_vllm: ClassVar[bool] = True  # False: it runs no vLLM (the harness self-test)
     cuda_gpus: ClassVar[int] = 1  # GPUs it needs on a CUDA host (a CPU host emulates what it needs)
+    # Registered targets whose backend this one runs under another name (a module target on a backend's layer): a
+    # known open bug of theirs, or of a target they are built over, is known here too (the gate's known_signature).
+    runs_backend_of: ClassVar[tuple[str, ...]] = ()
 
 
 

@@ -17,7 +17,8 @@ from functools import lru_cache
 from pathlib import Path
 
 # The class attributes read here (fuzzer.targets.base.Target declares each with its default).
-FIELDS = ("name", "summary", "bug_classes", "kv_cache_dtypes", "cudagraph_modes", "needs_vllm", "cuda_gpus")
+FIELDS = ("name", "summary", "bug_classes", "kv_cache_dtypes", "cudagraph_modes", "needs_vllm", "cuda_gpus",
+          "runs_backend_of")
 ROOTS = ("fuzzer", "strategies", "oracles")  # the packages whose classes are read (a base elsewhere declares none)
 
 
@@ -34,6 +35,7 @@ class Declared:
     cuda_gpus: int  # GPUs it needs on a CUDA host
     lineage: tuple[str, ...]  # "module:Class" of its class and each class it derives from (Python's MRO), itself first
     static: bool = True  # False: some declaration was not a literal and came from the imported class
+    runs_backend_of: tuple[str, ...] = ()  # registered targets whose backend it runs (their known bugs are its own)
 
     def derives_from(self, other: Declared) -> bool:
         """issubclass(this target's class, other's class), without importing either."""
@@ -151,6 +153,8 @@ def read(ref: str) -> Declared:
                 values[field] = c.attrs[field]
             elif field in c.dynamic:
                 dynamic.add(field)
+    if "runs_backend_of" not in dynamic:
+        values.setdefault("runs_backend_of", ())  # (Target's default, for a base outside fuzzer.targets.base)
     missing = dynamic | (set(FIELDS) - values.keys())
     if missing:  # not literals (or not declared where they can be read): the imported class knows
         module, _, name = ref.partition(":")
@@ -160,4 +164,5 @@ def read(ref: str) -> Declared:
     return Declared(name=values["name"], module=module, cls=name, summary=values["summary"],
                     bug_classes=values["bug_classes"], kv_cache_dtypes=tuple(values["kv_cache_dtypes"]),
                     cudagraph_modes=tuple(values["cudagraph_modes"]), needs_vllm=bool(values["needs_vllm"]),
-                    cuda_gpus=int(values["cuda_gpus"]), lineage=lineage, static=not missing)
+                    cuda_gpus=int(values["cuda_gpus"]), lineage=lineage, static=not missing,
+                    runs_backend_of=tuple(values["runs_backend_of"]))

@@ -33,10 +33,10 @@ from fuzzer.support.indexer_runtime import (
     prepare_indexer_host,
     write_index_keys,
 )
-from fuzzer.support.sparse_mla_steps import TOPK_POISON, metadata_builder, mla_spec, uninitialized_memory_as_nan
+from fuzzer.support.sparse_mla_steps import TOPK_POISON, metadata_builder, uninitialized_memory_as_nan
 from fuzzer.targets.base import WHOLE, RunPlan
 from fuzzer.targets.flashmla_layer import FlashMLASparseLayer
-from fuzzer.targets.harness import paged_cache, with_padded_tokens
+from fuzzer.targets.harness import paged_cache, trace_observation, with_padded_tokens
 from fuzzer.targets.indexer import REAL_KERNELS, Indexer
 from fuzzer.targets.probes import observe_paths
 from oracles.dsv32 import judge_dsv32
@@ -79,8 +79,9 @@ class Dsv32Attention(FlashMLASparseLayer):
             overrides = (*overrides, f"current_platform of {attention.__name__}: an SM90 CUDA platform (Sm90View)",
                          *dsv32_runtime.cpu_capture_query())
         real = [p for p, names in REAL_KERNELS if not set(names) & set(emulated)]
-        self.real_parts = (*type(self).real_parts, *real, *(("FlashMLA's CUDA kernels (vllm._flashmla_C)",)
-                                                            if self.device == "cuda" else ()))
+        # the backend's compiled kernels where the host runs them (what the backend's prepare added to its parts)
+        compiled = [p for p in self.real_parts if p not in type(self).real_parts and "prefill backend" not in p]
+        self.real_parts = (*type(self).real_parts, *real, *compiled)
         self.emulated = tuple(dict.fromkeys((*self.emulated, *emulated)))
         self.shims = (*self.shims, *overrides)
 
@@ -138,11 +139,7 @@ class Dsv32Attention(FlashMLASparseLayer):
             index_written[inp.slots[inp.slots >= 0]] = True
             if obs.error_type or obs.memory:
                 break
-        last = observed[-1]
-        last.steps = observed[:-1]
-        if last.steps:
-            last.notes["paths"] = sorted({p for o in observed for p in o.notes.get("paths", ())})
-        return last
+        return trace_observation(observed)
 
     def module_step(self, engine, cfg, step, inp, fresh_keys, fresh, layer_steps, layer_inputs, topk_buffer, index_kv,
                     caches, write, first: bool):
@@ -193,16 +190,21 @@ class Dsv32Attention(FlashMLASparseLayer):
         with set_current_vllm_config(cfg), torch.inference_mode():
             for i, li in enumerate(layer_inputs):
                 layer = dsv32_layer(cfg, case.indexer.attention_heads, li.kv_b_weight, topk_buffer,
-                                    indexer if i == 0 else None, group, dev, prefix=LAYER if i == 0 else SKIP_TOPK_LAYER)
+                                    indexer if i == 0 else None, group, dev, prefix=LAYER if i == 0 else SKIP_TOPK_LAYER,
+                                    backend=self.backend)
                 layer.kv_cache = caches[i]
                 route: dict = {}
                 record_routes(layer.impl, route)
                 layers.append(layer)
                 routes.append(route)
-            engine["mla_builder"] = metadata_builder(self.backend, mla_spec(case.block_size, case.kv_cache_dtype), cfg,
-                                                     dev)
+            engine["mla_builder"] = self.mla_metadata_builder(case, cfg)
         engine["indexer_builder"] = indexer_builder(cfg, indexer, dev, len(case.block_table[0]))
         engine["layers"], engine["routes"] = layers, routes
+
+    def mla_metadata_builder(self, case, cfg):
+        """The attention backend's metadata builder, made after the layers (it reads the first from the forward
+        context). A subclass on another backend names it in `vllm_backend` and, where needed, overrides this."""
+        return metadata_builder(self.backend, self.kv_cache_spec(case, cfg), cfg, self.device)
 
     def repro_spec(self, finding):
         return None  # a standalone reproducer of the module: not yet

@@ -32,6 +32,8 @@ REGISTERED: dict[str, str] = {
     "vllm.sparse_mla.all": "fuzzer.targets.sparse_mla_all:SparseMLAAll",
     "vllm.indexer": "fuzzer.targets.indexer:Indexer",
     "vllm.dsv32.attention": "fuzzer.targets.dsv32_attention:Dsv32Attention",
+    "vllm.dsv32.attention.flashattn": "fuzzer.targets.dsv32_attention_backends:Dsv32AttentionFlashAttn",
+    "vllm.dsv32.attention.flashinfer_sm90": "fuzzer.targets.dsv32_attention_backends:Dsv32AttentionFlashInferSM90",
     "vllm.dsv4.flashmla": "fuzzer.targets.dsv4_flashmla:Dsv4FlashMLA",
     "vllm.dsv41.flashmla": "fuzzer.targets.dsv41_flashmla:Dsv41FlashMLA",
     "selftest.fault": "fuzzer.targets.selftest:SelftestFault",  # harness self-test, not vLLM

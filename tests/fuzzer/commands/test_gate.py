@@ -240,6 +240,20 @@ def test_a_known_bug_of_a_backend_is_known_on_the_targets_built_over_it():
     assert not reached_through("vllm.flashmla_sparse", "vllm.flashmla_sparse_v2")
 
 
+def test_a_known_bug_of_a_backend_is_known_on_a_target_declaring_it_runs_that_backend():
+    """vllm.dsv32.attention.flashinfer_sm90 runs DeepSeek-V3.2's module on FlashInfer SM90's layer
+    (`runs_backend_of`): that backend's open padded-rows bug is known there, FLASHMLA_SPARSE's and FA's are not."""
+    from fuzzer.commands.gate import known_signature
+
+    target = "vllm.dsv32.attention.flashinfer_sm90"
+    assert known_signature("vllm.flashinfer_sparse_sm90", "padded_rows:padded_rows", target) == "padded_rows:padded_rows"
+    assert known_signature("vllm.flashinfer_sparse_sm90.layer", "output:output", target) == "output:output"
+    assert known_signature("vllm.flashmla_sparse", "output:output", target) is None
+    assert known_signature("vllm.flashattn_sparse", "output:output", "vllm.dsv32.attention.flashattn") == "output:output"
+    assert known_signature("vllm.flashinfer_sparse_sm90", "output:output", "vllm.dsv32.attention.flashattn") is None
+    assert known_signature("vllm.flashinfer_sparse_sm90", "output:output", "vllm.dsv32.attention") is None
+
+
 def test_a_known_bug_of_a_backend_is_known_where_it_runs_side_by_side():
     """vllm.sparse_mla.all names each backend's verdicts after it: FlashInfer SM90's open padding-rows bug comes
     back there as padded_rows:FLASHINFER_MLA_SPARSE_SM90:padded_rows, and must count as known, not new."""

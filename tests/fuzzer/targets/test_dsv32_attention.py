@@ -97,3 +97,63 @@ def test_a_seam_mutant_is_found(tmp_path, mutant):
     assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
     finding = json.loads((tmp_path / "run.json").read_text())["findings"][0]
     assert "F" in finding["bug_classes"], finding
+
+
+# -- the module on the other Hopper sparse backends (fuzzer/targets/dsv32_attention_backends.py) ---------------------
+ON_OTHER_BACKENDS = {"vllm.dsv32.attention.flashattn": "FlashAttnMLASparseMetadataBuilder",
+                     "vllm.dsv32.attention.flashinfer_sm90": "FlashInferMLASparseSM90Builder "
+                                                             "(FlashInferMLASparseMetadataBuilder, the sparse-MLA builder)"}
+
+
+@functools.cache
+def backend_target(name):
+    from fuzzer.targets.registry import TARGETS
+
+    t = TARGETS[name]("cpu")
+    if t.unavailable():
+        pytest.skip(t.unavailable())
+    t.prepare()
+    return t
+
+
+# A decode and a 150-token extend: past these builders' decode threshold (128 tokens at 16 heads).
+# Its sequence within the top-k (512): dense MHA, its context chunked in (FlashInfer SM90 plans the decode alone).
+PAST_THRESHOLD = step([Request(1, 600), Request(150, 100)], 1, [tuple(range(1, 11)), (11, 12, 13, 14) + (0,) * 6])
+# Its sequence past the top-k (256): every token on MQA, the indexer's rows; the mutant sends it to dense MHA.
+PAST_TOPK = step([Request(1, 600), Request(150, 200)], 1, [tuple(range(1, 11)), tuple(range(11, 17)) + (0,) * 4],
+                 width=256)
+
+
+@pytest.mark.parametrize("name", ON_OTHER_BACKENDS)
+def test_the_module_on_another_backend_splits_past_its_threshold_and_the_seam_mutants_are_found(name):
+    import inspect
+
+    import vllm.model_executor.layers.attention.sparse_mla_attention as sma
+    import vllm.model_executor.layers.sparse_attn_indexer as sai
+
+    from fuzzer.mutants import inject
+
+    t = backend_target(name)
+    assert ON_OTHER_BACKENDS[name] in t.real_parts and "FlashMLASparseMetadataBuilder" not in t.real_parts
+    for case, mha_tokens, paths in ((PAST_THRESHOLD, 150, {"mqa", "mha.dense", "mha.chunked_context"}),
+                                    (PAST_TOPK, 0, {"mqa"})):
+        obs = t.run(case)
+        verdicts = t.oracle(case, obs)
+        assert obs.error is None and all(v.ok for v in verdicts), (name, case.summary(), obs.error, verdicts)
+        assert obs.notes["route"] == {"mqa_tokens": 1 + 150 - mha_tokens, "mha_tokens": mha_tokens}
+        assert paths <= set(obs.notes["paths"]) and "out_skip_topk" in obs.outputs
+    saved = vars(sma.SparseMLACommonMetadataBuilder)["build"]
+    inject("dsv32-dense-mha-split-ignores-context")
+    try:
+        found = [v for v in t.oracle(PAST_TOPK, t.run(PAST_TOPK)) if not v.ok]
+    finally:  # the rest of the session runs unpatched vLLM
+        sma.SparseMLACommonMetadataBuilder.build = saved
+    assert "F" in {v.bug_class for v in found if v.check == "route"}, found
+    indexer_op = inspect.unwrap(sai.sparse_attn_indexer)  # the mutant sets new code on this function object
+    code = indexer_op.__code__
+    inject("dsv32-dense-mha-skip-with-decodes")
+    try:
+        found = [v for v in t.oracle(PAST_THRESHOLD, t.run(PAST_THRESHOLD)) if not v.ok]
+    finally:
+        indexer_op.__code__ = code
+    assert "F" in {v.bug_class for v in found if v.check == "route"}, found
