@@ -35,6 +35,9 @@ BUDGETS: dict[str, dict[str, Budget]] = {
         "vllm.dsv4.flashmla": Budget(gate=30, selftest=16),  # decodes ~0.1 s, prefills' interpreted gathers 1-4 s
         "vllm.dsv41.flashmla": Budget(gate=30, selftest=16),  # V4.1's layer kinds on the same step: ~0.4 s a case
         "vllm.indexer": Budget(gate=100, selftest=60),  # torch stand-ins, little interpreted Triton: ~0.2 s a case
+        "vllm.dsv32.attention": Budget(gate=30, selftest=30),  # indexer + FlashMLA stand-in + interpreted remap: ~2 s a case
+        "vllm.dsv32.attention.flashattn": Budget(gate=24, selftest=20),  # indexer steps of up to 300 tokens: ~2.6 s a case
+        "vllm.dsv32.attention.flashinfer_sm90": Budget(gate=24, selftest=20),  # and FlashInfer's stand-in: ~3.8 s a case
     },
     "cuda": {  # native kernels, 2-13 cases/s (mostly host-side work per case)
         "vllm.index_remap": Budget(gate=300, selftest=150),
@@ -53,6 +56,9 @@ BUDGETS: dict[str, dict[str, Budget]] = {
         "vllm.dsv4.flashmla": Budget(gate=150, selftest=40),
         "vllm.dsv41.flashmla": Budget(gate=150, selftest=40),
         "vllm.indexer": Budget(gate=60, selftest=30),  # ~1-3 s a case on an H100 (DeepGEMM's JIT, fp64 oracle)
+        "vllm.dsv32.attention": Budget(gate=40, selftest=30),  # the indexer's cost and a backend step
+        "vllm.dsv32.attention.flashattn": Budget(gate=40, selftest=30),
+        "vllm.dsv32.attention.flashinfer_sm90": Budget(gate=40, selftest=30),
     },
 }
 DEFAULT = {"cpu": Budget(gate=30, selftest=30), "cuda": Budget(gate=100, selftest=60)}  # a target added later
