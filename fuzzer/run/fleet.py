@@ -344,8 +344,9 @@ def _report(args, plans, procs, merged: Merged, db: str, seconds: float, interru
                         "coverage": s.get("coverage") if s else None, "log": str(plan.log)})
     examples = sum(w["examples"] or 0 for w in workers)
     # Per-key case counts summed over the workers: checks, and which parts were vLLM's or attnfuzz's stand-ins.
-    # And each stage's seconds (stage_seconds), summed the same way.
-    counts: dict[str, dict[str, int]] = {key: {} for key in ("checks", "real", "emulated", "stage_seconds")}
+    # And each stage's seconds (stage_seconds) and each `--known` bug's hits (known_hits), summed the same way.
+    counts: dict[str, dict[str, int]] = {key: {} for key in ("checks", "real", "emulated", "stage_seconds",
+                                                             "known_hits")}
     for s in summaries:
         for key, total in counts.items():
             for k, v in (s or {}).get(key, {}).items():
@@ -376,7 +377,8 @@ def _report(args, plans, procs, merged: Merged, db: str, seconds: float, interru
                    host=_host(plans), real=counts["real"], emulated=counts["emulated"], allocator_poisoned=poisoned,
                    interrupted=interrupted, database=db, workers=workers, duplicates_merged=merged.duplicates,
                    known=merged.known, pending=merged.pending, mps=mps_daemon,
-                   stage_seconds={k: round(v, 3) for k, v in counts["stage_seconds"].items()}).write(args.json)
+                   stage_seconds={k: round(v, 3) for k, v in counts["stage_seconds"].items()},
+                   known_hits=counts["known_hits"]).write(args.json)
     if merged.saved or merged.known or merged.pending:
         return ExitCode.FOUND
     if failed:

@@ -278,3 +278,21 @@ def test_two_workers_dedup_and_a_second_run_replays_first(tmp_path):
     first = min(s2["known"], key=lambda f: f["examples_to_find"])
     assert first["examples_to_find"] == 1 and first["saved_as"]["id"] in saved
     assert {p.name for p in (tmp_path / "repros").iterdir()} == saved
+
+
+def test_report_sums_each_known_bug_s_hits_over_the_workers(tmp_path):
+    # `run --known SIG --workers N`: each worker counts the known bug's hits; the fleet's summary adds them up.
+    from types import SimpleNamespace
+
+    from fuzzer.records import RunSummary
+
+    plans = [fleet.WorkerPlan(i, i, None, tmp_path / f"w{i}") for i in range(2)]
+    for plan, hits in zip(plans, (3, 4)):
+        plan.dir.mkdir()
+        RunSummary(target="vllm.flashinfer_sparse_sm90", seed=plan.seed, examples=10, seconds=1.0, findings=[],
+                   checks={"padded_rows:FAIL": hits}, known_hits={"padded_rows:padded_rows": hits}).write(plan.summary)
+    args = SimpleNamespace(target="vllm.flashinfer_sparse_sm90", seed=0, json=tmp_path / "fleet.json")
+    procs = [SimpleNamespace(returncode=0) for _ in plans]
+    assert fleet._report(args, plans, procs, fleet.Merged(), "db", 2.0, False) == 0
+    summary = json.loads((tmp_path / "fleet.json").read_text())
+    assert summary["known_hits"] == {"padded_rows:padded_rows": 7} and summary["checks"] == {"padded_rows:FAIL": 7}
