@@ -7,7 +7,9 @@ the interpreter's bounds check on a CPU), then the judge named here, then prints
 `Call`: one line `assign = fn(param=expression, ...)`, where `fn` is the very function of `fuzzer.support`
 the target's run() calls; the reproducer shows its source. Expressions may use the constants, the literal
 tensors, `T` (the tensors loaded from tensors.safetensors), `DEVICE`, what earlier calls assigned, and
-`found` (a list a call may add the problems its own checks saw to).
+`found` (a list a call may add the problems its own checks saw to). An argument may also be a function of
+`fuzzer.support` itself, passed uncalled (repro.py imports it by name): a target whose path a choice decides
+(which backend) passes the function of its choice, so that the reproducer carries that path's code only.
 
 Leaf module: the standard library only.
 """
@@ -38,7 +40,7 @@ class Call:
     dropped). `fn` is a module-level function of `fuzzer.support`; its source is copied into repro.py."""
 
     fn: Callable
-    args: Mapping[str, str] = field(default_factory=dict)  # parameter -> expression in main()'s scope
+    args: Mapping[str, str | Callable] = field(default_factory=dict)  # parameter -> expression (or support function)
     assign: str = ""
     note: str = ""  # a comment at the end of the line: why this call is here
 

@@ -185,10 +185,16 @@ def _arguments(fn, given: Mapping[str, str], what: str) -> str:
     return ", ".join([*args, *(f"{p}={given[p]}" for p in given if p in unknown)])
 
 
+def _expression(value) -> str:
+    """A Call's argument as main() writes it: an expression, or a support function passed by its name."""
+    return value if isinstance(value, str) else value.__name__
+
+
 def _line(call: Call, width: int = 100) -> str:
     """A Call as main()'s line (its arguments wrapped past `width`), its note as a comment above it."""
     head = f"{call.assign} = " if call.assign else ""
-    args = _arguments(call.fn, call.args, call.fn.__name__).split(", ")
+    given = {p: _expression(v) for p, v in call.args.items()}
+    args = _arguments(call.fn, given, call.fn.__name__).split(", ")
     lines, line = [], f"{head}{call.fn.__name__}("
     for k, arg in enumerate(args):
         piece = arg + (", " if k < len(args) - 1 else ")")
@@ -225,10 +231,13 @@ def _header(finding, spec: ReproSpec, support: str) -> str:
 
 def _shown(spec: ReproSpec):
     """The functions main() calls: those of the vLLM calls (`spec.call`) shown in repro.py, each once in order
-    of use; those of prepare and setup imported from the support file. Returns the shown ones with their
-    sources, the import lines repro.py needs, and the support roots its support file must carry."""
+    of use; those of prepare and setup, and those passed as arguments, imported from the support file. Returns
+    the shown ones with their sources, the import lines repro.py needs, and the support roots its support file
+    must carry."""
     fns = list(dict.fromkeys(c.fn for c in spec.call))  # the vLLM calls: shown
-    helpers = list(dict.fromkeys(c.fn for c in (*spec.prepare, *spec.setup) if c.fn not in fns))  # imported
+    passed = [v for c in (*spec.prepare, *spec.setup, *spec.call) for v in c.args.values() if not isinstance(v, str)]
+    helpers = list(dict.fromkeys(f for f in (*(c.fn for c in (*spec.prepare, *spec.setup)), *passed)
+                                 if f not in fns))  # imported
     names = {fn.__name__ for fn in (*fns, *helpers)}
     if len(names) != len(fns) + len(helpers):
         raise ValueError("a reproducer calls two support functions of one name")
@@ -294,7 +303,7 @@ def render(finding, spec: ReproSpec, standalone: bool = False) -> dict[str, str]
                    "if call.error is not None:\n    problems.append(call.raised)\n"
                    f"else:\n    problems += {_judge_call(spec)}\n")
     report = "".join(f"print({label!r}, {expr})\n" for label, expr in spec.report.items())
-    uses_found = any(re.search(r"\bfound\b", e) for c in (*spec.call, spec.judge) for e in c.args.values())
+    uses_found = any(re.search(r"\bfound\b", _expression(e)) for c in (*spec.call, spec.judge) for e in c.args.values())
     stdlib = ["import os"] * (cpu or bool(spec.tensors)) + ["import sys"] * (not standalone)
     # Not vLLM: the bounds checker is installed before vLLM's kernels are imported (main() does both).
     plain = sorted({"import torch", *(ln for ln in support_imports if not ln.startswith("from "))})

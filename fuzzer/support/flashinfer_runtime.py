@@ -31,7 +31,6 @@ from fuzzer.support.flashmla_runtime import (
     impl_topk_kwargs,
     install_layer_standins,
     mla_layer,
-    prefill_outputs_under_initcheck,
     record_routes,
 )
 from fuzzer.support.sparse_mla_steps import metadata_builder, prepare_cpu
@@ -91,10 +90,11 @@ def vllm_gate() -> bool:
 
 def prepare_sm90_host(device: str):
     """(vLLM's FLASHINFER_MLA_SPARSE_SM90 backend class, the ops attnfuzz's stand-ins replace, the shims), as
-    sparse_mla_steps.prepare_host for FlashMLA's; on a CPU no graph capture either."""
+    sparse_mla_steps.prepare_host for FlashMLA's; on a CPU no graph capture either. (FlashMLA's kernels, which its
+    targets prefill under initcheck, are not on this backend's path.)"""
     shims = prepare_cpu(device) + (list(cpu_shims()) if device == "cpu" else [])
     backend_cls, emulated = backend(device)
-    return backend_cls, emulated, shims + list(prefill_outputs_under_initcheck(device))
+    return backend_cls, emulated, shims
 
 
 def prepare_sm90_layer_host(device: str):

@@ -70,17 +70,21 @@ def install_standins(device: str = "cuda") -> tuple[str, ...]:
 
     mod, bound = importlib.import_module(BACKEND_MODULE), []
     if device == "cpu" or not _has_flashmla_kernels():
-        for name in ("flash_mla_sparse_fwd", "flash_mla_with_kvcache", "get_mla_metadata", "FlashMLASchedMeta"):
-            setattr(mod, name, getattr(flashmla_ops, name))
+        kernels = dict(flash_mla_sparse_fwd=flashmla_ops.flash_mla_sparse_fwd,
+                       flash_mla_with_kvcache=flashmla_ops.flash_mla_with_kvcache,
+                       get_mla_metadata=flashmla_ops.get_mla_metadata, FlashMLASchedMeta=flashmla_ops.FlashMLASchedMeta)
+        for name, standin in kernels.items():
+            setattr(mod, name, standin)
         bound += ["flash_mla_sparse_fwd", "flash_mla_with_kvcache", "get_mla_metadata"]
-    missing = [n for n in ("concat_mla_q", "cp_gather_and_upconvert_fp8_kv_cache") if device == "cpu" or not has_cache_op(n)]
-    if missing:  # `ops` is vLLM's _custom_ops, bound by name: rebind it to a copy with the stand-ins
-        standins = {n: getattr(flashmla_ops, n) for n in missing}
+    cache_standins = dict(concat_mla_q=flashmla_ops.concat_mla_q,
+                          cp_gather_and_upconvert_fp8_kv_cache=flashmla_ops.cp_gather_and_upconvert_fp8_kv_cache)
+    standins = {n: op for n, op in cache_standins.items() if device == "cpu" or not has_cache_op(n)}
+    if standins:  # `ops` is vLLM's _custom_ops, bound by name: rebind it to a copy with the stand-ins
         if "cp_gather_and_upconvert_fp8_kv_cache" in standins and "seq_lens" in inspect.signature(
                 mod.ops.cp_gather_and_upconvert_fp8_kv_cache).parameters:  # 0.23's form of the op
             standins["cp_gather_and_upconvert_fp8_kv_cache"] = flashmla_ops.cp_gather_and_upconvert_fp8_kv_cache_seq_lens
         mod.ops = SimpleNamespace(**{**vars(mod.ops), **standins})
-        bound += missing
+        bound += list(standins)
     return tuple(bound)
 
 
@@ -89,16 +93,18 @@ FLASH_ATTN_INTERFACE = "vllm.vllm_flash_attn.flash_attn_interface"
 
 
 @functools.cache
-def sparse_backend(name: str, device: str = "cuda"):
-    """(vLLM's backend class for `name`, the stand-ins bound for it): FLASHMLA_SPARSE, or FLASH_ATTN_MLA_SPARSE,
-    whose module imports FA3's `flash_attn_varlen_func` from vllm_flash_attn at import time. On a host whose
-    vllm_flash_attn cannot load its compiled extension (any CPU; a GPU without it), or with tensors on the CPU,
-    the module is imported with attnfuzz's stand-in in that import's place: only for that import, so that
-    nothing else of vLLM sees a flash-attention it does not have."""
-    if name == "FLASHMLA_SPARSE":
-        return importlib.import_module(BACKEND_MODULE).FlashMLASparseBackend, install_standins(device)
-    if name != "FLASH_ATTN_MLA_SPARSE":
-        raise ValueError(f"unknown sparse-MLA backend {name!r}")
+def flashmla_sparse_backend(device: str = "cuda"):
+    """(vLLM's FLASHMLA_SPARSE backend class, the stand-ins bound for it here: `install_standins`)."""
+    return importlib.import_module(BACKEND_MODULE).FlashMLASparseBackend, install_standins(device)
+
+
+@functools.cache
+def flash_attn_sparse_backend(device: str = "cuda"):
+    """(vLLM's FLASH_ATTN_MLA_SPARSE backend class, the stand-ins bound for it here). Its module imports FA3's
+    `flash_attn_varlen_func` from vllm_flash_attn at import time. On a host whose vllm_flash_attn cannot load its
+    compiled extension (any CPU; a GPU without it), or with tensors on the CPU, the module is imported with
+    attnfuzz's stand-in in that import's place: only for that import, so that nothing else of vLLM sees a
+    flash-attention it does not have."""
     if device != "cpu":
         with contextlib.suppress(ImportError):
             return importlib.import_module(FLASH_ATTN_SPARSE_MODULE).FlashAttnMLASparseBackend, ()
@@ -120,6 +126,12 @@ def sparse_backend(name: str, device: str = "cuda"):
             else:
                 sys.modules[mod_name] = before
     return module.FlashAttnMLASparseBackend, ("flash_attn_varlen_func",)
+
+
+# vLLM's name of each sparse-MLA backend of this family -> its loader, (backend class, stand-ins) = loader(device).
+# One function per backend, so that a reproducer (which is handed its target's loader) carries that backend's
+# stand-ins only.
+SPARSE_BACKENDS = {"FLASHMLA_SPARSE": flashmla_sparse_backend, "FLASH_ATTN_MLA_SPARSE": flash_attn_sparse_backend}
 
 
 def prefilled_out(fn, out_shape):

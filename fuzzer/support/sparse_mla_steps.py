@@ -32,9 +32,7 @@ from fuzzer.support.flashmla_runtime import (
     impl_topk_kwargs,
     install_layer_standins,
     mla_layer,
-    prefill_outputs_under_initcheck,
     record_routes,
-    sparse_backend,
     vllm_runtime,
 )
 from fuzzer.support.attn_metadata import attn_metadata
@@ -55,16 +53,17 @@ def prepare_cpu(device: str) -> list[str]:
     return shims
 
 
-def prepare_host(backend_name: str, device: str):
-    """(vLLM's backend class, the ops attnfuzz's stand-ins replace on this host, the shims installed)."""
+def prepare_host(load_backend, device: str):
+    """(vLLM's backend class, the ops attnfuzz's stand-ins replace on this host, the shims installed);
+    `load_backend`: the backend's loader in flashmla_runtime (flashmla_sparse_backend, flash_attn_sparse_backend)."""
     shims = prepare_cpu(device)
-    backend, emulated = sparse_backend(backend_name, device)
-    return backend, emulated, shims + list(prefill_outputs_under_initcheck(device))
+    backend, emulated = load_backend(device)
+    return backend, emulated, shims
 
 
-def prepare_layer_host(backend_name: str, device: str):
+def prepare_layer_host(load_backend, device: str):
     """prepare_host, and stand-ins for the compiled ops of MLAAttention's dense-MHA path this host lacks."""
-    backend, emulated, shims = prepare_host(backend_name, device)
+    backend, emulated, shims = prepare_host(load_backend, device)
     return backend, tuple(dict.fromkeys((*emulated, *install_layer_standins(device)))), shims
 
 

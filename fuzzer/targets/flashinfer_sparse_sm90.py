@@ -143,8 +143,8 @@ class FlashInferMLASparseSM90(FlashMLASparse):
     def repro_spec(self, finding) -> ReproSpec:
         return sm90_repro(self, finding, layer=False)
 
-    def repro_prepare(self, layer: bool) -> Call:
-        return Call(flashinfer_runtime.prepare_sm90_host, dict(device="DEVICE"), assign="backend, emulated, shims")
+    def repro_prepare(self, layer: bool) -> tuple[Call, ...]:
+        return (Call(flashinfer_runtime.prepare_sm90_host, dict(device="DEVICE"), assign="backend, emulated, shims"),)
 
     def repro_spec_call(self) -> Call:
         return Call(flashinfer_runtime.kv_cache_spec, dict(cfg="cfg", kv_cache_dtype="KV_CACHE_DTYPE",

@@ -54,10 +54,11 @@ class FlashInferMLASparseSM90Layer(FlashMLASparseLayer, FlashInferMLASparseSM90)
     def repro_spec(self, finding):
         return sm90_repro(self, finding, layer=True)
 
-    def repro_prepare(self, layer: bool) -> Call:
+    def repro_prepare(self, layer: bool) -> tuple[Call, ...]:
         if not layer:
             return super().repro_prepare(layer)
-        return Call(flashinfer_runtime.prepare_sm90_layer_host, dict(device="DEVICE"), assign="backend, emulated, shims")
+        return (Call(flashinfer_runtime.prepare_sm90_layer_host, dict(device="DEVICE"),
+                     assign="backend, emulated, shims"),)
 
     def repro_engine(self, case, layer: bool) -> Call:
         if not layer:

@@ -139,7 +139,7 @@ class FlashMLASparseDcp(FlashMLASparse):
                   f"the undivided context (latent, 512 wide).{real}",
             constants=dict(dcp_constants(case, whole, topk_buffer), ATOL=atol, RTOL=rtol, LSE_TOL=RANK_LSE_TOLERANCE[0]),
             tensors=tensors,
-            prepare=(Call(direct_dcp_off, dict(names=repr(DIRECT_Q_GATHER))), self.repro_prepare(layer=False)),
+            prepare=(Call(direct_dcp_off, dict(names=repr(DIRECT_Q_GATHER))), *self.repro_prepare(layer=False)),
             setup=dcp_setup(self),
             call=(replay,),
             judge=Judge("dcp", dict(out="out", expected='T["expected_out"]', lses="lses",

@@ -109,7 +109,7 @@ class FlashMLASparseLayerDcp(FlashMLASparseLayer):
                   "the layer (after W_UV) over the undivided context.",
             constants=dict(dcp_constants(case, whole, topk_buffer), ATOL=atol, RTOL=rtol, LSE_TOL=0.0),
             tensors=tensors,
-            prepare=(Call(direct_dcp_off), self.repro_prepare(layer=True)),
+            prepare=(Call(direct_dcp_off), *self.repro_prepare(layer=True)),
             setup=dcp_setup(self),
             call=(replay,),
             judge=Judge("dcp", dict(out="out", expected='T["expected_out"]', lses="{}", expected_lses="{}",

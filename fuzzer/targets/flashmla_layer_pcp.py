@@ -286,7 +286,7 @@ def pcp_repro(target, finding) -> ReproSpec:
                        IS_PREFILLING=[i >= case.num_decodes for i in range(len(case.requests))],
                        FP8_SCALES=fp8_scales(case), ATOL=atol, RTOL=rtol, LSE_TOL=0.0),
         tensors=tensors,
-        prepare=(Call(direct_dcp_off), target.repro_prepare(layer=True)),
+        prepare=(Call(direct_dcp_off), *target.repro_prepare(layer=True)),
         setup=(*dcp_setup(target, metadata=False),
                Call(pcp_runtime.global_batch, dict(query_lens="QUERY_LENS", context_lens="CONTEXT_LENS",
                                                    is_prefilling="IS_PREFILLING", device="DEVICE"), assign="batch",

@@ -19,11 +19,12 @@ from fuzzer.support.cudagraphs import EMULATED as EMULATED_GRAPHS
 from fuzzer.support.flashmla_runtime import (
     FP8_ENTRY_BYTES,
     MAX_MODEL_LEN,
+    SPARSE_BACKENDS,
     _try_import,
     configure,
     guard_index_group,
     has_cache_op,
-    sparse_backend,
+    prefill_outputs_under_initcheck,
     vllm_runtime,
 )
 from fuzzer.support.sparse_mla_steps import (
@@ -114,14 +115,14 @@ class FlashMLASparse(Target):
 
     def unavailable(self) -> str | None:
         try:
-            sparse_backend(self.vllm_backend, self.device)
+            SPARSE_BACKENDS[self.vllm_backend](self.device)
         except Exception as e:
             return f"cannot import vLLM's {self.vllm_backend} backend: {type(e).__name__}: {e}"
         return None
 
     def prepare(self) -> None:
-
-        self.backend, self.emulated, self.shims = prepare_host(self.vllm_backend, self.device)
+        self.backend, self.emulated, shims = prepare_host(SPARSE_BACKENDS[self.vllm_backend], self.device)
+        self.shims = [*shims, *prefill_outputs_under_initcheck(self.device)]
         self.real_parts = self.real_parts_here()
         self.cfg = self.runtime(str(STATE_DIR))
         self.block_stride_rows = remap_api().has_block_stride_rows
@@ -316,10 +317,18 @@ class FlashMLASparse(Target):
         return flashmla_repro(self, finding, layer=False)
 
     # The reproducer's calls that differ between the backends of this family (flashmla_repro makes the rest).
-    def repro_prepare(self, layer: bool) -> Call:
-        return Call(prepare_layer_host if layer else prepare_host, dict(backend_name=repr(self.vllm_backend),
-                                                                        device="DEVICE"),
+    def repro_prepare(self, layer: bool) -> tuple[Call, ...]:
+        """What prepare() ran: the host prepared for this backend (its loader passed: the reproducer carries this
+        backend's stand-ins only) and, in a GPU reproducer, FlashMLA's outputs prefilled under initcheck (a CPU
+        one's DEVICE never takes that path)."""
+        host = Call(prepare_layer_host if layer else prepare_host,
+                    dict(load_backend=SPARSE_BACKENDS[self.vllm_backend], device="DEVICE"),
                     assign="backend, emulated, shims")
+        if self.device == "cpu":
+            return (host,)
+        return host, Call(prefill_outputs_under_initcheck, dict(device="DEVICE"),
+                          note="under compute-sanitizer initcheck only (ATTNFUZZ_SANITIZER=initcheck): "
+                               "FlashMLA's outputs filled with NaN first")
 
     def repro_spec_call(self) -> Call:
         return Call(mla_spec, dict(block_size="BLOCK_SIZE", kv_cache_dtype="KV_CACHE_DTYPE"), assign="spec")
@@ -419,7 +428,7 @@ def flashmla_repro(target, finding, layer: bool) -> ReproSpec:
                                TABLE_WIDTH=len(case.block_table[0])) if graphs else {}),
                        STEPS=constants, ATOL=atol, RTOL=rtol),
         tensors=tensors,
-        prepare=(target.repro_prepare(layer),),
+        prepare=target.repro_prepare(layer),
         setup=(Call(step_config, dict(device="DEVICE", heads="HEADS", topk_width="TOPK_WIDTH",
                                       kv_cache_dtype="KV_CACHE_DTYPE", block_size="BLOCK_SIZE",
                                       max_num_batched_tokens="TOPK_ROWS"), assign="cfg"),

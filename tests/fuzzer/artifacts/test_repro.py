@@ -71,7 +71,18 @@ def test_a_slice_carries_what_its_roots_reach_and_imports_nothing_else_of_attnfu
     assert set(one) == {"fuzzer.support.flashmla_runtime"}
     assert "def guard_index_group(" in one["fuzzer.support.flashmla_runtime"]
     assert "def mla_layer(" not in one["fuzzer.support.flashmla_runtime"]
-    assert "fuzzer.support.dcp_group" not in slice_support([("fuzzer.support.flashmla_runtime", "sparse_backend")])
+    # A backend's loader reaches that backend's stand-ins only, and of a stand-in module only the ops it binds.
+    flashmla = slice_support([("fuzzer.support.flashmla_runtime", "flashmla_sparse_backend")])
+    assert not {"fuzzer.support.dcp_group", "fuzzer.support.standins.flash_attn_ops",
+                "fuzzer.support.standins.cache_ops"} & set(flashmla)
+    assert "def flash_mla_sparse_fwd(" in flashmla["fuzzer.support.standins.flashmla_ops"]
+    assert "def quantize_fp8_ds_mla(" not in flashmla["fuzzer.support.standins.flashmla_ops"]
+    flash_attn = slice_support([("fuzzer.support.flashmla_runtime", "flash_attn_sparse_backend")])
+    assert "fuzzer.support.standins.flash_attn_ops" in flash_attn
+    assert "fuzzer.support.standins.flashmla_ops" not in flash_attn
+    # FlashInfer's host set-up: no FlashMLA initcheck prefill (FlashMLA's kernels are not on its path).
+    sm90 = slice_support([("fuzzer.support.flashinfer_runtime", "prepare_sm90_host")])
+    assert "def prefill_outputs_under_initcheck(" not in sm90["fuzzer.support.flashmla_runtime"]
     for name, source in whole.items():  # without docstrings and comment lines, the heading naming the file
         tree = ast.parse(source)
         assert source.startswith(f"# {name.replace('.', '/')}.py: "), name
@@ -150,6 +161,25 @@ def test_the_skeleton_shows_the_vllm_calls_and_imports_the_rest():
     gpu = render(_finding("cuda"), ReproSpec(about="", call=(_REMAP,), judge=Judge("index_contract", dict(
         req_id_per_token="r", topk_indices="t"))))
     assert "TRITON_INTERPRET" not in gpu["repro.py"] and "with vllm_call() as call:" in gpu["repro.py"]
+
+
+def test_a_support_function_passed_as_an_argument_is_imported_by_name_and_carried():
+    """A Call's argument may be a support function itself (a target's choice of path): repro.py names it and
+    imports it from the support file, which carries it (and only the path it chose)."""
+    from fuzzer.support.flashmla_runtime import flashmla_sparse_backend
+    from fuzzer.support.sparse_mla_steps import prepare_host
+
+    spec = ReproSpec(about="", call=(_REMAP,), judge=Judge("index_contract", dict(req_id_per_token="r", topk_indices="t")),
+                     prepare=(Call(prepare_host, dict(load_backend=flashmla_sparse_backend, device="DEVICE"),
+                                   assign="backend, emulated, shims"),))
+    files = render(_finding(), spec)
+    script, support = files["repro.py"], _support_sources(files[SUPPORT_FILE])
+    compile(script, "repro.py", "exec")
+    assert "backend, emulated, shims = prepare_host(load_backend=flashmla_sparse_backend, device=DEVICE)" in script
+    assert "from fuzzer.support.flashmla_runtime import flashmla_sparse_backend" in script
+    assert "def flashmla_sparse_backend(" in support["fuzzer.support.flashmla_runtime"]
+    assert "def flash_attn_sparse_backend(" not in support["fuzzer.support.flashmla_runtime"]
+    assert "fuzzer.support.standins.flash_attn_ops" not in support
 
 
 def test_a_judge_and_a_call_are_given_exactly_their_parameters():
