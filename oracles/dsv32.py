@@ -9,6 +9,8 @@ output and the route vLLM gave the tokens).
   * attention, layer by layer (the indexer's, then a skip_topk layer reusing its top-k): the output after W_UV
     against the dense fp32 reference (oracles/attention_judge.py) over the rows the indexer left in the buffer (a
     dense-MHA token's unscored row: its causal window); CUDA-graph padding tokens' output rows finite.
+Under DCP (`vllm.dsv32.attention.dcp`, `judge_dsv32_dcp`) the same checks judge every rank's step as the undivided
+module, plus every rank's merged top-k alike; a quantized MLA cache is judged by the entries read back.
 """
 
 from __future__ import annotations
@@ -18,7 +20,15 @@ from types import SimpleNamespace
 
 import torch
 
-from oracles.attention_judge import _call_verdicts, _output_verdicts, layer_reference_for, layer_tolerance, padded_row_verdicts
+from oracles.attention_judge import (
+    _call_verdicts,
+    _output_verdicts,
+    judge_cache_entries,
+    layer_reference_for,
+    layer_tolerance,
+    padded_row_verdicts,
+)
+from oracles.dcp import undivided
 from oracles.indexer import judge_indexer
 from oracles.verdict import Verdict, passed
 from strategies.indexer_tensors import attention_view
@@ -59,10 +69,12 @@ def wide_mha_verdicts(view, pos: torch.Tensor, first_mha: int, label: str) -> li
                     f"the indexer selects {width}", "F", where="route.mha")]
 
 
-def layer_verdicts(case, obs, layer: int, name: str, mha: int) -> list[Verdict]:
-    """One layer's route and output, with the top-k rows the indexer left in the buffer."""
+def layer_verdicts(case, obs, layer: int, name: str, mha: int, view=None) -> list[Verdict]:
+    """One layer's route and output, with the top-k rows the indexer left in the buffer. `view`: the layer's
+    attention case (default: `attention_view(case, layer)`); a quantized MLA cache is judged by what its bytes hold
+    (`<name>.cache_slots` / `<name>.cache_entries`: the entries the layer's writes left, read back)."""
     dev = obs.device
-    view = attention_view(case, layer)
+    view = attention_view(case, layer) if view is None else view
     n, width = view.num_tokens, view.topk_width
     first_mha = n - mha
     rows = obs.outputs["topk_indices_buffer"][:n].to(dev).clone()
@@ -83,7 +95,13 @@ def layer_verdicts(case, obs, layer: int, name: str, mha: int) -> list[Verdict]:
     li = materialize_layer_inputs(view, dev)
     index = dataclasses.replace(li.attention.index, topk_indices=rows)
     li = dataclasses.replace(li, attention=dataclasses.replace(li.attention, index=index))
-    out_ref, valid_rows = layer_reference_for(view, li, dev, None, mha)
+    slot_values = None
+    if f"{name}.cache_entries" in obs.outputs:
+        slot_values, wrong = judge_cache_entries(view, li.attention, obs.outputs[f"{name}.cache_slots"],
+                                                 obs.outputs[f"{name}.cache_entries"])
+        if wrong is not None:
+            verdicts.append(dataclasses.replace(wrong, detail=label + wrong.detail) if layer else wrong)
+    out_ref, valid_rows = layer_reference_for(view, li, dev, slot_values, mha)
     atol, rtol = layer_tolerance(view, li)
     out = obs.outputs[name].to(dev).float()
     if out.numel() != out_ref.numel():
@@ -97,3 +115,45 @@ def layer_verdicts(case, obs, layer: int, name: str, mha: int) -> list[Verdict]:
     if not [v for v in verdicts if not v.ok]:
         verdicts.append(passed("output", f"{label}{n} tokens within tolerance ({mha} on dense MHA)", margin=margin))
     return verdicts
+
+
+# -- under decode context parallelism (`vllm.dsv32.attention.dcp`) -------------------------------------------------
+
+def undivided_trace(case, heads: bool):
+    """The trace as one rank holding the whole context, step by step (`oracles.dcp.undivided`: blocks of
+    block_size x DCP size, the same table); `heads`: every rank's heads too (an attention view), else the heads
+    as they are (the indexer's, which every rank holds whole)."""
+
+    def one(step):
+        whole = undivided(step)
+        return whole if heads else dataclasses.replace(whole, heads=step.heads)
+
+    return dataclasses.replace(one(case), earlier=tuple(one(e) for e in case.earlier))
+
+
+def judge_dsv32_dcp(case, obs) -> list[Verdict]:
+    """A step of the module under DCP, every rank's: judged as the undivided module would be (`judge_dsv32`'s
+    checks over the whole context). The indexer's merged top-k (rank 0's buffer) from the index cache's bytes as
+    the ranks wrote them, put back in undivided slots; each layer's output, every rank's heads in rank order,
+    against the reference over the undivided context with every rank's heads, from the fp8_ds_mla entries the
+    ranks wrote; `dcp_topk` (G): every rank's buffer holds the same merged rows (the merge is global). A wrong
+    output under DCP points at the split and merge (class G) unless another check names a class."""
+    whole = undivided_trace(case, heads=False)
+    verdicts, go_on = _call_verdicts(obs)
+    n, mha = whole.num_tokens, int(obs.notes.get("route", {}).get("mha_tokens", 0))
+    if not go_on:
+        view = undivided_trace(attention_view(case), heads=True)
+        return verdicts + wide_mha_verdicts(view, token_positions(view), n - min(mha, n), "")
+    o = obs.outputs
+    if (differ := o.get("dcp_topk_rows_differ")) is not None and len(differ):
+        verdicts.append(Verdict("dcp_topk", False, f"{len(differ)} of the step's {whole.num_actual_tokens} top-k rows "
+                                f"differ between ranks after the global merge (first row {int(differ[0])}): the ranks "
+                                "attend over different selections", "G", where="dcp_topk"))
+    unscored = bool((o["topk_indices_buffer"][:n] == -1).all()) if n else False
+    verdicts += judge_indexer(whole, obs, rows_scored=not (mha == n and unscored))
+    for layer, name in enumerate(LAYER_OUTPUTS):
+        if name in o:
+            view = undivided_trace(attention_view(case, layer), heads=True)
+            verdicts += layer_verdicts(whole, obs, layer, name, mha, view)
+    return [dataclasses.replace(v, bug_class=v.bug_class or "G")
+            if not v.ok and v.check in ("output", "nan") else v for v in verdicts]

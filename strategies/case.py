@@ -184,6 +184,36 @@ class IndexerStep:
     skip_topk_layer: bool = False
 
 
+# Step5's DSA (Case.step5, vLLM's STEP5_DSA backend): query heads per KV group its kernels take, indexer heads per
+# group (sparse_indexer_num_heads / index_tp_size, which Step5's config allows as 2 or 4; the model pads them to 8),
+# block sizes (multiples of the 8-token region; 16-128 as its prefill pages need).
+STEP5_Q_HEADS_PER_KV = (4, 8, 16)
+STEP5_INDEX_HEADS = (4, 2)
+STEP5_BLOCK_SIZES = (16, 32, 64, 128)
+STEP5_MAX_STEPS = 16
+
+
+@dataclass(frozen=True)
+class Step5:
+    """A Step5 DSA attention step (vLLM's STEP5_DSA: `vllm/models/step5/nvidia/sparse_attention.py`): GQA attention
+    of head size 192 over the tokens of selected 8-token regions. Every request is a decode of one token (the
+    backend's uniform-batch route), then `Case.padded_tokens` padding rows of one token each as a full CUDA graph
+    pads a decode batch (slot -1, an all-null block-table row, seq_len 0); `Case.heads` is the rank's query heads
+    (groups x heads per group),
+    `Case.topk_width` unused (128), `Case.topk` empty (the backend's own indexer selects regions)."""
+
+    groups: int = 1  # KV heads per rank: the layer's KV groups, each with its own indexer rows
+    index_heads: int = 4  # real indexer query heads per group (the model pads the rest of 8 with zeros)
+    region_topk: int = 8  # sparse_config.topk: closed regions each query keeps by indexer score, plus its own open region
+    steps: int = 1  # decode steps one engine runs, each request one token on per step; the case is the last
+    # The model's decode call form: with a fused summary update and a headwise gate it defers the inactive-row
+    # clear to the gated write (Step5SparseAttention.forward); the impl then clears in the attention kernel.
+    defer_inactive_clear: bool = False
+    # "distinct": every region's indexer keys drawn apart; "ties": some closed regions repeat another's keys and z
+    # (equal summaries, so equal scores at the top-k cutoff: the selection breaks ties by region order)
+    regions: str = "distinct"
+
+
 @dataclass(frozen=True)
 class Case:
     requests: tuple[Request, ...]
@@ -216,6 +246,7 @@ class Case:
     mtp_draft: bool = False
     dsv4: Dsv4 | None = None  # a DeepSeek-V4 step (see Dsv4); None: a DeepSeek-V3.2-style sparse-MLA step
     indexer: IndexerStep | None = None  # an indexer step (see IndexerStep); None: the top-k rows are drawn
+    step5: Step5 | None = None  # a Step5 DSA step (see Step5); None: a sparse-MLA step
     schema: int = SCHEMA
 
     # -- derived ---------------------------------------------------------------------------------------
@@ -299,6 +330,13 @@ class Case:
                          + (f" max_logits_mb={x.max_logits_mb}" if x.max_logits_mb != 512 else "")
                          + (f" attention_heads={x.attention_heads}" if x.attention_heads else "")
                          + (" skip_topk_layer" if x.skip_topk_layer else ""))
+        if self.step5 is not None:
+            x = self.step5
+            extra.append(f"step5: groups={x.groups} heads/group={self.heads // x.groups} index_heads={x.index_heads} "
+                         f"region_topk={x.region_topk} steps={x.steps} kv={self.kv_cache_dtype}"
+                         + (f" fp8_scale={self.fp8_scale}" if self.kv_cache_dtype == "fp8" else "")
+                         + (" defer_inactive_clear" if x.defer_inactive_clear else "")
+                         + (" regions=ties" if x.regions == "ties" else ""))
         if self.earlier:
             extra.append(f"after {len(self.earlier)} earlier step(s) of {'/'.join(str(e.num_tokens) for e in self.earlier)} tokens")
         return f"[{reqs}] topk={self.topk_width} block={self.block_size} {' '.join(extra)}".strip()
@@ -341,8 +379,8 @@ class Case:
             "topk_width",
             f"must be a positive multiple of 128, got {self.topk_width}",
         )
-        if self.dsv4 is not None or self.indexer is not None:
-            _check(not self.topk, "topk", "a DeepSeek-V4 or indexer step holds none (its indexer makes the rows)")
+        if self.dsv4 is not None or self.indexer is not None or self.step5 is not None:
+            _check(not self.topk, "topk", "a DeepSeek-V4, indexer or Step5 step holds none (its indexer makes the rows)")
         else:
             _check(len(self.topk) == n, "topk", f"needs one TopkSpec per request ({n}), got {len(self.topk)}")
         for i, t in enumerate(self.topk):
@@ -382,6 +420,8 @@ class Case:
             _check(len(width) <= 1, "block_table", f"a full-graph engine's steps share one table width, got {sorted(width)}")
         if self.dsv4 is not None:
             _validate_dsv4(self)
+        if self.step5 is not None:
+            _validate_step5(self)
         if self.indexer is not None:
             x = self.indexer
             _check(x.topk_backend in INDEXER_TOPK_BACKENDS, "indexer.topk_backend",
@@ -395,7 +435,7 @@ class Case:
                    "a skip_topk layer needs the attention module (attention_heads > 0)")
             _check(all(q <= 1 + x.num_speculative_tokens for q in dq), "num_decodes",
                    f"decode query_len must be <= 1 + num_speculative_tokens, got {sorted(dq)}")
-        if self.dsv4 is None and self.padded_tokens:
+        if self.dsv4 is None and self.step5 is None and self.padded_tokens:
             pads = [i for i, r in enumerate(self.requests) if r.query_len == 0]
             want = len(pads) * max(dq, default=0)
             _check(self.num_decodes == n and pads and pads[0] == n - len(pads) and self.padded_tokens == want,
@@ -424,7 +464,7 @@ class Case:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         for step in (data, *data["earlier"]):  # a case without a DSv4 step reads as it did before the field
-            for name in ("dsv4", "indexer"):
+            for name in ("dsv4", "indexer", "step5"):
                 if step.get(name, 0) is None:
                     del step[name]
             if step["dcp"]["pcp"] == 1 and step["dcp"]["tp"] == 1:  # nor one without PCP
@@ -530,6 +570,42 @@ def _validate_dsv4(case: "Case") -> None:
            "block ids >= 0, none used twice")
 
 
+def _validate_step5(case: "Case") -> None:
+    """What a Step5 DSA step must be: decodes of one token each (the backend's uniform route), its kernels' head
+    counts and block sizes, every position's block in its request's row, no other step kind's fields."""
+    x, n = case.step5, len(case.requests)
+    _check(x.groups in (1, 2), "step5.groups", f"1 or 2 KV groups a rank, got {x.groups}")
+    _check(case.heads % x.groups == 0 and case.heads // x.groups in STEP5_Q_HEADS_PER_KV, "heads",
+           f"groups x one of {STEP5_Q_HEADS_PER_KV} query heads per group, got {case.heads} over {x.groups} group(s)")
+    _check(x.index_heads in STEP5_INDEX_HEADS, "step5.index_heads", f"one of {STEP5_INDEX_HEADS}, got {x.index_heads}")
+    _check(1 <= x.region_topk <= 1024, "step5.region_topk", f"must be in [1, 1024], got {x.region_topk}")
+    _check(1 <= x.steps <= STEP5_MAX_STEPS, "step5.steps", f"must be in [1, {STEP5_MAX_STEPS}], got {x.steps}")
+    _check(x.regions in ("distinct", "ties"), "step5.regions", f"'distinct' or 'ties', got {x.regions!r}")
+    _check(case.kv_cache_dtype in ("bfloat16", "fp8"), "kv_cache_dtype",
+           f"a Step5 cache is bfloat16 or per-tensor fp8 (e4m3), got {case.kv_cache_dtype!r}")
+    _check(case.block_size in STEP5_BLOCK_SIZES, "block_size", f"one of {STEP5_BLOCK_SIZES}, got {case.block_size}")
+    page = case.block_size * x.groups * 2 * 192 * (1 if case.kv_cache_dtype == "fp8" else 2)
+    _check(page >= 7 * 1024, "block_size", f"the CSA tail ring shares a KV page and needs 7 rows of 1 KiB in it "
+           f"(vLLM refuses a smaller one): {page} bytes at this block size, groups and dtype")
+    _check(n >= 1 and case.num_decodes == n and all(r.query_len == 1 for r in case.requests), "requests",
+           "every request a decode of one token")
+    _check(all(r.context_len >= x.steps - 1 for r in case.requests), "requests",
+           f"each request held its earlier {x.steps - 1} step(s)' tokens")
+    for name in ("earlier", "idx_mapping", "block_stride_rows", "mtp_draft"):
+        _check(not getattr(case, name), name, "not drawn for a Step5 step")
+    _check(0 <= case.padded_tokens <= 8, "padded_tokens", "0 to 8 graph-padding rows of one token (slot -1, no blocks, "
+           f"seq_len 0) after the requests, got {case.padded_tokens}")
+    _check(case.cudagraph == "none" and case.dcp == Dcp() and case.call == IndexCall()
+           and case.dsv4 is None and case.indexer is None, "cudagraph", "a Step5 step runs eagerly, without DCP")
+    for i, r in enumerate(case.requests):
+        row = case.block_table[i]
+        blocks = -(-r.seq_len // case.block_size)
+        _check(blocks <= len(row) and all(b > 0 for b in row[:blocks]), f"block_table[{i}]",
+               f"{r.seq_len} tokens need {blocks} blocks (ids > 0) of {case.block_size}, the row has {len(row)}")
+    used = [b for row in case.block_table for b in row if b]
+    _check(len(used) == len(set(used)), "block_table", "a block id used twice (requests share no block here)")
+
+
 ENGINE_FIELDS = ("block_size", "block_stride_rows", "topk_width", "heads", "kv_cache_dtype", "fp8_scale", "values",
                  "dcp", "call", "cudagraph", "indexer")
 
@@ -558,7 +634,8 @@ def _check(ok: bool, path: str, msg: str) -> None:
         raise CaseError(f"case.{path}: {msg}")
 
 
-_NESTED = {"requests": Request, "topk": TopkSpec, "dcp": Dcp, "call": IndexCall, "dsv4": Dsv4, "indexer": IndexerStep}
+_NESTED = {"requests": Request, "topk": TopkSpec, "dcp": Dcp, "call": IndexCall, "dsv4": Dsv4, "indexer": IndexerStep,
+           "step5": Step5}
 
 
 def _build(cls, data: Any, path: str):
@@ -580,7 +657,7 @@ def _build(cls, data: Any, path: str):
             if not isinstance(value, (list, tuple)):
                 raise CaseError(f"{where}: expected a list")
             value = tuple(_build(_NESTED[name], v, f"{where}[{i}]") for i, v in enumerate(value))
-        elif name in ("dcp", "call") or (name in ("dsv4", "indexer") and value is not None):
+        elif name in ("dcp", "call") or (name in ("dsv4", "indexer", "step5") and value is not None):
             value = _build(_NESTED[name], value, where)
         elif name == "compressed_block_table":
             value = _int_table(value, where)

@@ -16,8 +16,27 @@ import dataclasses
 
 from hypothesis import strategies as st
 
-from strategies.batches import CaseSpace, _at_block_edges, _cdiv, _domains, _graph_padding, _sampled, block_tables, requests
-from strategies.case import INDEXER_MAX_SPECULATIVE, INDEXER_TOPK_BACKENDS, VALUE_KINDS, Case, IndexerStep, TopkSpec
+from strategies.batches import (
+    TOTAL_HEADS,
+    CaseSpace,
+    _at_block_edges,
+    _cdiv,
+    _domains,
+    _graph_padding,
+    _interleaves,
+    _sampled,
+    block_tables,
+    requests,
+)
+from strategies.case import (
+    INDEXER_MAX_SPECULATIVE,
+    INDEXER_TOPK_BACKENDS,
+    VALUE_KINDS,
+    Case,
+    Dcp,
+    IndexerStep,
+    TopkSpec,
+)
 from strategies.profiles import Profile
 from strategies.swarm import Swarm, category
 from strategies.traces import earlier_steps
@@ -41,22 +60,31 @@ def indexer_space(p: Profile, topk_backends: tuple[str, ...] = INDEXER_TOPK_BACK
 
 @st.composite
 def indexer_cases(draw, p: Profile, topk_backends: tuple[str, ...] = INDEXER_TOPK_BACKENDS,
-                  swarm: Swarm | None = None) -> Case:
-    x = p.indexer
+                  swarm: Swarm | None = None, dcp: Dcp | None = None, kv_cache_dtype: str = "bfloat16") -> Case:
+    """`dcp`: the steps under decode context parallelism (every rank runs them): block ids name a block on every
+    rank (the table covers virtual blocks of block_size x dcp.size tokens), top-k widths the DCP merge takes, and
+    MTP decodes only with interleave 1 (vLLM's supports_dcp_with_varlen)."""
+    x, dcp = p.indexer, dcp or Dcp()
     sizes = dataclasses.replace(p, max_decodes=x.max_decodes, max_prefills=x.max_prefills, max_tokens=x.max_tokens,
                                 max_context=x.max_context)
-    topk_width = _sampled(draw, swarm, "topk_width", x.topk_widths)
+    widths = x.topk_widths
+    if dcp.size > 1:
+        widths = tuple(w for w in widths if w in DCP_MERGE_TOPK_WIDTHS) or DCP_MERGE_TOPK_WIDTHS[:1]
+    topk_width = _sampled(draw, swarm, "topk_width", widths)
     heads = _sampled(draw, swarm, "heads", x.heads)
     mtp = category(draw, swarm, "decode_query_len")
     num_spec = draw(st.integers(1 if mtp == "mtp" else 0, 0 if mtp == "one" else INDEXER_MAX_SPECULATIVE))
+    if dcp.interleave > 1:
+        num_spec = 0
     # A full-graph engine replays a steady-state decode step, padded: drawn half the time without a swarm.
     padded = category(draw, swarm, "padding_rows")
     steady = padded == "some" or (padded is None and draw(st.booleans()))
     reqs, num_decodes = draw(requests(sizes, topk_width, 1 + num_spec, vllm_order=True, swarm=swarm,
                                       decode_only=steady))
     reqs = _at_block_edges(draw, reqs, num_decodes, INDEXER_BLOCK_SIZE, x.max_context, swarm)
-    table, _ = draw(block_tables([_cdiv(r.seq_len, INDEXER_BLOCK_SIZE) for r in reqs], False,
-                                 shareable=[r.context_len // INDEXER_BLOCK_SIZE for r in reqs], swarm=swarm))
+    virtual = INDEXER_BLOCK_SIZE * dcp.size  # under DCP a block id names one block on every rank
+    table, _ = draw(block_tables([_cdiv(r.seq_len, virtual) for r in reqs], False,
+                                 shareable=[r.context_len // virtual for r in reqs], swarm=swarm))
     padded_tokens = _graph_padding(reqs, num_decodes)
     budget = category(draw, swarm, "logits_budget") or draw(st.sampled_from(("default", "tight")))
     # cooperative and persistent refuse other widths (vLLM raises: a configuration error, not a bug to find)
@@ -64,7 +92,7 @@ def indexer_cases(draw, p: Profile, topk_backends: tuple[str, ...] = INDEXER_TOP
     indexer = IndexerStep(topk_backend=_sampled(draw, swarm, "topk_backend", backends or topk_backends),
                           num_speculative_tokens=num_spec, max_logits_mb=x.tight_logits_mb if budget == "tight" else 512)
     case = Case(requests=reqs, num_decodes=num_decodes, block_size=INDEXER_BLOCK_SIZE, block_table=table,
-                topk_width=topk_width, topk=(), heads=heads, kv_cache_dtype="bfloat16",
+                topk_width=topk_width, topk=(), heads=heads, kv_cache_dtype=kv_cache_dtype, dcp=dcp,
                 values=_sampled(draw, swarm, "values", VALUE_KINDS), seed=draw(st.integers(0, 2**16)),
                 padded_tokens=padded_tokens, cudagraph="full" if padded_tokens else "none",
                 indexer=indexer).validate()
@@ -90,5 +118,49 @@ def attention_module_cases(draw, p: Profile, attention_heads: tuple[int, ...], s
     # Drawn after the steps (the engine's fields: every step of a trace holds them): shrinking keeps them.
     x = dataclasses.replace(case.indexer, attention_heads=draw(st.sampled_from(attention_heads)),
                             skip_topk_layer=draw(st.booleans()))
+    earlier = tuple(dataclasses.replace(e, indexer=x) for e in case.earlier)
+    return dataclasses.replace(case, indexer=x, earlier=earlier).validate()
+
+
+# The DCP top-k merge (`_merge_dcp_topk_global`) takes these widths only (vLLM raises on others: a configuration
+# error); the first is where shrinking goes.
+DCP_MERGE_TOPK_WIDTHS = (512, 1024, 2048)
+# FlashMLA sparse under DCP: the fp8 mixed-batch path only (fewer than 32 heads a rank), the gathered heads inside
+# the local heads' fp8 envelope (64), DCP dividing TP = 128 / heads (powers of two: 3 divides no TP here).
+DCP_SIZES = (2, 4, 8)
+DCP_MAX_GATHERED_HEADS = 64
+
+
+def attention_module_dcp_space(p: Profile, attention_heads: tuple[int, ...],
+                               combine_rows: int | None = None) -> CaseSpace:
+    """DeepSeek-V3.2's attention module under DCP (`vllm.dsv32.attention.dcp`): a DCP group of 2-8 ranks (heads per
+    rank whose TP it divides and whose gathered heads stay within FlashMLA's fp8 envelope), its interleave, then the
+    indexer's steps over virtual blocks, an fp8_ds_mla MLA cache (vLLM runs FlashMLA sparse under DCP on no other),
+    and half the time a skip_topk layer. `combine_rows`: a cap on tokens x gathered heads x ranks a step's LSE
+    combine runs per layer (None: none), each step's tokens cut to fit it (at least 2): where the combine's kernel is
+    interpreted it costs a program per token and gathered head on every rank."""
+    x = p.indexer  # the knobs' top-k widths too: those the merge takes
+    widths = tuple(w for w in x.topk_widths if w in DCP_MERGE_TOPK_WIDTHS) or DCP_MERGE_TOPK_WIDTHS[:1]
+    p = dataclasses.replace(p, indexer=dataclasses.replace(x, topk_widths=widths))
+    return CaseSpace(lambda swarm: attention_module_dcp_cases(p, attention_heads, combine_rows, swarm),
+                     indexer_knobs(p))
+
+
+@st.composite
+def attention_module_dcp_cases(draw, p: Profile, attention_heads: tuple[int, ...], combine_rows: int | None = None,
+                               swarm: Swarm | None = None) -> Case:
+    fits = [(h, n) for n in DCP_SIZES for h in attention_heads
+            if h < 32 and h * n <= DCP_MAX_GATHERED_HEADS and (TOTAL_HEADS // h) % n == 0]
+    size = draw(st.sampled_from(sorted({n for _, n in fits})))
+    heads = draw(st.sampled_from([h for h, n in fits if n == size]))
+    # interleave 1 half the time (where shrinking goes): the only one under which vLLM takes MTP decodes with DCP
+    interleave = draw(st.sampled_from(_interleaves(INDEXER_BLOCK_SIZE)[1:])) if draw(st.booleans()) else 1
+    if combine_rows is not None:
+        x = p.indexer
+        p = dataclasses.replace(p, indexer=dataclasses.replace(
+            x, max_tokens=min(x.max_tokens, max(2, combine_rows // (heads * size * size)))))
+    case = draw(indexer_cases(p, INDEXER_TOPK_BACKENDS, swarm, dcp=Dcp(size, 0, interleave),
+                              kv_cache_dtype="fp8_ds_mla"))
+    x = dataclasses.replace(case.indexer, attention_heads=heads, skip_topk_layer=draw(st.booleans()))
     earlier = tuple(dataclasses.replace(e, indexer=x) for e in case.earlier)
     return dataclasses.replace(case, indexer=x, earlier=earlier).validate()

@@ -40,6 +40,19 @@ class IndexerSizes:
 
 
 @dataclass(frozen=True)
+class Step5Sizes:
+    """Step5 DSA steps (strategies.step5_batches): decodes only. Interpreted on a CPU, each (token, KV group) row's
+    attention costs ~(topk + 1) x 8 gathered tokens and its scoring ~ceil(regions / 128) tiles, so contexts stay
+    within a few hundred regions and top-k small enough that selection cuts there too."""
+
+    max_decodes: int
+    max_context: int  # tokens before a request's last token
+    topks: tuple[int, ...]  # sparse_config.topk (regions); the first is where shrinking goes
+    block_sizes: tuple[int, ...] = (64, 16, 32, 128)
+    max_steps: int = 9  # decode steps a case runs (9 crosses a region's close from anywhere)
+
+
+@dataclass(frozen=True)
 class Profile:
     name: str
     max_decodes: int  # decode requests (uniform query_len 1-4, MTP included)
@@ -69,6 +82,7 @@ class Profile:
                                 window_sizes=(128,), heads=(16, 8, 32, 64, 128))
     indexer: IndexerSizes = IndexerSizes(max_decodes=16, max_prefills=4, max_tokens=256, max_context=8000,
                                          topk_widths=(2048, 512, 1024), heads=(64, 32), tight_logits_mb=4)
+    step5: Step5Sizes = Step5Sizes(max_decodes=8, max_context=8192, topks=(512, 64, 16))
 
     def reaching_routes(self) -> "Profile":
         """This profile with steps long enough for a layer's routing thresholds: vLLM's sparse builders count a query
@@ -94,7 +108,8 @@ PROFILES = {
                                   max_prefill_context=600, max_prefill_compressed=12, topk_widths=(128,),
                                   window_sizes=(32, 64), heads=(16, 8, 64, 128), max_speculative=3),
                    indexer=IndexerSizes(max_decodes=4, max_prefills=2, max_tokens=48, max_context=2600,
-                                        topk_widths=(512, 2048, 256), heads=(64, 32))),
+                                        topk_widths=(512, 2048, 256), heads=(64, 32)),
+                   step5=Step5Sizes(max_decodes=3, max_context=800, topks=(8, 4, 16))),
     "gpu": Profile("gpu", max_decodes=12, max_prefills=4, max_tokens=512, max_context=4096,
                    topk_widths=(128, 256, 512, 1024, 2048, 2176), block_sizes=(64, 16, 32, 128),
                    edge_topk_widths=(4224, 8320)),

@@ -119,6 +119,22 @@ KNOBS = _knobs(
     Knob("padded_tokens", ("none", "some"), "tokens past the last request (graph padding: slot -1, position 0)"),
     Knob("max_model_len", ("large", "tight"), "the engine's max_model_len: far past the step, or just past its "
                                               "longest sequence (C128A row width, prefill chunk plan)"),
+    Knob("step5_groups", ("1", "2"), "Step5: KV groups (KV heads) a rank, each with its own indexer rows"),
+    Knob("step5_heads", ("8", "4", "16"), "Step5: query heads per KV group"),
+    Knob("step5_index_heads", ("4", "2"), "Step5: real indexer heads per group (padded to 8)"),
+    Knob("step5_topk", (), "Step5: sparse_config.topk, closed regions a query keeps (values: the profile's)"),
+    Knob("step5_context", ("short", "edge", "long"),
+         "Step5: a request's closed regions against topk: fewer (every one kept), within one of topk, far more"),
+    Knob("step5_region_edge", ("any", "closes", "opens"),
+         "Step5: the last step's token closes its 8-token region (position % 8 == 7: the summary is written), "
+         "opens one (% 8 == 0), or anywhere"),
+    Knob("step5_steps", ("one", "several"), "Step5: decode steps one engine runs (ring rows and summaries carried)"),
+    Knob("step5_regions", ("distinct", "ties"), "Step5: closed regions with repeated keys (equal scores at the cut)"),
+    Knob("step5_defer_clear", ("off", "on"), "Step5: the model's deferred inactive-row clear (gated decode)"),
+    Knob("step5_batch", ("few", "many"), "Step5: a few decodes, or more (token, KV group) rows than 128: the attention "
+                                         "kernel's single split (sparse_decode_splits), short contexts"),
+    Knob("step5_kv", ("bfloat16", "fp8", "fp8_calibrated"), "Step5: the KV cache, bf16 or e4m3 with k/v scale 1.0 or "
+                                                            "a calibrated checkpoint's"),
 )
 
 
@@ -223,6 +239,8 @@ def case_features(case: Case, domains: dict[str, tuple[str, ...]], max_context: 
         f["topk_rows"] = {"indexer" if all(t.valid == case.topk_width for t in case.topk) else "drawn"}
     if case.dsv4 is not None:
         f.update(dsv4_features(case, decodes))
+    if case.step5 is not None:
+        f.update(step5_features(case))
     if case.indexer is not None:
         f["topk_backend"] = {case.indexer.topk_backend}
         f["logits_budget"] = {"default" if case.indexer.max_logits_mb == 512 else "tight"}
@@ -269,6 +287,32 @@ def dsv4_features(case: Case, decodes) -> dict[str, set[str]]:
         f["c4_valid"] = {"zero" if n == 0 else "one" if n == 1 else "all" if n == width else "some" for n in counts}
         f["c4_order"] = {d.c4_order}
     return f
+
+
+def step5_features(case: Case) -> dict[str, set[str]]:
+    """The Step5 DSA knobs' categories of a case (Case.step5), read back as strategies.step5_batches draws them."""
+    x, reqs = case.step5, [r for r in case.requests if r.query_len]
+
+    def context(r) -> str:  # a request's closed 8-token regions against the top-k of regions
+        closed = r.context_len // 8
+        return "edge" if abs(closed - x.region_topk) <= 1 else "short" if closed < x.region_topk else "long"
+
+    last = reqs[0].context_len % 8 if reqs else None
+    return {
+        "step5_groups": {str(x.groups)},
+        "step5_heads": {str(case.heads // x.groups)},
+        "step5_index_heads": {str(x.index_heads)},
+        "step5_topk": {str(x.region_topk)},
+        "step5_context": {context(r) for r in reqs},
+        "step5_region_edge": {"closes" if last == 7 else "opens" if last == 0 else "any"},
+        "step5_steps": {"one" if x.steps == 1 else "several"},
+        "step5_regions": {x.regions},
+        "step5_defer_clear": {"on" if x.defer_inactive_clear else "off"},
+        "step5_batch": {"many" if len(reqs) * x.groups > 128 else "few"},
+        "step5_kv": {"bfloat16" if case.kv_cache_dtype == "bfloat16"
+                     else "fp8_calibrated" if case.fp8_scale == "arbitrary" else "fp8"},
+        "padded_tokens": {"some" if case.padded_tokens else "none"},
+    }
 
 
 def _table_layout(case: Case) -> str:

@@ -63,6 +63,8 @@ MUTANTS: dict[str, str] = {
     "indexer-prefill-weights-from-row-zero": "fuzzer.mutants.indexer_prefill_weights_from_row_zero",
     "dsv32-dense-mha-skip-with-decodes": "fuzzer.mutants.dsv32_dense_mha_skip_with_decodes",
     "dsv32-dense-mha-split-ignores-context": "fuzzer.mutants.dsv32_dense_mha_split_ignores_context",
+    "dsv32-dcp-no-query-gather-merge": "fuzzer.mutants.dsv32_dcp_no_query_gather_merge",
+    "step5-summary-position-off-by-one": "fuzzer.mutants.step5_summary_position_off_by_one",
 }
 
 

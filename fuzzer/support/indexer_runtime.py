@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import torch
 
 from fuzzer.support.flashmla_runtime import _has_op, configure, vllm_runtime
+from fuzzer.support.standins import dcp_indexer as dcp_indexer_standin
 from fuzzer.support.standins import deep_gemm as deep_gemm_standin
 from fuzzer.support.standins import indexer_ops
 
@@ -127,6 +128,52 @@ def prepare_indexer_host(device: str, force_standins: bool = False) -> tuple[tup
             topk.torch = SimpleNamespace(**{**vars(torch), "ops": SimpleNamespace(_C=SimpleNamespace(**direct))})
         emulated += missing
     return tuple(emulated), tuple(overrides)
+
+
+# The DCP merge's checks that ask for CuTe-DSL and CUDA tensors (`_assert_cutedsl_dcp_merge_supported`): a host that
+# runs the merge's stand-ins has neither; the merge's other checks (fp32 logits, int32 indices, top-k 512/1024/2048)
+# stay as vLLM wrote them.
+_CUTEDSL_ONLY_CHECKS = ("not has_cutedsl()", "logits.device.type != 'cuda'")
+
+
+def _has_real_dcp_merge() -> bool:
+    try:
+        module = importlib.import_module(dcp_indexer_standin.MODULE)
+    except Exception:  # no CuTe-DSL (cutlass, cuda.bindings, quack): the module cannot import at all
+        return False
+    return not getattr(module, "__attnfuzz_standin__", False)
+
+
+@functools.cache
+def prepare_dcp_merge(device: str, force_standins: bool = False) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The indexer's DCP top-k merge (`_merge_dcp_topk_global`) where this host lacks its kernels (CuTe-DSL's
+    module; on a CPU, CUDA tensors too): attnfuzz's stand-ins in vLLM's module's place (`standins/dcp_indexer.py`)
+    and vLLM's own check function rebuilt without its two CuTe-DSL/CUDA-only tests. Returns (emulated kernels,
+    overrides), in words; nothing where the host runs the real ones."""
+    import ast
+    import inspect
+    import sys
+    import textwrap
+
+    if not force_standins and device != "cpu" and _has_real_dcp_merge():
+        return (), ()
+    sys.modules.pop(dcp_indexer_standin.MODULE, None)
+    dcp_indexer_standin.install()
+    indexer = importlib.import_module(INDEXER_MODULE)
+    check = inspect.unwrap(indexer._assert_cutedsl_dcp_merge_supported)
+    tree = ast.parse(textwrap.dedent(inspect.getsource(check)))
+
+    class Drop(ast.NodeTransformer):
+        def visit_If(self, node):
+            return None if ast.unparse(node.test) in _CUTEDSL_ONLY_CHECKS else node
+
+    tree = ast.fix_missing_locations(Drop().visit(tree))
+    scope = dict(vars(indexer))
+    exec(compile(tree, inspect.getsourcefile(check), "exec"), scope)
+    indexer._assert_cutedsl_dcp_merge_supported = scope[check.__name__]
+    return ((("dcp_indexer_cutedsl.pack_dcp_topk_candidates_cutedsl (vLLM's Triton pack kernel, in a module that "
+              "needs CuTe-DSL to import)"), "dcp_indexer_cutedsl.stable_topk_from_gathered_candidates_cutedsl (CuTe-DSL)"),
+            ("_assert_cutedsl_dcp_merge_supported without its CuTe-DSL and CUDA-tensor tests",))
 
 
 def indexer_config(device: str, state_dir: str, step, max_num_batched_tokens: int):

@@ -49,6 +49,9 @@ V32_ATTENTION = "vllm.models.deepseek_v32.attention"
 INDEXER_BUILDER = "vllm.v1.attention.backends.mla.indexer"
 INDEXER_OP = "vllm.model_executor.layers.sparse_attn_indexer"
 INDEXER_TOPK = "vllm.model_executor.layers.indexer_topk"
+DCP_OPS = "vllm.v1.attention.ops.dcp"
+STEP5_ADAPTER = "vllm.models.step5.nvidia.flashinfer_sparse"
+STEP5_SUMMARY = "vllm.models.step5.nvidia.sparse_summary_cache"
 
 Classify = Callable[[tuple, dict], Iterable[str]]
 
@@ -256,8 +259,30 @@ def _dsv32_layer(args: tuple, kwargs: dict) -> Iterator[str]:
     yield "dsv32.layer.indexer" if getattr(args[0], "indexer", None) is not None else "dsv32.layer.skip_topk"
 
 
+def _dcp_merge(args: tuple, kwargs: dict) -> Iterator[str]:
+    # _merge_dcp_topk_global(logits, topk_indices, topk_tokens, dcp_rank, dcp_world_size, ...): a no-op without DCP
+    if (_arg(args, kwargs, "dcp_world_size", 4, 1) or 1) > 1:
+        yield "indexer.dcp_merge"
+
+
 def _indexer_topk(args: tuple, kwargs: dict, result) -> Iterator[str]:
     yield f"indexer.topk.{result}"  # SparseIndexerTopk.resolve_backend: the decode top-k kernel it chose
+
+
+def _step5_select(args: tuple, kwargs: dict) -> Iterator[str]:  # select_regions(scores, current, topk, ...)
+    scores, topk = _arg(args, kwargs, "scores", 0), _arg(args, kwargs, "topk", 2)
+    yield "step5.select.all" if scores.shape[1] <= topk else "step5.select.topk"
+
+
+def _step5_attention(args: tuple, kwargs: dict) -> Iterator[str]:  # sparse_decode_attention(query, cache, ...)
+    yield "step5.attention.splits" if kwargs.get("splits", 1) > 1 else "step5.attention.one_split"
+    cache = _arg(args, kwargs, "cache", 1)
+    if str(cache.dtype) in ("torch.uint8", "torch.float8_e4m3fn"):
+        yield "step5.attention.fp8"
+    if kwargs.get("gate") is not None:
+        yield "step5.attention.gated"
+    if cache.shape[1] > 1:
+        yield "step5.attention.groups"
 
 
 PROBES: tuple[Probe, ...] = (
@@ -267,6 +292,11 @@ PROBES: tuple[Probe, ...] = (
     Probe(INDEXER_BUILDER, "DeepseekV32IndexerMetadataBuilder.update_draft_decode_metadata", "mtp_draft.update"),
     Probe(INDEXER_OP, "pack_seq_triton", "indexer.decode.pack"),
     Probe(INDEXER_TOPK, "SparseIndexerTopk.resolve_backend", after=_indexer_topk),
+    Probe(INDEXER_OP, "_merge_dcp_topk_global", before=_dcp_merge),
+    # MLA's DCP collectives as MLADCPManager makes them (the query all-gather, the LSE combine's all-gather +
+    # reduce-scatter), bound when a layer makes its manager
+    Probe(DCP_OPS, "MLADCPManager._gather_query", "dcp.query_gather"),
+    Probe(DCP_OPS, "cp_lse_ag_out_rs", "dcp.combine"),
     # DeepSeek-V3.2's attention module: its seam between the indexer and sparse MLA, and the indexer op it calls
     Probe(V32_ATTENTION, "DeepseekV32Attention._sparse_indexer_and_attn", before=_dsv32_layer),
     Probe(V32_ATTENTION, "sparse_attn_indexer", "dsv32.indexer_op"),
@@ -339,6 +369,13 @@ PROBES: tuple[Probe, ...] = (
     Probe(DSV41_LAYER, "combine_topk_swa_indices", "dsv41.combine"),
     Probe(DSV41_LAYER, "flash_mla_with_kvcache", before=_dsv41_decode_kernel),
     Probe(DSV41_LAYER, "flash_mla_sparse_fwd", "dsv41.kernel.prefill"),
+    # Step5's DSA decode route (STEP5_DSA): the summary update, the indexer's scores, the region selection, the
+    # paged sparse attention
+    Probe(STEP5_SUMMARY, "Step5SparseSummaryCache.update_decode", "step5.summary.decode"),
+    Probe(STEP5_ADAPTER, "decode_summary_scores", "step5.scores.direct"),
+    Probe(STEP5_ADAPTER, "Step5FlashInferSparse.pack_decode_summaries", "step5.scores.packed"),
+    Probe(STEP5_ADAPTER, "select_regions", before=_step5_select),
+    Probe(STEP5_ADAPTER, "sparse_decode_attention", before=_step5_attention),
 )
 
 # Every name a probe can record, for reports (paths never seen are worth showing too).
@@ -365,7 +402,11 @@ KNOWN_PATHS: tuple[str, ...] = (
     "pcp_dcp.prefill_shards.whole", "pcp_dcp.kv_gather", "pcp.cache_inputs_gather", "pcp.finalize_decode",
     "indexer.decode", "indexer.decode.native_mtp", "indexer.decode.flattened", "indexer.decode.requires_padding",
     "indexer.decode.pack", "indexer.prefill", "indexer.prefill.chunks", "indexer.prefill.query_subchunks",
-    "dsv32.layer.indexer", "dsv32.layer.skip_topk", "dsv32.indexer_op",
+    "dsv32.layer.indexer", "dsv32.layer.skip_topk", "dsv32.indexer_op", "indexer.dcp_merge", "dcp.query_gather",
+    "dcp.combine",
+    "step5.summary.decode", "step5.scores.direct", "step5.scores.packed", "step5.select.all", "step5.select.topk",
+    "step5.attention.splits", "step5.attention.one_split", "step5.attention.fp8", "step5.attention.gated",
+    "step5.attention.groups",
     *(f"indexer.topk.{b}" for b in ("cooperative", "persistent", "per_row", "torch", "deep_select", "flashinfer",
                                     "aiter")),
 )

@@ -34,8 +34,10 @@ REGISTERED: dict[str, str] = {
     "vllm.dsv32.attention": "fuzzer.targets.dsv32_attention:Dsv32Attention",
     "vllm.dsv32.attention.flashattn": "fuzzer.targets.dsv32_attention_backends:Dsv32AttentionFlashAttn",
     "vllm.dsv32.attention.flashinfer_sm90": "fuzzer.targets.dsv32_attention_backends:Dsv32AttentionFlashInferSM90",
+    "vllm.dsv32.attention.dcp": "fuzzer.targets.dsv32_attention_dcp:Dsv32AttentionDcp",
     "vllm.dsv4.flashmla": "fuzzer.targets.dsv4_flashmla:Dsv4FlashMLA",
     "vllm.dsv41.flashmla": "fuzzer.targets.dsv41_flashmla:Dsv41FlashMLA",
+    "vllm.step5_dsa": "fuzzer.targets.step5_dsa:Step5DSA",
     "selftest.fault": "fuzzer.targets.selftest:SelftestFault",  # harness self-test, not vLLM
 }
 
