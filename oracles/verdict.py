@@ -30,6 +30,7 @@ CHECKS: dict[str, str] = {
     "values": "index values differ from the documented remap",
     "topk": "the indexer's top-k rows are not a top-k of the step's scores (an id outside the causal window, a repeat, "
             "a wrong count, -1 before an id, or a selected score below the k-th best beyond the tolerance)",
+    "dcp_topk": "DCP ranks' top-k buffers differ after the indexer's merge (every rank must hold the same merged rows)",
     "padded_rows": "a CUDA-graph padding token's row is not as vLLM's code leaves it (the indexer clears it to -1)",
     "buffer_rows": "a persistent buffer changed in rows past the step's",
     "route": "the indexer and the MLA layer disagree on a token's route: dense MHA over a causal window wider than "
