@@ -24,6 +24,8 @@ from strategies.case import Case
 
 FINDING_STATUSES = ("open", "fixed")
 RELEASE_OUTCOMES = ("present", "absent")
+# What a known bug can need of a target before it counts as met there (finding.json "needs"; Declared.reaches).
+FINDING_NEEDS = ("graph_replay",)
 CAMPAIGN_SCHEMA = 1
 
 
@@ -147,6 +149,7 @@ class FindingRecord:
     summary: str
     sanitizer: str | None
     raw: dict = field(repr=False, compare=False)
+    needs: tuple[str, ...] = ()  # what a target must reach to meet this bug (FINDING_NEEDS), e.g. a graph replay
 
     @property
     def title(self) -> str:
@@ -196,11 +199,14 @@ def read_finding(path: Path) -> FindingRecord:
         verdicts = tuple(Verdict(**v) for v in need("verdicts", list, []))
     except TypeError as e:
         raise RecordError(f"{path}: field 'verdicts': {e}") from e
+    needs = tuple(need("needs", list, []))
+    if any(n not in FINDING_NEEDS for n in needs):
+        raise RecordError(f"{path}: field 'needs' must list some of {', '.join(FINDING_NEEDS)}, not {list(needs)}")
     return FindingRecord(path.parent, need("id", str, path.parent.name), target, need("signature", str, ""), status,
                          releases, inject, tuple(need("bug_classes", list, [])),
                          tuple(v for v in verdicts if not v.ok), host, int(need("examples_to_find", int, 0)),
                          float(need("seconds_to_find", (int, float), 0.0)),
-                         need("summary", str, ""), need("sanitizer", str, None), d)
+                         need("summary", str, ""), need("sanitizer", str, None), d, needs)
 
 
 # -- the run summary --------------------------------------------------------------------------------------------

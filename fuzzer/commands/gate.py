@@ -106,9 +106,13 @@ SIDE_BY_SIDE = {"vllm.sparse_mla.all": {"vllm.flashmla_sparse": "FLASHMLA_SPARSE
                                         "vllm.flashinfer_sparse_sm90": "FLASHINFER_MLA_SPARSE_SM90"}}
 
 
-def known_signature(found_on: str, signature: str, target: str) -> str | None:
+def known_signature(found_on: str, signature: str, target: str, needs: tuple[str, ...] = ()) -> str | None:
     """The signature a bug found on `found_on` carries when `target` meets it again, or None where it does not: on
-    `found_on`, a target built over it, or one declaring (`runs_backend_of`) that it runs such a target's backend."""
+    `found_on`, a target built over it, or one declaring (`runs_backend_of`) that it runs such a target's backend,
+    provided the target reaches what the bug needs (a graph replay: a module target running FULL eagerly cannot meet
+    a backend's graph bug, and a NaN of its own must not pass as that bug)."""
+    if needs and target in REGISTERED and not set(needs) <= declared(target).reaches:
+        return None
     also = declared(target).runs_backend_of if target in REGISTERED else ()
     if any(reached_through(found_on, t) for t in (target, *also)):
         return signature
@@ -357,7 +361,7 @@ def main(args: argparse.Namespace, device: str) -> int:
 
         if not args.no_campaigns:
             known = {(t, sig): rec.id for rec in records if rec.expects_bug(vllm_version) for t in TARGETS
-                     if (sig := known_signature(rec.target, rec.signature, t))}
+                     if (sig := known_signature(rec.target, rec.signature, t, rec.needs))}
             per_target: dict[str, tuple[str, ...]] = {}
             for target, sig in known:
                 per_target[target] = per_target.get(target, ()) + (sig,)

@@ -133,7 +133,7 @@ def known_open_bugs(repros: Path, vllm_version: str) -> dict[str, tuple[str, ...
     known: dict[str, tuple[str, ...]] = {}
     for rec in find_repros(repros):
         for target in TARGETS if rec.expects_bug(vllm_version) else ():
-            if sig := known_signature(rec.target, rec.signature, target):
+            if sig := known_signature(rec.target, rec.signature, target, rec.needs):
                 known[target] = tuple(sorted({*known.get(target, ()), sig}))
     return known
 

@@ -140,6 +140,9 @@ class Target(ABC):
     # Registered targets whose backend this one runs under another name (a module target on a backend's layer): a
     # known open bug of theirs, or of a target they are built over, is known here too (the gate's known_signature).
     runs_backend_of: ClassVar[tuple[str, ...]] = ()
+    # Its "full" steps are captured and replayed as graphs (really on a GPU, emulated on a CPU), not run eagerly
+    # under FULL's mode: a known bug that needs a replay (finding.json "needs": ["graph_replay"]) can meet it.
+    replays_graphs: ClassVar[bool] = False
 
 
 

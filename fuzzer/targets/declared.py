@@ -18,7 +18,7 @@ from pathlib import Path
 
 # The class attributes read here (fuzzer.targets.base.Target declares each with its default).
 FIELDS = ("name", "summary", "bug_classes", "kv_cache_dtypes", "cudagraph_modes", "needs_vllm", "cuda_gpus",
-          "runs_backend_of")
+          "runs_backend_of", "replays_graphs")
 ROOTS = ("fuzzer", "strategies", "oracles")  # the packages whose classes are read (a base elsewhere declares none)
 
 
@@ -36,6 +36,12 @@ class Declared:
     lineage: tuple[str, ...]  # "module:Class" of its class and each class it derives from (Python's MRO), itself first
     static: bool = True  # False: some declaration was not a literal and came from the imported class
     runs_backend_of: tuple[str, ...] = ()  # registered targets whose backend it runs (their known bugs are its own)
+    replays_graphs: bool = False  # its "full" steps are replayed graphs, not eager runs
+
+    @property
+    def reaches(self) -> frozenset[str]:
+        """What a known bug's finding.json may need (`needs`) that this target's cases can reach."""
+        return frozenset({"graph_replay"} if self.replays_graphs and "full" in self.cudagraph_modes else ())
 
     def derives_from(self, other: Declared) -> bool:
         """issubclass(this target's class, other's class), without importing either."""
@@ -155,6 +161,8 @@ def read(ref: str) -> Declared:
                 dynamic.add(field)
     if "runs_backend_of" not in dynamic:
         values.setdefault("runs_backend_of", ())  # (Target's default, for a base outside fuzzer.targets.base)
+    if "replays_graphs" not in dynamic:
+        values.setdefault("replays_graphs", False)
     missing = dynamic | (set(FIELDS) - values.keys())
     if missing:  # not literals (or not declared where they can be read): the imported class knows
         module, _, name = ref.partition(":")
@@ -165,4 +173,4 @@ def read(ref: str) -> Declared:
                     bug_classes=values["bug_classes"], kv_cache_dtypes=tuple(values["kv_cache_dtypes"]),
                     cudagraph_modes=tuple(values["cudagraph_modes"]), needs_vllm=bool(values["needs_vllm"]),
                     cuda_gpus=int(values["cuda_gpus"]), lineage=lineage, static=not missing,
-                    runs_backend_of=tuple(values["runs_backend_of"]))
+                    runs_backend_of=tuple(values["runs_backend_of"]), replays_graphs=bool(values["replays_graphs"]))

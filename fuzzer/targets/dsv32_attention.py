@@ -64,6 +64,7 @@ class Dsv32Attention(FlashMLASparseLayer):
                   "pack_seq_triton / unpack_seq_triton, as_fp32_logits and the builders' Triton kernels")
     kv_cache_dtypes = ("bfloat16",)  # the MLA cache's; the index cache is always fp8 with ue8m0 scales
     cudagraph_modes = ("none", "full")  # full: the indexer's padded decode batches, run eagerly under FULL's mode
+    replays_graphs = False  # (so a backend's known graph-replay bug is not taken as met here)
     outputs_stay_on_device = True
 
     def unavailable(self) -> str | None:

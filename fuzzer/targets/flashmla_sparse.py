@@ -102,6 +102,7 @@ class FlashMLASparse(Target):
                   "the index-remap Triton kernel")
     kv_cache_dtypes = ("bfloat16", "fp8_ds_mla")
     cudagraph_modes = ("none", "full")
+    replays_graphs = True  # full: decode steps captured and replayed (fuzzer/support/cudagraphs.py)
     outputs_stay_on_device = True  # the attention oracles judge on the device (oracles/attention_judge.py)
     vllm_backend = "FLASHMLA_SPARSE"  # vLLM's name for the backend whose builder and impl every step runs
     # Traces with MTP draft steps (Case.mtp_draft): for a builder that updates draft metadata in place.

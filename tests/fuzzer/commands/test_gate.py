@@ -267,3 +267,26 @@ def test_a_known_bug_of_a_backend_is_known_where_it_runs_side_by_side():
     assert known_signature("vllm.flashmla_sparse.layer", "output:output", "vllm.sparse_mla.all") is None
     members = TARGETS["vllm.sparse_mla.all"].BACKENDS
     assert SIDE_BY_SIDE["vllm.sparse_mla.all"] == {cls.name: backend for backend, cls in members.items()}
+
+
+def test_a_known_graph_replay_bug_is_known_only_where_graphs_are_replayed(tmp_path):
+    """FlashInfer SM90's open NaN under replayed full graphs (finding.json "needs": ["graph_replay"]) is known on
+    its backend's target, which replays them, but not on targets that run FULL eagerly or never draw it: there a
+    NaN is a bug of its own (a module mutant leaving rows unwritten must not pass as the graph bug)."""
+    import json
+
+    from fuzzer.commands.gate import known_signature
+    from fuzzer.errors import RecordError
+    from fuzzer.records import read_finding
+    from fuzzer.targets.registry import declared
+
+    rec = read_finding(Path(__file__).resolve().parents[3] / "repros" / "flashinfer-sparse-sm90-8079906f")
+    assert rec.needs == ("graph_replay",)
+    assert "graph_replay" in declared("vllm.flashinfer_sparse_sm90").reaches
+    assert known_signature(rec.target, rec.signature, "vllm.flashinfer_sparse_sm90", rec.needs) == "nan:nan"
+    for eager in ("vllm.flashinfer_sparse_sm90.layer", "vllm.dsv32.attention.flashinfer_sm90", "vllm.sparse_mla.all"):
+        assert known_signature(rec.target, rec.signature, eager, rec.needs) is None, eager
+    bad = json.loads((rec.dir / "finding.json").read_text()) | {"needs": ["a_bigger_gpu"]}
+    (tmp_path / "finding.json").write_text(json.dumps(bad))
+    with pytest.raises(RecordError, match="field 'needs'"):
+        read_finding(tmp_path)
