@@ -184,7 +184,7 @@ def settings(**overrides) -> hypothesis_settings:
 
 def findings_dir() -> Path:
     """Where a failing check saves its finding and reproducer: `$ATTNFUZZ_STATE/findings` (default
-    `.attnfuzz/findings`, relative to where the session started), as `attnfuzz run` saves them."""
+    `.attnfuzz/findings` under the working directory), as `attnfuzz run` saves them."""
     return (STATE_DIR / "findings").resolve()
 
 

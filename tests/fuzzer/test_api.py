@@ -55,6 +55,27 @@ def test_swarmed_draws_each_case_under_a_swarm_of_its_own():
     assert len({c.num_decodes for c in seen}) > 1
 
 
+CPU = api.PROFILES["cpu"]
+
+
+@pytest.mark.parametrize("space, shows", [
+    (api.attention_space(CPU, api.AttentionFeatures(dcp=True)), lambda c: c.dcp.size > 1),  # DCP splits
+    (api.attention_space(CPU, api.AttentionFeatures(traces=True)), lambda c: bool(c.earlier)),  # traces
+    (api.dsv4_space(CPU, api.Dsv4Features()), lambda c: c.dsv4 is not None),  # DeepSeek-V4 steps
+    (api.dsv4_space(CPU, api.V41_FEATURES), lambda c: c.dsv4 is not None),  # DeepSeek-V4.1 steps
+], ids=["dcp", "traces", "dsv4", "dsv41"])
+def test_the_composable_strategies_draw_what_their_features_ask_for(space, shows):
+    seen = []
+
+    @api.settings(max_examples=30, database=None)
+    @given(space.strategy())
+    def draw(case):
+        seen.append(case.validate())
+
+    draw()
+    assert any(shows(c) for c in seen) and set(space.knobs) <= set(api.KNOBS)
+
+
 def test_cases_are_the_targets_own_as_a_run_narrows_them():
     @api.settings(max_examples=10, database=None)
     @given(api.cases(TARGET, kv_cache_dtypes=("fp8_ds_mla",), cudagraph_modes=("none",), max_steps=1))

@@ -107,10 +107,11 @@ def test_each_campaign_is_judged_as_the_gate_judges_it(pytester, recorded):
     assert found and (Path(found.group(1)) / "repro.py").is_file(), out
     assert f"reproducer: cd {found.group(1)} && python repro.py" in out
     assert "shrink it: attnfuzz run --target vllm.dcp_filter --seed 0 --time-budget 30s" in out
-    result.stdout.fnmatch_lines(["*COULD NOT TEST vllm.indexer[[]bfloat16[]] (exit 2 or a time-out: says nothing about vLLM): "
-                                 "exited 2: attnfuzz: target is not available here: no such kernel",
-                                 "*vllm.triton_sparse[[]bfloat16[]]: passed, 12 cases in 3.0 s (20 s with start-up), stand-ins: "
-                                 "concat_and_cache_mla: known open bug(s) found again: output:output (triton-sparse-1)"])
+    result.stdout.fnmatch_lines([("*COULD NOT TEST vllm.indexer[[]bfloat16[]] (exit 2 or a time-out: says nothing about "
+                                  "vLLM): exited 2: attnfuzz: target is not available here: no such kernel"),
+                                 ("*vllm.triton_sparse[[]bfloat16[]]: passed, 12 cases in 3.0 s (20 s with start-up), "
+                                  "stand-ins: concat_and_cache_mla: known open bug(s) found again: output:output "
+                                  "(triton-sparse-1)")])
     cases = {c.get("name"): c for c in ET.parse(junit).getroot().iter("testcase")}
     assert {c.get("classname") for c in cases.values()} == {"attnfuzz"}
     assert cases["vllm.dcp_filter"].find("failure").get("message").startswith("vllm.dcp_filter: 12 cases")
