@@ -29,6 +29,11 @@ def _torch_has_cuda() -> bool:
     return torch.version.cuda is not None
 
 
+def host_device() -> str:
+    """The device a command runs on by default: "cuda" on a host with a GPU driver, else "cpu"."""
+    return "cuda" if _has_cuda_driver() else "cpu"
+
+
 def prepare_process(device: str | None = None) -> str:
     """Configure this process for `device` ("cpu" or "cuda"; None = what the host has) before vLLM loads.
 
@@ -38,7 +43,7 @@ def prepare_process(device: str | None = None) -> str:
     if "vllm" in sys.modules:
         return "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
     if device is None:
-        device = "cuda" if _has_cuda_driver() else "cpu"
+        device = host_device()
     if device == "cuda" and not _has_cuda_driver():
         raise UsageError("--device cuda: this host has no GPU driver (no /dev/nvidia0); run with --device cpu")
     if device == "cuda" and not _torch_has_cuda():

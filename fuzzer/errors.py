@@ -97,6 +97,28 @@ class CollectivesBroken(RuntimeError):
     """vLLM's DCP group's collectives returned wrong values on known inputs, before any case ran."""
 
 
+# -- attnfuzz inside a user's test suite (fuzzer/api.py, fuzzer/pytest_plugin.py) -----------------------------------
+
+class CouldNotTest(UsageError):
+    """A library check or a pytest item could not test: the target cannot run on this host or vLLM release, or its
+    campaign could not run (exit 2, a time-out). The test fails with this reason; it never passes."""
+
+
+class FindingFailed(AssertionError):
+    """A library check's case failed its oracle: the finding, and where its reproducer was saved (None while
+    Hypothesis is still shrinking: the reproducer is saved for the final, shrunk case). Subclassed once per signature
+    (fuzzer/api.py), so that Hypothesis shrinks each bug on its own."""
+
+    def __init__(self, message: str, finding=None, path=None):
+        super().__init__(message)
+        self.finding, self.path = finding, path
+
+
+class EmulatedWarning(UserWarning):
+    """A library check ran on attnfuzz's stand-ins for compiled ops this host lacks: said once per target and set of
+    ops, as every result of attnfuzz says it."""
+
+
 # -- the search's own signals --------------------------------------------------------------------------------------
 
 class CaseFailed(Exception):

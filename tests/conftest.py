@@ -37,7 +37,22 @@ def _vllm_importable() -> bool:
     return True
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "nightly: a slow end-to-end test, run by `-m nightly` or ATTNFUZZ_NIGHTLY=1")
+
+
+def _nightly_selected(config) -> bool:
+    """Nightly tests run when asked for: ATTNFUZZ_NIGHTLY=1, or a -m expression that names them (not `not nightly`)."""
+    expression = config.getoption("markexpr") or ""
+    return os.environ.get("ATTNFUZZ_NIGHTLY") == "1" or ("nightly" in expression and "not nightly" not in expression)
+
+
 def pytest_collection_modifyitems(config, items):
+    if not _nightly_selected(config):
+        later = pytest.mark.skip(reason="nightly: run with -m nightly or ATTNFUZZ_NIGHTLY=1")
+        for item in items:
+            if item.get_closest_marker("nightly"):
+                item.add_marker(later)
     if _vllm_importable():
         return
     skip = pytest.mark.skip(reason="vLLM is not importable in this environment (see README set-up)")

@@ -23,8 +23,8 @@ FLOORS = {
     "fuzzer.targets": 5,
     "fuzzer.search": 6,
     "fuzzer.run": 7, "fuzzer.artifacts": 7,
-    "fuzzer.commands": 8,
-    "fuzzer.cli": 9,
+    "fuzzer.commands": 8, "fuzzer.api": 8,
+    "fuzzer.cli": 9, "fuzzer.pytest_plugin": 9,
 }
 VLLM_IMPORTERS = ("fuzzer.targets", "fuzzer.support", "fuzzer.mutants")
 

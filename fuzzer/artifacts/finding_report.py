@@ -81,3 +81,24 @@ def render_report(f) -> str:
     lines += ["", "## Reproduce", "", "```", how, "```",
               "", "## Case", "", "```json", f.case.to_json(), "```", ""]
     return "\n".join(lines)
+
+
+def found_text(f, path=None) -> str:
+    """A finding in a few plain lines, as a failing test prints it: where it was saved (None: not yet), its bug
+    classes, the case, the primary failed check and how to run the reproducer."""
+    classes = ",".join(sorted({v.bug_class for v in f.verdicts if v.bug_class})) or "-"
+    injected = f", injected bug {f.inject}" if f.inject else ""
+    stand_ins = ", ".join(f.observation.emulated) or "none"
+    lines = [f"FOUND {path or f.id}  class {classes} on {f.target}{injected}, after {f.examples_to_find} cases "
+             f"({f.seconds_to_find:.1f} s) on vLLM {f.host.vllm} ({f.host.device}; stand-ins for ops this host lacks: "
+             f"{stand_ins})",
+             f"  {'shrunk case' if f.shrunk else 'case'}: {f.case.summary()}",
+             f"  {f.title}"]
+    lines += [f"  also: {v.check}: {v.detail}" for v in f.verdicts if v.detail != f.title][:3]
+    if path is None:
+        lines.append("  reproducer: saved with the final, shrunk case")
+    elif f.has_repro:
+        lines.append(f"  reproducer: cd {path} && python repro.py   # exits 1 while the bug is present, 0 once fixed")
+    else:
+        lines.append(f"  reproducer: attnfuzz replay {path}")
+    return "\n".join(lines)

@@ -123,6 +123,21 @@ def known_signature(found_on: str, signature: str, target: str, needs: tuple[str
     return f"{check}:{backend}:{where}" if where else f"{check}:{backend}"
 
 
+def known_bugs(records: list[FindingRecord], vllm_version: str) -> dict[tuple[str, str], str]:
+    """(target, signature) -> id of the reproducer whose bug is expected present on `vllm_version`, for every
+    registered target that meets that bug (`known_signature`): a campaign finding it again is not failed."""
+    return {(t, sig): rec.id for rec in records if rec.expects_bug(vllm_version) for t in TARGETS
+            if (sig := known_signature(rec.target, rec.signature, t, rec.needs))}
+
+
+def known_per_target(known: dict[tuple[str, str], str]) -> dict[str, tuple[str, ...]]:
+    """target -> the signatures of its known open bugs (`known_bugs`), as `gate_specs` passes them to `run --known`."""
+    per_target: dict[str, tuple[str, ...]] = {}
+    for target, sig in known:
+        per_target[target] = per_target.get(target, ()) + (sig,)
+    return per_target
+
+
 def find_repros(root: Path) -> list[FindingRecord]:
     if not root.is_dir():
         raise GateError(f"--repros {root}: no such directory")
@@ -360,12 +375,9 @@ def main(args: argparse.Namespace, device: str) -> int:
             print(f"  repro {r.id}: {r.outcome} ({r.seconds:.1f} s) {r.detail}", flush=True)
 
         if not args.no_campaigns:
-            known = {(t, sig): rec.id for rec in records if rec.expects_bug(vllm_version) for t in TARGETS
-                     if (sig := known_signature(rec.target, rec.signature, t, rec.needs))}
-            per_target: dict[str, tuple[str, ...]] = {}
-            for target, sig in known:
-                per_target[target] = per_target.get(target, ()) + (sig,)
-            specs, skipped = gate_specs(device, unavailable, dtypes, args.seed, args.budget_scale, only, per_target)
+            known = known_bugs(records, vllm_version)
+            specs, skipped = gate_specs(device, unavailable, dtypes, args.seed, args.budget_scale, only,
+                                        known_per_target(known))
             for s in skipped:
                 print(f"  campaign {s.name}: skipped ({s.reason})", flush=True)
 

@@ -40,6 +40,7 @@ class CampaignSpec:
     extra: tuple[str, ...] = ()  # more `attnfuzz run` options (e.g. --sanitizer memcheck)
     env: tuple[tuple[str, str], ...] = ()  # more environment (e.g. ATTNFUZZ_GUARDS=0)
     label: str = ""  # tells apart campaigns that differ only in extra/env
+    time_budget: float | None = None  # seconds of search (`run --time-budget`) in place of max_examples
 
     @property
     def name(self) -> str:
@@ -52,7 +53,9 @@ class CampaignSpec:
 
     def argv(self, device: str, workdir: Path) -> list[str]:
         argv = [sys.executable, "-m", "fuzzer.cli", "--device", device, "run", "--target", self.target,
-                "--seed", str(self.seed), "--max-examples", str(self.max_examples),
+                "--seed", str(self.seed),
+                *(("--time-budget", f"{self.time_budget:g}s") if self.time_budget is not None
+                  else ("--max-examples", str(self.max_examples))),
                 "--json", str(workdir / "summary.json"), "--repros", str(workdir / "repros"), "--quiet"]
         if self.kv_cache_dtype:
             argv += ["--kv-cache-dtype", self.kv_cache_dtype]
