@@ -58,6 +58,12 @@ class HarnessConfigError(HarnessError):
     """attnfuzz built vLLM's inputs incompletely for this release: a harness bug, never a finding."""
 
 
+class VllmCallMoved(HarnessError):
+    """A call attnfuzz makes into vLLM does not fit the installed release: a name it looks up, a keyword it passes
+    or the shape of what it takes apart moved (told by fuzzer/targets/vllm_api.py `moved_call`). Could not test,
+    naming the call: never a finding, never clean."""
+
+
 class WorkerError(RuntimeError):
     """A worker process could not be started or could not import what it needs: exit 2."""
 

@@ -3,8 +3,9 @@
 #
 #   scripts/setup-venv.sh [VENV=.venv] [VLLM_VERSION=0.33.0]
 #
-# torch 2.13.0 (CPU build) + triton from PyPI + vLLM installed with --no-deps (its declared deps pull a CUDA
-# torch) + the packages vLLM's import chain needs (requirements/vllm-import.txt) + attnfuzz itself (editable).
+# attnfuzz itself (editable) with its `standalone` extra (pyproject.toml: torch 2.13.0 CPU build, triton, the packages
+# vLLM's import chain needs, the tests' tools), then vLLM installed with --no-deps (its declared deps pull a CUDA
+# torch). Beside a vLLM of the user's own, `pip install .` alone is enough: it changes no torch, triton or vllm.
 # Idempotent: re-running it on a finished venv only checks it.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -19,11 +20,8 @@ PIP=(pip_quiet "$VENV/bin/python" -m pip install -q --disable-pip-version-check 
 # pip warns once per package about this machine's local index folders when they are absent: drop that.
 pip_quiet() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 "${PIP[@]}" --upgrade pip
-"${PIP[@]}" "torch==2.13.0" "triton>=3.8,<3.10"
-"${PIP[@]}" -r "$ROOT/requirements/vllm-import.txt"
+"${PIP[@]}" -e "$ROOT[standalone]"
 "${PIP[@]}" --no-deps "vllm==$VLLM_VERSION"
-"${PIP[@]}" --no-deps -e "$ROOT"
-"${PIP[@]}" "hypothesis>=6.100" rich safetensors pytest pytest-xdist
 # Import check: the interpreter-mode environment the fuzzer uses (see fuzzer/env.py).
 CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 "$VENV/bin/python" -c "import vllm, torch, triton; print('setup-venv: vllm', vllm.__version__, 'torch', torch.__version__, 'triton', triton.__version__)"
 touch "$VENV/.attnfuzz-ready-$VLLM_VERSION"

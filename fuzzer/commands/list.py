@@ -18,7 +18,7 @@ from pathlib import Path
 from fuzzer.env import host_info
 from fuzzer.errors import ExitCode, UsageError
 from fuzzer.mutants import MUTANTS, load
-from fuzzer.run.host import import_vllm
+from fuzzer.run.host import host_targets, import_vllm
 from fuzzer.targets.registry import TARGETS, declared
 
 NOT_CHECKED = "not checked (--check)"
@@ -43,9 +43,10 @@ def main(args, device: str) -> int:
         except UsageError as e:
             console.print(str(e))
     t = Table("target", "classes", "runs here", "what")
+    checked = host_targets(device)[0] if check else {}
     for name in TARGETS:
         d = declared(name)
-        why = TARGETS[name](device).unavailable() if check else declared_unavailable(d, device)
+        why = checked[name] if check else declared_unavailable(d, device)
         t.add_row(name, d.bug_classes, "yes" if why is None else why if why == NOT_CHECKED else f"no: {why}",
                   d.summary)
     console.print(t)

@@ -14,8 +14,8 @@ from fuzzer.artifacts.campaign_report import render, write_campaign
 from fuzzer.commands.outputs import unwritable
 from fuzzer.env import STATE_DIR, HostInfo, host_info, installed_vllm
 from fuzzer import interrupt
-from fuzzer.errors import (ExitCode, HarnessError, Interrupted, UsageError, WorkerError, WorkerInjectError,
-                           WorkerUnavailable)
+from fuzzer.errors import (ExitCode, HarnessError, Interrupted, UsageError, VllmCallMoved, WorkerError,
+                           WorkerInjectError, WorkerUnavailable)
 from fuzzer.mutants import MUTANTS, MutantError, inject
 from fuzzer.mutants import load as load_mutant
 from fuzzer.records import RunSummary
@@ -215,6 +215,9 @@ def main(args, device: str) -> int:
     if campaign is not None:
         try:
             result = campaign.run()
+        except VllmCallMoved as e:
+            print(f"attnfuzz: COULD NOT TEST {e}", file=sys.stderr)
+            return ExitCode.USAGE
         except HarnessError as e:
             print(f"attnfuzz: harness error (a bug in attnfuzz, not in vLLM):\n{e}", file=sys.stderr)
             return ExitCode.USAGE

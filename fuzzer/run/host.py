@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from fuzzer.errors import UsageError
 from fuzzer.targets import vllm_api
-from fuzzer.targets.base import Target
+from fuzzer.targets.base import Target, call_fault
 from fuzzer.targets.registry import TARGETS
 
 
@@ -30,6 +30,9 @@ def make_target(name: str, device: str) -> Target:
         target.prepare()
     except vllm_api.TargetUnavailable as e:  # what unavailable() did not look for: still this release's lack
         raise UsageError(f"target {name} is not available here: {e}") from e
+    except Exception as e:
+        call_fault(name, e)  # raises, where the set-up called vLLM as this release no longer takes it
+        raise
     return target
 
 
@@ -46,3 +49,4 @@ def host_targets(device: str) -> tuple[dict[str, str | None], dict[str, tuple[st
         unavailable[name] = target.unavailable()
         dtypes[name] = tuple(target.kv_cache_dtypes)
     return unavailable, dtypes
+

@@ -28,11 +28,12 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from fuzzer.env import die_with_parent, prepare_process
-from fuzzer.errors import HarnessFailure, MutantError, WorkerError, WorkerInjectError, WorkerUnavailable
+from fuzzer.errors import (HarnessFailure, MutantError, VllmCallMoved, WorkerError, WorkerInjectError,
+                           WorkerUnavailable)
 from fuzzer.mutants import inject
 from fuzzer.observation import Observation
 from fuzzer.run.compute_sanitizer import dedupe, limit_reached, parse_log, sanitized_env, sanitizer_command
-from fuzzer.targets.base import lost_device
+from fuzzer.targets.base import as_moved, lost_device
 from fuzzer.targets.registry import TARGETS
 from fuzzer.targets.vllm_api import import_vllm
 from oracles.verdict import Verdict
@@ -122,8 +123,9 @@ def serve(fd: int, spec: WorkerSpec) -> None:
     except MutantError as e:  # an --inject that cannot be applied: the user's to fix, in its own words
         conn.send(("mutant", str(e)))
         return
-    except Exception:
-        conn.send(("failed", traceback.format_exc()))
+    except Exception as e:
+        moved = as_moved(spec.target, e)  # the target's set-up called vLLM as this release no longer takes it
+        conn.send(("moved", str(moved)) if moved is not None else ("failed", traceback.format_exc()))
         return
     # What the parent needs to plan the campaign without importing vLLM itself: the release and the target's plan.
     conn.send(("ready", os.getpid(), {"vllm": vllm_version, "plan": target.plan_state()}))
@@ -150,7 +152,8 @@ def serve(fd: int, spec: WorkerSpec) -> None:
             print(f"{END} {n}", flush=True)
             if spec.device == "cuda" and (lost_device(e) or late):  # by its type, or a device that fails every call
                 _lost(spec, conn, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
-            conn.send(("harness", traceback.format_exc()))
+            moved = as_moved(spec.target, e)  # a call into vLLM that does not fit this release: nothing was judged
+            conn.send(("moved", str(moved)) if moved is not None else ("harness", traceback.format_exc()))
             continue
         late = _sync(spec.device)  # an asynchronous error from this case's kernels (the oracle's included)
         print(f"{END} {n}", flush=True)
@@ -295,6 +298,8 @@ class WorkerExecutor:
                 raise WorkerUnavailable(self.spec.target, msg[1])
             if msg[0] == "mutant":
                 raise WorkerInjectError(self.spec.target, msg[1])
+            if msg[0] == "moved":
+                raise VllmCallMoved(msg[1])
             raise WorkerError(f"worker for {self.spec.target}: {msg[0]}: {msg[1]}")
         self.ready = msg[2] if len(msg) > 2 else {}
 
@@ -426,6 +431,8 @@ class WorkerExecutor:
                     self._kill()
             elif msg[0] == "harness":
                 raise HarnessFailure(msg[1])
+            elif msg[0] == "moved":
+                raise VllmCallMoved(msg[1])
             else:  # the process died mid-case: a segfault, an abort, the OOM killer, a fatal CUDA error
                 tail = self._log_tail(12)
                 obs = Observation(self.spec.target, self.spec.device, error_type="WorkerCrash",

@@ -28,7 +28,7 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 
 from fuzzer import interrupt
 from fuzzer.env import STATE_DIR, HostInfo
-from fuzzer.errors import CaseFailed, HarnessError, HarnessFailure
+from fuzzer.errors import CaseFailed, HarnessError, HarnessFailure, VllmCallMoved
 from fuzzer.errors import StopSearch as _Stop  # ends the Hypothesis run at once (a BaseException)
 from fuzzer.observation import Observation
 from fuzzer.records import Finding
@@ -37,7 +37,7 @@ from fuzzer.search.combinations import Combinations
 from fuzzer.search.database import KeepStoredFailures
 from fuzzer.search.pending import Journal, Pending
 from fuzzer.search.progress import Progress
-from fuzzer.targets.base import WHOLE, RunPlan, Target
+from fuzzer.targets.base import WHOLE, RunPlan, Target, as_moved
 from fuzzer.targets.probes import rarity
 from oracles.verdict import Verdict, primary
 from strategies.case import Case
@@ -135,9 +135,13 @@ class Campaign:
             if self.journal is not None:
                 self.journal.clear()
             return result
+        except VllmCallMoved:  # a call into vLLM that does not fit this release (the worker's or this process's)
+            raise
         except HarnessFailure as e:  # attnfuzz's code raised inside the worker
             raise HarnessError(f"{self.target.name} on {case.summary()}: {e}") from e
         except Exception as e:  # raised by attnfuzz code, not by the code under test
+            if (moved := as_moved(self.target.name, e)) is not None:  # raised by the target outside its observe
+                raise moved from e
             raise HarnessError(f"{self.target.name} on {case.summary()}: {type(e).__name__}: {e}\n"
                                f"{traceback.format_exc()}") from e
 

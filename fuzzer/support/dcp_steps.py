@@ -35,6 +35,7 @@ from fuzzer.support.sparse_mla_steps import (
     sparse_mla_impl,
 )
 from fuzzer.support.standins.flashmla_ops import concat_and_cache_mla
+from fuzzer.support.vllm_calls import returned
 
 # vLLM's direct DCP paths (symmetric memory, multicast) need a real process group: the emulated ranks share none.
 DIRECT_DCP_ENV = ("VLLM_USE_DIRECT_DCP_Q_GATHER", "VLLM_USE_DIRECT_DCP_KV_GATHER", "VLLM_USE_DIRECT_DCP_A2A")
@@ -103,9 +104,10 @@ def dcp_forward_mqa(impl, manager, q, kv_cache, metadata):
     group, forward_mqa (the fp8 mixed-batch path filters the global top-k to the rank's slots), the LSE combine.
     Returns (the rank's heads after the combine, its partial LSE, its partial output), the partial ones copied
     before the combine, which corrects both in place; without DCP (manager None) (forward_mqa's out, None, None)."""
+    call = f"{type(impl).__name__}.forward_mqa"
     if manager is None:
-        return impl.forward_mqa(q, kv_cache, metadata, None)[0], None, None
-    out, lse = impl.forward_mqa(manager.query_gather(q), kv_cache, metadata, None)
+        return returned(impl.forward_mqa(q, kv_cache, metadata, None), 2, call)[0], None, None
+    out, lse = returned(impl.forward_mqa(manager.query_gather(q), kv_cache, metadata, None), 2, call)
     partial_lse, partial = lse.clone(), out.clone()
     out = manager.combine(out, lse, seq_lens=metadata.seq_lens, query_start_loc=metadata.query_start_loc)
     return out, partial_lse, partial

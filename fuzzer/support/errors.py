@@ -27,3 +27,12 @@ class _BackendPlanUnsupportedError(ValueError):
 class CheckerBroke(TypeError):
     """Triton's interpreter called a bounds-checked entry point in a way it cannot take (a Triton release that passes
     other arguments): attnfuzz's failure, never the kernel's (fuzzer/support/interp/sanitizer.py)."""
+
+
+class CallMoved(TypeError):
+    """A vLLM call attnfuzz makes does not fit the installed release where Python would not say so at the call: what
+    it returned has another shape, or the method it calls is only declared (abstract) in this release's class
+    (fuzzer/support/vllm_calls.py). A TypeError raised in attnfuzz's own frame, as a renamed keyword's is: a
+    campaign (fuzzer/targets/vllm_api.py `moved_call`) and a reproducer (its harness) both say they could not test,
+    naming the call, and never judge it."""
+

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib
 
+from fuzzer.support.vllm_calls import returned
+
 SPARSE_UTILS = "vllm.v1.attention.backends.mla.sparse_utils"
 
 
@@ -13,4 +15,6 @@ def remap_topk_indices(entry_point, req_id_per_token, block_table, topk_indices,
     inside vLLM) on request-local top-k positions; returns (global slots, valid counts or None)."""
     remap = getattr(importlib.import_module(SPARSE_UTILS), entry_point)
     res = remap(req_id_per_token, block_table, topk_indices, **kwargs)
-    return res if isinstance(res, tuple) else (res, None)
+    if kwargs.get("return_valid_counts"):
+        return returned(res, 2, f"{entry_point}(return_valid_counts=True)")
+    return returned(res, 1, entry_point), None

@@ -38,6 +38,7 @@ from fuzzer.support.flashmla_runtime import (
 from fuzzer.support.attn_metadata import attn_metadata
 from fuzzer.support.interp.corrections import CORRECTIONS, install_corrections
 from fuzzer.support.standins.cpu_shims import install_cpu_shims
+from fuzzer.support.vllm_calls import implemented, returned
 
 TOPK_POISON = 2**30 - 1  # rows of the indexer's top-k buffer past a step's tokens: must never be read
 
@@ -85,7 +86,7 @@ def mla_spec(block_size: int, kv_cache_dtype: str):
 
 def metadata_builder(backend, spec, cfg, device: str):
     """The backend's metadata builder for the layer (call inside set_current_vllm_config(cfg))."""
-    return backend.get_builder_cls()(spec, [LAYER], cfg, torch.device(device))
+    return implemented(backend, "get_builder_cls")()(spec, [LAYER], cfg, torch.device(device))
 
 
 def sparse_mla_engine(backend, spec, cfg, heads: int, kv_cache_dtype: str, topk_indices_buffer, device: str):
@@ -101,9 +102,10 @@ def sparse_mla_engine(backend, spec, cfg, heads: int, kv_cache_dtype: str, topk_
 
 def sparse_mla_impl(backend, heads: int, kv_cache_dtype: str, topk_indices_buffer):
     """The backend's impl for the layer, as MLAAttention constructs it (call inside set_current_vllm_config)."""
-    return backend.get_impl_cls()(
+    impl_cls = implemented(backend, "get_impl_cls")()
+    return impl_cls(
         heads, HEAD_SIZE, SM_SCALE, 1, None, None, kv_cache_dtype, None, "decoder", None,
-        **impl_topk_kwargs(backend.get_impl_cls(), topk_indices_buffer), q_lora_rank=None,
+        **impl_topk_kwargs(impl_cls, topk_indices_buffer), q_lora_rank=None,
         kv_lora_rank=KV_LORA_RANK, qk_nope_head_dim=QK_NOPE, qk_rope_head_dim=ROPE_DIM,
         qk_head_dim=QK_NOPE + ROPE_DIM, v_head_dim=V_HEAD, kv_b_proj=None)
 
@@ -124,7 +126,9 @@ def mla_attention_engine(backend, spec, cfg, heads: int, kv_b_weight, topk_indic
 def forward_mqa(impl, q, kv_cache, metadata, layer=None):
     """impl.forward_mqa on q = (ql_nope | q_pe), split as the layer hands it over; returns (out, lse)."""
     with uninitialized_memory_as_nan():
-        return impl.forward_mqa((q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:]), kv_cache, metadata, layer)
+        forward = implemented(impl, "forward_mqa")
+        out = forward((q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:]), kv_cache, metadata, layer)
+    return returned(out, 2, f"{type(impl).__name__}.forward_mqa")
 
 
 @contextlib.contextmanager

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import torch
 
 from fuzzer.support.builder_config import model_namespace
+from fuzzer.support.vllm_calls import returned
 
 BACKEND_MODULE = "vllm.v1.attention.backends.mla.xpu_mla_sparse"
 KV_LORA_RANK, HEAD_SIZE = 512, 576  # DeepSeek-V3.2's MLA: the latent, then 64 RoPE dims, a cached token's row
@@ -47,4 +48,5 @@ def sparse_attention(cfg, spec, common, heads: int, sm_scale: float, topk_indice
     impl = backend.get_impl_cls()(heads, HEAD_SIZE, sm_scale, 1, None, None, "auto", None, "decoder", None,
                                   indexer=SimpleNamespace(topk_indices_buffer=topk_indices_buffer),
                                   kv_lora_rank=KV_LORA_RANK)
-    return impl.forward_mqa((q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:]), kv_cache, metadata, None)
+    return returned(impl.forward_mqa((q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:]), kv_cache, metadata, None), 2,
+                    f"{type(impl).__name__}.forward_mqa")

@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Callable, ClassVar
 
-from fuzzer.errors import HarnessConfigError, RankError
+from fuzzer.errors import HarnessConfigError, RankError, VllmCallMoved
 from fuzzer.observation import Observation
 from fuzzer.repro_spec import ReproSpec
 from fuzzer.support.interp.sanitizer import SANITIZER, speed_up_interpreter
 from fuzzer.targets.guards import poison_free_memory
+from fuzzer.targets.vllm_api import moved_call, vllm_version
 from oracles.verdict import Verdict
 from strategies.batches import CaseSpace
 from strategies.case import Case
@@ -105,10 +106,12 @@ class Target(ABC):
                 obs.outputs = {k: keep(v) for k, v in call().items() if v is not None}
             except AttributeError as e:
                 harness_fault(self.name, e)  # raises, when the object that lacks the attribute is attnfuzz's
+                call_fault(self.name, e)  # raises, when attnfuzz's call looked up what this vLLM does not have
                 obs.error_type, obs.error = type(e).__name__, str(e)[:500]
                 obs.notes["traceback"] = traceback.format_exc(limit=-8)
                 lost = lost_device(e)
             except Exception as e:  # the code under test raised: an observation, not our failure
+                call_fault(self.name, e)  # raises, when attnfuzz's call into vLLM does not fit this release
                 obs.error_type, obs.error = type(e).__name__, str(e).strip().splitlines()[0][:500] if str(e).strip() else ""
                 obs.notes["traceback"] = traceback.format_exc(limit=-8)  # where vLLM raised, for the report
                 lost = lost_device(e)
@@ -159,6 +162,24 @@ def harness_fault(target: str, e: AttributeError) -> None:
     if isinstance(e.obj, torch._ops._OpNamespace):
         raise HarnessConfigError(f"{target}: this host's vLLM lacks a compiled op and attnfuzz has no stand-in for "
                                  f"it: {e}") from e
+
+
+def call_fault(target: str, e: BaseException) -> None:
+    """Raise a VllmCallMoved when `e` says that attnfuzz's call into vLLM does not fit this release
+    (`vllm_api.moved_call`: by the exception's type and the frame that raised it): nothing was judged, and the
+    campaign could not test. Anything else is the code under test's answer: an observation."""
+    if (moved := as_moved(target, e)) is not None:
+        raise moved from e
+
+
+def as_moved(target: str, e: BaseException) -> VllmCallMoved | None:
+    """`e` as the VllmCallMoved it is (or, raised outside `observe`, says it is); None where it says no such thing."""
+    if isinstance(e, VllmCallMoved):
+        return e
+    if (why := moved_call(e)) is None:
+        return None
+    return VllmCallMoved(f"{target} on vLLM {vllm_version()}: a call into vLLM does not fit this release (a name, a "
+                         f"keyword or the shape of what it returns moved): {why}")
 
 
 def lost_device(e: BaseException, device: str | None = None) -> bool:

@@ -3,16 +3,21 @@
 Signatures, module paths and behaviour drift between releases (0.23 -> 0.33): the converter gained
 BLOCK_STRIDE_ROWS, idx_mapping and DCP arguments, the DCP filter appeared, and `return_valid_counts` went
 from counting in place to compacting the valid entries to the front. Targets ask this module instead of
-pinning one release's internals; a feature a release lacks is never generated for it.
+pinning one release's internals; a feature a release lacks is never generated for it. What no detection foresaw
+(a keyword renamed, a method moved, a return of another shape) fails at attnfuzz's call into vLLM: `moved_call`
+tells it from the code under test's own answer, and the campaign says it could not test, naming the call.
 """
 
 from __future__ import annotations
 
+import dis
 import importlib
 import inspect
+import linecache
 import re
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
 from fuzzer.errors import TargetUnavailable
 
@@ -90,3 +95,115 @@ def remap_api() -> RemapApi:
         compacts_valid_counts=bool(re.search(r"COMPACT_TO_FRONT\s*=\s*return_valid_counts", src)),
         checks_row_contract=bool(re.search(r"req_id\.shape\[0\]\s*==\s*token_indices\.shape\[0\]", src)),
     )
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A compiled kernel or op family the targets call: vLLM's (or FlashInfer's) own on this host, or attnfuzz's
+    stand-in in its place (fuzzer/support/standins), and why."""
+
+    name: str
+    real: bool
+    why: str
+
+
+def kernels(device: str) -> list[Kernel]:
+    """What of the compiled code the targets reach runs for real on `device`, asked as the targets ask when they bind
+    their stand-ins (fuzzer/support: the same functions). On a CPU every one is a stand-in: the CUDA kernels cannot
+    take CPU tensors."""
+    from fuzzer.support import flashinfer_runtime, flashmla_runtime, indexer_runtime  # deferred: torch (not in `list`)
+
+    if device != "cuda":
+        why = "tensors on the CPU: the CUDA kernels cannot take them"
+        return [Kernel(name, False, why) for name, _ in KERNELS]
+    if flashmla_runtime.standins_forced():
+        return [Kernel(name, False, "ATTNFUZZ_STANDIN_OPS=1") for name, _ in KERNELS]
+    found = []
+    for name, probe in KERNELS:
+        try:
+            real, why = probe(flashmla_runtime, flashinfer_runtime, indexer_runtime)
+        except Exception as e:  # a probe that cannot load the extension: the targets bind the stand-in
+            real, why = False, f"{type(e).__name__}: {e}"
+        found.append(Kernel(name, real, why))
+    return found
+
+
+def _flashmla(fm, fi, ix):
+    available, why = importlib.import_module("vllm.v1.attention.ops.flashmla")._is_flashmla_available()
+    return available, "vllm._flashmla_C" if available else why
+
+
+def _cache_ops(fm, fi, ix):
+    ops = ("concat_and_cache_mla", "cp_gather_and_upconvert_fp8_kv_cache", *ix.CACHE_OPS)
+    missing = [op for op in ops if not fm.has_cache_op(op)]
+    return not missing, ("torch.ops._C_cache_ops" if not missing else f"for {', '.join(missing)}: this "
+                         f"vLLM build lacks them")
+
+
+KERNELS = (
+    ("FlashMLA (flash_mla_sparse_fwd, flash_mla_with_kvcache)", _flashmla),
+    ("FA3 (vllm_flash_attn's flash_attn_varlen_func)",
+     lambda fm, fi, ix: (fm.has_compiled_flash_attn(), "vllm_flash_attn's compiled extension"
+                         if fm.has_compiled_flash_attn() else "vllm_flash_attn has no compiled extension")),
+    ("FlashInfer (BatchMLAPagedAttentionWrapper)",
+     lambda fm, fi, ix: (bool(v := fi.real_flashinfer("cuda")), f"FlashInfer {v}" if v else
+                         "flashinfer.mla does not import, or vLLM's gate for the backend refuses")),
+    ("DeepGEMM (fp8_fp4_mqa_logits, fp8_fp4_paged_mqa_logits)",
+     lambda fm, fi, ix: (ix._has_real_deep_gemm(), "vllm.third_party.deep_gemm" if ix._has_real_deep_gemm()
+                         else "vllm.third_party.deep_gemm does not load")),
+    ("vLLM _C cache ops (concat_and_cache_mla, ...)", _cache_ops),
+)
+
+
+# Where attnfuzz's calls into vLLM are made. Stand-ins and injected bugs stand for the code under test
+# (what they raise is its answer, as the compiled op or the mutated vLLM would raise it).
+_ROOT = Path(__file__).resolve().parents[2]
+_PACKAGES = tuple(f"{_ROOT / d}/" for d in ("fuzzer", "strategies", "oracles"))  # installed, _ROOT is site-packages
+_OURS = tuple(f"{_ROOT / d}/" for d in ("fuzzer/support", "fuzzer/targets"))  # the only code that calls vLLM
+_THEIRS = tuple(f"{_ROOT / d}/" for d in ("fuzzer/support/standins", "fuzzer/mutants"))
+_UNPACK = ("UNPACK_SEQUENCE", "UNPACK_EX")
+_HARNESS = f"{_ROOT / 'fuzzer/targets/base.py'}"  # Target.observe: where every call is caught, never made
+
+
+def moved_call(e: BaseException) -> str | None:
+    """Where exception `e` says that a call attnfuzz makes into vLLM does not fit the installed release, that call,
+    where it is made and what failed, in words; None where `e` is the code under test's own answer (raised inside
+    vLLM, a kernel or a stand-in). Told by the exception's type and the frames that raised it, never by its
+    message, as a reproducer's harness tells it (fuzzer/artifacts/repro_harness.py): raised in attnfuzz's own frame
+    called from attnfuzz's own frame (not from vLLM's: vLLM calling a function attnfuzz wrapped is vLLM's call), a
+    TypeError (arguments that do not bind: a keyword renamed, a parameter added; `CallMoved`: a return of another
+    shape), an AttributeError or NameError (a method, attribute or function moved), an ImportError (a module moved),
+    or a ValueError raised by the unpacking of what a call returned (a tuple of another length)."""
+    frames, t = [], e.__traceback__
+    while t is not None:
+        if not t.tb_frame.f_code.co_filename.startswith("<frozen importlib"):  # an import's: the import statement's
+            frames.append(t)
+        t = t.tb_next
+    if not frames or not _ours(frames[-1]) or len(frames) > 1 and not _attnfuzz(frames[-2]):
+        return None
+    last = frames[-1]
+    if isinstance(e, ValueError):
+        code = last.tb_frame.f_code
+        if next((i.opname for i in dis.get_instructions(code) if i.offset == last.tb_lasti), None) not in _UNPACK:
+            return None
+    elif not isinstance(e, (TypeError, AttributeError, NameError, ImportError)):
+        return None
+    shown = [f for f in frames[-2:] if _ours(f) and not f.tb_frame.f_code.co_filename.startswith(_HARNESS)] or [last]
+    return (" > ".join(f"{_where(f)} `{linecache.getline(f.tb_frame.f_code.co_filename, f.tb_lineno).strip()}`"
+                       for f in shown) + f": {type(e).__name__}: {str(e).strip()[:400]}")
+
+
+def _ours(tb) -> bool:
+    """A frame of attnfuzz's code that calls vLLM."""
+    name = tb.tb_frame.f_code.co_filename
+    return name.startswith(_OURS) and not name.startswith(_THEIRS)
+
+
+def _attnfuzz(tb) -> bool:
+    """A frame of attnfuzz's own (the code under test's side, stand-ins and injected bugs, excluded)."""
+    name = tb.tb_frame.f_code.co_filename
+    return name.startswith(_PACKAGES) and not name.startswith(_THEIRS)
+
+
+def _where(tb) -> str:
+    return f"{Path(tb.tb_frame.f_code.co_filename).relative_to(_ROOT)}:{tb.tb_lineno}"
