@@ -58,6 +58,11 @@ class HarnessConfigError(HarnessError):
     """attnfuzz built vLLM's inputs incompletely for this release: a harness bug, never a finding."""
 
 
+class StandInUnmodelled(HarnessError):
+    """A stand-in refused a call form it does not model (fuzzer/support/errors.py StandInRefused): the case could
+    not be tested here (exit 2), which says nothing about the code under test."""
+
+
 class WorkerError(RuntimeError):
     """A worker process could not be started or could not import what it needs: exit 2."""
 

@@ -27,3 +27,11 @@ class _BackendPlanUnsupportedError(ValueError):
 class CheckerBroke(TypeError):
     """Triton's interpreter called a bounds-checked entry point in a way it cannot take (a Triton release that passes
     other arguments): attnfuzz's failure, never the kernel's (fuzzer/support/interp/sanitizer.py)."""
+
+
+class StandInRefused(NotImplementedError):
+    """A stand-in was called in a form it does not model (a call form the backends it stands in for never make): the
+    case could not be tested, which says nothing about vLLM. Targets report it as could-not-test (exit 2), and a
+    reproducer's harness as "could not run" (`attnfuzz_refused`)."""
+
+    attnfuzz_refused = True
