@@ -31,6 +31,8 @@ BUDGETS: dict[str, dict[str, Budget]] = {
         "vllm.flashattn_sparse.layer": Budget(gate=30, selftest=20),  # steps of up to 300 tokens: 2-7 s a case
         "vllm.flashinfer_sparse_sm90": Budget(gate=40, selftest=30),  # interpreted remap/pack/clamp: ~1 case/s
         "vllm.flashinfer_sparse_sm90.layer": Budget(gate=30, selftest=20),  # steps of up to 300 tokens: ~0.5 case/s
+        "vllm.flashinfer_sparse_sm100": Budget(gate=50, selftest=30),  # interpreted remap, torch stand-in: ~1.6 case/s
+        "vllm.flashinfer_sparse_sm120": Budget(gate=50, selftest=30),  # interpreted remap, torch stand-in: ~1.9 case/s
         "vllm.sparse_mla.all": Budget(gate=20, selftest=10),  # four backends a case, the Triton ones interpreted: ~2 s (12: 0.69 of the pairs)
         "vllm.dsv4.flashmla": Budget(gate=30, selftest=16),  # decodes ~0.1 s, prefills' interpreted gathers 1-4 s
         "vllm.dsv41.flashmla": Budget(gate=30, selftest=16),  # V4.1's layer kinds on the same step: ~0.4 s a case
@@ -54,6 +56,8 @@ BUDGETS: dict[str, dict[str, Budget]] = {
         "vllm.flashattn_sparse.layer": Budget(gate=60, selftest=40),
         "vllm.flashinfer_sparse_sm90": Budget(gate=100, selftest=60),  # FlashInfer real where it imports (28 s a dtype)
         "vllm.flashinfer_sparse_sm90.layer": Budget(gate=100, selftest=60),
+        "vllm.flashinfer_sparse_sm100": Budget(gate=100, selftest=60),  # FlashInfer's kernel a stand-in on every host
+        "vllm.flashinfer_sparse_sm120": Budget(gate=100, selftest=60),
         "vllm.sparse_mla.all": Budget(gate=100, selftest=40),
         "vllm.dsv4.flashmla": Budget(gate=150, selftest=40),
         "vllm.dsv41.flashmla": Budget(gate=150, selftest=40),

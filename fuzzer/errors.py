@@ -64,6 +64,11 @@ class VllmCallMoved(HarnessError):
     naming the call: never a finding, never clean."""
 
 
+class StandInUnmodelled(HarnessError):
+    """A stand-in refused a call form it does not model (fuzzer/support/errors.py StandInRefused): the case could
+    not be tested here (exit 2), which says nothing about the code under test."""
+
+
 class WorkerError(RuntimeError):
     """A worker process could not be started or could not import what it needs: exit 2."""
 

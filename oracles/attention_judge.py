@@ -38,6 +38,16 @@ def reference_for(case, inputs=None, device: str = "cpu", slot_values=None, q=No
     return out, lse, (indices >= 0).any(dim=1)
 
 
+def fp8_query(q: torch.Tensor, scale: float | None) -> torch.Tensor | None:
+    """The query a backend that takes it quantized is handed (MLAAttention's per-tensor fp8 quantization with the
+    layer's q_scale, QuantFP8: x times the fp32 reciprocal of the scale, saturated at +-448, e4m3), as the values it
+    means: the reference attends over those, as it does over a quantized cache's read-back values. None: not quantized."""
+    if scale is None:
+        return None
+    s = torch.tensor(scale, dtype=torch.float32, device=q.device)
+    return (q.float() * s.reciprocal()).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * s
+
+
 def judge_fp8_ds_mla_entries(case, inputs, slots, entries):
     """The 656-byte entries the cache writer produced, read back: (slots, dequantized rows) for the reference,
     and a verdict if they do not hold the values written (scale convention, layout; classes K and E).
@@ -188,7 +198,8 @@ def attention_judgement(case, obs):
         return verdicts, None
     inputs = materialize_attention_inputs(case, obs.device)
     slot_values = _read_back(case, inputs, obs, verdicts)
-    out_ref, lse_ref, valid_rows = reference_for(case, inputs, device=obs.device, slot_values=slot_values)
+    q = fp8_query(inputs.q, obs.notes.get("query_fp8_scale"))  # a backend handed a quantized query
+    out_ref, lse_ref, valid_rows = reference_for(case, inputs, device=obs.device, slot_values=slot_values, q=q)
     judged = (inputs, slot_values, out_ref)
     out = obs.outputs["out"].to(obs.device).float()
     if out.shape != out_ref.shape:

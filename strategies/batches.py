@@ -416,6 +416,8 @@ class AttentionFeatures:
     # min(visible positions, topk) valid positions, as DeepSeek's indexer (top_k_per_row) fills them: the count
     # FLASHINFER_MLA_SPARSE_SM90 plans each row with, derived from its context and not read from the indices.
     topk_rows: tuple[str, ...] = ("drawn",)
+    # The fp8_ds_mla scale conventions to draw (of FP8_SCALES); None: every one.
+    fp8_scales: tuple[str, ...] | None = None
 
 
 TOTAL_HEADS = 128  # DeepSeek-V3.2's attention heads: heads per rank are 128 / TP
@@ -501,7 +503,7 @@ def attention_knobs(p: Profile, f: AttentionFeatures) -> dict[str, tuple[str, ..
         names.append("topk_rows")
     scales: tuple[str, ...] = ()
     if "fp8_ds_mla" in f.kv_cache_dtypes:
-        scales = FP8_SCALES
+        scales = f.fp8_scales or FP8_SCALES
     elif "fp8" in f.kv_cache_dtypes:
         scales = FP8_PER_TENSOR_SCALES
     if scales:
@@ -592,7 +594,7 @@ def attention_cases(draw, p: Profile, f: AttentionFeatures, swarm: Swarm | None 
         dcp=dcp,
         heads=heads,
         kv_cache_dtype=kv_dtype,
-        fp8_scale=(_sampled(draw, swarm, "fp8_scale", FP8_SCALES) if kv_dtype == "fp8_ds_mla" else
+        fp8_scale=(_sampled(draw, swarm, "fp8_scale", f.fp8_scales or FP8_SCALES) if kv_dtype == "fp8_ds_mla" else
                    _sampled(draw, swarm, "fp8_scale", FP8_PER_TENSOR_SCALES) if kv_dtype == "fp8" else "pow2"),
         values=_sampled(draw, swarm, "values", VALUE_KINDS),
         seed=draw(st.integers(0, 2**16)),

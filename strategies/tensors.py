@@ -149,6 +149,16 @@ def fp8_kv_scale(case: Case) -> float:
     return 1.0 if case.fp8_scale == "pow2" else _VALUE_SCALE[case.values] * 8 / 448
 
 
+QUERY_STD = 0.25  # the attention inputs' q: 0.25 N(0, 1) (_step_values)
+
+
+def fp8_query_scale(case: Case) -> float:
+    """The layer's q_scale where it quantizes the query to fp8 (a per-tensor fp8 cache on a backend that takes the
+    query quantized): fp8_scale "pow2": 1.0, vLLM's default; "arbitrary": a calibrated checkpoint's, amax / 448 for
+    q's 8 standard deviations."""
+    return 1.0 if case.fp8_scale == "pow2" else QUERY_STD * 8 / 448
+
+
 @dataclass(frozen=True)
 class AttentionInputs:
     index: IndexInputs
@@ -260,7 +270,7 @@ def _step_values(case: Case, device: str) -> AttentionInputs:
     kv, state = _slot_values(case, device)
     g = torch.Generator(device=device)
     g.set_state(state)
-    q = torch.randn(case.num_tokens, case.heads, HEAD_SIZE, generator=g, device=device) * 0.25
+    q = torch.randn(case.num_tokens, case.heads, HEAD_SIZE, generator=g, device=device) * QUERY_STD
     slot_of = []
     for r, req in enumerate(case.requests):
         pos = torch.arange(req.seq_len)

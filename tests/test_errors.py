@@ -203,3 +203,26 @@ def test_a_worker_s_start_up_failure_is_worded_by_its_type():
         "--inject bad.py:3: KeyError: 'k'"
     other = WorkerError("worker for vllm.x: failed: Traceback ...\nfuzzer.errors.MutantError: words: unavailable: x")
     assert worker_failure(other) == str(other)  # words in a traceback classify nothing
+
+
+def test_a_call_form_a_stand_in_does_not_model_is_could_not_test_not_vllm_s_answer():
+    """fuzzer.support.errors.StandInRefused: a campaign stops with exit 2 (StandInUnmodelled, a HarnessError), and a
+    reproducer's harness says "could not run"; told by its class, whatever its words. Any other NotImplementedError is
+    vLLM's answer (an observation)."""
+    from fuzzer.artifacts.repro_harness import vllms_answer
+    from fuzzer.errors import StandInUnmodelled
+    from fuzzer.support.errors import StandInRefused
+
+    with pytest.raises(StandInUnmodelled, match="does not model DCP") as raised:
+        _Calls(_raises(StandInRefused("attnfuzz's stand-in does not model DCP"))).run(None)
+    assert isinstance(raised.value, HarnessError)
+    obs = _Calls(_raises(NotImplementedError("FlashInferMLASparseImpl does not support ..."))).run(None)
+    assert obs.error_type == "NotImplementedError"
+    try:
+        raise StandInRefused("not modelled")
+    except StandInRefused as e:
+        assert not vllms_answer(e)
+    try:
+        raise NotImplementedError("vLLM refuses")
+    except NotImplementedError as e:
+        assert vllms_answer(e)

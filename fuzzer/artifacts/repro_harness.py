@@ -1,7 +1,7 @@
 """The harness every reproducer runs its vLLM calls under: exit 2 where vLLM gave no answer (an import or the
-set-up failed, a name or signature this vLLM lacks, attnfuzz's bounds checker broke), else 1 while the bug is
-present and 0 once fixed. `fuzzer.artifacts.repro` copies this module verbatim into the reproducer's
-attnfuzz_support.py (standard library only: it guards the imports of torch and vLLM).
+set-up failed, a name or signature this vLLM lacks, attnfuzz's bounds checker broke, a stand-in refused a call form it
+does not model), else 1 while the bug is present and 0 once fixed. `fuzzer.artifacts.repro` copies this module
+verbatim into the reproducer's attnfuzz_support.py (standard library only: it guards the imports of torch and vLLM).
 """
 
 import contextlib
@@ -27,7 +27,8 @@ def vllms_answer(e):  # judged, unless a name or signature this vLLM lacks (met 
         cause = cause.__cause__ or cause.__context__
     chain = [f.filename for c in chain for f in traceback.extract_tb(c.__traceback__)]
     return not (isinstance(e, (ImportError, NameError)) or isinstance(e, (TypeError, AttributeError)) and ours
-                or any("fuzzer.support.interp.sanitizer" in f for f in chain))
+                or any("fuzzer.support.interp.sanitizer" in f for f in chain)
+                or getattr(e, "attnfuzz_refused", False))  # an attnfuzz stand-in refused a form it does not model
 
 
 class stage:

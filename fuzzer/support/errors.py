@@ -36,3 +36,10 @@ class CallMoved(TypeError):
     campaign (fuzzer/targets/vllm_api.py `moved_call`) and a reproducer (its harness) both say they could not test,
     naming the call, and never judge it."""
 
+
+class StandInRefused(NotImplementedError):
+    """A stand-in was called in a form it does not model (a call form the backends it stands in for never make): the
+    case could not be tested, which says nothing about vLLM. Targets report it as could-not-test (exit 2), and a
+    reproducer's harness as "could not run" (`attnfuzz_refused`)."""
+
+    attnfuzz_refused = True

@@ -124,10 +124,23 @@ def mla_attention_engine(backend, spec, cfg, heads: int, kv_b_weight, topk_indic
 
 
 def forward_mqa(impl, q, kv_cache, metadata, layer=None):
-    """impl.forward_mqa on q = (ql_nope | q_pe), split as the layer hands it over; returns (out, lse)."""
+    """impl.forward_mqa on q = (ql_nope | q_pe) as MLAAttention.forward_impl hands it over (handed `layer`): split;
+    with a quantized cache, that cache viewed as fp8 unless its format is a packed per-token one, and the query
+    quantized by the layer's `_decode_concat_quant_fp8_op` (its q_scale) for an impl that takes a quantized query
+    (`supports_quant_query_input`). Returns (out, lse)."""
+    from vllm.platforms import current_platform
+    from vllm.v1.kv_cache_interface import is_quantized_kv_cache
+
+    q = (q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:])
+    dtype = getattr(impl, "kv_cache_dtype", "auto")
+    if layer is not None and is_quantized_kv_cache(dtype):
+        if dtype not in ("fp8_ds_mla", "nvfp4_ds_mla"):
+            kv_cache = kv_cache.view(current_platform.fp8_dtype())
+        if getattr(impl, "supports_quant_query_input", False):
+            q = layer._decode_concat_quant_fp8_op(*q, layer._q_scale)
     with uninitialized_memory_as_nan():
         forward = implemented(impl, "forward_mqa")
-        out = forward((q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:]), kv_cache, metadata, layer)
+        out = forward(q, kv_cache, metadata, layer)
     return returned(out, 2, f"{type(impl).__name__}.forward_mqa")
 
 

@@ -58,6 +58,19 @@ def sm90_repro(target, finding, layer: bool) -> ReproSpec:
         "semantics, unless the GPU host has FlashInfer itself (the script prints which)."))
 
 
+def per_tensor_fp8_writer(device: str, case):
+    """(write(kv_c, k_pe, cache, slots), emulated op name or None) for a per-tensor fp8 cache: vLLM's
+    concat_and_cache_mla (or its stand-in), as MLAAttention calls it: the layer's k_scale, skip_scale where it is 1.0."""
+    k_scale = fp8_kv_scale(case)
+    skip = k_scale == 1.0
+    if device != "cpu" and has_cache_op("concat_and_cache_mla"):
+        op = torch.ops._C_cache_ops.concat_and_cache_mla
+        return (lambda kv_c, k_pe, cache, slots: op(kv_c, k_pe, cache, slots, "fp8",
+                                                    torch.tensor(k_scale, device=cache.device), skip)), None
+    return (lambda kv_c, k_pe, cache, slots: concat_and_cache_mla(
+        kv_c, k_pe, cache, slots, "fp8", torch.tensor(k_scale, device=cache.device), skip)), "concat_and_cache_mla"
+
+
 class FlashInferMLASparseSM90(FlashMLASparse):
     name = "vllm.flashinfer_sparse_sm90"
     summary = ("FlashInfer sparse-MLA backend for Hopper (FLASHINFER_MLA_SPARSE_SM90): builder + plan/clamp + "
@@ -119,18 +132,7 @@ class FlashInferMLASparseSM90(FlashMLASparse):
         return paged_cache(case, device, guards=guards, name=name)
 
     def writer(self, case):
-        """vLLM's concat_and_cache_mla (or its stand-in), as MLAAttention calls it: the layer's k_scale, skip_scale
-        where it is 1.0."""
-        if case.kv_cache_dtype != "fp8":
-            return super().writer(case)
-        k_scale = fp8_kv_scale(case)
-        skip = k_scale == 1.0
-        if self.device != "cpu" and has_cache_op("concat_and_cache_mla"):
-            op = torch.ops._C_cache_ops.concat_and_cache_mla
-            return (lambda kv_c, k_pe, cache, slots: op(kv_c, k_pe, cache, slots, "fp8",
-                                                        torch.tensor(k_scale, device=cache.device), skip)), None
-        return (lambda kv_c, k_pe, cache, slots: concat_and_cache_mla(
-            kv_c, k_pe, cache, slots, "fp8", torch.tensor(k_scale, device=cache.device), skip)), "concat_and_cache_mla"
+        return per_tensor_fp8_writer(self.device, case) if case.kv_cache_dtype == "fp8" else super().writer(case)
 
     def kv_cache_spec(self, case, cfg):
         return flashinfer_runtime.kv_cache_spec(cfg, case.kv_cache_dtype, case.block_size)

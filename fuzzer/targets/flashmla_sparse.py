@@ -64,6 +64,7 @@ from fuzzer.targets.probes import observe_paths
 from fuzzer.targets.vllm_api import remap_api
 from oracles.attention_judge import (
     attention_tolerance,
+    fp8_query,
     judge_attention,
     judge_cache_entries,
     layer_reference_for,
@@ -225,6 +226,11 @@ class FlashMLASparse(Target):
             if obs.error_type or obs.memory or obs.notes.get("guard"):
                 break
         return trace_observation(observed)
+
+    def query_fp8_scale(self, case) -> float | None:
+        """The layer's q_scale where MLAAttention hands forward_mqa a quantized query (the oracle then judges against
+        attention over that query); None: it hands the query as it is."""
+        return None
 
     def kv_cache_spec(self, case, cfg):
         """The layer's KV-cache spec as the builder gets it."""
@@ -390,7 +396,7 @@ def flashmla_repro(target, finding, layer: bool) -> ReproSpec:
         atol, rtol = layer_tolerance(last, inputs)
         tensors["kv_b_weight"] = inputs.kv_b_weight
     else:
-        expected = reference_for(last, inp, dev, slot_values)[0]
+        expected = reference_for(last, inp, dev, slot_values, q=fp8_query(inp.q, target.query_fp8_scale(last)))[0]
         atol, rtol = attention_tolerance(last, inp)
     tensors["expected_out"] = expected
     graphs = DecodeGraphs(case, dev, MAX_MODEL_LEN) if case.cudagraph == "full" and not layer else None

@@ -34,6 +34,9 @@ XPU = "vllm.v1.attention.backends.mla.xpu_mla_sparse"
 FLASHATTN = "vllm.v1.attention.backends.mla.flashattn_mla_sparse"
 FLASHINFER_SM90 = "vllm.v1.attention.backends.mla.flashinfer_mla_sparse_sm90"
 FLASHINFER_STANDIN = "fuzzer.support.standins.flashinfer_mla"  # attnfuzz's stand-in: FlashInfer's planner decisions
+FLASHINFER_SPARSE = "vllm.v1.attention.backends.mla.flashinfer_mla_sparse"  # FLASHINFER_MLA_SPARSE (SM100), SM120's builder
+FLASHINFER_SM120 = "vllm.v1.attention.backends.mla.flashinfer_mla_sparse_sm120"
+FLASHINFER_TRTLLM_STANDIN = "fuzzer.support.standins.flashinfer_trtllm_mla"  # attnfuzz's stand-in: the kernel each runs
 SPARSE_UTILS = "vllm.v1.attention.backends.mla.sparse_utils"
 INDEX_GROUP = "vllm.v1.attention.backends.mla.index_group"
 SPARSE_MLA = "vllm.model_executor.layers.attention.sparse_mla_attention"
@@ -163,6 +166,16 @@ def _sm90_plan_reused(args: tuple, kwargs: dict, result) -> Iterator[str]:
     before = _SM90_PLANS.pop(id(args[0]), None)
     if before is not None and getattr(args[0].wrapper, "_planned_backend", None) is before:
         yield "sm90.plan.reused"
+
+
+def _sm100_kv_dtype(args: tuple, kwargs: dict) -> Iterator[str]:  # FlashInferMLASparseImpl._forward_mqa_kernel(self, q, ...)
+    q = _arg(args, kwargs, "q", 1)
+    q = q[0] if isinstance(q, tuple) else q  # the bf16 query comes split (ql_nope, q_pe), the fp8 one whole
+    yield "sm100.fp8" if q.element_size() == 1 else "sm100.bf16"
+
+
+def _sm120_scale_format(args: tuple, kwargs: dict) -> Iterator[str]:  # FlashInferMLASparseSM120Impl._run_mqa_kernel(self, ...)
+    yield f"sm120.{getattr(args[0], 'kv_scale_format', '?')}"
 
 
 def _sm90_kv_dtype(args: tuple, kwargs: dict) -> Iterator[str]:
@@ -336,12 +349,20 @@ PROBES: tuple[Probe, ...] = (
     Probe(FLASHINFER_STANDIN, "mla_plan", after=_flashinfer_plan),
     Probe(FLASHINFER_STANDIN, "BatchMLAPagedAttentionWrapper.run", "kernel.flashinfer_mla"),
     Probe("flashinfer.mla", "BatchMLAPagedAttentionWrapper.run", "kernel.flashinfer_mla"),  # FlashInfer's own
+    # FLASHINFER_MLA_SPARSE (SM100, trtllm-gen) and FLASHINFER_MLA_SPARSE_SM120: their kernel calls (the stand-in's
+    # entry for each device), SM100's query dtype and draft update, SM120's scale format and its own forward_mqa
+    Probe(FLASHINFER_SPARSE, "FlashInferMLASparseImpl._forward_mqa_kernel", before=_sm100_kv_dtype),
+    Probe(FLASHINFER_SPARSE, "FlashInferMLASparseTRTLLMMetadataBuilder.update_draft_decode_metadata", "mtp_draft.update"),
+    Probe(FLASHINFER_SM120, "FlashInferMLASparseSM120Impl.forward_mqa", "mqa"),
+    Probe(FLASHINFER_SM120, "FlashInferMLASparseSM120Impl._run_mqa_kernel", before=_sm120_scale_format),
+    Probe(FLASHINFER_TRTLLM_STANDIN, "_sm100", "kernel.trtllm_gen_sparse"),
+    Probe(FLASHINFER_TRTLLM_STANDIN, "_sm120", "kernel.sm120_sparse"),
     Probe(FLASHMLA, "FlashMLASparseImpl._bf16_flash_mla_kernel", "kernel.bf16_sparse", before=_bf16_kernel_heads),
     Probe(FLASHMLA, "FlashMLASparseImpl._fp8_flash_mla_kernel", "kernel.fp8_decode", before=_fp8_kernel_heads),
     # the top-k index conversion, wherever it is looked up
     Probe(INDEX_GROUP, "SparseMLAIndexGroup.convert_logical_to_physical_topk", "index_group.convert"),
     *(Probe(m, REMAP, before=_remap_modes) for m in (SPARSE_UTILS, FLASHMLA, INDEX_GROUP, SPARSE_MLA, XPU,
-                                                     FLASHINFER_SM90)),
+                                                     FLASHINFER_SM90, FLASHINFER_SM120)),
     *(Probe(m, DCP_FILTER, before=_dcp_filter_modes) for m in (SPARSE_UTILS, FLASHMLA)),
     # DeepSeek-V4 (FLASHMLA_SPARSE_DSV4): the builders' split and Triton metadata kernels, the layer's routes,
     # the prefill's gather and combine, FlashMLA's decode (SWA only, or with the compressed cache) and prefill
@@ -388,7 +409,8 @@ KNOWN_PATHS: tuple[str, ...] = (
     "dcp.filter", "dcp.filter.compacted", "dcp.filter.in_place", "kernel.fa3_sparse", "mtp_draft.update",
     "sm90.bf16", "sm90.fp8", "sm90.plan.exact", "sm90.plan.upper_bound", "sm90.plan.replanned", "sm90.plan.reused", "sm90.plan.clamp_kv_end",
     "sm90.pack_indices", "flashinfer.plan.cluster1", "flashinfer.plan.cluster2", "flashinfer.plan.split_kv",
-    "kernel.flashinfer_mla",
+    "kernel.flashinfer_mla", "sm100.bf16", "sm100.fp8", "sm120.pow2_fp32", "sm120.arbitrary_fp32",
+    "kernel.trtllm_gen_sparse", "kernel.sm120_sparse",
     "dsv4.swa_indices", "dsv4.prefill_gather_lens", "dsv4.prefill.chunks", "dsv4.compressed_slot_mapping",
     "dsv4.c128a_topk_metadata", "dsv4.decode.swa_only", "dsv4.decode.c4a", "dsv4.decode.c128a",
     "dsv4.prefill.swa_only", "dsv4.prefill.c4a", "dsv4.prefill.c128a", "dsv4.global_topk",

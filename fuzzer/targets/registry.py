@@ -29,6 +29,8 @@ REGISTERED: dict[str, str] = {
     "vllm.flashattn_sparse.layer": "fuzzer.targets.flashattn_layer:FlashAttnMLASparseLayer",
     "vllm.flashinfer_sparse_sm90": "fuzzer.targets.flashinfer_sparse_sm90:FlashInferMLASparseSM90",
     "vllm.flashinfer_sparse_sm90.layer": "fuzzer.targets.flashinfer_sparse_sm90_layer:FlashInferMLASparseSM90Layer",
+    "vllm.flashinfer_sparse_sm100": "fuzzer.targets.flashinfer_sparse_blackwell:FlashInferMLASparseSM100",
+    "vllm.flashinfer_sparse_sm120": "fuzzer.targets.flashinfer_sparse_blackwell:FlashInferMLASparseSM120",
     "vllm.sparse_mla.all": "fuzzer.targets.sparse_mla_all:SparseMLAAll",
     "vllm.indexer": "fuzzer.targets.indexer:Indexer",
     "vllm.dsv32.attention": "fuzzer.targets.dsv32_attention:Dsv32Attention",
