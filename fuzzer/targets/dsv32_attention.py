@@ -15,6 +15,7 @@ over its whole causal window); padding tokens' rows finite; a token whose route 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 
 import torch
@@ -30,7 +31,12 @@ from fuzzer.support.indexer_runtime import (
     prepare_indexer_host,
     write_index_keys,
 )
-from fuzzer.support.sparse_mla_steps import metadata_builder, uninitialized_memory_as_nan
+from fuzzer.support.sparse_mla_steps import (
+    metadata_builder,
+    release_builder,
+    release_layers,
+    uninitialized_memory_as_nan,
+)
 from fuzzer.targets.base import WHOLE, RunPlan
 from fuzzer.targets.flashmla_layer import FlashMLASparseLayer
 from fuzzer.targets.harness import index_trace_step, paged_cache, trace_observation, with_padded_tokens
@@ -98,27 +104,28 @@ class Dsv32Attention(FlashMLASparseLayer):
         index_written = torch.zeros(pool.shape[0], dtype=torch.bool, device=dev)
         engine: dict = {}
         observed = []
-        for k, step in enumerate(steps):
-            inp = materialize_indexer_inputs(step, pool)
-            # the context no earlier step of the engine wrote
-            fresh = inp.context_slots[~index_written[inp.context_slots]]
-            layer_steps = [v.steps[k] for v in views]
-            layer_inputs = [materialize_layer_inputs(s, dev) for s in layer_steps]
+        with engines_ended([engine]):
+            for k, step in enumerate(steps):
+                inp = materialize_indexer_inputs(step, pool)
+                # the context no earlier step of the engine wrote
+                fresh = inp.context_slots[~index_written[inp.context_slots]]
+                layer_steps = [v.steps[k] for v in views]
+                layer_inputs = [materialize_layer_inputs(s, dev) for s in layer_steps]
 
-            def call(step=step, inp=inp, fresh=fresh, layer_steps=layer_steps, layer_inputs=layer_inputs,
-                     first=k == 0):
-                from vllm.config import set_current_vllm_config
+                def call(step=step, inp=inp, fresh=fresh, layer_steps=layer_steps, layer_inputs=layer_inputs,
+                         first=k == 0):
+                    from vllm.config import set_current_vllm_config
 
-                if not engine:
-                    self.new_engine(engine, cfg, case, layer_inputs, topk_buffer, index_kv, caches)
-                with set_current_vllm_config(cfg), torch.inference_mode(), \
-                        logits_budget(step.indexer.max_logits_mb), uninitialized_memory_as_nan():
-                    return self.module_step(engine, cfg, step, inp, pool[fresh], fresh, layer_steps, layer_inputs,
-                                            topk_buffer, index_kv, caches, write, first)
+                    if not engine:
+                        self.new_engine(engine, cfg, case, layer_inputs, topk_buffer, index_kv, caches)
+                    with set_current_vllm_config(cfg), torch.inference_mode(), \
+                            logits_budget(step.indexer.max_logits_mb), uninitialized_memory_as_nan():
+                        return self.module_step(engine, cfg, step, inp, pool[fresh], fresh, layer_steps, layer_inputs,
+                                                topk_buffer, index_kv, caches, write, first)
 
-            obs = self.observe_step(call, lambda: engine.get("routes", []))
-            if index_trace_step(observed, obs, step, inp, index_written, emulated, self.shims):
-                break
+                obs = self.observe_step(call, lambda: engine.get("routes", []))
+                if index_trace_step(observed, obs, step, inp, index_written, emulated, self.shims):
+                    break
         return trace_observation(observed)
 
     def observe_step(self, call, routes, notes: dict | None = None):
@@ -205,6 +212,19 @@ class Dsv32Attention(FlashMLASparseLayer):
 
     def repro_spec(self, finding):
         return None  # a standalone reproducer of the module: not yet
+
+
+@contextlib.contextmanager
+def engines_ended(engines: list[dict]):
+    """The engines end with the block (a trace's): their metadata builders and layers are released
+    (`release_builder`, `release_layers`), so that nothing of them waits for Python's cyclic collector."""
+    try:
+        yield
+    finally:
+        for engine in engines:
+            if "mla_builder" in engine:
+                release_builder(engine["mla_builder"])
+            release_layers(*engine.get("layers", ()))
 
 
 def _keep(result: list, value):

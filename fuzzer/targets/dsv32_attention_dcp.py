@@ -30,7 +30,6 @@ module's PCP path with drawn top-k), the direct (symmetric-memory) DCP collectiv
 from __future__ import annotations
 
 import dataclasses
-import gc
 
 import torch
 
@@ -53,7 +52,7 @@ from fuzzer.support.indexer_runtime import (
 )
 from fuzzer.support.sparse_mla_steps import uninitialized_memory_as_nan
 from fuzzer.targets.base import WHOLE, RunPlan
-from fuzzer.targets.dsv32_attention import EMULATED, Dsv32Attention
+from fuzzer.targets.dsv32_attention import EMULATED, Dsv32Attention, engines_ended
 from fuzzer.targets.flashmla_dcp import FlashMLASparseDcp
 from fuzzer.targets.harness import (
     index_trace_step,
@@ -110,17 +109,6 @@ class Dsv32AttentionDcp(Dsv32Attention):
                                           combine_rows=INTERPRETED_COMBINE_ROWS if self.device == "cpu" else None)
 
     def run(self, case):
-        try:
-            return self.run_trace(case)
-        finally:
-            # The ranks' engines sit in reference cycles (a layer's MLADCPManager holds the group, the group the
-            # emulated world, the world each rank's static forward context, which holds the layer; the route
-            # counters' closures hold their impl): left to Python's cyclic collector, cases' engines (workspaces and
-            # caches, hundreds of MB at 8 ranks) pile up before a full collection frees them (a campaign's worker
-            # passed 12 GB). A full collection costs ~0.3 s with vLLM imported.
-            gc.collect()
-
-    def run_trace(self, case):
         dev, x = self.device, case.indexer
         size, heads = case.dcp.size, x.attention_heads
         steps = case.steps
@@ -140,7 +128,7 @@ class Dsv32AttentionDcp(Dsv32Attention):
         emulated = tuple(dict.fromkeys(e for e in (*self.emulated, write_emulated, *EMULATED, COLLECTIVES) if e))
         index_written = torch.zeros(pool.shape[0], dtype=torch.bool, device=dev)
         observed = []
-        with installed_groups(_DCP=groups["_DCP"]):
+        with installed_groups(_DCP=groups["_DCP"]), engines_ended([st.engine for st in state]):
             for k, step in enumerate(steps):
                 inp = materialize_indexer_inputs(whole.steps[k], pool)  # undivided slots (-1: padding tokens)
                 fresh = inp.context_slots[~index_written[inp.context_slots]]
