@@ -19,6 +19,7 @@ import torch
 
 from fuzzer.support.standins import cache_ops, flashmla_ops
 from fuzzer.support.standins.flash_attn_ops import flash_attn_varlen_func
+from fuzzer.support.standins.importable import importable_as
 
 # DeepSeek-V3.2's MLA dims
 KV_LORA_RANK, ROPE_DIM, QK_NOPE, V_HEAD = 512, 64, 128, 128
@@ -115,17 +116,9 @@ def flash_attn_sparse_backend(device: str = "cuda"):
     package, interface = types.ModuleType(FLASH_ATTN_INTERFACE.rsplit(".", 1)[0]), types.ModuleType(FLASH_ATTN_INTERFACE)
     package.__path__ = []
     interface.flash_attn_varlen_func = flash_attn_varlen_func
-    saved = {m.__name__: sys.modules.get(m.__name__) for m in (package, interface)}
     sys.modules.pop(FLASH_ATTN_SPARSE_MODULE, None)  # a failed import above leaves nothing, but be sure
-    sys.modules.update({m.__name__: m for m in (package, interface)})
-    try:
+    with importable_as({m.__name__: m for m in (package, interface)}):
         module = importlib.import_module(FLASH_ATTN_SPARSE_MODULE)
-    finally:
-        for mod_name, before in saved.items():
-            if before is None:
-                sys.modules.pop(mod_name, None)
-            else:
-                sys.modules[mod_name] = before
     return module.FlashAttnMLASparseBackend, ("flash_attn_varlen_func",)
 
 
