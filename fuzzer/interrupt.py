@@ -125,6 +125,14 @@ def defer() -> None:
         pass
 
 
+def settle(caught: str | None) -> str | None:
+    """Where a command's interruptible part ends (`caught`: the signal its `Interrupted` named, if one came): signals
+    are deferred from here, so its outputs are written whole and a second signal kills; returns the signal that
+    stopped it, caught or received since, or None."""
+    defer()
+    return caught or received()
+
+
 @contextmanager
 def deferred():
     """A signal is only recorded here: the code polls `received()`."""

@@ -353,18 +353,3 @@ def layer_judgement(case, obs):
     if not [v for v in verdicts if v.check != "padded_rows"]:
         verdicts.append(passed("output", f"{case.num_tokens} tokens within tolerance", margin=margin))
     return verdicts, judged
-
-
-def padded_row_verdicts(case, obs) -> list[Verdict]:
-    """A full CUDA graph's padding tokens (rows num_tokens.. of the output the backend wrote, `out_padded`): no
-    reference exists for them (their top-k rows hold no valid index), but what vLLM writes there must be finite:
-    the model's next layers read those rows (its residual stream and MoE routing run on every graph row)."""
-    pad = obs.outputs.get("out_padded")
-    if pad is None or pad.numel() == 0:
-        return []
-    bad = ~torch.isfinite(pad.float()).reshape(pad.shape[0], -1).all(dim=1)
-    if bool(bad.any()):
-        first = int(bad.nonzero()[0])
-        return [Verdict("padded_rows", False, f"{int(bad.sum())} of {pad.shape[0]} padding tokens' output rows hold "
-                        f"NaN or Inf (first: row {case.num_tokens + first})", "H", where="padded_rows")]
-    return [passed("padded_rows", f"{pad.shape[0]} rows finite")]

@@ -342,6 +342,17 @@ def target_list(option: str | None) -> list[str] | None:
     return [t.strip() for t in option.split(",")] if option else None
 
 
+def vllm_imported(command: str) -> str | None:
+    """vLLM imported, for a command that runs campaigns: its version, or None where it cannot be (said on stderr as
+    `attnfuzz <command>: ...`). A signal that came while the commands were imported raises Interrupted first."""
+    interrupt.check()
+    try:
+        return import_vllm()
+    except UsageError as e:
+        print(f"attnfuzz {command}: {e}", file=sys.stderr)
+        return None
+
+
 def main(args: argparse.Namespace, device: str) -> int:
 
     start = time.monotonic()
@@ -358,11 +369,8 @@ def main(args: argparse.Namespace, device: str) -> int:
     campaign_results: list[CampaignResult] = []
     specs: list[CampaignSpec] | None = None  # None: not planned (the signal came first)
     try:  # vLLM's import and the reproducers: a signal raises Interrupted here (fuzzer/interrupt.py)
-        interrupt.check()  # one that came while the commands were imported
-        try:
-            vllm_version = import_vllm()
-        except UsageError as e:
-            print(f"attnfuzz gate: {e}", file=sys.stderr)
+        vllm_version = vllm_imported("gate")
+        if vllm_version is None:
             return 2
         unavailable, dtypes = host_targets(device)
         host = host_info(device)
@@ -392,8 +400,7 @@ def main(args: argparse.Namespace, device: str) -> int:
                                 for o in outcomes] + skipped
     except Interrupted as e:
         stopped = e.signal
-    interrupt.defer()  # the outputs are written whole; a second signal kills
-    stopped = stopped or interrupt.received()
+    stopped = interrupt.settle(stopped)
     if stopped:  # what did not run to its end is listed as interrupted: no output reads as a finished gate
         why = f"not run to its end: the gate was interrupted by {stopped}"
         ran = {r.id for r in repro_results}

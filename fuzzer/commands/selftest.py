@@ -30,14 +30,14 @@ from pathlib import Path
 
 from fuzzer import budgets, interrupt
 from fuzzer.artifacts.junit import JUnitCase, JUnitSuite, write_junit
-from fuzzer.commands.gate import find_repros, known_signature, target_list
+from fuzzer.commands.gate import find_repros, known_signature, target_list, vllm_imported
 from fuzzer.commands.outputs import check_outputs
 from fuzzer.commands.run import host_after_interrupt
 from fuzzer.env import STATE_DIR, host_info, installed_vllm
 from fuzzer.errors import GateError, Interrupted, RecordError, UsageError
 from fuzzer.mutants import MUTANTS, load, unavailable_on
 from fuzzer.run.campaign_process import CampaignOutcome, CampaignSpec, campaign_figures, run_campaigns
-from fuzzer.run.host import host_targets, import_vllm
+from fuzzer.run.host import host_targets
 from fuzzer.targets.registry import TARGETS
 
 # Time to find is the measure here: findings are kept as first seen (shrinking is tested elsewhere).
@@ -243,11 +243,8 @@ def main(args: argparse.Namespace, device: str) -> int:
     runs: list[tuple[str | None, str, CampaignSpec]] | None = None  # None: not planned (the signal came first)
     rows: list[SelftestRow] = []
     try:  # vLLM's import: a signal raises Interrupted here (fuzzer/interrupt.py)
-        interrupt.check()  # one that came while the commands were imported
-        try:
-            vllm_version = import_vllm()
-        except UsageError as e:
-            print(f"attnfuzz selftest: {e}", file=sys.stderr)
+        vllm_version = vllm_imported("selftest")
+        if vllm_version is None:
             return 2
         unavailable, _ = host_targets(device)
         try:
@@ -287,8 +284,7 @@ def main(args: argparse.Namespace, device: str) -> int:
             print(f"  {r.name}: skipped ({r.reason})")
     except Interrupted as e:
         stopped = e.signal
-    interrupt.defer()  # the outputs are written whole; a second signal kills
-    stopped = stopped or interrupt.received()
+    stopped = interrupt.settle(stopped)
     if stopped:  # what did not run to its end is listed as interrupted: no output reads as a finished selftest
         why = f"not run to its end: the selftest was interrupted by {stopped}"
         done = {(r.mutant, r.target) for r in rows}

@@ -12,18 +12,25 @@ def mutate_jit(jit, namespace, edits, label):
     import triton
 
     fn = getattr(jit, "fn", jit)
+    return triton.jit(_rewritten(fn, edits, label, fn.__name__, namespace))
+
+
+def _rewritten(fn, edits, label, where, namespace, keep_decorators=False):
+    """`fn` defined anew in a copy of `namespace` from its source (its decorators dropped unless kept) with `edits`
+    ((old, new) pairs) applied; `where` names it when an edit's text is not found."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-    tree.body[0].decorator_list = []
+    if not keep_decorators:
+        tree.body[0].decorator_list = []
     src = ast.unparse(tree)
     for old, new in edits:
         if old not in src:
-            raise RuntimeError(f"mutant {label}: `{old}` not found in this vLLM's {fn.__name__}")
+            raise RuntimeError(f"mutant {label}: `{old}` not found in this vLLM's {where}")
         src = src.replace(old, new)
     filename = f"<attnfuzz mutant {label}>"
     linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)  # Triton reads the source
     scope = dict(namespace)
     exec(compile(src, filename, "exec"), scope)
-    return triton.jit(scope[fn.__name__])
+    return scope[fn.__name__]
 
 
 def patch_kernel(module_name, kernel_name, edits, label):
@@ -54,16 +61,8 @@ def patch_method(module_name, class_name, method_name, edits, label):
     """Replace a method of one of vLLM's classes by its source with `edits` applied."""
     module = importlib.import_module(module_name)
     cls = getattr(module, class_name)
-    fn = getattr(cls, method_name)
-    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-    src = ast.unparse(tree)
-    for old, new in edits:
-        if old not in src:
-            raise RuntimeError(f"mutant {label}: `{old}` not found in this vLLM's {class_name}.{method_name}")
-        src = src.replace(old, new)
-    scope = dict(vars(module))
-    exec(compile(src, f"<attnfuzz mutant {label}>", "exec"), scope)
-    setattr(cls, method_name, scope[method_name])
+    setattr(cls, method_name, _rewritten(getattr(cls, method_name), edits, label, f"{class_name}.{method_name}",
+                                         vars(module), keep_decorators=True))
 
 
 ROW_CHECKS = ("req_id.shape[0]==token_indices.shape[0]", "valid_counts_out.shape==(num_tokens,)")
@@ -139,13 +138,5 @@ def patch_function(module_name, function_name, edits, label):
     module = importlib.import_module(module_name)
     fn = getattr(module, function_name)
     fn = inspect.unwrap(fn)  # under vLLM's decorators (eager_break_during_capture) and attnfuzz's coverage probe
-    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-    tree.body[0].decorator_list = []  # the decorated object keeps calling the function object whose code changes
-    src = ast.unparse(tree)
-    for old, new in edits:
-        if old not in src:
-            raise RuntimeError(f"mutant {label}: `{old}` not found in this vLLM's {function_name}")
-        src = src.replace(old, new)
-    scope = dict(vars(module))
-    exec(compile(src, f"<attnfuzz mutant {label}>", "exec"), scope)
-    fn.__code__ = scope[function_name].__code__
+    # Its decorators dropped: the decorated object keeps calling the function object whose code changes.
+    fn.__code__ = _rewritten(fn, edits, label, function_name, vars(module)).__code__

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from types import SimpleNamespace
 from typing import Callable
 
@@ -84,7 +85,10 @@ class LockstepRanks:
         if first is not None:
             failed = [r for r, e in enumerate(errors) if e is not None and not isinstance(e, RankFailed)]
             first.add_note(f"on rank(s) {failed} of {self.world_size} (emulated in one process)")
-            raise first
+            try:
+                raise first
+            finally:  # the tracebacks hold this frame and the ranks': none may hold an exception back
+                first = errors = None
         return results
 
     def exchange(self, tensor: torch.Tensor, members: tuple[int, ...] | None = None) -> list[torch.Tensor]:
@@ -134,7 +138,7 @@ class EmulatedProcessGroup:
     torch.distributed calls on it go through `emulated_dist`."""
 
     def __init__(self, coordinator: "EmulatedGroup") -> None:
-        self.coordinator = coordinator
+        self.coordinator = weakref.proxy(coordinator)  # the coordinator holds this object: no cycle back
 
 
 class EmulatedGroup:
@@ -146,7 +150,11 @@ class EmulatedGroup:
     cpu_group = None
 
     def __init__(self, ranks: LockstepRanks, groups=None, name: str = "dcp") -> None:
-        self.ranks = ranks
+        # Weak: the world holds every rank's process state (its static forward context, so its layers) and a layer's
+        # MLADCPManager holds its group, so a strong reference would make each world a reference cycle that only
+        # Python's cyclic collector frees, with every rank's caches and workspaces in it. Whoever made the world
+        # keeps it while its groups run.
+        self.ranks = weakref.proxy(ranks)
         self.groups = [tuple(g) for g in (groups if groups is not None else [range(ranks.world_size)])]
         self._group_of = {r: g for g in self.groups for r in g}
         self.unique_name = f"attnfuzz:emulated-{name}"

@@ -32,8 +32,8 @@ from fuzzer.support.flashmla_runtime import (
     SM_SCALE,
     V_HEAD,
 )
-from fuzzer.support.pcp_runtime import V32_ATTENTION
 
+V32_ATTENTION = "vllm.models.deepseek_v32.attention"
 INDEX_GROUP_MODULE = "vllm.v1.attention.backends.mla.index_group"
 SKIP_TOPK_LAYER = "attnfuzz.layer.skip_topk"  # the second layer's prefix: no indexer, the first's top-k
 
@@ -54,10 +54,11 @@ def index_group_builder(cfg, topk_indices_buffer: torch.Tensor):
 
 
 def dsv32_layer(cfg, heads: int, kv_b_weight: torch.Tensor, topk_indices_buffer: torch.Tensor, indexer, group_builder,
-                device: str, prefix: str = LAYER, backend=None):
+                device: str, prefix: str = LAYER, backend=None, disable_tp: bool = False):
     """`DeepseekV32Attention` on `backend` (vLLM's sparse-MLA backend class; None: FLASHMLA_SPARSE) with `indexer` (a DeepseekV32Indexer, or None: a skip_topk layer),
-    vLLM's CPU_SDPA_MLA prefill backend, kv_b_proj holding `kv_b_weight`, registered as `prefix`. Call inside
-    `set_current_vllm_config(cfg)`."""
+    vLLM's CPU_SDPA_MLA prefill backend, kv_b_proj holding `kv_b_weight`, registered as `prefix`. disable_tp: kv_b_proj
+    outside TP (`kv_b_weight` is already this rank's rows of the TP-split projection, under an emulated TP group).
+    Call inside `set_current_vllm_config(cfg)`."""
     from vllm.model_executor.layers.attention.mla_attention import MLAAttention
     from vllm.model_executor.layers.linear import ColumnParallelLinear
     from vllm.v1.kv_cache_interface import is_quantized_kv_cache
@@ -65,8 +66,9 @@ def dsv32_layer(cfg, heads: int, kv_b_weight: torch.Tensor, topk_indices_buffer:
     attention = importlib.import_module(V32_ATTENTION)
     layer_cls = attention.DeepseekV32Attention
     cfg.compilation_config.static_forward_context.pop(prefix, None)
+    outside_tp = {"disable_tp": True} if disable_tp else {}
     kv_b_proj = ColumnParallelLinear(KV_LORA_RANK, heads * (QK_NOPE + V_HEAD), bias=False, params_dtype=torch.bfloat16,
-                                     prefix=f"{prefix}.kv_b_proj").to(device)
+                                     prefix=f"{prefix}.kv_b_proj", **outside_tp).to(device)
     kv_b_proj.weight.data.copy_(kv_b_weight)
     layer = layer_cls.__new__(layer_cls)
     with torch.device(device):

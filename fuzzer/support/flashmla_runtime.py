@@ -11,6 +11,7 @@ import importlib
 import inspect
 import json
 import os
+import weakref
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,6 +19,7 @@ import torch
 
 from fuzzer.support.standins import cache_ops, flashmla_ops
 from fuzzer.support.standins.flash_attn_ops import flash_attn_varlen_func
+from fuzzer.support.standins.importable import importable_as
 
 # DeepSeek-V3.2's MLA dims
 KV_LORA_RANK, ROPE_DIM, QK_NOPE, V_HEAD = 512, 64, 128, 128
@@ -114,17 +116,9 @@ def flash_attn_sparse_backend(device: str = "cuda"):
     package, interface = types.ModuleType(FLASH_ATTN_INTERFACE.rsplit(".", 1)[0]), types.ModuleType(FLASH_ATTN_INTERFACE)
     package.__path__ = []
     interface.flash_attn_varlen_func = flash_attn_varlen_func
-    saved = {m.__name__: sys.modules.get(m.__name__) for m in (package, interface)}
     sys.modules.pop(FLASH_ATTN_SPARSE_MODULE, None)  # a failed import above leaves nothing, but be sure
-    sys.modules.update({m.__name__: m for m in (package, interface)})
-    try:
+    with importable_as({m.__name__: m for m in (package, interface)}):
         module = importlib.import_module(FLASH_ATTN_SPARSE_MODULE)
-    finally:
-        for mod_name, before in saved.items():
-            if before is None:
-                sys.modules.pop(mod_name, None)
-            else:
-                sys.modules[mod_name] = before
     return module.FlashAttnMLASparseBackend, ("flash_attn_varlen_func",)
 
 
@@ -456,20 +450,26 @@ def mla_layer(cfg, heads: int, kv_b_weight: torch.Tensor, topk_indices_buffer: t
     return layer
 
 
+def _weakly(method):
+    """A callable returning `method`: a bound method held without its object (a plain function or None as it is)."""
+    return weakref.WeakMethod(method) if inspect.ismethod(method) else (lambda: method)
+
+
 def record_routes(impl, route: dict) -> None:
-    """Count the tokens vLLM hands each route (instance attributes shadow the impl's methods)."""
-    forward_mqa, forward_mha = impl.forward_mqa, getattr(impl, "forward_mha", None)  # 0.23's sparse impls: no MHA
+    """Count the tokens vLLM hands each route (instance attributes shadow the impl's methods). The counters hold
+    the impl's own methods weakly: the impl holds the counters, and a bound method would make it a reference cycle."""
+    forward_mqa, forward_mha = _weakly(impl.forward_mqa), _weakly(getattr(impl, "forward_mha", None))  # 0.23: no MHA
 
     def mqa(q, *args, **kwargs):
         route["mqa_tokens"] = route.get("mqa_tokens", 0) + (q[0] if isinstance(q, tuple) else q).shape[0]
-        return forward_mqa(q, *args, **kwargs)
+        return forward_mqa()(q, *args, **kwargs)
 
     def mha(q, *args, **kwargs):
         route["mha_tokens"] = route.get("mha_tokens", 0) + q.shape[0]
-        return forward_mha(q, *args, **kwargs)
+        return forward_mha()(q, *args, **kwargs)
 
     impl.forward_mqa = mqa
-    if forward_mha is not None:
+    if forward_mha() is not None:
         impl.forward_mha = mha
 
 

@@ -30,18 +30,9 @@ import numpy as np
 import torch
 
 from fuzzer.support import dcp_group
-from fuzzer.support.flashmla_runtime import (
-    BACKEND_MODULE,
-    CPU_SDPA_PREFILL_MODULE,
-    KV_LORA_RANK,
-    LAYER,
-    QK_NOPE,
-    ROPE_DIM,
-    SM_SCALE,
-    V_HEAD,
-)
+from fuzzer.support.dsv32_runtime import V32_ATTENTION, dsv32_layer
+from fuzzer.support.flashmla_runtime import BACKEND_MODULE, LAYER, QK_NOPE
 
-V32_ATTENTION = "vllm.models.deepseek_v32.attention"
 PCP_MANAGER = "vllm.v1.worker.gpu.pcp_manager"
 
 
@@ -170,33 +161,11 @@ def rank_metadata(cfg, builder, backend, spec, local, block_table: torch.Tensor,
 
 def pcp_layer(cfg, heads: int, kv_b_weight: torch.Tensor, topk_indices_buffer: torch.Tensor, device: str):
     """DeepSeek-V3.2's sparse attention layer (the class vLLM lets run PCP + DCP) on FLASHMLA_SPARSE, with this
-    rank's heads: `MLAAttention.__init__` (the impl, the MLADCPManager, W_UK/W_UV from kv_b_proj holding
-    `kv_b_weight`), no indexer (the top-k buffer holds the indexer's rows), registered as LAYER. Call inside
-    `set_current_vllm_config(cfg)`, on the rank's thread."""
-    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
-    from vllm.model_executor.layers.linear import ColumnParallelLinear
-
-    layer_cls = importlib.import_module(V32_ATTENTION).DeepseekV32Attention
-    cfg.compilation_config.static_forward_context.pop(LAYER, None)
-    # This rank's rows of the TP-split projection, as its ColumnParallelLinear holds them.
-    kv_b_proj = ColumnParallelLinear(KV_LORA_RANK, heads * (QK_NOPE + V_HEAD), bias=False, params_dtype=torch.bfloat16,
-                                     prefix=f"{LAYER}.kv_b_proj", disable_tp=True).to(device)
-    kv_b_proj.weight.data.copy_(kv_b_weight)
-    layer = layer_cls.__new__(layer_cls)
-    with torch.device(device):
-        MLAAttention.__init__(
-            layer, num_heads=heads, scale=SM_SCALE, qk_nope_head_dim=QK_NOPE, qk_rope_head_dim=ROPE_DIM,
-            v_head_dim=V_HEAD, q_lora_rank=None, kv_lora_rank=KV_LORA_RANK, kv_b_proj=kv_b_proj,
-            cache_config=cfg.cache_config, prefix=LAYER,
-            attn_backend=importlib.import_module(BACKEND_MODULE).FlashMLASparseBackend, use_sparse=True,
-            topk_indices_buffer=topk_indices_buffer,
-            prefill_backend_cls=importlib.import_module(CPU_SDPA_PREFILL_MODULE).CPUSDPAMLAPrefillBackend)
-    layer.process_weights_after_loading(torch.bfloat16)
-    # What DeepSeek-V3.2's __init__ sets that its attention call reads (no indexer: the buffer is filled).
-    layer.indexer, layer.skip_topk, layer.num_local_heads = None, False, heads
-    layer.topk_indices_buffer = topk_indices_buffer
+    rank's heads (`dsv32_runtime.dsv32_layer`: the impl, the MLADCPManager, W_UK/W_UV from kv_b_proj holding
+    `kv_b_weight`, this rank's rows of the TP-split projection), no indexer (the top-k buffer holds the indexer's
+    rows), registered as LAYER. Call inside `set_current_vllm_config(cfg)`, on the rank's thread."""
+    layer = dsv32_layer(cfg, heads, kv_b_weight, topk_indices_buffer, None, None, device, disable_tp=True)
     layer._fp8_query = False  # fp8_ds_mla: FlashMLA takes a bf16 query
-    layer._fp8_kv_needs_view = False
     return layer
 
 

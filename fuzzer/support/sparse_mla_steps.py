@@ -9,6 +9,7 @@ the ones run() makes.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import tempfile
 import warnings
 from types import SimpleNamespace
@@ -87,6 +88,30 @@ def mla_spec(block_size: int, kv_cache_dtype: str):
 def metadata_builder(backend, spec, cfg, device: str):
     """The backend's metadata builder for the layer (call inside set_current_vllm_config(cfg))."""
     return implemented(backend, "get_builder_cls")()(spec, [LAYER], cfg, torch.device(device))
+
+
+def release_builder(builder) -> None:
+    """End an engine's metadata builder: its prefill backend keeps the last prefill metadata it was handed
+    (`prepare_metadata`), which holds the backend and the builder's workspaces back, a reference cycle. A server's
+    builder lives as long as its process; an engine here lasts a case, and each case's would wait in that cycle for
+    Python's cyclic collector. Call once the engine has run its last step."""
+    backend = getattr(builder, "_prefill_backend", None)
+    if backend is not None:
+        backend._prefill_metadata = None
+
+
+def release_layers(*layers) -> None:
+    """End an engine's vLLM layers: whatever holds a bound method of its own module (a vLLM linear layer's weight
+    parameter its `weight_loader`, a CustomOp its dispatched forward) makes a reference cycle of that module and what
+    it holds. A server's model keeps them for the process's life; an engine here lasts a case, and each case's would
+    wait in those cycles for Python's cyclic collector. Call once the engine has run its last step: the methods are
+    dropped, and the layers are not to be called again."""
+    for layer in layers:
+        for module in layer.modules():
+            for owner in (module, *module.parameters(recurse=False)):
+                for name, value in list(vars(owner).items()):
+                    if inspect.ismethod(value) and value.__self__ is module:
+                        setattr(owner, name, None)
 
 
 def sparse_mla_engine(backend, spec, cfg, heads: int, kv_cache_dtype: str, topk_indices_buffer, device: str):

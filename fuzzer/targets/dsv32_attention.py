@@ -15,34 +15,37 @@ over its whole causal window); padding tokens' rows finite; a token whose route 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 
 import torch
 
-from fuzzer.env import STATE_DIR
 from fuzzer.support import dsv32_runtime
 from fuzzer.support.dsv32_runtime import SKIP_TOPK_LAYER, clear_topk_rows, dsv32_layer, index_group_builder, module_step
 from fuzzer.support.flashmla_runtime import LAYER, guard_index_group, record_routes, standins_forced
 from fuzzer.support.indexer_runtime import (
     Sm90View,
-    index_cache,
     indexer_builder,
-    indexer_config,
     indexer_layer,
     logits_budget,
     prepare_indexer_host,
     write_index_keys,
 )
-from fuzzer.support.sparse_mla_steps import TOPK_POISON, metadata_builder, uninitialized_memory_as_nan
+from fuzzer.support.sparse_mla_steps import (
+    metadata_builder,
+    release_builder,
+    release_layers,
+    uninitialized_memory_as_nan,
+)
 from fuzzer.targets.base import WHOLE, RunPlan
 from fuzzer.targets.flashmla_layer import FlashMLASparseLayer
-from fuzzer.targets.harness import paged_cache, trace_observation, with_padded_tokens
-from fuzzer.targets.indexer import REAL_KERNELS, Indexer
+from fuzzer.targets.harness import index_trace_step, paged_cache, trace_observation, with_padded_tokens
+from fuzzer.targets.indexer import REAL_KERNELS, Indexer, engine_buffers
 from fuzzer.targets.probes import observe_paths
 from oracles.dsv32 import judge_dsv32
 from oracles.steps import judge_steps
 from strategies.indexer_batches import attention_module_space
-from strategies.indexer_tensors import attention_view, key_pool, materialize_indexer_inputs
+from strategies.indexer_tensors import attention_view, materialize_indexer_inputs
 from strategies.tensors import materialize_layer_inputs, written_slots
 
 EMULATED = ("fused_norm_rope's side effects before the seam: the MLA cache write (concat_and_cache_mla), the index "
@@ -93,54 +96,55 @@ class Dsv32Attention(FlashMLASparseLayer):
         dev = self.device
         steps = case.steps
         x = case.indexer
-        pool = key_pool(case, dev)
-        index_kv = index_cache(case.pool_blocks, case.block_size, dev)
-        rows = max(s.num_actual_tokens for s in steps) + 8  # the model's buffer: max_num_batched_tokens rows
-        topk_buffer = torch.full((rows, case.topk_width), TOPK_POISON, dtype=torch.int32, device=dev)
-        cfg = indexer_config(dev, str(STATE_DIR), case, max_num_batched_tokens=rows)
+        pool, index_kv, topk_buffer, cfg = engine_buffers(case, dev)
         cfg.model_config.get_num_attention_heads = lambda parallel_config=None: x.attention_heads  # the MLA heads
         views = [attention_view(case, layer) for layer in range(2 if x.skip_topk_layer else 1)]
         caches = [paged_cache(v, dev) for v in views]
         write, write_emulated = self.writer(views[0])
+        emulated = tuple(dict.fromkeys(e for e in (*self.emulated, write_emulated, *EMULATED) if e))
         index_written = torch.zeros(pool.shape[0], dtype=torch.bool, device=dev)
         engine: dict = {}
         observed = []
-        for k, step in enumerate(steps):
-            inp = materialize_indexer_inputs(step, pool)
-            fresh = inp.context_slots[~index_written[inp.context_slots]]  # context no earlier step of the engine wrote
-            layer_steps = [v.steps[k] for v in views]
-            layer_inputs = [materialize_layer_inputs(s, dev) for s in layer_steps]
+        with engines_ended([engine]):
+            for k, step in enumerate(steps):
+                inp = materialize_indexer_inputs(step, pool)
+                # the context no earlier step of the engine wrote
+                fresh = inp.context_slots[~index_written[inp.context_slots]]
+                layer_steps = [v.steps[k] for v in views]
+                layer_inputs = [materialize_layer_inputs(s, dev) for s in layer_steps]
 
-            def call(step=step, inp=inp, fresh=fresh, layer_steps=layer_steps, layer_inputs=layer_inputs, first=k == 0):
-                from vllm.config import set_current_vllm_config
+                def call(step=step, inp=inp, fresh=fresh, layer_steps=layer_steps, layer_inputs=layer_inputs,
+                         first=k == 0):
+                    from vllm.config import set_current_vllm_config
 
-                if not engine:
-                    self.new_engine(engine, cfg, case, layer_inputs, topk_buffer, index_kv, caches)
-                with set_current_vllm_config(cfg), torch.inference_mode(), logits_budget(step.indexer.max_logits_mb), \
-                        uninitialized_memory_as_nan():
-                    return self.module_step(engine, cfg, step, inp, pool[fresh], fresh, layer_steps, layer_inputs,
-                                            topk_buffer, index_kv, caches, write, first)
+                    if not engine:
+                        self.new_engine(engine, cfg, case, layer_inputs, topk_buffer, index_kv, caches)
+                    with set_current_vllm_config(cfg), torch.inference_mode(), \
+                            logits_budget(step.indexer.max_logits_mb), uninitialized_memory_as_nan():
+                        return self.module_step(engine, cfg, step, inp, pool[fresh], fresh, layer_steps, layer_inputs,
+                                                topk_buffer, index_kv, caches, write, first)
 
-            result: list = []
-            obs = observe_paths(self.observe, lambda call=call, result=result: _keep(result, call()))
-            if result:
-                _, overruns, changed = result[0]
-                if overruns:
-                    obs.notes["buffer_overrun"] = overruns
-                if any(changed):
-                    obs.notes["cache_changed"] = f"MLA cache rows changed by attention: {changed}"
-            obs.notes["route"] = dict(engine.get("routes", [{}])[0])
-            obs.notes["layer_routes"] = self.routes
-            obs.emulated = tuple(dict.fromkeys(e for e in (*self.emulated, write_emulated, *EMULATED) if e))
-            obs.notes["shims"] = self.shims
-            if step.padded_tokens:
-                obs.notes["padded_tokens"] = step.padded_tokens
-            observed.append(obs)
-            index_written[inp.context_slots] = True
-            index_written[inp.slots[inp.slots >= 0]] = True
-            if obs.error_type or obs.memory:
-                break
+                obs = self.observe_step(call, lambda: engine.get("routes", []))
+                if index_trace_step(observed, obs, step, inp, index_written, emulated, self.shims):
+                    break
         return trace_observation(observed)
+
+    def observe_step(self, call, routes, notes: dict | None = None):
+        """A step's observation: `call()` returns (outputs, index-group overruns, MLA cache rows the attention changed);
+        the overruns and changed rows go into the notes, with the first layer's route counts (`routes()`: the
+        engine's counters, filled by the call) and the routes of every layer."""
+        result: list = []
+        obs = observe_paths(self.observe, lambda: _keep(result, call()), notes=notes)
+        if result:
+            _, overruns, changed = result[0]
+            if overruns:
+                obs.notes["buffer_overrun"] = overruns
+            if any(changed):
+                obs.notes["cache_changed"] = f"MLA cache rows changed by attention: {changed}"
+        counts = routes()
+        obs.notes["route"] = dict(counts[0]) if counts else {}
+        obs.notes["layer_routes"] = self.routes
+        return obs
 
     def module_step(self, engine, cfg, step, inp, fresh_keys, fresh, layer_steps, layer_inputs, topk_buffer, index_kv,
                     caches, write, first: bool):
@@ -209,6 +213,19 @@ class Dsv32Attention(FlashMLASparseLayer):
 
     def repro_spec(self, finding):
         return None  # a standalone reproducer of the module: not yet
+
+
+@contextlib.contextmanager
+def engines_ended(engines: list[dict]):
+    """The engines end with the block (a trace's): their metadata builders and layers are released
+    (`release_builder`, `release_layers`), so that nothing of them waits for Python's cyclic collector."""
+    try:
+        yield
+    finally:
+        for engine in engines:
+            if "mla_builder" in engine:
+                release_builder(engine["mla_builder"])
+            release_layers(*engine.get("layers", ()))
 
 
 def _keep(result: list, value):

@@ -30,7 +30,6 @@ module's PCP path with drawn top-k), the direct (symmetric-memory) DCP collectiv
 from __future__ import annotations
 
 import dataclasses
-import gc
 
 import torch
 
@@ -51,13 +50,18 @@ from fuzzer.support.indexer_runtime import (
     prepare_dcp_merge,
     write_index_keys,
 )
-from fuzzer.support.sparse_mla_steps import TOPK_POISON, uninitialized_memory_as_nan
+from fuzzer.support.sparse_mla_steps import uninitialized_memory_as_nan
 from fuzzer.targets.base import WHOLE, RunPlan
-from fuzzer.targets.dsv32_attention import EMULATED, Dsv32Attention, _keep
+from fuzzer.targets.dsv32_attention import EMULATED, Dsv32Attention, engines_ended
 from fuzzer.targets.flashmla_dcp import FlashMLASparseDcp
-from fuzzer.targets.harness import trace_observation, with_padded_tokens
+from fuzzer.targets.harness import (
+    index_trace_step,
+    max_batched_tokens,
+    topk_buffer_for,
+    trace_observation,
+    with_padded_tokens,
+)
 from fuzzer.targets.indexer import Indexer
-from fuzzer.targets.probes import observe_paths
 from oracles.dcp import rank_slot_mapping, rank_slots
 from oracles.dsv32 import judge_dsv32_dcp, undivided_trace
 from oracles.steps import judge_steps
@@ -105,17 +109,6 @@ class Dsv32AttentionDcp(Dsv32Attention):
                                           combine_rows=INTERPRETED_COMBINE_ROWS if self.device == "cpu" else None)
 
     def run(self, case):
-        try:
-            return self.run_trace(case)
-        finally:
-            # The ranks' engines sit in reference cycles (a layer's MLADCPManager holds the group, the group the
-            # emulated world, the world each rank's static forward context, which holds the layer; the route
-            # counters' closures hold their impl): left to Python's cyclic collector, cases' engines (workspaces and
-            # caches, hundreds of MB at 8 ranks) pile up before a full collection frees them (a campaign's worker
-            # passed 12 GB). A full collection costs ~0.3 s with vLLM imported.
-            gc.collect()
-
-    def run_trace(self, case):
         dev, x = self.device, case.indexer
         size, heads = case.dcp.size, x.attention_heads
         steps = case.steps
@@ -123,18 +116,19 @@ class Dsv32AttentionDcp(Dsv32Attention):
         layers = 2 if x.skip_topk_layer else 1
         views = [undivided_trace(attention_view(case, i), heads=True) for i in range(layers)]  # every rank's heads
         pool = key_pool(whole, dev)  # index keys by undivided slot
-        rows = max(s.num_actual_tokens for s in steps) + 8  # the model's buffer: max_num_batched_tokens rows
-        cfg = indexer_config(dev, str(STATE_DIR), case, max_num_batched_tokens=rows)  # DCP size, interleave, fp8_ds_mla
+        # the case's DCP size and interleave, fp8_ds_mla
+        cfg = indexer_config(dev, str(STATE_DIR), case, max_num_batched_tokens=max_batched_tokens(case))
         cfg.model_config.get_num_attention_heads = lambda parallel_config=None: heads  # the MLA heads per rank
         write, write_emulated = self.writer(attention_view(case))
         ranks, groups = pcp_runtime.emulated_world(1, size, size, cfg, dev)  # DCP alone: the DCP group spans them
-        state = [RankState(topk=torch.full((rows, case.topk_width), TOPK_POISON, dtype=torch.int32, device=dev),
+        state = [RankState(topk=topk_buffer_for(case, dev),
                            index_kv=index_cache(case.pool_blocks, case.block_size, dev),
                            caches=[self.cache(attention_view(case, i), dev) for i in range(layers)])
                  for _ in range(size)]
+        emulated = tuple(dict.fromkeys(e for e in (*self.emulated, write_emulated, *EMULATED, COLLECTIVES) if e))
         index_written = torch.zeros(pool.shape[0], dtype=torch.bool, device=dev)
         observed = []
-        with installed_groups(_DCP=groups["_DCP"]):
+        with installed_groups(_DCP=groups["_DCP"]), engines_ended([st.engine for st in state]):
             for k, step in enumerate(steps):
                 inp = materialize_indexer_inputs(whole.steps[k], pool)  # undivided slots (-1: padding tokens)
                 fresh = inp.context_slots[~index_written[inp.context_slots]]
@@ -148,27 +142,10 @@ class Dsv32AttentionDcp(Dsv32Attention):
                         results = ranks.run(lambda r: self.rank_step(r, state[r], cfg, shared, write))
                     return self.merged(shared, results)
 
-                result: list = []
-                obs = observe_paths(self.observe, lambda call=call, result=result: _keep(result, call()),
-                                    notes={"dcp": f"{size} ranks emulated in one process, interleave "
-                                                  f"{case.dcp.interleave}, {heads} heads a rank"})
-                if result:
-                    _, overruns, changed = result[0]
-                    if overruns:
-                        obs.notes["buffer_overrun"] = overruns
-                    if changed:
-                        obs.notes["cache_changed"] = f"MLA cache rows changed by attention: {changed}"
-                obs.notes["route"] = dict(state[0].routes[0]) if state[0].routes else {}
-                obs.notes["layer_routes"] = self.routes
-                obs.emulated = tuple(dict.fromkeys(e for e in (*self.emulated, write_emulated, *EMULATED, COLLECTIVES)
-                                                   if e))
-                obs.notes["shims"] = self.shims
-                if step.padded_tokens:
-                    obs.notes["padded_tokens"] = step.padded_tokens
-                observed.append(obs)
-                index_written[inp.context_slots] = True
-                index_written[inp.slots[inp.slots >= 0]] = True
-                if obs.error_type or obs.memory:
+                obs = self.observe_step(call, lambda: state[0].routes,
+                                        notes={"dcp": f"{size} ranks emulated in one process, interleave "
+                                                      f"{case.dcp.interleave}, {heads} heads a rank"})
+                if index_trace_step(observed, obs, step, inp, index_written, emulated, self.shims):
                     break
         return trace_observation(observed)
 

@@ -116,12 +116,7 @@ class FlashMLASparseDcp(FlashMLASparse):
         case, dev = finding.case, finding.host.device
         whole = undivided(case)
         inp, slots, topk_buffer = step_tensors(whole, dev, materialize_attention_inputs(whole, dev))
-        write, _ = self.writer(case)
-        cache_u = self.cache(whole, dev)  # the undivided slots' entries: what the oracle reads
-        write(inp.kv_c[slots], inp.k_pe[slots], cache_u, slots)
-        tensors = dcp_rank_tensors(self, case, inp, slots, repro_step(whole, inp.index, None, topk_buffer, dev), dev)
-        slot_values, _ = judge_fp8_ds_mla_entries(whole, inp, slots, cache_u[slots // whole.block_size,
-                                                                            slots % whole.block_size])
+        tensors, slot_values = dcp_repro_tensors(self, case, whole, inp, slots, topk_buffer, dev)
         owner, _ = owner_and_local(case, inp.index.topk_indices.long().clamp(min=0))
         for r in range(case.dcp.size):
             tensors[f"expected_lse.rank{r}"] = reference_for(whole, inp, dev, slot_values, keep=owner == r)[1]
@@ -161,6 +156,19 @@ def dcp_rank_tensors(target, case, inp, slots, tensors: dict, device) -> dict:
         tensors[f"kv_cache_rows.rank{r}"] = cache.as_strided((case.num_blocks * case.stride_rows, width), (width, 1))
         tensors[f"slot_mapping.rank{r}"] = rank_slot_mapping(case, tensors["slot_mapping"], r)
     return tensors
+
+
+def dcp_repro_tensors(target, case, whole, inp, slots, topk_buffer, device) -> tuple[dict, torch.Tensor]:
+    """A DCP reproducer's tensors (the undivided step's and each rank's: `dcp_rank_tensors`) and the values of the
+    step's slots as the oracle reads them: from the entries the target's writer leaves in an undivided cache."""
+    write, _ = target.writer(case)
+    cache_u = target.cache(whole, device)
+    write(inp.kv_c[slots], inp.k_pe[slots], cache_u, slots)
+    tensors = dcp_rank_tensors(target, case, inp, slots, repro_step(whole, inp.index, None, topk_buffer, device),
+                               device)
+    slot_values, _ = judge_fp8_ds_mla_entries(whole, inp, slots, cache_u[slots // whole.block_size,
+                                                                        slots % whole.block_size])
+    return tensors, slot_values
 
 
 def dcp_constants(case, whole, topk_buffer) -> dict:

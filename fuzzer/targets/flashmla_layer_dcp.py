@@ -35,15 +35,15 @@ from fuzzer.targets.flashmla_dcp import (
     RankResult,
     dcp_cache_args,
     dcp_constants,
-    dcp_rank_tensors,
     dcp_report,
+    dcp_repro_tensors,
     dcp_setup,
     run_emulated_ranks,
 )
 from fuzzer.targets.flashmla_layer import FlashMLASparseLayer
 from fuzzer.targets.guards import Guards
-from fuzzer.targets.harness import repro_step, step_tensors
-from oracles.attention_judge import judge_fp8_ds_mla_entries, layer_reference_for, layer_tolerance
+from fuzzer.targets.harness import step_tensors
+from oracles.attention_judge import layer_reference_for, layer_tolerance
 from oracles.dcp import judge_layer_dcp, rank_slot_mapping, undivided
 from strategies.batches import AttentionFeatures, attention_space
 from strategies.tensors import V_HEAD, materialize_layer_inputs
@@ -86,12 +86,7 @@ class FlashMLASparseLayerDcp(FlashMLASparseLayer):
         whole = undivided(case)
         layer_inputs = materialize_layer_inputs(whole, dev)
         inp, slots, topk_buffer = step_tensors(whole, dev, layer_inputs.attention)
-        write, _ = self.writer(case)
-        cache_u = self.cache(whole, dev)  # the undivided slots' entries: what the oracle reads
-        write(inp.kv_c[slots], inp.k_pe[slots], cache_u, slots)
-        tensors = dcp_rank_tensors(self, case, inp, slots, repro_step(whole, inp.index, None, topk_buffer, dev), dev)
-        slot_values, _ = judge_fp8_ds_mla_entries(whole, inp, slots, cache_u[slots // whole.block_size,
-                                                                            slots % whole.block_size])
+        tensors, slot_values = dcp_repro_tensors(self, case, whole, inp, slots, topk_buffer, dev)
         mha_tokens = int(finding.observation.notes.get("route", {}).get("mha_tokens", 0))
         expected, _ = layer_reference_for(whole, layer_inputs, dev, slot_values, mha_tokens)
         atol, rtol = layer_tolerance(whole, layer_inputs)

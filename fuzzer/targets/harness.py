@@ -14,6 +14,7 @@ import torch
 from fuzzer.support.attn_metadata import attn_metadata
 from fuzzer.support.cudagraphs import FullGraph, RunnerBuffers
 from fuzzer.support.flashmla_runtime import has_cache_op
+from fuzzer.support.sparse_mla_steps import TOPK_POISON
 from fuzzer.support.standins.cache_ops import concat_and_cache_mla
 from strategies.tensors import HEAD_SIZE, materialize_attention_inputs
 
@@ -108,9 +109,6 @@ def cache_writer(device: str):
     return concat_and_cache_mla, "concat_and_cache_mla"
 
 
-TOPK_POISON = 2**30 - 1  # rows of the top-k buffer past this step's tokens: must never be read
-
-
 def step_tensors(case, device, inputs=None, guards=None):
     """(attention inputs, the physical slots the step's requests hold, the indexer's top-k buffer) on
     `device`. The buffer has spare rows, poisoned, as the indexer's persistent buffer has."""
@@ -126,9 +124,15 @@ def step_slots(inp, device) -> torch.Tensor:
     return (torch.unique(torch.cat(inp.slot_of)) if inp.slot_of else torch.zeros(0, dtype=torch.int64)).to(device)
 
 
+def max_batched_tokens(case) -> int:
+    """The engine's max_num_batched_tokens, the rows of the indexer's persistent top-k buffer: the largest step of
+    the trace's tokens, and spare ones."""
+    return max(s.num_actual_tokens for s in case.steps) + 8
+
+
 def topk_buffer_for(case, device, guards=None) -> torch.Tensor:
-    """The indexer's persistent top-k buffer, poisoned: rows for the largest step of the trace, and spare ones."""
-    shape = (max(s.num_actual_tokens for s in case.steps) + 8, case.topk_width)
+    """The indexer's persistent top-k buffer, poisoned: `max_batched_tokens` rows."""
+    shape = (max_batched_tokens(case), case.topk_width)
     if guards is not None:
         topk_buffer = guards.empty("topk_indices_buffer", shape[0] * shape[1], torch.int32, device).view(shape)
         return topk_buffer.fill_(TOPK_POISON)
@@ -183,6 +187,22 @@ def repro_constants(case) -> dict:
     return dict(BLOCK_SIZE=case.block_size, BLOCK_STRIDE_ROWS=case.stride_rows, NUM_BLOCKS=case.num_blocks,
                 NUM_REQS=len(case.requests), NUM_TOKENS=case.num_actual_tokens,  # CUDA-graph padding included
                 MAX_QUERY_LEN=max(r.query_len for r in case.requests), MAX_SEQ_LEN=max(r.seq_len for r in case.requests))
+
+
+def index_trace_step(observed: list, obs, step, inp, index_written: torch.Tensor, emulated: tuple,
+                     shims: tuple) -> bool:
+    """The bookkeeping after each step of an indexer trace (`vllm.indexer`, `vllm.dsv32.attention*`): the step's
+    observation gets what was emulated, the shims and the step's padding tokens and joins `observed`; the index
+    cache slots the engine now holds keys for (the step's context, its new tokens') are marked in `index_written`.
+    Returns True where the trace stops at this step (an error, or a memory violation)."""
+    obs.emulated = emulated
+    obs.notes["shims"] = shims
+    if step.padded_tokens:
+        obs.notes["padded_tokens"] = step.padded_tokens
+    observed.append(obs)
+    index_written[inp.context_slots] = True
+    index_written[inp.slots[inp.slots >= 0]] = True
+    return bool(obs.error_type or obs.memory)
 
 
 def trace_observation(observed: list):

@@ -30,9 +30,9 @@ from fuzzer.support.indexer_runtime import (
     write_index_keys,
 )
 from fuzzer.support.flashmla_runtime import standins_forced
-from fuzzer.support.sparse_mla_steps import TOPK_POISON, prepare_cpu
+from fuzzer.support.sparse_mla_steps import prepare_cpu
 from fuzzer.targets.base import WHOLE, RunPlan, Target
-from fuzzer.targets.harness import trace_observation
+from fuzzer.targets.harness import index_trace_step, max_batched_tokens, topk_buffer_for, trace_observation
 from fuzzer.targets.probes import observe_paths
 from oracles.indexer import judge_indexer
 from oracles.steps import judge_steps
@@ -49,6 +49,14 @@ REAL_KERNELS = (
     ("vLLM's top-k kernels top_k_per_row_prefill/decode, persistent_topk, cooperative_topk (_C_stable_libtorch)",
      ("top_k_per_row_prefill", "top_k_per_row_decode", "persistent_topk", "cooperative_topk")),
 )
+
+
+def engine_buffers(case, device: str) -> tuple:
+    """What an indexer trace's engine holds for its life, made as the model runner makes it: (the index keys by slot
+    (`key_pool`), the index K cache, the persistent top-k buffer (poisoned), the VllmConfig sized for them)."""
+    return (key_pool(case, device), index_cache(case.pool_blocks, case.block_size, device),
+            topk_buffer_for(case, device),
+            indexer_config(device, str(STATE_DIR), case, max_num_batched_tokens=max_batched_tokens(case)))
 
 
 class Indexer(Target):
@@ -86,11 +94,7 @@ class Indexer(Target):
     def run(self, case):
         dev = self.device
         steps = case.steps
-        pool = key_pool(case, dev)
-        cache = index_cache(case.pool_blocks, case.block_size, dev)
-        rows = max(s.num_actual_tokens for s in steps) + 8  # the model's buffer: max_num_batched_tokens rows
-        topk_buffer = torch.full((rows, case.topk_width), TOPK_POISON, dtype=torch.int32, device=dev)
-        cfg = indexer_config(dev, str(STATE_DIR), case, max_num_batched_tokens=rows)
+        pool, cache, topk_buffer, cfg = engine_buffers(case, dev)
         written = torch.zeros(pool.shape[0], dtype=torch.bool, device=dev)
         engine: dict = {}
         observed = []
@@ -112,14 +116,7 @@ class Indexer(Target):
                         "index_cache": cache.clone()}
 
             obs = observe_paths(self.observe, call)
-            obs.emulated = self.emulated
-            obs.notes["shims"] = (*self.shims, *self.overrides)
-            if step.padded_tokens:
-                obs.notes["padded_tokens"] = step.padded_tokens
-            observed.append(obs)
-            written[inp.context_slots] = True
-            written[inp.slots[inp.slots >= 0]] = True
-            if obs.error_type or obs.memory:
+            if index_trace_step(observed, obs, step, inp, written, self.emulated, (*self.shims, *self.overrides)):
                 break
         return trace_observation(observed)
 

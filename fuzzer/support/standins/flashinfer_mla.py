@@ -62,7 +62,6 @@ import contextlib
 import importlib.machinery
 import math
 import struct
-import sys
 import types
 import warnings
 from dataclasses import dataclass
@@ -72,6 +71,7 @@ import torch
 from fuzzer.support import cudagraphs
 from fuzzer.support.errors import _BackendPlanUnsupportedError
 from fuzzer.support.interp.sanitizer import SANITIZER, MemoryViolation
+from fuzzer.support.standins.importable import importable_as
 
 __version__ = "0.7.2.post1"  # what this stand-in follows
 OP = "BatchMLAPagedAttentionWrapper (attnfuzz stand-in)"
@@ -797,13 +797,5 @@ def importable():
     top, mla = _module("flashinfer", True), _module("flashinfer.mla", False)
     mla.BatchMLAPagedAttentionWrapper = BatchMLAPagedAttentionWrapper
     top.mla, top.__version__ = mla, __version__
-    saved = {name: sys.modules.get(name) for name in ("flashinfer", "flashinfer.mla")}
-    sys.modules.update({"flashinfer": top, "flashinfer.mla": mla})
-    try:
+    with importable_as({"flashinfer": top, "flashinfer.mla": mla}):
         yield mla
-    finally:
-        for name, before in saved.items():
-            if before is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = before

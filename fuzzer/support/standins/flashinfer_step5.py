@@ -16,10 +16,11 @@ use_cuda_graph=False, ..., backend="auto")`: a uint8 workspace, kv_layout "NHD" 
 from __future__ import annotations
 
 import contextlib
-import sys
 import types
 
 import torch
+
+from fuzzer.support.standins.importable import importable_as
 
 SOURCE = ("FlashInfer 0.7.2.post1's documented constructor of BatchPrefillWithRaggedKVCacheWrapper / "
           "BatchPrefillWithPagedKVCacheWrapper (flashinfer/prefill.py); plan/run and flashinfer.attn_scores "
@@ -86,13 +87,5 @@ def modules() -> dict[str, types.ModuleType]:
 def importable():
     """The stand-in importable as `flashinfer` (and `flashinfer.attn_scores`) for the duration, then removed again
     (a later import finds no FlashInfer, as before)."""
-    saved = {name: sys.modules.get(name) for name in ("flashinfer", "flashinfer.attn_scores")}
-    sys.modules.update(modules())
-    try:
+    with importable_as(modules()):
         yield
-    finally:
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
