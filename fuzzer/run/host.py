@@ -49,4 +49,3 @@ def host_targets(device: str) -> tuple[dict[str, str | None], dict[str, tuple[st
         unavailable[name] = target.unavailable()
         dtypes[name] = tuple(target.kv_cache_dtypes)
     return unavailable, dtypes
-

@@ -162,7 +162,8 @@ _PACKAGES = tuple(f"{_ROOT / d}/" for d in ("fuzzer", "strategies", "oracles")) 
 _OURS = tuple(f"{_ROOT / d}/" for d in ("fuzzer/support", "fuzzer/targets"))  # the only code that calls vLLM
 _THEIRS = tuple(f"{_ROOT / d}/" for d in ("fuzzer/support/standins", "fuzzer/mutants"))
 _UNPACK = ("UNPACK_SEQUENCE", "UNPACK_EX")
-_HARNESS = f"{_ROOT / 'fuzzer/targets/base.py'}"  # Target.observe: where every call is caught, never made
+# Not the call's site, so not shown: Target.observe (where every call is caught), the checks of vllm_calls.py.
+_NOT_SHOWN = (f"{_ROOT / 'fuzzer/targets/base.py'}", f"{_ROOT / 'fuzzer/support/vllm_calls.py'}")
 
 
 def moved_call(e: BaseException) -> str | None:
@@ -188,7 +189,7 @@ def moved_call(e: BaseException) -> str | None:
             return None
     elif not isinstance(e, (TypeError, AttributeError, NameError, ImportError)):
         return None
-    shown = [f for f in frames[-2:] if _ours(f) and not f.tb_frame.f_code.co_filename.startswith(_HARNESS)] or [last]
+    shown = [f for f in frames[-2:] if _ours(f) and f.tb_frame.f_code.co_filename not in _NOT_SHOWN] or [last]
     return (" > ".join(f"{_where(f)} `{linecache.getline(f.tb_frame.f_code.co_filename, f.tb_lineno).strip()}`"
                        for f in shown) + f": {type(e).__name__}: {str(e).strip()[:400]}")
 
