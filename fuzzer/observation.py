@@ -20,11 +20,14 @@ class Notes(TypedDict, total=False):
     rerun_differs: str  # the last step run again on the same metadata gave other bits (nondeterminism)
     dcp_filter_call: dict[str, Any]  # how vLLM called the DCP filter (its block stride)
     rank_batches: list[Any]  # each PCP x TP rank's share of the step, as the runner partitioned it (pcp_dcp)
+    query_fp8_scale: float  # the layer's q_scale: forward_mqa was handed the query quantized to fp8 with it
     # what the harness and the reports read
     paths: list[str]  # vLLM's paths the case took (fuzzer/targets/probes.py)
     layer_routes: dict[str, Any]  # what this release's forward_impl offers a sparse impl
     left_out: dict[str, str]  # backends sparse_mla.all did not run on this case, and why
     padded_tokens: int  # CUDA-graph padding tokens the case carried (their rows are not judged)
+    padded_tokens_not_judged: str  # why the padding tokens' rows are not even judged finite (a stand-in's open contract)
+    not_public: list[str]  # what a stand-in met that the real kernel's public contract does not settle
     cudagraph: dict[str, Any]  # a full-graph engine's captured sizes, the tokens a step replayed, emulated or not
     mtp_draft: str  # an MTP draft step's metadata: "update_draft_decode_metadata" (in place) or "rebuilt"
     shims: tuple[str, ...]  # CPU shims and interpreter corrections in force
