@@ -127,6 +127,7 @@ EMULATED: dict[str, set[str]] = {}  # target -> every stand-in its checks ran on
 _failures: dict[str, type[FindingFailed]] = {}
 _first_failed: dict[tuple[str, str], tuple[int, float]] = {}  # (target, signature) -> (cases judged, seconds) then
 _prepared: dict[str, Target] = {}
+_injected: list[str] = []  # the mutant `inject` applied (what else patched vLLM in this process is not this module's)
 
 
 def device() -> str:
@@ -157,20 +158,20 @@ def target(name: str) -> Target:
 
 def inject(mutant: str) -> str:
     """Apply a built-in mutant (`attnfuzz list` names them) to vLLM in this process: for good, process-wide, so
-    only in a process of its own (`pytest --attnfuzz-inject MUTANT`, or ATTNFUZZ_INJECT). Applied once; later
-    findings record it. A target prepared after it detects the release on patched code: prepare first."""
-    if mutant in mutants.APPLIED:
+    only in a process of its own (`pytest --attnfuzz-inject MUTANT`, or ATTNFUZZ_INJECT). One mutant per process,
+    applied once; the findings made after it name it and their reproducers carry it. A target prepared after it
+    detects the release on patched code: prepare first."""
+    if _injected and _injected[0] != mutant:
+        raise CouldNotTest(f"mutant {mutant}: {_injected[0]} is applied in this process already (one per process)")
+    if _injected:
         return mutant
     if mutant not in mutants.MUTANTS:
-        raise CouldNotTest(f"{INJECT_ENV}={mutant}: not a built-in mutant ({', '.join(mutants.MUTANTS)})")
+        raise CouldNotTest(f"mutant {mutant}: not a built-in mutant ({', '.join(mutants.MUTANTS)})")
     try:
-        return mutants.inject(mutant)
+        _injected.append(mutants.inject(mutant))
     except MutantError as e:
         raise CouldNotTest(str(e)) from e
-
-
-def _injected() -> str | None:
-    return ", ".join(mutants.APPLIED) or None
+    return mutant
 
 
 def settings(**overrides) -> hypothesis_settings:
@@ -280,7 +281,8 @@ def _expect(t: Target, case: Case, obs: Observation, verdicts: list[Verdict]) ->
     final = not in_hypothesis or current_build_context().is_final
     # "after N cases (s)": when this signature first failed in this process, not when its shrunk case was replayed
     first = _first_failed.setdefault((t.name, signature), (judged[0], time.monotonic() - judged[1]))
-    finding = Finding(t.name, signature, case, failed, obs, host_info(DEVICE, tuple(obs.emulated)), _injected(),
+    finding = Finding(t.name, signature, case, failed, obs, host_info(DEVICE, tuple(obs.emulated)),
+                      _injected[0] if _injected else None,
                       *first, shrunk=in_hypothesis and final)
     path = write_repro(finding, t, findings_dir()) if final else None
     # One exception type per signature: Hypothesis shrinks each bug on its own, as a campaign does.

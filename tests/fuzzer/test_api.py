@@ -13,7 +13,7 @@ from hypothesis import given
 from fuzzer import api
 from fuzzer.errors import CouldNotTest, EmulatedWarning, FindingFailed
 from fuzzer.records import read_finding
-from tests.conftest import ROOT
+from tests.conftest import ROOT, python
 from tests.fuzzer.test_pytest_plugin import PLUGIN
 
 pytest_plugins = ["pytester"]
@@ -133,16 +133,21 @@ def test_an_output_of_zeros_is_caught(case):
 
 def test_a_failing_property_is_shrunk_and_prints_its_finding_and_reproducer(pytester):
     pytester.makepyfile(test_zeros=PROPERTY)
-    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-q")
-    result.assert_outcomes(failed=1)
-    out = result.stdout.str()
+    # A pytest process of its own, forked with vLLM imported: a run in this one would drop the vLLM modules it
+    # imports when pytester restores sys.modules, and vLLM registers its custom ops again on the next import.
+    run = python("-m", "pytest", "test_zeros.py", "-p", "no:cacheprovider", "-q", cwd=pytester.path,
+                 env=dict(os.environ, ATTNFUZZ_STATE=str(pytester.path / ".attnfuzz")))
+    assert run.returncode == pytest.ExitCode.TESTS_FAILED, run.stdout + run.stderr
+    out = run.stdout
     found = re.search(r"FindingFailed: FOUND (\S+)  class (\S+) on vllm.flashmla_sparse, after \d+ cases", out)
     assert found, out
     path = Path(found.group(1))
-    assert (path / "repro.py").is_file() and read_finding(path).raw["shrunk"] is True
+    assert path.is_relative_to(pytester.path / ".attnfuzz" / "findings") and (path / "repro.py").is_file()
+    assert read_finding(path).raw["shrunk"] is True
     # shrunk to one request whose row selects one valid entry: the smallest case a zero output is wrong on
     assert re.search(r"shrunk case: \[[DP]\(q=1,ctx=0,valid=1\)\]", out), out
     assert f"reproducer: cd {path} && python repro.py" in out
+    pytest.LineMatcher(out.splitlines()).fnmatch_lines(["*1 failed*"])
 
 
 # -- nightly: the guide's example under plain pytest ------------------------------------------------------------
