@@ -135,7 +135,7 @@ def _engine(major, backend_cls, cfg, spec, heads, kv_cache_dtype, topk_indices_b
     else:
         _kernel_call_under(impl, "_forward_mqa_kernel", lambda: flashinfer_trtllm_mla.importable(10))
     quant = _DecodeConcatQuantFP8(static=True, group_shape=GroupShape.PER_TENSOR, compile_native=True)
-    if not _has_c_op("static_scaled_fp8_quant"):  # the CUDA op this host lacks: the op's own native path
+    if not _has_c_op("static_scaled_fp8_quant", device):  # the op this host lacks: the op's own native path
         quant._forward_method = quant.forward_native
     f32 = dict(dtype=torch.float32, device=device)
     layer = SimpleNamespace(impl=impl, prefill_backend=None, hisparse_cache=None,
@@ -147,18 +147,21 @@ def _engine(major, backend_cls, cfg, spec, heads, kv_cache_dtype, topk_indices_b
     return impl, layer, builder
 
 
-def _has_c_op(name: str) -> bool:
+def _has_c_op(name: str, device: str) -> bool:
+    """Whether vLLM's compiled `_C.<name>` can run on `device` here: declared with its signature (a library loaded
+    beside it may declare the name alone, "() -> ()") and with a kernel for the device's dispatch key."""
     try:
-        getattr(torch.ops._C, name)
+        op = getattr(torch.ops._C, name).default
+        return bool(op._schema.arguments) and torch._C._dispatch_has_kernel_for_dispatch_key(
+            op.name(), "CUDA" if str(device).startswith("cuda") else "CPU")
     except (AttributeError, RuntimeError):
         return False
-    return True
 
 
-def layer_quant_shim(major: int) -> list[str]:
+def layer_quant_shim(major: int, device: str) -> list[str]:
     """What the engine's layer runs in place of a compiled op this host lacks, where the impl takes a quantized query
     (SM100's; its result names it)."""
-    if major != 10 or _has_c_op("static_scaled_fp8_quant"):
+    if major != 10 or _has_c_op("static_scaled_fp8_quant", device):
         return []
     return ["MLAAttention's fp8 query quantization (_DecodeConcatQuantFP8): QuantFP8.forward_native, vLLM's own "
             "torch path, for the _C.static_scaled_fp8_quant op this host lacks"]

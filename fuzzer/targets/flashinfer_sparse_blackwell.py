@@ -76,7 +76,7 @@ class FlashInferMLASparseBlackwell(FlashMLASparse):
 
     def prepare(self) -> None:
         self.backend, self.emulated, shims = flashinfer_sparse_runtime.prepare_host(self.MAJOR, self.device)
-        self.shims = [*shims, *flashinfer_sparse_runtime.layer_quant_shim(self.MAJOR)]
+        self.shims = [*shims, *flashinfer_sparse_runtime.layer_quant_shim(self.MAJOR, self.device)]
         self.real_parts = type(self).real_parts
         self.cfg = self.runtime(str(STATE_DIR))
         self.block_stride_rows = remap_api().has_block_stride_rows
