@@ -10,7 +10,7 @@ whose finding.json expects the bug on the installed vLLM) found again is reporte
 not test (exit 2: the target cannot run here, the mutant does not apply, no case ran; a time-out) is an error with
 the reason, never a pass. `--attnfuzz-budget D` gives each campaign D of search (`run --time-budget`); without it,
 the gate's fixed case counts (fuzzer/budgets.py). `--attnfuzz-inject MUTANT`: every campaign with that built-in
-mutant, and ATTNFUZZ_INJECT set for this session's library checks (fuzzer/api.py): the red check.
+mutant, and ATTNFUZZ_INJECT set for the library checks of the same pytest run (fuzzer/api.py): the red check.
 
 With `--attnfuzz` and no test paths on the command line, only the campaigns are collected (not testpaths); name
 paths to run both. docs/library.md has the rest.
@@ -56,7 +56,7 @@ def pytest_addoption(parser) -> None:
     g.addoption("--attnfuzz-seed", type=int, default=budgets.GATE_SEED, metavar="S",
                 help=f"the campaigns' seed (default the gate's, {budgets.GATE_SEED})")
     g.addoption("--attnfuzz-inject", default=None, metavar="MUTANT",
-                help="a built-in mutant (`attnfuzz list`) in every campaign and in this session's library checks "
+                help="a built-in mutant (`attnfuzz list`) in every campaign and in the library checks of the same pytest run "
                      "(ATTNFUZZ_INJECT): a red check")
     g.addoption("--attnfuzz-device", choices=("cpu", "cuda"), default=None,
                 help="the campaigns' device (default: cuda on a host with a GPU driver, else cpu)")

@@ -59,10 +59,8 @@ have (`vllm.utils.flashinfer.has_flashinfer` caches what it finds).
 from __future__ import annotations
 
 import contextlib
-import importlib.machinery
 import math
 import struct
-import types
 import warnings
 from dataclasses import dataclass
 
@@ -71,7 +69,7 @@ import torch
 from fuzzer.support import cudagraphs
 from fuzzer.support.errors import _BackendPlanUnsupportedError
 from fuzzer.support.interp.sanitizer import SANITIZER, MemoryViolation
-from fuzzer.support.standins.importable import importable_as
+from fuzzer.support.standins.importable import importable_as, stand_in_module
 
 __version__ = "0.7.2.post1"  # what this stand-in follows
 OP = "BatchMLAPagedAttentionWrapper (attnfuzz stand-in)"
@@ -783,18 +781,10 @@ def _merge_rows(rows_of, cols, heads, partial_o, partial_lse, partial_rows, out,
 
 # -- import as `flashinfer.mla` ------------------------------------------------------------------------------------
 
-def _module(name: str, package: bool) -> types.ModuleType:
-    module = types.ModuleType(name, f"attnfuzz's stand-in for FlashInfer ({name}), from {__name__}")
-    module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=package)
-    if package:
-        module.__path__ = []
-    return module
-
-
 @contextlib.contextmanager
 def importable():
     """`flashinfer` and `flashinfer.mla` (this stand-in's wrapper) importable inside the block, and only there."""
-    top, mla = _module("flashinfer", True), _module("flashinfer.mla", False)
+    top, mla = stand_in_module("flashinfer", True, __name__), stand_in_module("flashinfer.mla", False, __name__)
     mla.BatchMLAPagedAttentionWrapper = BatchMLAPagedAttentionWrapper
     top.mla, top.__version__ = mla, __version__
     with importable_as({"flashinfer": top, "flashinfer.mla": mla}):

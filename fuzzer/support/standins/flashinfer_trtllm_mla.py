@@ -50,15 +50,13 @@ span of a `with` block only.
 from __future__ import annotations
 
 import contextlib
-import importlib.machinery
 import math
-import sys
-import types
 
 import torch
 
 from fuzzer.support.errors import StandInRefused
 from fuzzer.support.interp.sanitizer import SANITIZER, MemoryViolation
+from fuzzer.support.standins.importable import importable_as, stand_in_module
 
 __version__ = "0.7.2.post1"  # what this stand-in follows
 OP = "trtllm_batch_decode_with_kv_cache_mla"
@@ -458,28 +456,12 @@ SM100 = _entry_point(10)
 SM120 = _entry_point(12)
 
 
-def _module(name: str, package: bool) -> types.ModuleType:
-    module = types.ModuleType(name, f"attnfuzz's stand-in for FlashInfer ({name}), from {__name__}")
-    module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=package)
-    if package:
-        module.__path__ = []
-    return module
-
-
 @contextlib.contextmanager
 def importable(major: int = 10):
     """`flashinfer` and `flashinfer.decode` (this stand-in's entry point for an SM`major`x device) importable inside
     the block, and only there."""
-    top, decode = _module("flashinfer", True), _module("flashinfer.decode", False)
+    top, decode = stand_in_module("flashinfer", True, __name__), stand_in_module("flashinfer.decode", False, __name__)
     decode.trtllm_batch_decode_with_kv_cache_mla = SM120 if major == 12 else SM100
     top.decode, top.__version__ = decode, __version__
-    saved = {name: sys.modules.get(name) for name in ("flashinfer", "flashinfer.decode")}
-    sys.modules.update({"flashinfer": top, "flashinfer.decode": decode})
-    try:
+    with importable_as({"flashinfer": top, "flashinfer.decode": decode}):
         yield decode
-    finally:
-        for name, before in saved.items():
-            if before is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = before

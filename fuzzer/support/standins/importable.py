@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.machinery
 import sys
 import types
 
@@ -21,3 +22,12 @@ def importable_as(modules: dict[str, types.ModuleType]):
                 sys.modules.pop(name, None)
             else:
                 sys.modules[name] = before
+
+
+def stand_in_module(name: str, package: bool, origin: str) -> types.ModuleType:
+    """An empty module named `name` (a package when `package`) saying it is attnfuzz's stand-in from `origin`."""
+    module = types.ModuleType(name, f"attnfuzz's stand-in for FlashInfer ({name}), from {origin}")
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=package)
+    if package:
+        module.__path__ = []
+    return module
