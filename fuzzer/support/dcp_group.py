@@ -3,7 +3,12 @@ vLLM's collectives (DCP, and with prefill context parallelism the PCP and TP gro
 
 Each rank is a thread; one runs at a time (a baton), because Triton's interpreter and attnfuzz's bounds
 checker are process-wide state. A collective is where ranks meet: each deposits its tensor, hands the baton
-on and waits at its group's barrier for the others. `EmulatedGroup` stands where vLLM keeps a
+on and waits at its group's barrier for the others. On a GPU each rank runs on a stream of its own, as a real
+rank runs on its own device: vLLM's `current_stream()` would otherwise make one per thread, ordered with nothing,
+and a collective would read another rank's tensor before its kernels finished (a race of the emulation, not of
+vLLM). So a rank's stream starts after the caller's work, a collective is ordered as NCCL orders it on each
+rank's stream (the reader waits for the writer's stream; the writer's next kernels wait for every read), and a
+rank's stream is finished before its results are handed back. `EmulatedGroup` stands where vLLM keeps a
 `GroupCoordinator` (`parallel_state._DCP`, `_PCP`, `_TP`), with the same collective semantics (concat-style
 all_gather, sum-then-split reduce_scatter, all_reduce), so vLLM's own code (`get_dcp_world_size_and_rank`,
 `MLADCPManager`'s query gather and LSE combines, PCP's cache-input gather) runs unchanged on top of it; each
@@ -34,7 +39,7 @@ class LockstepRanks:
         self.world_size = world_size
         self._baton = threading.Lock()
         self._barriers: dict[tuple[int, ...], threading.Barrier] = {}
-        self._slots: dict[tuple[int, ...], dict[int, torch.Tensor]] = {}
+        self._slots: dict[tuple, dict[int, tuple]] = {}  # (tensor, event) deposited; ("read", ...): events
         self._failed = False
         self._local = threading.local()
         self._owned: list[tuple[object, str, list | None]] = []
@@ -54,6 +59,7 @@ class LockstepRanks:
         results: list = [None] * self.world_size
         errors: list[BaseException | None] = [None] * self.world_size
         saved = [getattr(obj, attr) for obj, attr, _ in self._owned]
+        caller = torch.cuda.current_stream() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
         self._state = [[values[r] if values is not None else now for (_, _, values), now in zip(self._owned, saved)]
                        for r in range(self.world_size)]
 
@@ -61,6 +67,7 @@ class LockstepRanks:
             self._local.rank = rank
             with self._baton:
                 self._swap_in(rank)
+                stream = _rank_stream(caller)
                 try:
                     results[rank] = fn(rank)
                 except BaseException as e:  # noqa: BLE001 - handed to the caller below
@@ -68,6 +75,8 @@ class LockstepRanks:
                     self._fail()
                 finally:
                     self._swap_out(rank)
+                    if stream is not None:
+                        stream.synchronize()
 
         threads = [threading.Thread(target=body, args=(r,), name=f"cp-rank{r}") for r in range(self.world_size)]
         try:
@@ -96,12 +105,20 @@ class LockstepRanks:
         the calling rank's group, in group order (None: every rank)."""
         members = tuple(range(self.world_size)) if members is None else tuple(members)
         slots = self._slots.setdefault(members, {})
-        slots[self.rank] = tensor
+        slots[self.rank] = (tensor, _recorded(tensor))
         self._meet(members)
         # Copies, taken while every member waits here: after the next meeting a rank may write the tensor it
         # handed in (vLLM writes a combine's result back into its input), as NCCL's copy would not see.
-        gathered = [slots[m].clone() for m in members]
+        gathered = []
+        for m in members:
+            t, written = slots[m]
+            _wait(written)
+            gathered.append(t.clone())
+        read = self._slots.setdefault(("read", *members), {})
+        read[self.rank] = _recorded(tensor)
         self._meet(members)  # nobody deposits the next collective's tensor before all have read this one's
+        for m in members:
+            _wait(read[m])  # this rank's next kernels (which may write what it handed in) after every member's read
         return gathered
 
     def _meet(self, members: tuple[int, ...]) -> None:
@@ -131,6 +148,31 @@ class LockstepRanks:
 
     def _swap_out(self, rank: int) -> None:
         self._state[rank] = [getattr(obj, attr) for obj, attr, _ in self._owned]
+
+
+def _rank_stream(caller):
+    """On a GPU: a stream of the rank's own, made the thread's current one (vLLM's too: it patches set_stream),
+    starting after the caller's work. None on a CPU."""
+    if caller is None:
+        return None
+    stream = torch.cuda.Stream()
+    stream.wait_stream(caller)
+    torch.cuda.set_stream(stream)
+    return stream
+
+
+def _recorded(tensor: torch.Tensor):
+    """An event after the work queued so far on this rank's stream (None for a CPU tensor)."""
+    if not tensor.is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream())
+    return event
+
+
+def _wait(event) -> None:
+    if event is not None:
+        torch.cuda.current_stream().wait_event(event)
 
 
 class EmulatedProcessGroup:
