@@ -56,6 +56,9 @@ ATTN_SINKS = ("finite", "none", "large")  # weights of order 1, -inf (no sink: m
 # ("auto": cooperative for <= 64 rows, then persistent for widths 512/1024/2048, else per_row; "torch": its
 # Python reference; deep_select / aiter / flashinfer need SM100, ROCm or FlashInfer's top-k).
 INDEXER_TOPK_BACKENDS = ("auto", "per_row", "persistent", "cooperative", "torch")
+# An explicit "cooperative" refuses a decode batch of more rows than this (vLLM raises at the step: a configuration
+# error, not a bug to find; indexer_topk.py AUTO_COOPERATIVE_MAX_ROWS); "auto" goes on to persistent there.
+COOPERATIVE_MAX_ROWS = 64
 INDEXER_MAX_SPECULATIVE = 3  # MTP draft tokens: next_n 1-4 (SM90's paged logits take 1, 2, 4 natively; 3 flattens)
 DSV4_BLOCK_SIZE = 256  # tokens a block of the compressed K cache covers (the backend's kernel block size)
 DSV4_MAX_SPECULATIVE = 7
@@ -429,6 +432,9 @@ class Case:
             _check(0 <= x.num_speculative_tokens <= INDEXER_MAX_SPECULATIVE, "indexer.num_speculative_tokens",
                    f"must be in [0, {INDEXER_MAX_SPECULATIVE}], got {x.num_speculative_tokens}")
             _check(x.max_logits_mb >= 0, "indexer.max_logits_mb", f"must be >= 0, got {x.max_logits_mb}")
+            rows = self.num_decode_tokens + self.padded_tokens
+            _check(x.topk_backend != "cooperative" or rows <= COOPERATIVE_MAX_ROWS, "indexer.topk_backend",
+                   f"'cooperative' takes at most {COOPERATIVE_MAX_ROWS} decode rows (vLLM refuses more), got {rows}")
             _check(0 <= x.attention_heads <= 128, "indexer.attention_heads",
                    f"must be in [0, 128], got {x.attention_heads}")
             _check(x.attention_heads or not x.skip_topk_layer, "indexer.skip_topk_layer",

@@ -29,6 +29,7 @@ from strategies.batches import (
     requests,
 )
 from strategies.case import (
+    COOPERATIVE_MAX_ROWS,
     INDEXER_MAX_SPECULATIVE,
     INDEXER_TOPK_BACKENDS,
     VALUE_KINDS,
@@ -89,6 +90,8 @@ def indexer_cases(draw, p: Profile, topk_backends: tuple[str, ...] = INDEXER_TOP
     budget = category(draw, swarm, "logits_budget") or draw(st.sampled_from(("default", "tight")))
     # cooperative and persistent refuse other widths (vLLM raises: a configuration error, not a bug to find)
     backends = tuple(b for b in topk_backends if topk_width in (512, 1024, 2048) or b in ("auto", "per_row", "torch"))
+    rows = sum(r.query_len for r in reqs[:num_decodes]) + padded_tokens
+    backends = tuple(b for b in backends if b != "cooperative" or rows <= COOPERATIVE_MAX_ROWS)
     indexer = IndexerStep(topk_backend=_sampled(draw, swarm, "topk_backend", backends or topk_backends),
                           num_speculative_tokens=num_spec, max_logits_mb=x.tight_logits_mb if budget == "tight" else 512)
     case = Case(requests=reqs, num_decodes=num_decodes, block_size=INDEXER_BLOCK_SIZE, block_table=table,
@@ -103,6 +106,12 @@ def indexer_cases(draw, p: Profile, topk_backends: tuple[str, ...] = INDEXER_TOP
     earlier = draw(earlier_steps(case, lambda r: st.just(TopkSpec(0)), swarm, 1 + num_spec,
                                  max_earlier=p.max_steps - 1, max_tokens=x.max_tokens))
     earlier = tuple(dataclasses.replace(e, topk=(), cudagraph=case.cudagraph) for e in earlier)
+    if case.indexer.topk_backend == "cooperative" and max(
+            s.num_decode_tokens + s.padded_tokens for s in (*earlier, case)) > COOPERATIVE_MAX_ROWS:
+        # an engine whose decode batches pass cooperative's row limit is configured "auto" (vLLM refuses it)
+        auto = dataclasses.replace(case.indexer, topk_backend="auto")
+        case = dataclasses.replace(case, indexer=auto)
+        earlier = tuple(dataclasses.replace(e, indexer=auto) for e in earlier)
     return dataclasses.replace(case, earlier=earlier).validate() if earlier else case
 
 

@@ -94,3 +94,30 @@ def test_recent_rows_select_the_newest_visible_positions():
     rows = materialize_index_inputs(c).topk_indices
     assert rows[0, :3].tolist() == [10, 9, 8]  # the decode at position 10 (context 10)
     assert [r[:2].tolist() for r in rows[1:]] == [[0, -1], [1, 0], [2, 1], [3, 2], [4, 3]]  # causal: row i sees 0..i
+
+
+def test_an_explicit_cooperative_top_k_takes_at_most_64_decode_rows():
+    """vLLM refuses sparse_indexer_topk_backend='cooperative' for a decode batch of more than 64 rows (a
+    configuration error): such a case is malformed, named by its field, and the strategy never draws one."""
+    import dataclasses
+
+    from hypothesis import given, settings
+
+    from strategies.case import COOPERATIVE_MAX_ROWS, Case, CaseError, IndexerStep, Request
+    from strategies.indexer_batches import indexer_cases
+    from strategies.profiles import PROFILES
+
+    reqs = tuple(Request(context_len=8, query_len=1) for _ in range(COOPERATIVE_MAX_ROWS + 1))
+    case = Case(requests=reqs, num_decodes=len(reqs), block_size=64, block_table=tuple((0,) for _ in reqs),
+                topk_width=512, topk=(), heads=8, kv_cache_dtype="bfloat16", indexer=IndexerStep(topk_backend="auto"))
+    case.validate()
+    with pytest.raises(CaseError, match="indexer.topk_backend"):
+        dataclasses.replace(case, indexer=IndexerStep(topk_backend="cooperative")).validate()
+
+    @settings(max_examples=60, deadline=None, database=None)
+    @given(indexer_cases(PROFILES["gpu"]))
+    def drawn(c):
+        if c.indexer.topk_backend == "cooperative":
+            assert all(s.num_decode_tokens + s.padded_tokens <= COOPERATIVE_MAX_ROWS for s in c.steps)
+
+    drawn()
