@@ -33,7 +33,7 @@ from fuzzer.support.flashmla_runtime import (
     mla_layer,
     record_routes,
 )
-from fuzzer.support.sparse_mla_steps import metadata_builder, prepare_cpu
+from fuzzer.support.sparse_mla_steps import metadata_builder, prepare_cpu, prepare_cpu_plumbing
 from fuzzer.support.standins import flashinfer_mla
 
 BACKEND_MODULE = "vllm.v1.attention.backends.mla.flashinfer_mla_sparse_sm90"
@@ -91,16 +91,19 @@ def vllm_gate() -> bool:
 def prepare_sm90_host(device: str):
     """(vLLM's FLASHINFER_MLA_SPARSE_SM90 backend class, the ops attnfuzz's stand-ins replace, the shims), as
     sparse_mla_steps.prepare_host for FlashMLA's; on a CPU no graph capture either. (FlashMLA's kernels, which its
-    targets prefill under initcheck, are not on this backend's path.)"""
-    shims = prepare_cpu(device) + (list(cpu_shims()) if device == "cpu" else [])
+    targets prefill under initcheck, are not on this backend's path; nor are float Triton kernels: the interpreter
+    goes uncorrected.)"""
+    shims = prepare_cpu_plumbing(device) + (list(cpu_shims()) if device == "cpu" else [])
     backend_cls, emulated = backend(device)
     return backend_cls, emulated, shims
 
 
 def prepare_sm90_layer_host(device: str):
-    """prepare_sm90_host, and stand-ins for the compiled ops of MLAAttention's dense-MHA path this host lacks (as
-    sparse_mla_steps.prepare_layer_host for FlashMLA's)."""
-    backend_cls, emulated, shims = prepare_sm90_host(device)
+    """prepare_sm90_host with the interpreter corrected (the dense-MHA path's float kernels), and stand-ins for the
+    compiled ops of MLAAttention's dense-MHA path this host lacks (as sparse_mla_steps.prepare_layer_host for
+    FlashMLA's)."""
+    shims = prepare_cpu(device) + (list(cpu_shims()) if device == "cpu" else [])
+    backend_cls, emulated = backend(device)
     return backend_cls, tuple(dict.fromkeys((*emulated, *install_layer_standins(device)))), shims
 
 

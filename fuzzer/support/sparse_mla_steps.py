@@ -46,12 +46,22 @@ TOPK_POISON = 2**30 - 1  # rows of the indexer's top-k buffer past a step's toke
 
 def prepare_cpu(device: str) -> list[str]:
     """The shims a host needs before vLLM's backends are imported (they bind PIN_MEMORY by name): the C queries
-    this build lacks; on a CPU Triton's interpreter corrected and the accelerator-only calls (pinned memory,
-    streams) shimmed."""
-    shims = list(define_missing_c_queries())
+    this build lacks; on a CPU Triton's interpreter corrected (its bf16 dot and float casts) and the
+    accelerator-only calls (pinned memory, streams) shimmed."""
+    shims = prepare_cpu_plumbing(device)
     if device == "cpu":
         install_corrections()
-        shims += [*install_cpu_shims(), *cpu_shims(), *(f"interpreter correction: {c}" for c in CORRECTIONS)]
+        shims += [f"interpreter correction: {c}" for c in CORRECTIONS]
+    return shims
+
+
+def prepare_cpu_plumbing(device: str) -> list[str]:
+    """prepare_cpu but for the interpreter's corrections: for a path whose Triton kernels are all integer ones (no
+    dot, no float cast; FLASHINFER_MLA_SPARSE_SM90's index remap, page packing and kv_end clamp), which the
+    corrections do not touch."""
+    shims = list(define_missing_c_queries())
+    if device == "cpu":
+        shims += [*install_cpu_shims(), *cpu_shims()]
     return shims
 
 

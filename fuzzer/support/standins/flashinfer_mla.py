@@ -13,7 +13,9 @@ What vLLM touches: the constructor (a 128 MiB float workspace, `use_cuda_graph=T
 `kv_indptr`, `kv_indices`, `kv_len_arr` buffers), `plan()` in its legacy flat-CSR positional form, the plan's
 `_plan_info` (18 ints, `MLAPlanInfo`) and `_planned_backend._int_workspace_buffer`, in which vLLM reads the planner's
 per-work arrays and rewrites `kv_end` in place, and `run(q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale=, kpe_scale=)`
-(`ckv_scale_arr` keyword-only, which vLLM's `has_flashinfer_sm90_nope_mla` inspects for).
+(`ckv_scale_arr` keyword-only, which vLLM's `has_flashinfer_sm90_nope_mla` inspects for). That is the form modelled;
+any other (another backend, no graph mode, `plan(metadata=)`, an LSE mode, run()'s `out`, `lse`, `return_lse`,
+`ckv_scale_arr`, the `query=`/`kv_cache=` form, sinks, BMM scales, ...) is refused (`StandInRefused`: could not test).
 
 The planner (`MLAPlan`) as FlashInfer lays it out: every batch row's packed query rows (query tokens x heads) in tiles
 of 64 x cluster size (2 CTAs a cluster when the batch's average packed query length passes 64, else 1), a KV split
@@ -31,18 +33,18 @@ The kernel, per work item and CTA of its cluster: query rows `q_start + 64 x blo
 reads its page from `kv_indices[kv_indptr + pos]` (page size 1 in vLLM's use: the page is the cache row); past it, the
 highest tile loads zeros and lower tiles page 0. Positions at or past `kv_end` are masked (their rows are still read:
 `kv_indices` entries and cache rows up to `kv_len`). An fp8 (e4m3) cache is dequantized in the kernel as
-bf16(bf16(x) * bf16(scale)): `ckv_scale` (or per-token `ckv_scale_arr`) for the latent, `kpe_scale` for the RoPE part.
+bf16(bf16(x) * bf16(scale)): `ckv_scale` for the latent, `kpe_scale` for the RoPE part.
 Scores (q_nope.ckv + q_pe.kpe) x sm_scale, softmax, P.ckv, in fp32 here; a work with no key gives output 0 and LSE -inf.
 Unsplit works write `out` (bf16) directly; split ones write partial outputs (bf16) and LSEs (fp32) into the float
-workspace at the plan's offsets, which the merge stage combines by LSE into `out` (an all-empty merge: 0). LSE is
-base 2 unless `return_lse_base_on_e`. Rows of `out` no work writes are left as they were: a fresh `out` here is NaN
-(FlashInfer's `torch.empty_like`: undefined).
+workspace at the plan's offsets, which the merge stage combines by LSE (base 2) into `out` (an all-empty merge: 0).
+Rows of `out` no work writes are left as they were: a fresh `out` here is NaN (FlashInfer's `torch.empty_like`:
+undefined).
 
 Checks, as FlashInfer makes them: the plan's CSR metadata (int32, rank 1, indptrs from 0 and nondecreasing, one
 kv_len per batch row, page counts matching kv_len, enough kv_indices), the graph-mode reserved buffers (same shapes,
 no overlap), dtypes and head widths (fp8 KV only with bf16 q, ckv 512 and kpe 0 or 64, on SM90), the work-item
-capacity (16,384); at run, the planned dtypes and widths, and the fp8 scale arguments (exactly one of `ckv_scale` /
-`ckv_scale_arr`, a finite positive `kpe_scale`; none for a bf16 cache). A run before any plan raises. Memory the
+capacity (16,384); at run, the planned dtypes and widths, and the fp8 scale arguments (a finite positive `ckv_scale`
+and `kpe_scale`; none for a bf16 cache). A run before any plan raises. Memory the
 kernel would reach outside its tensors (a `kv_indices` entry past the buffer, a page outside the cache, a query or
 output row past `q_nope`/`out`, a partial row past the workspace's partial buffer) is recorded as a memory violation
 (`fuzzer.support.interp.sanitizer`) and skipped.
@@ -67,7 +69,7 @@ from dataclasses import dataclass
 import torch
 
 from fuzzer.support import cudagraphs
-from fuzzer.support.errors import _BackendPlanUnsupportedError
+from fuzzer.support.errors import StandInRefused, _BackendPlanUnsupportedError
 from fuzzer.support.interp.sanitizer import SANITIZER, MemoryViolation
 from fuzzer.support.standins.importable import importable_as, stand_in_module
 
@@ -388,18 +390,15 @@ class _PlannedFa3Backend:
 
 
 class BatchMLAPagedAttentionWrapper:
-    """FlashInfer's wrapper, `backend="fa3"` (or "auto", which picks fa3 on SM90), in the flat-CSR form vLLM calls."""
+    """FlashInfer's wrapper, `backend="fa3"` (or "auto", which picks fa3 on SM90), in the graph-mode flat-CSR form vLLM
+    calls; other forms are refused (`_refuse`)."""
 
     def __init__(self, float_workspace_buffer: torch.Tensor, use_cuda_graph: bool = False,
                  qo_indptr: torch.Tensor | None = None, kv_indptr: torch.Tensor | None = None,
                  kv_indices: torch.Tensor | None = None, kv_len_arr: torch.Tensor | None = None,
                  backend: str = "auto") -> None:
-        accepted = ("auto", "fa2", "fa3", "cutlass", "cutile", "trtllm-gen", "xqa", "cute-dsl", "cute-dsl-monolithic",
-                    "cute-dsl-modular")
-        _check(ValueError, (backend not in accepted, "backend must be one of "
-                            + ", ".join(repr(b) for b in sorted(accepted)) + f", got {backend!r}."))
-        _check(NotImplementedError, (backend not in ("auto", "fa3"),
-                                     f"attnfuzz's {OP} models the fa3 backend only (SM90), not {backend!r}"))
+        if backend not in ("auto", "fa3") or not use_cuda_graph:
+            raise _refuse(f"backend={backend!r}" if backend not in ("auto", "fa3") else "use_cuda_graph=False")
         self._float_workspace_buffer, self.device = float_workspace_buffer, float_workspace_buffer.device
         self._use_cuda_graph, self._backend = use_cuda_graph, backend
         self._qo_indptr_buf, self._kv_indptr_buf = qo_indptr, kv_indptr
@@ -418,8 +417,8 @@ class BatchMLAPagedAttentionWrapper:
     def plan(self, qo_indptr=None, kv_indptr=None, kv_indices=None, kv_len_arr=None, num_heads=None, head_dim_ckv=None,
              head_dim_kpe=None, page_size=None, causal=None, sm_scale=None, q_data_type=None, kv_data_type=None,
              use_profiler: bool = False, *, metadata=None, lse_mode: str = "none", **unsupported) -> None:
-        _check(NotImplementedError, (metadata is not None or unsupported, (f"attnfuzz's {OP} takes the flat CSR plan() "
-               f"form vLLM calls, not {'metadata=' if metadata is not None else ', '.join(unsupported)}")))
+        if metadata is not None or unsupported or use_profiler or lse_mode != "none":
+            raise _refuse("plan()'s metadata=, use_profiler, lse_mode or " + ", ".join(unsupported))
         if qo_indptr is not None and num_heads is not None:
             self._warn_positional()
         required = dict(num_heads=num_heads, head_dim_ckv=head_dim_ckv, head_dim_kpe=head_dim_kpe, page_size=page_size,
@@ -429,75 +428,51 @@ class BatchMLAPagedAttentionWrapper:
         _check(ValueError, (any(t is None for t in (qo_indptr, kv_indptr, kv_indices, kv_len_arr)),
                             "CSR metadata form is partial."),
                (not isinstance(page_size, int) or isinstance(page_size, bool) or page_size <= 0,
-                f"page_size must be a positive int, got {page_size!r}."),
-               (lse_mode not in ("none", "base2", "basee"), f"unsupported lse_mode {lse_mode!r}."))
+                f"page_size must be a positive int, got {page_size!r}."))
         previous = self._planned_backend
         qo, kv, lens = _validate_csr(qo_indptr, kv_indptr, kv_indices, kv_len_arr, page_size, self.device)
         scale_mode = _validate_fa3_plan(self.device, head_dim_ckv, head_dim_kpe, q_data_type, kv_data_type)
         reserved = (self._qo_indptr_buf, self._kv_indptr_buf, self._kv_indices_buf, self._kv_len_arr_buf)
-        if self._use_cuda_graph:
-            _validate_graph_buffers(self.device, tuple(zip(("qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr"),
-                                                           reserved, (qo_indptr, kv_indptr, kv_indices, kv_len_arr),
-                                                           (False, False, True, False))))
+        _validate_graph_buffers(self.device, tuple(zip(("qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr"),
+                                                       reserved, (qo_indptr, kv_indptr, kv_indices, kv_len_arr),
+                                                       (False, False, True, False))))
         sms = num_sms(self.device)
         _fa_plan_work_count([qo[i + 1] - qo[i] for i in range(len(lens))], lens, num_heads, sms, causal)
         # A graph plan reuses the int workspace of the plan before (FlashInfer: its captured pointer must stay).
-        reuse = previous._int_workspace_buffer if self._use_cuda_graph and previous is not None else None
+        reuse = previous._int_workspace_buffer if previous is not None else None
         backend = _PlannedFa3Backend(self._float_workspace_buffer, self._use_cuda_graph, reserved, reuse)
         plan = mla_plan(qo, kv, lens, num_heads, head_dim_ckv, causal, sms, backend._int_workspace_buffer.numel(),
                         self._float_workspace_buffer.numel() * self._float_workspace_buffer.element_size())
-        if self._use_cuda_graph:  # the user's reserved buffers take the metadata in place
-            for target, source in ((backend._qo_indptr_buf, qo_indptr), (backend._kv_indptr_buf, kv_indptr),
-                                   (backend._kv_indices_buf[: len(kv_indices)], kv_indices),
-                                   (backend._kv_len_arr_buf, kv_len_arr)):
-                target.copy_(source)
-        else:
-            backend._qo_indptr_buf, backend._kv_indptr_buf = qo_indptr.to(self.device), kv_indptr.to(self.device)
-            backend._kv_indices_buf, backend._kv_len_arr_buf = kv_indices.to(self.device), kv_len_arr.to(self.device)
+        for target, source in ((backend._qo_indptr_buf, qo_indptr), (backend._kv_indptr_buf, kv_indptr),
+                               (backend._kv_indices_buf[: len(kv_indices)], kv_indices),
+                               (backend._kv_len_arr_buf, kv_len_arr)):  # the reserved buffers take it in place
+            target.copy_(source)
         backend._int_workspace_buffer[: plan.staged.numel()].copy_(plan.staged)
         vars(backend).update(_plan_info=plan.info, _page_size=page_size, _sm_scale=float(sm_scale),
                              _causal=bool(causal), _head_dims=(head_dim_ckv, head_dim_kpe), _q_data_type=q_data_type,
-                             _kv_data_type=kv_data_type, _scale_mode=scale_mode, _lse_mode=lse_mode,
-                             _num_heads=num_heads, _works=plan.works)
-        vars(self).update(_planned_backend=backend, _backend="fa3", _qo_indptr_buf=backend._qo_indptr_buf,
-                          _kv_indptr_buf=backend._kv_indptr_buf, _kv_indices_buf=backend._kv_indices_buf,
-                          _kv_len_arr_buf=backend._kv_len_arr_buf, _int_workspace_buffer=backend._int_workspace_buffer,
+                             _kv_data_type=kv_data_type, _scale_mode=scale_mode, _num_heads=num_heads,
+                             _works=plan.works)
+        vars(self).update(_planned_backend=backend, _backend="fa3", _int_workspace_buffer=backend._int_workspace_buffer,
                           _plan_info=plan.info, _sm_scale=float(sm_scale), _causal=bool(causal), _page_size=page_size,
                           _q_data_type=q_data_type, _kv_data_type=kv_data_type, _head_dim_ckv=head_dim_ckv)
 
     def run(self, q_nope: torch.Tensor | None = None, q_pe: torch.Tensor | None = None,
-            ckv_cache: torch.Tensor | None = None, kpe_cache: torch.Tensor | None = None,
-            out: torch.Tensor | None = None, lse: torch.Tensor | None = None, return_lse: bool = False,
-            profiler_buffer: torch.Tensor | None = None, kv_len: torch.Tensor | None = None,
-            page_table: torch.Tensor | None = None, return_lse_base_on_e: bool = False, o_scale: float | None = None,
-            *, query=None, kv_cache=None, ckv_scale: float | None = None, ckv_scale_arr: torch.Tensor | None = None,
-            kpe_scale: float | None = None, sinks=None, skip_softmax_threshold_scale_factor=None, bmm1_scale=None,
-            bmm2_scale=None):
+            ckv_cache: torch.Tensor | None = None, kpe_cache: torch.Tensor | None = None, *options,
+            ckv_scale: float | None = None, ckv_scale_arr: torch.Tensor | None = None, kpe_scale: float | None = None,
+            **keywords):
+        """vLLM's form: the split query and cache, positional; ckv_scale and kpe_scale for an fp8 cache. The rest of
+        FlashInfer's run() (out=, lse and its base, profiler_buffer, kv_len, page_table, o_scale, the query=/kv_cache=
+        form, sinks, BMM scales, per-token ckv_scale_arr, kept keyword-only: vLLM's gate looks for it) is refused."""
         if q_nope is not None and q_pe is not None:
             self._warn_positional()
-        _check(NotImplementedError, (query is not None or kv_cache is not None,
-                                     f"attnfuzz's {OP} takes the split q_nope/q_pe, ckv_cache/kpe_cache form vLLM calls"))
+        given = [k for k, v in keywords.items() if v is not None] + ["ckv_scale_arr"] * (ckv_scale_arr is not None)
+        if given or any(v is not None and v is not False for v in options):
+            raise _refuse("run()'s " + (", ".join(given) or f"{len(options)} more positional arguments"))
         _check(ValueError, ((q_nope is None) != (q_pe is None), "q_nope and q_pe must both be provided."),
                ((ckv_cache is None) != (kpe_cache is None), "ckv_cache and kpe_cache must both be provided."))
         _check(TypeError, (q_nope is None or ckv_cache is None, "run() requires query= or q_nope and q_pe."))
         b = self._planned_backend
         _check(RuntimeError, (b is None, "BatchMLAPagedAttentionWrapper.run() called before plan()."))
-        # _contracts.py validate_run_options, then the fa backend's own checks. A legacy flat CSR plan (LSE mode
-        # "none") keeps its historical dynamic-LSE behavior (FlashInfer warns).
-        actual_lse = "none" if not (return_lse or lse is not None or return_lse_base_on_e) else (
-            "basee" if return_lse_base_on_e else "base2")
-        _check(ValueError, (actual_lse != b._lse_mode != "none",
-                            f"run() LSE mode {actual_lse!r} does not match the planned {b._lse_mode!r}."),
-               (out is not None and out.dtype != b._q_data_type,
-                f"run() output dtype {getattr(out, 'dtype', None)} does not match the planned {b._q_data_type}."),
-               (o_scale is not None, "o_scale is only supported with the cutlass backend for now."),
-               (sinks is not None, "sinks are not supported with an fa2/fa3 backend."),
-               (skip_softmax_threshold_scale_factor is not None,
-                "skip_softmax_threshold_scale_factor is not supported with an fa2/fa3 backend."),
-               (bmm1_scale is not None or bmm2_scale is not None,
-                "BMM scales are not supported with an fa2/fa3 backend."),
-               (kv_len is not None, "kv_len is only supported with cutlass backend."),
-               (page_table is not None, "page_table is only supported with cutlass backend."))
         widths = b._head_dims
         for name, leaves, leaf_names, dtype, planned in (
                 ("query", (q_nope, q_pe), ("q_nope", "q_pe"), b._q_data_type, "q_data_type"),
@@ -513,40 +488,29 @@ class BatchMLAPagedAttentionWrapper:
                     f"split {name} last dimensions do not match planned widths."))
         fp8 = b._kv_data_type == torch.float8_e4m3fn
         if fp8:
-            _check(ValueError, ((ckv_scale is None) == (ckv_scale_arr is None),
+            _check(ValueError, (ckv_scale is None,
                                 "Exactly one of ckv_scale or ckv_scale_arr is required when kv_data_type is FP8."),
                    (kpe_scale is None, "kpe_scale is required when kv_data_type is FP8."))
-            ckv_f, kpe_f = 1.0 if ckv_scale is None else float(ckv_scale), float(kpe_scale)
-            want = (*ckv_cache.shape[:-1], widths[0] // 128)
-            _check(ValueError, (ckv_scale is not None and (not math.isfinite(ckv_f) or ckv_f <= 0.0),
+            ckv_f, kpe_f = float(ckv_scale), float(kpe_scale)
+            _check(ValueError, (not math.isfinite(ckv_f) or ckv_f <= 0.0,
                                 f"ckv_scale must be a finite positive value, got {ckv_scale}"),
                    (not math.isfinite(kpe_f) or kpe_f <= 0.0,
-                    f"kpe_scale must be a finite positive value, got {kpe_scale}"),
-                   (ckv_scale_arr is not None and (tuple(ckv_scale_arr.shape) != want
-                                                   or ckv_scale_arr.dtype != torch.float32),
-                    (f"Invalid ckv_scale_arr: expected shape {want} and dtype torch.float32, got "
-                    f"{tuple(getattr(ckv_scale_arr, 'shape', ()))} {getattr(ckv_scale_arr, 'dtype', None)}.")),
-                   (ckv_scale_arr is not None and not ckv_scale_arr.is_contiguous(),
-                    "ckv_scale_arr must be contiguous."))
+                    f"kpe_scale must be a finite positive value, got {kpe_scale}"))
         else:
-            _check(ValueError, (ckv_scale is not None or ckv_scale_arr is not None or kpe_scale is not None,
+            _check(ValueError, (ckv_scale is not None or kpe_scale is not None,
                                 "ckv_scale / ckv_scale_arr / kpe_scale are only valid when kv_data_type is FP8."))
             ckv_f = kpe_f = 1.0
-        if out is None:  # FlashInfer: torch.empty_like(q_nope), undefined until written; NaN here
-            out = torch.full(q_nope.shape, float("nan"), dtype=q_nope.dtype, device=q_nope.device)
-        if return_lse and lse is None:
-            lse = torch.full(q_nope.shape[:2], float("nan"), dtype=torch.float32, device=q_nope.device)
-        _check(ValueError, (tuple(out.shape) != tuple(q_nope.shape) or out.device != q_nope.device,
-                            (f"Invalid out: expected shape {tuple(q_nope.shape)} on {q_nope.device}, got "
-                            f"{tuple(out.shape)} on {out.device}.")),
-               (return_lse and (tuple(lse.shape) != tuple(q_nope.shape[:2]) or lse.dtype != torch.float32),
-                f"Invalid lse: expected shape {tuple(q_nope.shape[:2])} and dtype torch.float32."))
+        # FlashInfer: torch.empty_like(q_nope), undefined until written; NaN here
+        out = torch.full(q_nope.shape, float("nan"), dtype=q_nope.dtype, device=q_nope.device)
         launch = cudagraphs.launch_parameters(("flashinfer.mla", id(self)), _Launch(
             tuple(b._plan_info), b._int_workspace_buffer, b._float_workspace_buffer, b._kv_indices_buf, b._page_size,
             b._sm_scale, b._causal, ckv_f, kpe_f))
-        _mla_kernel(launch, q_nope, q_pe, ckv_cache, kpe_cache, out, lse if return_lse else None,
-                    return_lse_base_on_e, ckv_scale_arr, fp8)
-        return (out, lse) if return_lse else out
+        _mla_kernel(launch, q_nope, q_pe, ckv_cache, kpe_cache, out, fp8)
+        return out
+
+
+def _refuse(what: str) -> StandInRefused:
+    return StandInRefused(f"attnfuzz's {OP} models the call vLLM's FLASHINFER_MLA_SPARSE_SM90 makes, not {what}")
 
 
 # Bytes of fp32 keys and scores emulated at once (works x positions x (width + the CTA rows' scores)): a CPU
@@ -581,7 +545,7 @@ def _ranges(starts: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, t
     return owner, starts[owner] + offset
 
 
-def _mla_kernel(launch: _Launch, q_nope, q_pe, ckv, kpe, out, lse, lse_base_e: bool, ckv_scale_arr, fp8: bool) -> None:
+def _mla_kernel(launch: _Launch, q_nope, q_pe, ckv, kpe, out, fp8: bool) -> None:
     """BatchMLAPageAttentionHopperKernel (see the module docstring), then its merge stage: every work item's CTAs at
     once (in chunks of works), on the tensors' device, the plan read on the host in one copy."""
     info = launch.plan_info
@@ -634,14 +598,13 @@ def _mla_kernel(launch: _Launch, q_nope, q_pe, ckv, kpe, out, lse, lse_base_e: b
             c1 = min(n_work, c0 + per)
             _work_chunk(work_dev[:-1, c0:c1], work_dev[-1, c0:c1], int(tiles[c0:c1].max()) * CTA_TILE_KV, bx, heads,
                         q_nope, q_pe, ckv_rows, kpe_rows, flat_idx, page_size, num_pages, launch.sm_scale, scales,
-                        ckv_scale_arr, out, lse, lse_base_e, partial_o, partial_lse, partial_rows, checks)
-    _merge(info, host, heads, bx * by, partial_o, partial_lse, partial_rows, out, lse, lse_base_e, checks)
+                        out, partial_o, partial_lse, partial_rows, checks)
+    _merge(info, host, heads, bx * by, partial_o, partial_lse, partial_rows, out, checks)
     checks.report()
 
 
 def _work_chunk(work, tiles, span, bx, heads, q_nope, q_pe, ckv_rows, kpe_rows, flat_idx, page_size, num_pages,
-                sm_scale, scales, ckv_scale_arr, out, lse, lse_base_e, partial_o, partial_lse, partial_rows,
-                checks: _Checks) -> None:
+                sm_scale, scales, out, partial_o, partial_lse, partial_rows, checks: _Checks) -> None:
     """Works [W] of the launch, each with its cluster's bx CTAs of 64 query rows ([W, bx x 64] rows) over its KV
     positions kv_start + [0, span), every tensor on the device."""
     dev = q_nope.device
@@ -667,11 +630,7 @@ def _work_chunk(work, tiles, span, bx, heads, q_nope, q_pe, ckv_rows, kpe_rows, 
     mask &= loaded | (in_tiles & ~read & highest)  # zero-filled rows of the highest tile score 0, not -inf
     rows = row.clamp(0, max(ckv_rows.shape[0] - 1, 0))
     if scales is not None:  # fp8: bf16(bf16(x) * bf16(scale))
-        if ckv_scale_arr is not None:  # per token, per 128 channels, applied in fp32 then rounded to bf16
-            s = ckv_scale_arr.reshape(-1, ckv_scale_arr.shape[-1])[rows].repeat_interleave(128, dim=-1)
-            k_ckv = (ckv_rows[rows].float().to(torch.bfloat16).float() * s).to(torch.bfloat16).float()
-        else:
-            k_ckv = (ckv_rows[rows].float() * scales[0]).to(torch.bfloat16).float()
+        k_ckv = (ckv_rows[rows].float() * scales[0]).to(torch.bfloat16).float()
         k_kpe = (kpe_rows[rows].float() * scales[1]).to(torch.bfloat16).float()
     else:
         k_ckv = ckv_rows[rows].float() if ckv_rows.shape[0] else torch.zeros(*row.shape, ckv_rows.shape[-1], device=dev)
@@ -704,8 +663,6 @@ def _work_chunk(work, tiles, span, bx, heads, q_nope, q_pe, ckv_rows, kpe_rows, 
     at_rows = (final & ~bad_o).nonzero(as_tuple=True)
     ft, fh = tok[at_rows], head[at_rows]
     out[ft, fh] = o[at_rows].to(out.dtype)
-    if lse is not None:
-        lse[ft, fh] = (row_lse if lse_base_e else lse2)[at_rows]
     split = (partial >= 0)[:, None] & live
     prow = partial[:, None] + torch.arange(bx * CTA_TILE_Q, device=dev)[None, :]
     bad_p = split & (prow >= partial_rows)
@@ -716,8 +673,7 @@ def _work_chunk(work, tiles, span, bx, heads, q_nope, q_pe, ckv_rows, kpe_rows, 
     partial_lse[pr] = lse2[at_rows]
 
 
-def _merge(info, host, heads, ctas, partial_o, partial_lse, partial_rows, out, lse, lse_base_e,
-           checks: _Checks) -> None:
+def _merge(info, host, heads, ctas, partial_o, partial_lse, partial_rows, out, checks: _Checks) -> None:
     """DevicePersistentMergeStates: CTA c merges rows [start, end) of its packed range from partial rows
     pstart + local, + stride, ... < pend (state_t: m = -inf, d = 1, merged in fp32; an all-empty state gives 0).
     Every CTA's rows at once: the rows of one count of partials together, each sum over its own k terms (padding
@@ -745,12 +701,11 @@ def _merge(info, host, heads, ctas, partial_o, partial_lse, partial_rows, out, l
         per = max(1, CHUNK_BYTES.get(out.device.type, CHUNK_BYTES["cpu"]) // (cols * (width + 4) * 4))
         for n0 in range(begin, end, per):
             _merge_rows(rows_dev[:, n0: min(end, n0 + per)], cols, heads, partial_o, partial_lse, partial_rows, out,
-                        lse, lse_base_e, checks)
+                        checks)
         begin = end
 
 
-def _merge_rows(rows_of, cols, heads, partial_o, partial_lse, partial_rows, out, lse, lse_base_e,
-                checks: _Checks) -> None:
+def _merge_rows(rows_of, cols, heads, partial_o, partial_lse, partial_rows, out, checks: _Checks) -> None:
     """Merged rows [first partial row, its end, stride, packed row] x N, each over `cols` partials."""
     dev, width = out.device, partial_o.shape[-1]
     first, pend, stride, f = rows_of
@@ -774,9 +729,6 @@ def _merge_rows(rows_of, cols, heads, partial_o, partial_lse, partial_rows, out,
     checks.add("o", bad_o, q * heads + r, out.shape[0] * heads, out.shape[-1] * out.element_size(), "store")
     ok = (~bad_o).nonzero(as_tuple=True)
     out[q[ok], r[ok]] = merged[ok].to(out.dtype)
-    if lse is not None:
-        value = m + torch.log2(d)
-        lse[q[ok], r[ok]] = (value / LOG2E if lse_base_e else value)[ok]
 
 
 # -- import as `flashinfer.mla` ------------------------------------------------------------------------------------

@@ -148,6 +148,31 @@ def test_misuse_raises_as_flashinfer_does():
         w2.run(q[..., :512], q[..., 512:], bf[..., :512], bf[..., 512:], ckv_scale=1.0, kpe_scale=1.0)
 
 
+def test_forms_vllm_never_calls_are_refused_not_modelled():
+    """Another backend, no graph mode, plan(metadata=) or an LSE mode, and run()'s out=, lse, per-token
+    ckv_scale_arr, query= and sinks: StandInRefused (could not test), never a FlashInfer answer made up."""
+    from fuzzer.support.errors import StandInRefused
+
+    ws = torch.empty(1 << 20, dtype=torch.uint8)
+    for kw in (dict(backend="fa2"), dict(use_cuda_graph=False)):
+        with pytest.raises(StandInRefused):
+            fi.BatchMLAPagedAttentionWrapper(ws, **kw)
+    w, bufs = _wrapper()
+    with pytest.raises(StandInRefused, match="lse_mode"):
+        w.plan(lse_mode="base2")
+    _plan(w, bufs, [2], kv_dtype=torch.float8_e4m3fn)
+    cache = torch.zeros(4, 1, 576, dtype=torch.float8_e4m3fn)
+    q = torch.zeros(1, H, 576, dtype=torch.bfloat16)
+    args = (q[..., :512], q[..., 512:], cache[..., :512], cache[..., 512:])
+    for kw in (dict(out=torch.empty(1, H, 512)), dict(return_lse=True), dict(sinks=torch.zeros(H)),
+               dict(ckv_scale_arr=torch.ones(4, 1, 4))):
+        with pytest.raises(StandInRefused, match=next(iter(kw)) if "return_lse" not in kw else "return_lse"):
+            w.run(*args, ckv_scale=1.0, kpe_scale=1.0, **kw)
+    with pytest.raises(StandInRefused):
+        w.run(*args, None, torch.empty(1, H), True, ckv_scale=1.0, kpe_scale=1.0)  # out, lse, return_lse positional
+    assert w.run(*args, ckv_scale=1.0, kpe_scale=1.0).shape == (1, H, 512)  # vLLM's form still runs
+
+
 def test_vllm_detects_the_sm90_api_and_flashinfer_is_importable_only_inside_the_block():
     """vllm.utils.flashinfer.has_flashinfer_sm90_nope_mla looks for a keyword-only `ckv_scale_arr` in run()."""
     params = inspect.signature(fi.BatchMLAPagedAttentionWrapper.run).parameters
