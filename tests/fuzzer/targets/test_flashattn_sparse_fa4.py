@@ -111,6 +111,7 @@ def mutant_repro(tmp_path_factory):
     return write_repro(finding, target(), tmp_path_factory.mktemp("repros"))
 
 
+@pytest.mark.nightly  # two reproducer processes, each importing vLLM: ~45 s
 def test_the_mutant_s_reproducer_shows_the_bug_and_passes_without_it(mutant_repro):
     run = run_repro(mutant_repro)
     assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
