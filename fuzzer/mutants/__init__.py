@@ -49,6 +49,7 @@ MUTANTS: dict[str, str] = {
     "sm90-plan-reused-for-fewer-tokens": "fuzzer.mutants.sm90_plan_reused_for_fewer_tokens",
     "sm100-draft-update-last-token": "fuzzer.mutants.sm100_draft_update_last_token",
     "sm120-block-stride-in-elements": "fuzzer.mutants.sm120_block_stride_in_elements",
+    "fa4-seqused-k-valid-counts": "fuzzer.mutants.fa4_seqused_k_valid_counts",
     "dsv4-swa-window-block-edge": "fuzzer.mutants.dsv4_swa_window_block_edge",
     "dsv4-c128a-topk-past-row": "fuzzer.mutants.dsv4_c128a_topk_past_row",
     "dsv4-compressed-slot-partial-state": "fuzzer.mutants.dsv4_compressed_slot_partial_state",

@@ -37,6 +37,7 @@ FLASHINFER_STANDIN = "fuzzer.support.standins.flashinfer_mla"  # attnfuzz's stan
 FLASHINFER_SPARSE = "vllm.v1.attention.backends.mla.flashinfer_mla_sparse"  # FLASHINFER_MLA_SPARSE (SM100), SM120's builder
 FLASHINFER_SM120 = "vllm.v1.attention.backends.mla.flashinfer_mla_sparse_sm120"
 FLASHINFER_TRTLLM_STANDIN = "fuzzer.support.standins.flashinfer_trtllm_mla"  # attnfuzz's stand-in: the kernel each runs
+FA4_STANDIN = "fuzzer.support.standins.flash_attn_fa4"  # attnfuzz's stand-in: FA4's kernel for decode batches
 SPARSE_UTILS = "vllm.v1.attention.backends.mla.sparse_utils"
 INDEX_GROUP = "vllm.v1.attention.backends.mla.index_group"
 SPARSE_MLA = "vllm.model_executor.layers.attention.sparse_mla_attention"
@@ -172,6 +173,12 @@ def _sm100_kv_dtype(args: tuple, kwargs: dict) -> Iterator[str]:  # FlashInferML
     q = _arg(args, kwargs, "q", 1)
     q = q[0] if isinstance(q, tuple) else q  # the bf16 query comes split (ql_nope, q_pe), the fp8 one whole
     yield "sm100.fp8" if q.element_size() == 1 else "sm100.bf16"
+
+
+def _fa4_kernel(args: tuple, kwargs: dict) -> Iterator[str]:  # FA4's _flash_attn_fwd(q, k, v, qv=..., ...)
+    q, v = _arg(args, kwargs, "q", 0), _arg(args, kwargs, "v", 2)
+    heads = q.shape[-2] // v.shape[-2] if q is not None and v is not None else 0
+    yield "kernel.fa4_sparse_decode" if heads in (8, 16, 32, 64) else "kernel.fa4_mla_forward"
 
 
 def _sm120_scale_format(args: tuple, kwargs: dict) -> Iterator[str]:  # FlashInferMLASparseSM120Impl._run_mqa_kernel(self, ...)
@@ -357,6 +364,8 @@ PROBES: tuple[Probe, ...] = (
     Probe(FLASHINFER_SM120, "FlashInferMLASparseSM120Impl._run_mqa_kernel", before=_sm120_scale_format),
     Probe(FLASHINFER_TRTLLM_STANDIN, "_sm100", "kernel.trtllm_gen_sparse"),
     Probe(FLASHINFER_TRTLLM_STANDIN, "_sm120", "kernel.sm120_sparse"),
+    # FLASH_ATTN_MLA_SPARSE_FA4: FA4's kernel for decode batches (the stand-in's entry), sparse decode or MLA forward
+    Probe(FA4_STANDIN, "_flash_attn_fwd", before=_fa4_kernel),
     Probe(FLASHMLA, "FlashMLASparseImpl._bf16_flash_mla_kernel", "kernel.bf16_sparse", before=_bf16_kernel_heads),
     Probe(FLASHMLA, "FlashMLASparseImpl._fp8_flash_mla_kernel", "kernel.fp8_decode", before=_fp8_kernel_heads),
     # the top-k index conversion, wherever it is looked up
@@ -410,7 +419,7 @@ KNOWN_PATHS: tuple[str, ...] = (
     "sm90.bf16", "sm90.fp8", "sm90.plan.exact", "sm90.plan.upper_bound", "sm90.plan.replanned", "sm90.plan.reused", "sm90.plan.clamp_kv_end",
     "sm90.pack_indices", "flashinfer.plan.cluster1", "flashinfer.plan.cluster2", "flashinfer.plan.split_kv",
     "kernel.flashinfer_mla", "sm100.bf16", "sm100.fp8", "sm120.pow2_fp32", "sm120.arbitrary_fp32",
-    "kernel.trtllm_gen_sparse", "kernel.sm120_sparse",
+    "kernel.trtllm_gen_sparse", "kernel.sm120_sparse", "kernel.fa4_sparse_decode", "kernel.fa4_mla_forward",
     "dsv4.swa_indices", "dsv4.prefill_gather_lens", "dsv4.prefill.chunks", "dsv4.compressed_slot_mapping",
     "dsv4.c128a_topk_metadata", "dsv4.decode.swa_only", "dsv4.decode.c4a", "dsv4.decode.c128a",
     "dsv4.prefill.swa_only", "dsv4.prefill.c4a", "dsv4.prefill.c128a", "dsv4.global_topk",

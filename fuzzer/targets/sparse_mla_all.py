@@ -2,15 +2,21 @@
 reference and against each other (`oracles.backends`).
 
 The same contracts, separate code: FLASHMLA_SPARSE, FLASH_ATTN_MLA_SPARSE, XPU_MLA_SPARSE (vLLM's pure-Triton
-backend) and FLASHINFER_MLA_SPARSE_SM90 each take the step through their own metadata builder, index conversion and
-kernel on the MQA route, as their own targets drive them (`vllm.flashmla_sparse`, `vllm.flashattn_sparse`,
-`vllm.triton_sparse`, `vllm.flashinfer_sparse_sm90`). A case is what all of them take: a bf16 cache (FLASH_ATTN and
-XPU refuse fp8, so vLLM routes no fp8 step to them) and blocks of 64 or 128 tokens; single fresh steps. A backend
-that raises on such a case is a finding of its own (vLLM would route the step to it). FLASHINFER_MLA_SPARSE_SM90
-plans each top-k row's count from its context (min(context, top-k), as the indexer fills rows): it runs on the cases
-whose rows are the indexer's (the knob `topk_rows`, "indexer": about half), and the others say it was left out.
-Compiled kernels a host lacks are each backend's stand-ins (FlashInfer's on every host), named in every result as
-each target names them. A finding that names one backend gets that backend's reproducer.
+backend), FLASHINFER_MLA_SPARSE_SM90 and the Blackwell ones, FLASHINFER_MLA_SPARSE (SM100, trtllm-gen),
+FLASHINFER_MLA_SPARSE_SM120 and FLASH_ATTN_MLA_SPARSE_FA4 (SM100, FA4), each take the step through their own metadata
+builder, index conversion and kernel on the MQA route, as their own targets drive them (`vllm.flashmla_sparse`,
+`vllm.flashattn_sparse`, `vllm.triton_sparse`, `vllm.flashinfer_sparse_sm90`, `vllm.flashinfer_sparse_sm100`,
+`vllm.flashinfer_sparse_sm120`, `vllm.flashattn_sparse.fa4`). Single fresh steps, blocks of 64 or 128 tokens. A step's
+cache is bf16 or fp8_ds_mla, and a backend takes it where vLLM would route that cache to it (its target's
+kv_cache_dtypes): bf16 to all but SM120, fp8_ds_mla to FLASHMLA_SPARSE and SM120 (SM120 takes fp8_ds_mla only; its
+fp8_ds_mla steps draw the tile-scale conventions whose model's scale format reads them exactly, power-of-two with
+DeepSeek-V3.2, arbitrary with GLM-5, so FlashMLA and SM120 read the same bytes alike). A backend that raises on such
+a case is a finding of its own (vLLM would route the step to it). FLASHINFER_MLA_SPARSE_SM90 plans each top-k row's
+count from its context, and trtllm-gen's answer for a row of no entry is not public (SM100, and FA4's non-decode
+batches): those three run on the cases whose rows are the indexer's (the knob `topk_rows`, "indexer": about half),
+and the others say they were left out, as a backend the step's cache does not fit is. Compiled kernels a host lacks
+are each backend's stand-ins (FlashInfer's and FA4's on every host), named in every result as each target names them.
+A finding that names one backend gets that backend's reproducer.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ import dataclasses
 from fuzzer.observation import Observation
 from fuzzer.targets.base import WHOLE, RunPlan, Target
 from fuzzer.targets.flashattn_sparse import FlashAttnMLASparse
+from fuzzer.targets.flashattn_sparse_fa4 import FlashAttnMLASparseFA4
+from fuzzer.targets.flashinfer_sparse_blackwell import FlashInferMLASparseSM100, FlashInferMLASparseSM120
 from fuzzer.targets.flashinfer_sparse_sm90 import FlashInferMLASparseSM90
 from fuzzer.targets.flashmla_sparse import FlashMLASparse
 from fuzzer.targets.triton_sparse import TritonSparse
@@ -29,17 +37,23 @@ from strategies.batches import AttentionFeatures, attention_space
 
 class SparseMLAAll(Target):
     name = "vllm.sparse_mla.all"
-    summary = ("every sparse-MLA backend this host runs (FlashMLA, FlashAttention, Triton, FlashInfer SM90), one bf16 "
-               "step each, judged pairwise")
+    summary = ("every sparse-MLA backend this host runs (FlashMLA, FlashAttention FA3 and FA4, Triton, FlashInfer SM90, "
+               "SM100 and SM120), one step each (bf16, or fp8_ds_mla where it fits), judged pairwise")
     bug_classes = "B C D I J K"
     oracle = staticmethod(judge_backends)
-    kv_cache_dtypes = ("bfloat16",)
+    kv_cache_dtypes = ("bfloat16", "fp8_ds_mla")
     outputs_stay_on_device = True
     # vLLM's backend name -> the target that drives it on the MQA route.
     BACKENDS = {FlashMLASparse.vllm_backend: FlashMLASparse, FlashAttnMLASparse.vllm_backend: FlashAttnMLASparse,
-                "XPU_MLA_SPARSE": TritonSparse, FlashInferMLASparseSM90.vllm_backend: FlashInferMLASparseSM90}
+                "XPU_MLA_SPARSE": TritonSparse, FlashInferMLASparseSM90.vllm_backend: FlashInferMLASparseSM90,
+                FlashInferMLASparseSM100.vllm_backend: FlashInferMLASparseSM100,
+                FlashInferMLASparseSM120.vllm_backend: FlashInferMLASparseSM120,
+                FlashAttnMLASparseFA4.vllm_backend: FlashAttnMLASparseFA4}
     # Backends that take a case only when each top-k row holds min(context, top-k) valid positions (the indexer's rows).
-    INDEXER_ROWS_ONLY = (FlashInferMLASparseSM90.vllm_backend,)
+    INDEXER_ROWS_ONLY = (FlashInferMLASparseSM90.vllm_backend, FlashInferMLASparseSM100.vllm_backend,
+                         FlashAttnMLASparseFA4.vllm_backend)
+    # fp8_ds_mla tile-scale conventions whose readers agree: each with the model SM120 reads it for (exactly)
+    FP8_SCALES = FlashInferMLASparseSM120.FP8_SCALES
     # What prepare() found (a worker campaign's parent plans from it and never imports vLLM).
     PLANNED = ("backends", "block_stride_rows")
     backends: tuple[str, ...] = ()
@@ -69,11 +83,23 @@ class SparseMLAAll(Target):
         rows = ("drawn", "indexer") if set(self.backends or self.BACKENDS) & set(self.INDEXER_ROWS_ONLY) else ("drawn",)
         return attention_space(profile, AttentionFeatures(kv_cache_dtypes=plan.kv_dtypes(self), block_sizes=(64, 128),
                                                           block_stride_rows=stride_rows, cudagraph_padding=True,
-                                                          topk_rows=rows))
+                                                          topk_rows=rows, fp8_scales=self.FP8_SCALES))
+
+    def left_out(self, case) -> dict[str, str]:
+        """The backends this host runs that do not take `case`, each with why."""
+        indexer_rows = all(t.valid == case.topk_width for t in case.topk)
+        why = {}
+        for name in self.backends:
+            if case.kv_cache_dtype not in self.BACKENDS[name].kv_cache_dtypes:
+                why[name] = (f"it takes {', '.join(self.BACKENDS[name].kv_cache_dtypes)} caches (vLLM routes no "
+                             f"{case.kv_cache_dtype} step to it)")
+            elif not indexer_rows and name in self.INDEXER_ROWS_ONLY:
+                why[name] = "its rows are the indexer's only (min(context, top-k) valid); this case's are drawn otherwise"
+        return why
 
     def run(self, case) -> Observation:
-        indexer_rows = all(t.valid == case.topk_width for t in case.topk)
-        names = [n for n in self.backends if indexer_rows or n not in self.INDEXER_ROWS_ONLY]
+        left_out = self.left_out(case)
+        names = [n for n in self.backends if n not in left_out]
         parts = {name: self.parts[name].run(case) for name in names}
         obs = Observation(self.name, self.device, real=self.real_parts, parts=parts,
                           emulated=tuple(dict.fromkeys(f"{name}: {e}" for name, p in parts.items() for e in p.emulated)))
@@ -81,9 +107,8 @@ class SparseMLAAll(Target):
         obs.notes["paths"] = sorted(f"{name}/{path}" for name, p in parts.items() for path in p.notes.get("paths", ()))
         obs.notes["shims"] = tuple(dict.fromkeys(s for p in parts.values() for s in p.notes.get("shims", ())))
         obs.seconds = sum(p.seconds for p in parts.values())
-        if len(names) < len(self.backends):
-            obs.notes["left_out"] = {n: "its rows are the indexer's only (min(context, top-k) valid); this case's are "
-                                        "drawn otherwise" for n in self.backends if n not in names}
+        if left_out:
+            obs.notes["left_out"] = left_out
         return obs
 
     def repro_spec(self, finding):

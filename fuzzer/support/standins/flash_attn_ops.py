@@ -25,14 +25,15 @@ from __future__ import annotations
 
 import torch
 
+from fuzzer.support.errors import StandInRefused
 from fuzzer.support.interp.sanitizer import SANITIZER, MemoryViolation
 
 OP = "flash_attn_varlen_func"
 
 
-def _violation(argument: str, index: int, limit: int, elem_bytes: int) -> None:
+def _violation(argument: str, index: int, limit: int, elem_bytes: int, kernel: str = f"{OP} (attnfuzz stand-in)") -> None:
     SANITIZER.violations.append(MemoryViolation(
-        kernel=f"{OP} (attnfuzz stand-in)", op="load", argument=argument, byte_offset=index * elem_bytes,
+        kernel=kernel, op="load", argument=argument, byte_offset=index * elem_bytes,
         argument_bytes=limit * elem_bytes, element_bytes=elem_bytes, program_id=(0, 0, 0), lanes=1,
         inside_allocation=False))
 
@@ -43,6 +44,8 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
                            return_softmax_lse: bool = False, return_attn_probs: bool = False,
                            out: torch.Tensor | None = None,
                            output_scale: torch.Tensor | None = None, fa_version: int | None = None, **unused):
+    if fa_version == 4:  # vLLM's wrapper hands FA4 to its CuTe-DSL interface (stand-in: flash_attn_fa4)
+        raise StandInRefused(f"attnfuzz's {OP} stand-in is FA2/FA3's; FA4 (fa_version=4) is flash_attn_fa4's")
     if output_scale is not None:
         raise NotImplementedError(f"attnfuzz's {OP} stand-in writes no quantized output (output_scale)")
     if unused.get("block_table") is not None:
@@ -99,7 +102,6 @@ def _paged_qv(q, k, v, cu_seqlens_q, seqused_k, block_table, q_v, scale, causal,
     """FA3 over a page table (see the module docstring), every query token at once, in fp32."""
     total_q, heads, d_v = q.shape[0], q.shape[1], v.shape[-1]
     num_pages, page_size, kv_heads = k.shape[0], k.shape[1], k.shape[2]
-    group = heads // kv_heads
     # mha_fwd's argument checks (CHECK_SHAPE / TORCH_CHECK), in its words
     if seqused_k.dtype != torch.int32:
         raise RuntimeError("seqused_k must have dtype int32")
@@ -145,18 +147,30 @@ def _paged_qv(q, k, v, cu_seqlens_q, seqused_k, block_table, q_v, scale, causal,
             _violation("k", (bad * page_size + page_size) * kv_heads * k.shape[-1] - 1, k.numel(), k.element_size())
         live &= ~past_table & ~outside
         row = (page.clamp(0, num_pages - 1) * page_size + j % page_size)  # [t, keys]
-        # [t, keys, H_k, D]: query heads in groups of H / H_k. Keys FA3 does not read are zero here, not the
-        # (poisoned) row a clamped index points at: 0 x NaN would leak into the output.
-        kt = k_flat[row].float().masked_fill(~live[..., None, None], 0.0)
-        vt = v_flat[row].float().masked_fill(~live[..., None, None], 0.0)
-        qg = q[t0:t1].float().view(t1 - t0, kv_heads, group, -1)
-        s = torch.einsum("tgzd,tkgd->tgzk", qg, kt)
-        if q_v is not None:
-            s = s + torch.einsum("tgzd,tkgd->tgzk", q_v[t0:t1].float().view(t1 - t0, kv_heads, group, -1), vt)
-        s = (s.reshape(t1 - t0, heads, -1) * scale).masked_fill(~live[:, None, :], float("-inf"))
-        row_lse = torch.logsumexp(s, dim=-1)  # [t, H]
-        p = torch.exp(s - row_lse[..., None]).nan_to_num(0.0)  # a row with no key: 0 (FA3's store_zero)
-        o = torch.einsum("tgzk,tkgd->tgzd", p.view(t1 - t0, kv_heads, group, -1), vt)
-        out[t0:t1] = o.reshape(t1 - t0, heads, d_v).to(out.dtype)
+        o, row_lse = attend_rows(q[t0:t1], None if q_v is None else q_v[t0:t1], k_flat, v_flat, row, live, scale)
+        out[t0:t1] = o.to(out.dtype)
         lse[:, t0:t1] = row_lse.transpose(0, 1)
     return (out, lse) if with_lse else out
+
+
+def attend_rows(q, q_v, k_rows, v_rows, row, live, scale):
+    """Each token t's heads over the key rows `row[t]` of k_rows / v_rows ([rows, H_k, D]) where `live[t]`, in fp32:
+    score scale x (q.k + q_v.v) (q_v None: q.k), softmax, times v. Query heads in groups of H / H_k. Returns
+    (out [t, H, D_v] fp32, natural-log LSE [t, H]); a token with no live key gets out 0 and LSE -inf (FA3's
+    store_zero, FA4's empty row). `row` is in bounds wherever `live` (the caller checked it)."""
+    tokens, heads = q.shape[0], q.shape[1]
+    kv_heads = k_rows.shape[1]
+    group = heads // kv_heads
+    # [t, keys, H_k, D]. Keys not read are zero here, not the (poisoned) row a clamped index points at: 0 x NaN
+    # would leak into the output.
+    kt = k_rows[row].float().masked_fill(~live[..., None, None], 0.0)
+    vt = v_rows[row].float().masked_fill(~live[..., None, None], 0.0)
+    qg = q.float().view(tokens, kv_heads, group, -1)
+    s = torch.einsum("tgzd,tkgd->tgzk", qg, kt)
+    if q_v is not None:
+        s = s + torch.einsum("tgzd,tkgd->tgzk", q_v.float().view(tokens, kv_heads, group, -1), vt)
+    s = (s.reshape(tokens, heads, -1) * scale).masked_fill(~live[:, None, :], float("-inf"))
+    row_lse = torch.logsumexp(s, dim=-1)  # [t, H]
+    p = torch.exp(s - row_lse[..., None]).nan_to_num(0.0)  # a row with no key: 0
+    o = torch.einsum("tgzk,tkgd->tgzd", p.view(tokens, kv_heads, group, -1), vt)
+    return o.reshape(tokens, heads, -1), row_lse
