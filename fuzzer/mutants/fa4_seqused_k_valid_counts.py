@@ -9,7 +9,7 @@ so that the method can be rebuilt outside its class (no change of behaviour)."""
 from fuzzer.mutants._kernel_patch import patch_method
 
 BUG_CLASS = "B"
-TARGETS = ("vllm.flashattn_sparse.fa4",)
+TARGETS = ("vllm.flashattn_sparse_fa4",)
 
 
 def apply():

@@ -1,4 +1,4 @@
-"""`vllm.flashattn_sparse.fa4`: vLLM's FlashAttention 4 sparse-MLA backend for SM100 (`FLASH_ATTN_MLA_SPARSE_FA4`,
+"""`vllm.flashattn_sparse_fa4`: vLLM's FlashAttention 4 sparse-MLA backend for SM100 (`FLASH_ATTN_MLA_SPARSE_FA4`,
 `FlashAttnMLASparseFA4Backend` in vllm/v1/attention/backends/mla/flashattn_mla_sparse.py), whole, on the MQA route.
 
 vLLM 0.33.0 builds it on FLASHINFER_MLA_SPARSE (SM100): its builder is the trtllm-gen one (reorder threshold 128 up
@@ -38,7 +38,7 @@ from fuzzer.targets.vllm_api import remap_api
 
 
 class FlashAttnMLASparseFA4(FlashInferMLASparseSM100):
-    name = "vllm.flashattn_sparse.fa4"
+    name = "vllm.flashattn_sparse_fa4"
     summary = ("FlashAttention 4 sparse-MLA backend for SM100 (FLASH_ATTN_MLA_SPARSE_FA4): trtllm-gen builder + draft "
                "update + impl.forward_mqa, FA4 for decode batches, trtllm-gen otherwise, bf16 (both kernels stand-ins)")
     bug_classes = "A B C D H I J M"

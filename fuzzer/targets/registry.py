@@ -27,7 +27,7 @@ REGISTERED: dict[str, str] = {
     "vllm.flashmla_sparse.layer.pcp_dcp": "fuzzer.targets.flashmla_layer_pcp:FlashMLASparseLayerPcp",
     "vllm.flashattn_sparse": "fuzzer.targets.flashattn_sparse:FlashAttnMLASparse",
     "vllm.flashattn_sparse.layer": "fuzzer.targets.flashattn_layer:FlashAttnMLASparseLayer",
-    "vllm.flashattn_sparse.fa4": "fuzzer.targets.flashattn_sparse_fa4:FlashAttnMLASparseFA4",
+    "vllm.flashattn_sparse_fa4": "fuzzer.targets.flashattn_sparse_fa4:FlashAttnMLASparseFA4",
     "vllm.flashinfer_sparse_sm90": "fuzzer.targets.flashinfer_sparse_sm90:FlashInferMLASparseSM90",
     "vllm.flashinfer_sparse_sm90.layer": "fuzzer.targets.flashinfer_sparse_sm90_layer:FlashInferMLASparseSM90Layer",
     "vllm.flashinfer_sparse_sm100": "fuzzer.targets.flashinfer_sparse_blackwell:FlashInferMLASparseSM100",

@@ -6,7 +6,7 @@ backend), FLASHINFER_MLA_SPARSE_SM90 and the Blackwell ones, FLASHINFER_MLA_SPAR
 FLASHINFER_MLA_SPARSE_SM120 and FLASH_ATTN_MLA_SPARSE_FA4 (SM100, FA4), each take the step through their own metadata
 builder, index conversion and kernel on the MQA route, as their own targets drive them (`vllm.flashmla_sparse`,
 `vllm.flashattn_sparse`, `vllm.triton_sparse`, `vllm.flashinfer_sparse_sm90`, `vllm.flashinfer_sparse_sm100`,
-`vllm.flashinfer_sparse_sm120`, `vllm.flashattn_sparse.fa4`). Single fresh steps, blocks of 64 or 128 tokens. A step's
+`vllm.flashinfer_sparse_sm120`, `vllm.flashattn_sparse_fa4`). Single fresh steps, blocks of 64 or 128 tokens. A step's
 cache is bf16 or fp8_ds_mla, and a backend takes it where vLLM would route that cache to it (its target's
 kv_cache_dtypes): bf16 to all but SM120, fp8_ds_mla to FLASHMLA_SPARSE and SM120 (SM120 takes fp8_ds_mla only; its
 fp8_ds_mla steps draw the tile-scale conventions whose model's scale format reads them exactly, power-of-two with

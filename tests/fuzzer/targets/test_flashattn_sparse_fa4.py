@@ -1,4 +1,4 @@
-"""`vllm.flashattn_sparse.fa4` on CPU: vLLM's FLASH_ATTN_MLA_SPARSE_FA4 builder, forward_mqa and
+"""`vllm.flashattn_sparse_fa4` on CPU: vLLM's FLASH_ATTN_MLA_SPARSE_FA4 builder, forward_mqa and
 flash_attn_varlen_func run for real, FA4's _flash_attn_fwd and FlashInfer's trtllm-gen attnfuzz's stand-ins; judged as
 the campaign judges. A decode batch takes FA4 (the sparse decode kernel, or the MLA forward one at 128 heads),
 anything else trtllm-gen; the built-in mutant at FA4's call site and its reproducer."""
@@ -16,7 +16,7 @@ from strategies.case import Case, Request, TopkSpec
 from tests.conftest import python, run_repro
 
 pytestmark = pytest.mark.vllm
-NAME, W = "vllm.flashattn_sparse.fa4", 128
+NAME, W = "vllm.flashattn_sparse_fa4", 128
 
 
 @functools.cache
