@@ -34,6 +34,7 @@ BUDGETS: dict[str, dict[str, Budget]] = {
         "vllm.flashinfer_sparse_sm100": Budget(gate=50, selftest=30),  # interpreted remap, torch stand-in: ~1.6 case/s
         "vllm.flashinfer_sparse_sm120": Budget(gate=50, selftest=30),  # interpreted remap, torch stand-in: ~1.9 case/s
         "vllm.flashattn_sparse_fa4": Budget(gate=50, selftest=30),  # FA4's stand-in, decode batches: ~2.8 case/s
+        "vllm.rocm_aiter_sparse": Budget(gate=30, selftest=20),  # interpreted seqlen/remap kernels, AITER stand-in: ~0.3 case/s
         "vllm.sparse_mla.all": Budget(gate=20, selftest=10),  # four backends a case, the Triton ones interpreted: ~2 s (12: 0.69 of the pairs)
         "vllm.dsv4.flashmla": Budget(gate=30, selftest=16),  # decodes ~0.1 s, prefills' interpreted gathers 1-4 s
         "vllm.dsv41.flashmla": Budget(gate=30, selftest=16),  # V4.1's layer kinds on the same step: ~0.4 s a case
@@ -60,6 +61,7 @@ BUDGETS: dict[str, dict[str, Budget]] = {
         "vllm.flashinfer_sparse_sm100": Budget(gate=100, selftest=60),  # FlashInfer's kernel a stand-in on every host
         "vllm.flashinfer_sparse_sm120": Budget(gate=100, selftest=60),
         "vllm.flashattn_sparse_fa4": Budget(gate=100, selftest=60),  # FA4 and trtllm-gen stand-ins on every host
+        "vllm.rocm_aiter_sparse": Budget(gate=100, selftest=60),  # AITER's kernels a stand-in on every host
         "vllm.sparse_mla.all": Budget(gate=100, selftest=40),
         "vllm.dsv4.flashmla": Budget(gate=150, selftest=40),
         "vllm.dsv41.flashmla": Budget(gate=150, selftest=40),

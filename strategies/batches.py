@@ -418,6 +418,14 @@ class AttentionFeatures:
     topk_rows: tuple[str, ...] = ("drawn",)
     # The fp8_ds_mla scale conventions to draw (of FP8_SCALES); None: every one.
     fp8_scales: tuple[str, ...] | None = None
+    # Every row's valid entries first, then -1, as vLLM's indexer writes its rows (vllm.indexer's `topk` check), for
+    # a backend that reads the first min(visible positions, topk) entries of a row without compacting it
+    # (ROCM_AITER_MLA_SPARSE's ragged remap): the -1 entries drawn elsewhere are outside its contract.
+    topk_valid_first: bool = False
+    # Graph padding tokens (cudagraph_padding) only in full-graph engines: vLLM's runner pads the attention metadata
+    # for FULL graphs only (`pad_attn`), so an eager step never has them. For a backend whose Python refuses the
+    # padded metadata that only its captured kernels ever see (ROCM_AITER_MLA_SPARSE's remap asserts equal rows).
+    graph_padding_full_only: bool = False
 
 
 TOTAL_HEADS = 128  # DeepSeek-V3.2's attention heads: heads per rank are 128 / TP
@@ -499,6 +507,8 @@ def attention_knobs(p: Profile, f: AttentionFeatures) -> dict[str, tuple[str, ..
     names = [*_REQUEST_KNOBS, "heads", "kv_cache_dtype", "values"]
     if "drawn" not in f.topk_rows:  # every row the indexer's: no valid count to draw
         names.remove("topk_valid")
+    if f.topk_valid_first:  # -1 entries only at the tail: no place to draw
+        names.remove("invalid_at")
     if len(f.topk_rows) > 1:
         names.append("topk_rows")
     scales: tuple[str, ...] = ()
@@ -584,8 +594,10 @@ def attention_cases(draw, p: Profile, f: AttentionFeatures, swarm: Swarm | None 
     def spec(r: Request):
         full = indexer_rows or (f.indexer_fills_short_seqs and r.seq_len <= topk_width)
         if swarm is not None:
-            return swarm_topk_specs(topk_width, swarm, False, 2, valid=topk_width if full else None)
-        return _indexer_full_spec(topk_width) if full else attention_topk_specs(topk_width)
+            drawn = swarm_topk_specs(topk_width, swarm, False, 2, valid=topk_width if full else None)
+        else:
+            drawn = _indexer_full_spec(topk_width) if full else attention_topk_specs(topk_width)
+        return drawn.map(lambda t: dataclasses.replace(t, invalid_at="tail")) if f.topk_valid_first else drawn
 
     case = Case(
         **_paged_batch(reqs, num_decodes, block_size, table, topk_width),
@@ -598,7 +610,8 @@ def attention_cases(draw, p: Profile, f: AttentionFeatures, swarm: Swarm | None 
                    _sampled(draw, swarm, "fp8_scale", FP8_PER_TENSOR_SCALES) if kv_dtype == "fp8" else "pow2"),
         values=_sampled(draw, swarm, "values", VALUE_KINDS),
         seed=draw(st.integers(0, 2**16)),
-        padded_tokens=_graph_padding(reqs, num_decodes) if f.cudagraph_padding else 0,
+        padded_tokens=(_graph_padding(reqs, num_decodes) if f.cudagraph_padding
+                       and (cudagraph == "full" or not f.graph_padding_full_only) else 0),
         cudagraph=cudagraph,
     ).validate()
     if not f.traces or p.max_steps < 2:

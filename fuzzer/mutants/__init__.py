@@ -48,6 +48,7 @@ MUTANTS: dict[str, str] = {
     "flashattn-mqa-full-batch-req-id": "fuzzer.mutants.flashattn_mqa_full_batch_req_id",
     "sm90-plan-reused-for-fewer-tokens": "fuzzer.mutants.sm90_plan_reused_for_fewer_tokens",
     "sm100-draft-update-last-token": "fuzzer.mutants.sm100_draft_update_last_token",
+    "rocm-sparse-seqlen-excludes-self": "fuzzer.mutants.rocm_sparse_seqlen_excludes_self",
     "sm120-block-stride-in-elements": "fuzzer.mutants.sm120_block_stride_in_elements",
     "fa4-seqused-k-valid-counts": "fuzzer.mutants.fa4_seqused_k_valid_counts",
     "dsv4-swa-window-block-edge": "fuzzer.mutants.dsv4_swa_window_block_edge",

@@ -32,6 +32,7 @@ REGISTERED: dict[str, str] = {
     "vllm.flashinfer_sparse_sm90.layer": "fuzzer.targets.flashinfer_sparse_sm90_layer:FlashInferMLASparseSM90Layer",
     "vllm.flashinfer_sparse_sm100": "fuzzer.targets.flashinfer_sparse_blackwell:FlashInferMLASparseSM100",
     "vllm.flashinfer_sparse_sm120": "fuzzer.targets.flashinfer_sparse_blackwell:FlashInferMLASparseSM120",
+    "vllm.rocm_aiter_sparse": "fuzzer.targets.rocm_aiter_sparse:RocmAiterMLASparse",
     "vllm.sparse_mla.all": "fuzzer.targets.sparse_mla_all:SparseMLAAll",
     "vllm.indexer": "fuzzer.targets.indexer:Indexer",
     "vllm.dsv32.attention": "fuzzer.targets.dsv32_attention:Dsv32Attention",

@@ -26,7 +26,7 @@ def importable_as(modules: dict[str, types.ModuleType]):
 
 def stand_in_module(name: str, package: bool, origin: str) -> types.ModuleType:
     """An empty module named `name` (a package when `package`) saying it is attnfuzz's stand-in from `origin`."""
-    module = types.ModuleType(name, f"attnfuzz's stand-in for FlashInfer ({name}), from {origin}")
+    module = types.ModuleType(name, f"attnfuzz's stand-in for {name}, from {origin}")
     module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=package)
     if package:
         module.__path__ = []
