@@ -12,8 +12,14 @@ the reason, never a pass. `--attnfuzz-budget D` gives each campaign D of search 
 the gate's fixed case counts (fuzzer/budgets.py). `--attnfuzz-inject MUTANT`: every campaign with that built-in
 mutant, and ATTNFUZZ_INJECT set for the library checks of the same pytest run (fuzzer/api.py): the red check.
 
-With `--attnfuzz` and no test paths on the command line, only the campaigns are collected (not testpaths); name
-paths to run both. docs/library.md has the rest.
+`--attnfuzz-replay`: one item more per reproducer of `--attnfuzz-repros` (`attnfuzz::replay[<id>]`), replayed as the
+gate replays it (`python repro.py` in a process of its own) and judged by the gate's rules for the installed vLLM
+(its finding.json's status and releases): the bug known present and still there, or fixed and still gone, passes (one
+expected present that now passes too, reported: update its finding.json); a fixed bug back fails; a reproducer that
+could not run its call (exit 2, a time-out) is an error; one made on a GPU, on a CPU host, is skipped.
+
+With `--attnfuzz` or `--attnfuzz-replay` and no test paths on the command line, only attnfuzz's items are collected
+(not testpaths); name paths to run both. docs/library.md has the rest.
 """
 
 from __future__ import annotations
@@ -31,12 +37,20 @@ import pytest
 
 from fuzzer import budgets, interrupt
 from fuzzer.artifacts.finding_report import found_text
-from fuzzer.commands.gate import find_repros, gate_specs, judge_campaign, known_bugs, known_per_target
+from fuzzer.commands.gate import (
+    PASSING,
+    find_repros,
+    gate_specs,
+    judge_campaign,
+    known_bugs,
+    known_per_target,
+    replay,
+)
 from fuzzer.commands.run import duration
 from fuzzer.env import STATE_DIR, host_device, installed_vllm
 from fuzzer.errors import CouldNotTest, FindingFailed, GateError, UsageError
 from fuzzer.mutants import MUTANTS
-from fuzzer.records import Finding, read_finding
+from fuzzer.records import Finding, FindingRecord, read_finding
 from fuzzer.run.campaign_process import ROOT, CampaignSpec, run_campaign
 from fuzzer.targets.registry import TARGETS, declared
 from strategies.case import Case
@@ -63,6 +77,9 @@ def pytest_addoption(parser) -> None:
     g.addoption("--attnfuzz-repros", type=Path, default=None, metavar="DIR",
                 help="reproducers whose bugs, expected present on the installed vLLM, are known: found again they "
                      "pass (default: attnfuzz's repros/, where it has one)")
+    g.addoption("--attnfuzz-replay", action="store_true", default=False,
+                help="replay every reproducer of --attnfuzz-repros as a test item, judged by the gate's rules for the "
+                     "installed vLLM (a fixed bug back fails; one that cannot run its call errs)")
     g.addoption("--attnfuzz-out", type=Path, default=None, metavar="DIR",
                 help="the campaigns' logs, summaries and findings (default .attnfuzz/pytest)")
     g.addoption("--attnfuzz-min-pair-coverage", type=float, default=0.0, metavar="F",
@@ -75,6 +92,7 @@ class Plan:
     """The session's campaigns, as the options ask for them."""
 
     specs: tuple[CampaignSpec, ...]
+    replays: tuple[FindingRecord, ...]  # the reproducers replayed as items (--attnfuzz-replay)
     device: str
     out: Path
     timeout_s: float
@@ -85,9 +103,11 @@ class Plan:
 
 
 def plan_campaigns(config) -> Plan | None:
-    """The campaigns `--attnfuzz` asks for; None without it. pytest.UsageError: an option that cannot be run."""
+    """The campaigns `--attnfuzz` and the replays `--attnfuzz-replay` ask for; None without either.
+    pytest.UsageError: an option that cannot be run."""
     names = [t.strip() for option in config.getoption("attnfuzz") for t in option.split(",") if t.strip()]
-    if not names:
+    replaying = config.getoption("attnfuzz_replay")
+    if not names and not replaying:
         return None
     if "all" in names:
         names = [t for t in TARGETS if t not in budgets.NOT_FUZZED]
@@ -113,21 +133,26 @@ def plan_campaigns(config) -> Plan | None:
     repros = config.getoption("attnfuzz_repros")
     if repros is None and (ROOT / "repros").is_dir():
         repros = ROOT / "repros"
+    if replaying and repros is None:
+        raise pytest.UsageError("--attnfuzz-replay: no reproducers to replay (name them with --attnfuzz-repros DIR)")
     vllm = installed_vllm()  # the installed distribution's: this process never imports vLLM
     try:
-        known = known_bugs(find_repros(repros), vllm) if repros is not None else {}
+        records = find_repros(repros) if repros is not None else []
+        known = known_bugs(records, vllm)
     except (GateError, UsageError) as e:  # a RecordError is a UsageError
         raise pytest.UsageError(f"--attnfuzz-repros: {e}") from e
     specs, _ = gate_specs(device, {t: None for t in targets}, {t: declared(t).kv_cache_dtypes for t in targets},
                           config.getoption("attnfuzz_seed"), 1.0, targets, known_per_target(known))
     specs = [replace(s, inject=mutant, time_budget=budget, max_examples=examples or s.max_examples) for s in specs]
-    return Plan(tuple(specs), device, (config.getoption("attnfuzz_out") or STATE_DIR / "pytest").resolve(),
+    return Plan(tuple(specs), tuple(records) if replaying else (), device,
+                (config.getoption("attnfuzz_out") or STATE_DIR / "pytest").resolve(),
                 budgets.CAMPAIGN_TIMEOUT_S[device] + (budget or 0.0), known, repros, vllm,
                 config.getoption("attnfuzz_min_pair_coverage"))
 
 
 _PLAN = pytest.StashKey[Plan]()
 _RESULTS = pytest.StashKey[list]()
+_REPLAYS = pytest.StashKey[list]()
 
 
 _INJECT_BEFORE = pytest.StashKey[tuple]()
@@ -142,6 +167,7 @@ def pytest_configure(config) -> None:
     if plan is not None:
         config.stash[_PLAN] = plan
     config.stash[_RESULTS] = []
+    config.stash[_REPLAYS] = []
 
 
 def pytest_unconfigure(config) -> None:
@@ -162,9 +188,11 @@ def pytest_report_header(config) -> list[str]:
     budget = (f"{spec.time_budget:g} s of search each" if spec and spec.time_budget is not None
               else "the gate's case counts" if config.getoption("attnfuzz_max_examples") is None
               else f"{spec.max_examples} cases each" if spec else "")
-    return [f"attnfuzz: {len(plan.specs)} campaign(s) on {plan.device}, vLLM {plan.vllm}, {budget}, seed "
-            f"{config.getoption('attnfuzz_seed')}; known open bugs: {len(set(plan.known.values()))} reproducer(s) "
-            f"of {plan.repros or 'none'}" + (f"; injected: {spec.inject}" if spec and spec.inject else "")]
+    campaigns = (f"{len(plan.specs)} campaign(s) on {plan.device}, vLLM {plan.vllm}, {budget}, seed "
+                 f"{config.getoption('attnfuzz_seed')}" if plan.specs else f"on {plan.device}, vLLM {plan.vllm}")
+    return [f"attnfuzz: {campaigns}; known open bugs: {len(set(plan.known.values()))} reproducer(s) of "
+            f"{plan.repros or 'none'}" + (f"; {len(plan.replays)} reproducer(s) replayed" if plan.replays else "")
+            + (f"; injected: {spec.inject}" if spec and spec.inject else "")]
 
 
 def pytest_ignore_collect(collection_path, config):
@@ -186,11 +214,12 @@ def pytest_collection_modifyitems(session, config, items) -> None:
 
 
 class Campaigns(pytest.Collector):
-    """The session's campaigns (`attnfuzz::<campaign>`)."""
+    """The session's campaigns (`attnfuzz::<campaign>`) and replays (`attnfuzz::replay[<id>]`)."""
 
     def collect(self):
         plan = self.config.stash[_PLAN]
-        return [CampaignItem.from_parent(self, name=spec.name, spec=spec) for spec in plan.specs]
+        return [*(CampaignItem.from_parent(self, name=spec.name, spec=spec) for spec in plan.specs),
+                *(ReplayItem.from_parent(self, name=f"replay[{r.id}]", record=r) for r in plan.replays)]
 
 
 class CampaignItem(pytest.Item):
@@ -237,11 +266,55 @@ class CampaignItem(pytest.Item):
         return self.path, None, f"attnfuzz campaign {self.spec.name}"
 
 
+class ReplayItem(pytest.Item):
+    """One reproducer, replayed in setup as the gate replays it (one that could not run its call is an error there,
+    one not runnable on this host skipped), judged in the call by the gate's rules (a fixed bug back fails it)."""
+
+    def __init__(self, *, record: FindingRecord, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.record = record
+        self.result = None
+        self.add_marker("attnfuzz")
+
+    def setup(self) -> None:
+        plan = self.config.stash[_PLAN]
+        self.result = r = replay(self.record, plan.device, plan.vllm, {t: None for t in TARGETS},
+                                 plan.out / "repro-logs", budgets.REPRO_TIMEOUT_S[plan.device])
+        self.config.stash[_REPLAYS].append(r)
+        self.user_properties += [("target", r.target), ("status", r.status), ("expected", r.expected),
+                                 ("outcome", r.outcome), ("returncode", "-" if r.outcome == "skipped" else
+                                                          "timeout" if r.returncode is None else r.returncode),
+                                 ("device", plan.device), ("vllm", plan.vllm), ("seconds", round(r.seconds, 1)),
+                                 ("emulated", ", ".join(r.emulated) or "none"),
+                                 ("log", str(plan.out / "repro-logs" / f"{r.id}.log"))]
+        if r.outcome == "skipped":
+            pytest.skip(f"replay {r.id}: {r.detail}")
+        if r.outcome == "broken":
+            raise CouldNotTest(f"COULD NOT TEST replay {r.id} ({r.target}): {r.detail}\n  repro: {r.path}/repro.py\n"
+                               f"  log: {plan.out / 'repro-logs' / f'{r.id}.log'}\n{r.log}")
+
+    def runtest(self) -> None:
+        r = self.result
+        if r.outcome in PASSING:
+            return
+        raise FindingFailed(f"replay {r.id} ({r.target}): {r.detail}\n  reproducer: cd {r.path} && python repro.py   "
+                            f"# exits 1 while the bug is present\n{r.log}", None, r.path)
+
+    def repr_failure(self, excinfo, style=None):
+        if isinstance(excinfo.value, (FindingFailed, CouldNotTest)):
+            return str(excinfo.value)
+        return super().repr_failure(excinfo)
+
+    def reportinfo(self):
+        return self.path, None, f"attnfuzz replay {self.record.id}"
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
-    """A campaign that could not test errs in setup: its reason, not attnfuzz's traceback."""
+    """A campaign or a replay that could not test errs in setup: its reason, not attnfuzz's traceback."""
     report = yield
-    if isinstance(item, CampaignItem) and call.excinfo is not None and isinstance(call.excinfo.value, CouldNotTest):
+    if isinstance(item, (CampaignItem, ReplayItem)) and call.excinfo is not None and \
+            isinstance(call.excinfo.value, CouldNotTest):
         report.longrepr = str(call.excinfo.value)
     return report
 
@@ -287,13 +360,16 @@ def campaign_signals():
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     results = config.stash.get(_RESULTS, [])
+    replays = config.stash.get(_REPLAYS, [])
     api = sys.modules.get("fuzzer.api")  # the session's library checks, if any ran (never imported here)
     emulated = getattr(api, "EMULATED", {}) if api is not None else {}
-    if not results and not emulated:
+    if not results and not replays and not emulated:
         return
     terminalreporter.section("attnfuzz")
     for r in results:
         terminalreporter.line(f"{r.name}: {r.outcome}, {r.figures}" + (f": {r.reason}" if r.reason else ""))
+    for r in replays:
+        terminalreporter.line(f"replay {r.id}: {r.outcome} ({r.seconds:.1f} s): {r.detail}")
     for target, ops in sorted(emulated.items()):
         terminalreporter.line(f"library checks on {target} ran on stand-ins for ops this host lacks (emulated): "
                               f"{', '.join(sorted(ops))}")

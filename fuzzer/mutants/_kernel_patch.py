@@ -26,7 +26,9 @@ def _rewritten(fn, edits, label, where, namespace, keep_decorators=False):
         if old not in src:
             raise RuntimeError(f"mutant {label}: `{old}` not found in this vLLM's {where}")
         src = src.replace(old, new)
-    filename = f"<attnfuzz mutant {label}>"
+    # One file name per rewritten function: Triton's interpreter reads a kernel's source back by its file name, and a
+    # mutant that rewrites a kernel and a method under one name would hand it the method's.
+    filename = f"<attnfuzz mutant {label}: {where}>"
     linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)  # Triton reads the source
     scope = dict(namespace)
     exec(compile(src, filename, "exec"), scope)

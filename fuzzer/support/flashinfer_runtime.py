@@ -35,6 +35,7 @@ from fuzzer.support.flashmla_runtime import (
 )
 from fuzzer.support.sparse_mla_steps import metadata_builder, prepare_cpu, prepare_cpu_plumbing
 from fuzzer.support.standins import flashinfer_mla
+from fuzzer.support.vllm_calls import named_keywords
 
 BACKEND_MODULE = "vllm.v1.attention.backends.mla.flashinfer_mla_sparse_sm90"
 NAME = "FLASHINFER_MLA_SPARSE_SM90"
@@ -137,9 +138,10 @@ def _engine(backend_cls, cfg, spec, heads, kv_cache_dtype, topk_indices_buffer, 
     impl_cls = backend_cls.get_impl_cls()
     # topk_indices_buffer= with indexer=None: the index group orders on the compute stream.
     impl = impl_cls(heads, HEAD_SIZE, SM_SCALE, 1, None, None, kv_cache_dtype, None, "decoder", None,
-                    **impl_topk_kwargs(impl_cls, topk_indices_buffer), q_lora_rank=None, kv_lora_rank=KV_LORA_RANK,
-                    qk_nope_head_dim=QK_NOPE, qk_rope_head_dim=ROPE_DIM, qk_head_dim=QK_NOPE + ROPE_DIM,
-                    v_head_dim=128, kv_b_proj=None)
+                    **named_keywords(impl_cls, impl_cls.__name__, **impl_topk_kwargs(impl_cls, topk_indices_buffer),
+                                     q_lora_rank=None, kv_lora_rank=KV_LORA_RANK, qk_nope_head_dim=QK_NOPE,
+                                     qk_rope_head_dim=ROPE_DIM, qk_head_dim=QK_NOPE + ROPE_DIM, v_head_dim=128,
+                                     kv_b_proj=None))
     layer = SimpleNamespace(impl=impl, prefill_backend=None, hisparse_cache=None,
                             _k_scale=torch.tensor(k_scale, dtype=torch.float32, device=device), _k_scale_float=k_scale)
     layer._use_sparse_mha = functools.partial(MLAAttention._use_sparse_mha, layer)

@@ -29,6 +29,7 @@ import torch
 from fuzzer.support.flashmla_runtime import HEAD_SIZE, LAYER
 from fuzzer.support.sparse_mla_steps import metadata_builder, prepare_cpu, sparse_mla_impl
 from fuzzer.support.standins import flashinfer_trtllm_mla
+from fuzzer.support.vllm_calls import implemented
 
 BACKEND_MODULE = "vllm.v1.attention.backends.mla.flashinfer_mla_sparse"
 NAMES = {10: "FLASHINFER_MLA_SPARSE", 12: "FLASHINFER_MLA_SPARSE_SM120"}
@@ -72,9 +73,11 @@ def kv_cache_spec(backend_cls, cfg, kv_cache_dtype: str, block_size: int):
     """MLAAttention.get_kv_cache_spec's spec, customized by the backend as the runner does (blocks whole pages apart):
     a quantized cache is uint8, a bf16 one bf16."""
     from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
+    from vllm.v1.attention.backend import AttentionBackend
     from vllm.v1.kv_cache_interface import MLAAttentionSpec, get_kv_quant_mode
 
-    return backend_cls.customize_spec(MLAAttentionSpec(
+    # The backend's own customize_spec: AttentionBackend's (the spec as it is) answering for it would be another call.
+    return implemented(backend_cls, "customize_spec", below=AttentionBackend)(MLAAttentionSpec(
         block_size=block_size, num_kv_heads=1, head_size=HEAD_SIZE,
         dtype=kv_cache_dtype_str_to_dtype(kv_cache_dtype, cfg.model_config), cache_dtype_str=kv_cache_dtype,
         kv_quant_mode=get_kv_quant_mode(kv_cache_dtype)))

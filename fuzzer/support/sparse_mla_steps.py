@@ -39,7 +39,7 @@ from fuzzer.support.flashmla_runtime import (
 from fuzzer.support.attn_metadata import attn_metadata
 from fuzzer.support.interp.corrections import CORRECTIONS, install_corrections
 from fuzzer.support.standins.cpu_shims import install_cpu_shims
-from fuzzer.support.vllm_calls import implemented, returned
+from fuzzer.support.vllm_calls import implemented, named_keywords, returned
 
 TOPK_POISON = 2**30 - 1  # rows of the indexer's top-k buffer past a step's tokens: must never be read
 
@@ -140,9 +140,9 @@ def sparse_mla_impl(backend, heads: int, kv_cache_dtype: str, topk_indices_buffe
     impl_cls = implemented(backend, "get_impl_cls")()
     return impl_cls(
         heads, HEAD_SIZE, SM_SCALE, 1, None, None, kv_cache_dtype, None, "decoder", None,
-        **impl_topk_kwargs(impl_cls, topk_indices_buffer), q_lora_rank=None,
-        kv_lora_rank=KV_LORA_RANK, qk_nope_head_dim=QK_NOPE, qk_rope_head_dim=ROPE_DIM,
-        qk_head_dim=QK_NOPE + ROPE_DIM, v_head_dim=V_HEAD, kv_b_proj=None)
+        **named_keywords(impl_cls, impl_cls.__name__, **impl_topk_kwargs(impl_cls, topk_indices_buffer),
+                         q_lora_rank=None, kv_lora_rank=KV_LORA_RANK, qk_nope_head_dim=QK_NOPE,
+                         qk_rope_head_dim=ROPE_DIM, qk_head_dim=QK_NOPE + ROPE_DIM, v_head_dim=V_HEAD, kv_b_proj=None))
 
 
 def mla_attention_engine(backend, spec, cfg, heads: int, kv_b_weight, topk_indices_buffer, device: str):
@@ -209,7 +209,10 @@ def update_draft_metadata(builder, cam, metadata, advanced):
     cam.seq_lens.copy_(advanced.seq_lens)
     cam.slot_mapping.copy_(advanced.slot_mapping)
     if getattr(builder, "supports_draft_decode_metadata_update", False):  # releases without draft updates lack it
-        builder.update_draft_decode_metadata(metadata)
+        from vllm.v1.attention.backend import AttentionMetadataBuilder
+
+        # The builder's own: AttentionMetadataBuilder's raises NotImplementedError, as a builder that cannot would.
+        implemented(builder, "update_draft_decode_metadata", below=AttentionMetadataBuilder)(metadata)
         return cam, metadata, "update_draft_decode_metadata"
     return advanced, builder.build(0, advanced), "rebuilt"
 

@@ -35,6 +35,7 @@ from types import SimpleNamespace
 import torch
 
 from fuzzer.support.standins import flashinfer_step5, indexer_ops
+from fuzzer.support.vllm_calls import implemented, named_keywords
 
 PACKAGE = "vllm.models.step5"
 SPARSE_MODULE = "vllm.models.step5.nvidia.sparse_attention"
@@ -207,11 +208,13 @@ def vllm_config(cfg, max_num_batched_tokens: int, block_size: int, heads: int):
 def kv_cache_spec(groups: int, block_size: int, kv_cache_dtype: str):
     """The layer's spec (`Attention.get_kv_cache_spec` for this backend, customized by it: block strides in
     multiples of 8): full attention, `groups` KV heads of 192, bf16 or a uint8 fp8 cache."""
+    from vllm.v1.attention.backend import AttentionBackend
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     backend = importlib.import_module(SPARSE_MODULE).Step5DSAAttentionBackend
     dtype = torch.uint8 if kv_cache_dtype == "fp8" else torch.bfloat16
-    return backend.customize_spec(FullAttentionSpec(block_size=block_size, num_kv_heads=groups, head_size=HEAD_SIZE,
+    # The backend's own customize_spec: AttentionBackend's (the spec as it is) answering for it would be another call.
+    return implemented(backend, "customize_spec", below=AttentionBackend)(FullAttentionSpec(block_size=block_size, num_kv_heads=groups, head_size=HEAD_SIZE,
                                                     dtype=dtype))
 
 
@@ -234,9 +237,10 @@ def engine(cfg, spec, heads: int, groups: int, kv_cache_dtype: str, topk: int, i
     with standin, set_current_vllm_config(cfg):
         torch.set_default_dtype(torch.bfloat16)  # the model's dtype: the impl checks its activations are bf16
         try:
-            impl = sparse.Step5DSAAttentionBackend.get_impl_cls()(
-                heads, HEAD_SIZE, SCALE, groups, None, None, kv_cache_dtype, None, "decoder", None,
-                sparse_config=sparse_config, max_model_len=MAX_MODEL_LEN, max_num_seqs=256)
+            impl_cls = sparse.Step5DSAAttentionBackend.get_impl_cls()
+            impl = impl_cls(heads, HEAD_SIZE, SCALE, groups, None, None, kv_cache_dtype, None, "decoder", None,
+                            **named_keywords(impl_cls, impl_cls.__name__, sparse_config=sparse_config,
+                                             max_model_len=MAX_MODEL_LEN, max_num_seqs=256))
         finally:
             torch.set_default_dtype(dtype)
         layer = SimpleNamespace(impl=impl, kv_cache=kv_cache, layer_name=LAYER,

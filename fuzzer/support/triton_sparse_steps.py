@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import torch
 
 from fuzzer.support.builder_config import model_namespace
-from fuzzer.support.vllm_calls import returned
+from fuzzer.support.vllm_calls import named_keywords, returned
 
 BACKEND_MODULE = "vllm.v1.attention.backends.mla.xpu_mla_sparse"
 KV_LORA_RANK, HEAD_SIZE = 512, 576  # DeepSeek-V3.2's MLA: the latent, then 64 RoPE dims, a cached token's row
@@ -45,8 +45,10 @@ def sparse_attention(cfg, spec, common, heads: int, sm_scale: float, topk_indice
     backend = importlib.import_module(BACKEND_MODULE).XPUMLASparseBackend
     metadata = backend.get_builder_cls()(spec, [LAYER], cfg, torch.device(device)).build(0, common)
     # The buffer through an indexer, as the model passes it (0.23's impl accepts nothing else).
-    impl = backend.get_impl_cls()(heads, HEAD_SIZE, sm_scale, 1, None, None, "auto", None, "decoder", None,
-                                  indexer=SimpleNamespace(topk_indices_buffer=topk_indices_buffer),
-                                  kv_lora_rank=KV_LORA_RANK)
+    impl_cls = backend.get_impl_cls()
+    impl = impl_cls(heads, HEAD_SIZE, sm_scale, 1, None, None, "auto", None, "decoder", None,
+                    **named_keywords(impl_cls, impl_cls.__name__,
+                                     indexer=SimpleNamespace(topk_indices_buffer=topk_indices_buffer),
+                                     kv_lora_rank=KV_LORA_RANK))
     return returned(impl.forward_mqa((q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:]), kv_cache, metadata, None), 2,
                     f"{type(impl).__name__}.forward_mqa")

@@ -1,7 +1,8 @@
 """fuzzer/pytest_plugin.py: `pytest --attnfuzz TARGETS` collects one item per target and kv-cache dtype (and nothing
 else unless paths are named), refuses options it cannot run, and judges each campaign as the gate does: clean
 passes, a finding fails with its reproducer's directory, a known open bug found again passes, a campaign that could
-not test is an error, in the terminal and in JUnit. The campaigns are recorded outcomes here; nightly, real ones:
+not test is an error, in the terminal and in JUnit; with --attnfuzz-replay, each reproducer an item judged by the gate's
+replay rules. The campaigns are recorded outcomes here; nightly, real ones:
 `vllm.index_remap` for 30 s, green on the clean release and red with a mutant."""
 
 import json
@@ -132,6 +133,58 @@ def test_a_mutant_goes_to_every_campaign_and_to_the_sessions_library_checks(pyte
     result.assert_outcomes(passed=2)
     assert [s.inject for s in seen] == ["remap-count-past-table"] and "--inject" in seen[0].argv("cpu", recorded)
     assert "ATTNFUZZ_INJECT" not in os.environ  # the session's mutant ended with it
+
+
+def _repro(root: Path, id: str, exits: int, **record) -> None:
+    """A reproducer of vllm.index_remap whose repro.py exits `exits`; `record`: its finding.json's status, releases,
+    host."""
+    d = root / id
+    d.mkdir(parents=True)
+    (d / "finding.json").write_text(json.dumps({
+        "id": id, "target": "vllm.index_remap", "signature": "memory:out_ptr", "status": "open",
+        "host": {"vllm": "0.33.0", "device": "cpu"}, "verdicts": [{"check": "memory", "ok": False,
+                                                                   "detail": "out-of-bounds store"}], **record}))
+    (d / "repro.py").write_text(f"import sys\nprint('repro {id}')\nsys.exit({exits})\n")
+
+
+def test_replays_are_items_one_per_reproducer_judged_by_the_gates_rules(pytester, tmp_path):
+    """--attnfuzz-replay: each reproducer replayed as the gate replays it, for the installed vLLM (0.33.0 here): a
+    known bug still there and a fixed one still gone pass, one expected present that now passes passes and says so, a
+    fixed bug back fails, a reproducer that cannot run its call errs, one made on a GPU is skipped on a CPU."""
+    repros = tmp_path / "repros"
+    _repro(repros, "known", 1)
+    _repro(repros, "now-passes", 0)
+    _repro(repros, "fixed", 0, status="fixed", releases={"0.33.0": "absent"})
+    _repro(repros, "regressed", 1, status="fixed", releases={"0.23.0": "present", "0.33.0": "absent"})
+    _repro(repros, "broken", 2)
+    _repro(repros, "gpu", 1, host={"vllm": "0.33.0", "device": "cuda"})
+    junit = tmp_path / "j.xml"
+    common = (*PLUGIN, "--attnfuzz-replay", "--attnfuzz-repros", str(repros), "--attnfuzz-device", "cpu",
+              "--attnfuzz-out", str(tmp_path / "out"))
+    result = pytester.runpytest_inprocess(*common, "--collect-only", "-q")
+    result.stdout.fnmatch_lines(["attnfuzz::replay[[]broken[]]", "attnfuzz::replay[[]fixed[]]", "*6 tests collected*"])
+    result = pytester.runpytest_inprocess(*common, f"--junitxml={junit}", "-rs")
+    result.assert_outcomes(passed=3, failed=1, errors=1, skipped=1)
+    result.stdout.fnmatch_lines([  # in order: errors, failures, the attnfuzz summary, pytest's skips
+        "*COULD NOT TEST replay broken (vllm.index_remap): BROKEN: the reproducer could not run its call (exit 2)*",
+        "*REGRESSION: a fixed bug is back on vLLM 0.33.0: out-of-bounds store*",
+        f"*reproducer: cd {repros / 'regressed'} && python repro.py*",
+        "replay known: known (*): known bug, still present on vLLM 0.33.0*",
+        "replay now-passes: now-passes (*): expected present on vLLM 0.33.0, now passes: good news; record it in "
+        "finding.json*",
+        "*replay gpu: not runnable here: made on cuda; this host runs cpu*"])
+    cases = {c.get("name"): c for c in ET.parse(junit).getroot().iter("testcase")}
+    assert cases["replay[regressed]"].find("failure") is not None
+    assert cases["replay[broken]"].find("error") is not None
+    outcome = cases["replay[fixed]"].find("properties/property[@name='outcome']").get("value")
+    assert outcome == "fixed" and cases["replay[fixed]"].find("failure") is None
+    assert (tmp_path / "out" / "repro-logs" / "known.log").read_text() == "repro known\n"
+
+
+def test_replay_without_reproducers_is_a_usage_error(pytester, tmp_path):
+    result = pytester.runpytest_inprocess(*PLUGIN, "--attnfuzz-replay", "--attnfuzz-repros", str(tmp_path / "none"))
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert "--attnfuzz-repros: --repros" in result.stderr.str() and "no such directory" in result.stderr.str()
 
 
 # -- nightly: real campaigns ------------------------------------------------------------------------------------

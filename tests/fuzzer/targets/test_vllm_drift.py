@@ -1,5 +1,8 @@
 """vLLM moved under attnfuzz (issue 38 item 4): a call whose keyword, name or return shape moved in the installed
-release is exit 2, COULD NOT TEST naming the call; never a finding (exit 1), never clean (exit 0). Each drift is one
+release is exit 2, COULD NOT TEST naming the call; never a finding (exit 1), never clean (exit 0). That holds where
+Python fails at attnfuzz's call (a keyword renamed, a method gone), where it would fail inside vLLM (a keyword renamed
+behind **kwargs), and where it would not fail at all (a method renamed behind a base class's fallback, a return of
+another shape): each told by a feature of the call (vllm_calls.py: signatures, where a method is defined). Each drift is one
 edit of vLLM 0.33.0's own source (tests/fuzzer/targets/vllm_drift.py): applied to the live module of a process that
 has imported vLLM (fast, here), and to a copy of vLLM's package first on sys.path of a fresh interpreter whose
 campaign runs in a worker process (nightly)."""
@@ -25,6 +28,11 @@ NAMED = {
     "kwarg": "triton_convert_req_index_to_global_index() got an unexpected keyword argument 'NUM_TOPK_TOKENS'",
     "method": "FlashMLASparseBackend.get_builder_cls is only declared (abstract) in this release",
     "return": "FlashMLASparseImpl.forward_mqa returned a 3-tuple, where attnfuzz takes a 2-tuple apart",
+    "return-one": "FlashMLASparseImpl.forward_mqa returned one Tensor, where attnfuzz takes a 2-tuple apart",
+    "kwarg-through": "FlashMLASparseImpl: no parameter named q_lora_rank in this release "
+                     "(FlashMLASparseImpl.__init__(**mla_args) takes it in)",
+    "fallback": "FlashInferMLASparseTRTLLMBackend.customize_spec is vllm.v1.attention.backend.AttentionBackend's "
+                "fallback in this release, not FlashInferMLASparseTRTLLMBackend's own",
 }
 
 
@@ -35,7 +43,7 @@ def _could_not_test(r: subprocess.CompletedProcess, drift: str) -> None:
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("drift", ["kwarg", "method", "return"])
+@pytest.mark.parametrize("drift", list(DRIFTS))
 def test_a_call_that_moved_is_could_not_test_naming_the_call(drift, tmp_path):
     d = DRIFTS[drift]
     env = dict(os.environ, ATTNFUZZ_STATE=str(tmp_path / "state"))

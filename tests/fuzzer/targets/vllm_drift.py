@@ -32,6 +32,8 @@ class Drift:
 
 SPARSE_UTILS = "vllm.v1.attention.backends.mla.sparse_utils"
 FLASHMLA_SPARSE = "vllm.v1.attention.backends.mla.flashmla_sparse"
+SPARSE_MLA = "vllm.model_executor.layers.attention.sparse_mla_attention"
+FLASHINFER_SPARSE = "vllm.v1.attention.backends.mla.flashinfer_mla_sparse"
 
 DRIFTS = {
     # A keyword the index remap's call sites pass, renamed.
@@ -45,6 +47,21 @@ DRIFTS = {
     "return": Drift(FLASHMLA_SPARSE, "FlashMLASparseImpl.forward_mqa", "return attn_out, lse",
                     "return attn_out, lse, None",
                     target="vllm.flashmla_sparse", why="FlashMLASparseImpl.forward_mqa returns (out, lse, None)"),
+    # ... or the output alone: unpacked as (out, lse), a tensor of two rows would be taken apart row by row.
+    "return-one": Drift(FLASHMLA_SPARSE, "FlashMLASparseImpl.forward_mqa", "return attn_out, lse", "return attn_out",
+                        target="vllm.flashmla_sparse", why="FlashMLASparseImpl.forward_mqa returns the output alone"),
+    # A keyword that FlashMLASparseImpl takes into **mla_args and passes on to SparseMLACommonImpl, renamed there: the
+    # TypeError comes from FlashMLASparseImpl.__init__'s own frame, vLLM's.
+    "kwarg-through": Drift(SPARSE_MLA, "SparseMLACommonImpl.__init__", "q_lora_rank", "q_lora_dim",
+                           target="vllm.flashmla_sparse",
+                           why="SparseMLACommonImpl's q_lora_rank= (passed on by FlashMLASparseImpl's **mla_args) "
+                               "renamed q_lora_dim="),
+    # FlashInfer's sparse backends' customize_spec renamed: AttentionBackend's fallback of the old name (the spec as it
+    # is) answers in its place, and the cache is laid out as the backend would not lay it out.
+    "fallback": Drift(FLASHINFER_SPARSE, "_FlashInferMLASparseBackendBase.customize_spec", "def customize_spec(",
+                      "def customize_kv_cache_spec(", renamed="customize_kv_cache_spec",
+                      target="vllm.flashinfer_sparse_sm100",
+                      why="FlashInfer's sparse backends' customize_spec renamed customize_kv_cache_spec"),
 }
 
 
@@ -66,10 +83,18 @@ def apply(name: str) -> None:
     source = textwrap.dedent("".join(lines))
     assert drift.old in source, f"{drift.qualname} of this vLLM has no {drift.old!r}"
     namespace: dict = {}
-    # Compiled under vLLM's file name and line numbers: its frames are vLLM's, as an edited release's would be.
-    exec(compile("\n" * (first - 1) + source.replace(drift.old, drift.new), inspect.getsourcefile(fn), "exec"),
+    # Compiled under vLLM's file name and line numbers: its frames are vLLM's, as an edited release's would be. A
+    # method is defined inside a function whose argument `__class__` is its class: the cell a class body gives
+    # the methods it defines, which zero-argument super() reads.
+    edited_source = source.replace(drift.old, drift.new)
+    if isinstance(owner, type):
+        edited_source = "def _define(__class__):\n" + textwrap.indent(edited_source, "    ") + \
+            f"    return {drift.renamed or attr}\n"
+    exec(compile("\n" * (first - 1 - isinstance(owner, type)) + edited_source, inspect.getsourcefile(fn), "exec"),
          module.__dict__, namespace)
-    edited = namespace[drift.renamed or attr]
+    edited = namespace["_define"](owner) if isinstance(owner, type) else namespace[drift.renamed or attr]
+    function = getattr(edited, "__func__", edited)
+    function.__qualname__ = f"{owner.__qualname__}.{drift.renamed or attr}" if isinstance(owner, type) else attr
     if drift.renamed:
         delattr(owner, attr)
     setattr(owner, drift.renamed or attr, edited)
