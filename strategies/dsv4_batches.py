@@ -61,13 +61,14 @@ class Dsv4Features:
     cache_dtypes: tuple[str, ...] = ()
     window_sizes: tuple[int, ...] | None = None
     page_pads: tuple[str, ...] = ("none",)
+    compressed_blocks: tuple[int, ...] = V41_BLOCK_SIZES  # V4.1: FlashMLA's 64 (SM90) or 128; FlashInfer's 128
 
 
 V41_FEATURES = Dsv4Features(compress_ratios=V41_COMPRESS_RATIOS, version="4.1", kv_records=(584, 528))
 FLASHINFER_FEATURES = Dsv4Features(cache_dtypes=("bfloat16", "fp8", "auto", "fp8_e4m3"), window_sizes=(128,),
                                    page_pads=tuple(PAGE_PADS))
 FLASHINFER_V41_FEATURES = replace(V41_FEATURES, kv_records=(584,), cache_dtypes=FLASHINFER_FEATURES.cache_dtypes,
-                                  window_sizes=(128,), page_pads=tuple(PAGE_PADS))
+                                  window_sizes=(128,), page_pads=tuple(PAGE_PADS), compressed_blocks=(128,))
 
 
 def dsv4_knobs(p: Profile, f: Dsv4Features) -> dict[str, tuple[str, ...]]:
@@ -78,7 +79,7 @@ def dsv4_knobs(p: Profile, f: Dsv4Features) -> dict[str, tuple[str, ...]]:
     return _domains(names, compress_ratio=map(str, f.compress_ratios),
                     window_size=map(str, f.window_sizes or s.window_sizes),
                     topk_width=map(str, s.topk_widths), heads=map(str, s.heads), table_layout=("arange", "permuted"),
-                    compressed_block=map(str, V41_BLOCK_SIZES), kv_record=map(str, f.kv_records),
+                    compressed_block=map(str, f.compressed_blocks), kv_record=map(str, f.kv_records),
                     cache_dtype=f.cache_dtypes, page_pad=f.page_pads)
 
 

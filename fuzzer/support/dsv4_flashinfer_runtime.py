@@ -29,7 +29,7 @@ import importlib
 
 import torch
 
-from fuzzer.support import dsv4_runtime
+from fuzzer.support import dsv4_runtime, dsv41_runtime
 from fuzzer.support.cpu_host import prepare_cpu_host
 from fuzzer.support.flashmla_runtime import define_missing_c_queries
 from fuzzer.support.standins import flashinfer_dsv4_mla, flashinfer_trtllm_mla
@@ -76,11 +76,11 @@ def flashinfer_kernel(layer):
         setattr(module, KERNEL_NAME, saved)
 
 
-def cache_dtypes(cache_dtype: str) -> tuple[str, torch.dtype]:
-    """(cache dtype string, torch dtype) as vLLM's DeepseekV4Attention resolves them for the plain-row layout."""
-    from vllm.models.deepseek_v4.attention import _resolve_dsv4_kv_cache_dtype
-
-    return _resolve_dsv4_kv_cache_dtype(False, cache_dtype, None)
+def cache_dtypes(cache_dtype: str, version: str = "4") -> tuple[str, torch.dtype]:
+    """(cache dtype string, torch dtype) as vLLM's DeepseekV4Attention of `version` (its base class's module,
+    `_resolve_dsv4_kv_cache_dtype`) resolves them for the plain-row layout."""
+    base = layer_class(version).__mro__[1]  # DeepseekV4Attention of V4's or V4.1's attention.py
+    return importlib.import_module(base.__module__)._resolve_dsv4_kv_cache_dtype(False, cache_dtype, None)
 
 
 def rows_view(raw: torch.Tensor, rows_per_block: int, dtype: torch.dtype) -> torch.Tensor:
@@ -91,11 +91,21 @@ def rows_view(raw: torch.Tensor, rows_per_block: int, dtype: torch.dtype) -> tor
     return torch.as_strided(raw.view(dtype), (pages, rows_per_block, 512), (page_bytes // elem, 512, 1))
 
 
-def set_layer_dtypes(layer, cfg) -> None:
+def runner_table(table: torch.Tensor, block_size: int, max_model_len: int) -> torch.Tensor:
+    """A step's block table [num_reqs, columns] as wide as the model runner's (`BlockTable`: cdiv(max_model_len,
+    block_size) columns a request), the columns past the step's 0 (the null block)."""
+    width = max(table.shape[1], -(-max_model_len // block_size))
+    wide = torch.zeros((table.shape[0], width), dtype=table.dtype, device=table.device)
+    wide[:, : table.shape[1]] = table
+    return wide
+
+
+def set_layer_dtypes(layer, cfg, version: str = "4", scales: bool = True) -> None:
     """What DeepseekV4Attention.__init__ and the FlashInfer layer's __init__ set of the cache dtype: kv_cache_dtype,
-    kv_cache_torch_dtype and, for a per-tensor fp8 cache, the scale buffers (1.0) and the Python-float bmm scales."""
-    layer.kv_cache_dtype, layer.kv_cache_torch_dtype = cache_dtypes(cfg.cache_config.cache_dtype)
-    if layer.kv_cache_torch_dtype != torch.float8_e4m3fn:
+    kv_cache_torch_dtype and (`scales`), for a per-tensor fp8 cache, the scale buffers (1.0) and the Python-float bmm
+    scales."""
+    layer.kv_cache_dtype, layer.kv_cache_torch_dtype = cache_dtypes(cfg.cache_config.cache_dtype, version)
+    if layer.kv_cache_torch_dtype != torch.float8_e4m3fn or not scales:
         return
     device = layer.attn_sink.device
     for name in ("_flashinfer_fp8_q_scale", "_flashinfer_fp8_q_scale_inv", "_flashinfer_fp8_kv_scale"):
@@ -130,6 +140,35 @@ def step_layer(cfg, compress_ratio: int, window_size: int, swa_block_size: int, 
     set_layer_dtypes(layer, cfg)
     spec = layer.get_kv_cache_spec(cfg) if compressed_pages is not None else None
     return layer, spec, dsv4_runtime.LAYER
+
+
+def step_layer_v41(cfg, compress_ratio: int, kv_source: str, window_size: int, swa_block_size: int,
+                   compressed_block_size: int, swa_pages: torch.Tensor, compressed_pages: torch.Tensor | None,
+                   topk_indices_buffer: torch.Tensor, attn_sink: torch.Tensor, num_heads: int):
+    """vLLM's objects for a DeepSeek-V4.1 step on FlashInfer's SM100 layer (V4.1's DeepseekV4FlashInferMLAAttention):
+    its SWA cache of plain rows, the compressed K cache of its kv source (a consumer, `kv_source` "shared", reads the
+    source layer's beside it), both bound as plain rows, the layer made without its __init__
+    (dsv41_runtime.attention_layers). Returns (layer, the kv source's compressed cache spec as it declares it, or
+    None, that cache's KV-cache group's prefix)."""
+    cls = layer_class("4.1")
+    _, dtype = cache_dtypes(cfg.cache_config.cache_dtype, "4.1")
+    layer_id, source_id = dsv41_runtime.layer_ids(compress_ratio, kv_source)
+    swa_layer = dsv41_runtime.swa_cache_layer(cfg, layer_id, window_size, swa_block_size,
+                                              layer_module=LAYER_MODULES["4.1"], layer_class=LAYER_CLASS, dtype=dtype)
+    swa_layer.kv_cache = rows_view(swa_pages, swa_block_size, dtype)
+    kv_cache = None
+    if compressed_pages is not None:
+        kv_cache = rows_view(compressed_pages, compressed_block_size // compress_ratio, dtype)
+    layer = dsv41_runtime.attention_layers(cfg, compress_ratio, kv_source, swa_layer, kv_cache, topk_indices_buffer,
+                                           attn_sink, num_heads, cls=cls)
+    set_layer_dtypes(layer, cfg, "4.1")
+    if source_id is None:
+        return layer, None, None
+    source = layer if layer.is_kv_source else cfg.compilation_config.static_forward_context[layer.compressed_cache_prefix]
+    if source is not layer:  # what its __init__ sets that its get_kv_cache_spec reads
+        source.head_dim = layer.head_dim
+        set_layer_dtypes(source, cfg, "4.1", scales=False)
+    return layer, source.get_kv_cache_spec(cfg), layer.compressed_cache_prefix
 
 
 def forward_mqa(cfg, layer, metadata: dict, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

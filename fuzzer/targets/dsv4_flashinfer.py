@@ -28,9 +28,10 @@ from types import SimpleNamespace
 from fuzzer.env import STATE_DIR
 from fuzzer.repro_spec import Call
 from fuzzer.support import dsv4_flashinfer_runtime as fi_runtime
+from fuzzer.support import dsv41_runtime
 from fuzzer.targets.base import WHOLE, RunPlan
 from fuzzer.targets.dsv4_flashmla import Dsv4FlashMLA
-from strategies.dsv4_batches import FLASHINFER_FEATURES, dsv4_space
+from strategies.dsv4_batches import FLASHINFER_FEATURES, FLASHINFER_V41_FEATURES, dsv4_space
 from strategies.dsv4_tensors import page_bytes
 
 WRITER = ("cache writes: attnfuzz's torch writer of plain rows (bf16, or e4m3 of the value at k_scale 1.0) in place of "
@@ -72,11 +73,19 @@ class Dsv4FlashInfer(Dsv4FlashMLA):
         return dsv4_space(profile, self.features)
 
     def step(self, case, dev: str) -> SimpleNamespace:
-        """The V4 target's step, q and the sink cut to the heads FlashInfer's layer pads to (8, 16, 32, 64, 128)."""
+        """The V4 target's step, q and the sink cut to the heads FlashInfer's layer pads to (8, 16, 32, 64, 128), and
+        each block table as wide as the runner's (`fi_runtime.runner_table`: the layer's index kernel reads a
+        CUDA-graph padding token's window from request 0's row, past the columns the request holds)."""
         s = super().step(case, dev)
         heads = fi_runtime.padded_heads(case.heads, self.version)
+        d = case.dsv4
+        max_model_len = d.max_model_len or self.runtime.MAX_MODEL_LEN
+        comp = s.inputs.compressed_block_table
         s.inputs = replace(s.inputs, q=s.inputs.q[:, :heads].contiguous(),
-                           attn_sink=s.inputs.attn_sink[:heads].contiguous())
+                           attn_sink=s.inputs.attn_sink[:heads].contiguous(),
+                           block_table=fi_runtime.runner_table(s.inputs.block_table, case.block_size, max_model_len),
+                           compressed_block_table=None if comp is None else
+                           fi_runtime.runner_table(comp, d.compressed_block_size, max_model_len))
         return s
 
     step_layer = staticmethod(fi_runtime.step_layer)
@@ -107,3 +116,36 @@ class Dsv4FlashInfer(Dsv4FlashMLA):
         return Call(fi_runtime.prepare_host, dict(device="DEVICE", version=repr(self.version)),
                     assign="shims, emulated", note="FlashInfer's DeepSeek-V4 kernel stood in for (no SM100 here)")
 
+
+
+class Dsv41FlashInfer(Dsv4FlashInfer):
+    """`vllm.dsv41.flashinfer`: the same on DeepSeek-V4.1's FLASHINFER_MLA_SPARSE_DSV41 (SM100): V4.1's
+    DeepseekV4FlashInferMLAAttention of vllm/models/deepseek_v41/nvidia/flashinfer_sparse.py, its SWA builder
+    (DeepseekSparseSWAFlashInferMetadataBuilder over V4.1's, with replay_start) and compressed builder, V4.1's own
+    `build_flashinfer_mixed_sparse_indices`; compress ratios 0 (sliding window only), 1 and 2 (both through the
+    indexer's top-k), the compressed K cache in the backend's 128-token kernel blocks on a kv-source layer, read by
+    the layer itself or by a consumer (`kv_source`); SWA blocks of 32. Its objects come from dsv41_runtime, made
+    with FlashInfer's layer class."""
+
+    name = "vllm.dsv41.flashinfer"
+    summary = ("DeepSeek-V4.1 sparse attention (FLASHINFER_MLA_SPARSE_DSV41, SM100): SWA + compressed-KV builders and "
+               "the layer's forward_mqa over plain bf16/fp8 rows, packed or not, compress ratios 0/1/2, own or shared "
+               "compressed cache")
+    real_parts = ("DeepseekSparseSWAFlashInferMetadataBuilder (V4.1)", "DeepseekV4FlashInferSparseMLAMetadataBuilder (V4.1)",
+                  "DeepseekV4FlashInferMLAAttention.forward_mqa (V4.1)",
+                  "Triton: SWA indices/lens, compressed slot mapping, build_flashinfer_mixed_sparse_indices (V4.1)")
+    version = "4.1"
+    features = FLASHINFER_V41_FEATURES
+    runtime = dsv41_runtime
+    model = "DeepSeek-V4.1"
+    config = staticmethod(dsv41_runtime.dsv41_config)
+    step_config = staticmethod(dsv41_runtime.step_config)
+    step_layer = staticmethod(fi_runtime.step_layer_v41)
+    metadata_outputs = staticmethod(dsv41_runtime.metadata_outputs_v41)
+    guard_compressed_builder = False
+
+    def layer_sizes(self, case) -> dict:
+        d = case.dsv4
+        return dict(compress_ratio=d.compress_ratio, kv_source=d.kv_source, window_size=d.window_size,
+                    swa_block_size=case.block_size, compressed_block_size=d.compressed_block_size,
+                    num_heads=case.heads)
