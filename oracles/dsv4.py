@@ -36,7 +36,7 @@ SCALE = 512**-0.5
 # vLLM's DeepSeek-V4 kernels: a memory fault inside one is a metadata or gather indexing bug (class N).
 DSV4_KERNELS = ("swa_indices", "c128a", "C128A", "compressed_slot", "CompressedSlot", "global_topk", "GlobalTopk",
                 "dequantize_and_gather", "DequantizeAndGather", "combine_topk", "CombineTopk", "prefill_metadata",
-                "PrefillMetadata", "flash_mla", "SWAIndices")
+                "PrefillMetadata", "flash_mla", "SWAIndices", "sparse_mla_dsv4")
 
 
 def split(case) -> tuple[int, int, int, int]:

@@ -66,14 +66,18 @@ def prepare_host(device: str, version: str = "4") -> tuple[list[str], tuple[str,
 
 @contextlib.contextmanager
 def flashinfer_kernel(layer):
-    """The stand-in as the name the layer's module calls FlashInfer's kernel by, inside the block only."""
-    module = importlib.import_module(type(layer).__module__)
-    saved = getattr(module, KERNEL_NAME)
-    setattr(module, KERNEL_NAME, flashinfer_dsv4_mla.trtllm_batch_decode_sparse_mla_dsv4)
+    """The stand-in as what the name the layer's module calls FlashInfer's kernel by resolves to, inside the block
+    only: that name is vllm.utils.flashinfer's lazy wrapper (imported by value into the module, and into any copy of
+    its namespace a mutant compiles a method in), whose cached lookup `_get_impl` answers the stand-in for the
+    block."""
+    wrapper = getattr(importlib.import_module(type(layer).__module__), KERNEL_NAME)
+    cell = dict(zip(wrapper.__code__.co_freevars, wrapper.__closure__))["_get_impl"]
+    saved = cell.cell_contents
+    cell.cell_contents = lambda: flashinfer_dsv4_mla.trtllm_batch_decode_sparse_mla_dsv4
     try:
         yield
     finally:
-        setattr(module, KERNEL_NAME, saved)
+        cell.cell_contents = saved
 
 
 def cache_dtypes(cache_dtype: str, version: str = "4") -> tuple[str, torch.dtype]:
