@@ -40,6 +40,7 @@ JOBS = {  # target: (mutant, [(step, checks one of its failed verdicts must name
 
 
 @pytest.mark.vllm
+@pytest.mark.nightly  # a process of its own per target, vLLM imported in each: ~50 s each on a CPU
 @pytest.mark.parametrize("target", sorted(JOBS))
 def test_each_flashinfer_dsv4_mutant_fails_its_step_only(target):
     from fuzzer.mutants import load
