@@ -47,7 +47,10 @@ class Dsv4FlashInfer(Dsv4FlashMLA):
                   "DeepseekV4FlashInferMLAAttention.forward_mqa",
                   "Triton: SWA indices/lens, compressed slot mapping, C128A top-k metadata, "
                   "build_flashinfer_mixed_sparse_indices")
-    kv_cache_dtypes = ("auto", "bfloat16", "fp8", "fp8_e4m3")
+    # The two row formats (Case.kv_cache_dtype; one gate campaign each); each draws both --kv-cache-dtype values
+    # that give it (DTYPE_NAMES): every value the backend takes on SM100.
+    kv_cache_dtypes = ("bfloat16", "fp8")
+    DTYPE_NAMES = {"bfloat16": ("bfloat16", "auto"), "fp8": ("fp8", "fp8_e4m3")}
     version = "4"
     features = FLASHINFER_FEATURES
     writer = WRITER
@@ -70,7 +73,8 @@ class Dsv4FlashInfer(Dsv4FlashMLA):
         self.cfg = self.config(self.device, str(STATE_DIR))
 
     def cases(self, profile, plan: RunPlan = WHOLE):
-        return dsv4_space(profile, self.features)
+        names = tuple(n for d in plan.kv_dtypes(self) for n in self.DTYPE_NAMES[d])
+        return dsv4_space(profile, replace(self.features, cache_dtypes=names))
 
     def step(self, case, dev: str) -> SimpleNamespace:
         """The V4 target's step, q and the sink cut to the heads FlashInfer's layer pads to (8, 16, 32, 64, 128), and
