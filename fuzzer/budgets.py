@@ -38,6 +38,8 @@ BUDGETS: dict[str, dict[str, Budget]] = {
         "vllm.sparse_mla.all": Budget(gate=20, selftest=10),  # four backends a case, the Triton ones interpreted: ~2 s (12: 0.69 of the pairs)
         "vllm.dsv4.flashmla": Budget(gate=30, selftest=16),  # decodes ~0.1 s, prefills' interpreted gathers 1-4 s
         "vllm.dsv41.flashmla": Budget(gate=30, selftest=16),  # V4.1's layer kinds on the same step: ~0.4 s a case
+        "vllm.dsv4.flashinfer": Budget(gate=40, selftest=30),  # interpreted index build, torch stand-in: ~3 cases/s
+        "vllm.dsv41.flashinfer": Budget(gate=40, selftest=30),  # V4.1's objects on the same route: ~3 cases/s
         "vllm.indexer": Budget(gate=100, selftest=60),  # torch stand-ins, little interpreted Triton: ~0.2 s a case
         "vllm.dsv32.attention": Budget(gate=30, selftest=30),  # indexer + FlashMLA stand-in + interpreted remap: ~2 s a case
         "vllm.dsv32.attention.flashattn": Budget(gate=24, selftest=20),  # indexer steps of up to 300 tokens: ~2.6 s a case
@@ -65,6 +67,8 @@ BUDGETS: dict[str, dict[str, Budget]] = {
         "vllm.sparse_mla.all": Budget(gate=100, selftest=40),
         "vllm.dsv4.flashmla": Budget(gate=150, selftest=40),
         "vllm.dsv41.flashmla": Budget(gate=150, selftest=40),
+        "vllm.dsv4.flashinfer": Budget(gate=150, selftest=40),  # FlashInfer's kernel a stand-in on every host
+        "vllm.dsv41.flashinfer": Budget(gate=150, selftest=40),
         "vllm.indexer": Budget(gate=60, selftest=30),  # ~1-3 s a case on an H100 (DeepGEMM's JIT, fp64 oracle)
         "vllm.dsv32.attention": Budget(gate=40, selftest=30),  # the indexer's cost and a backend step
         "vllm.dsv32.attention.flashattn": Budget(gate=40, selftest=30),

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import torch
 
-from oracles import fp8_ds_mla_v4, fp8_ds_mla_v41
+from oracles import fp8_ds_mla_v4, fp8_ds_mla_v41, plain_rows
 from oracles.attention import error_margin, sparse_mla_reference, tolerance
+from oracles.plain_rows import PlainRows
 from oracles.verdict import Verdict, passed
+from strategies.case import PLAIN_FP8_RECORD
 from strategies.dsv4_tensors import (
     c4_valid_count,
     compressed_slots,
@@ -34,7 +36,7 @@ SCALE = 512**-0.5
 # vLLM's DeepSeek-V4 kernels: a memory fault inside one is a metadata or gather indexing bug (class N).
 DSV4_KERNELS = ("swa_indices", "c128a", "C128A", "compressed_slot", "CompressedSlot", "global_topk", "GlobalTopk",
                 "dequantize_and_gather", "DequantizeAndGather", "combine_topk", "CombineTopk", "prefill_metadata",
-                "PrefillMetadata", "flash_mla", "SWAIndices")
+                "PrefillMetadata", "flash_mla", "SWAIndices", "sparse_mla_dsv4")
 
 
 def split(case) -> tuple[int, int, int, int]:
@@ -151,7 +153,8 @@ def _records(case, swa_pages, compressed_pages, device) -> tuple[dict, list[Verd
     if d.compressed:
         caches.append(("compressed", compressed_pages, d.entries_per_block))
     found, verdicts = {}, []
-    v4 = fp8_ds_mla_v41 if d.kv_record == fp8_ds_mla_v41.ENTRY else fp8_ds_mla_v4  # the record's own decoder
+    v4 = (PlainRows(d.kv_record) if d.kv_record in plain_rows.DTYPES else  # the record's own decoder
+          fp8_ds_mla_v41 if d.kv_record == fp8_ds_mla_v41.ENTRY else fp8_ds_mla_v4)
     for name, pages, entries in caches:
         worst = None
         for i, _ in enumerate(case.requests):
@@ -201,7 +204,10 @@ def reference(case, records, device: str = "cpu"):
             row += offsets["compressed", r][:n].tolist()
         rows.append(row)
     indices = _indices_rows(rows, max((len(r) for r in rows), default=0) or 1).to(device)
-    q = inputs.q[:, : case.heads].to(device).double()
+    q = inputs.q[:, : case.heads].to(device)
+    if d.kv_record == PLAIN_FP8_RECORD:  # a per-tensor fp8 cache's layer hands its kernel q in e4m3 (q_scale 1.0)
+        q = q.float().clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    q = q.double()
     out, lse = sparse_mla_reference(q, kv, indices, SCALE, 512)
     sink = inputs.attn_sink[: case.heads].to(device).double()
     out = out.double() * torch.sigmoid(lse.double() - sink[None]).nan_to_num(0.0)[..., None]

@@ -60,6 +60,10 @@ INDEXER_TOPK_BACKENDS = ("auto", "per_row", "persistent", "cooperative", "torch"
 # error, not a bug to find; indexer_topk.py AUTO_COOPERATIVE_MAX_ROWS); "auto" goes on to persistent there.
 COOPERATIVE_MAX_ROWS = 64
 INDEXER_MAX_SPECULATIVE = 3  # MTP draft tokens: next_n 1-4 (SM90's paged logits take 1, 2, 4 natively; 3 flattens)
+PLAIN_BF16_RECORD, PLAIN_FP8_RECORD = 1024, 512  # a DeepSeek-V4 plain-row cache's bytes a token (512 values)
+PLAIN_RECORDS = {"auto": PLAIN_BF16_RECORD, "bfloat16": PLAIN_BF16_RECORD, "fp8": PLAIN_FP8_RECORD,
+                 "fp8_e4m3": PLAIN_FP8_RECORD}
+DSV4_CACHE_DTYPES = ("fp8_ds_mla", *PLAIN_RECORDS)
 DSV4_BLOCK_SIZE = 256  # tokens a block of the compressed K cache covers (the backend's kernel block size)
 DSV4_MAX_SPECULATIVE = 7
 
@@ -154,6 +158,14 @@ class Dsv4:
     # The bytes a cache record takes: 584, V4's record (V4.1 off SM100 too); 528, V4.1's MXFP8 record, which its
     # layer writes on SM100 (`_use_v41_mxfp8_kv_record`), interleaved: each token's scales after its data.
     kv_record: int = 584
+    # The engine's --kv-cache-dtype as the layer resolves it (_resolve_dsv4_kv_cache_dtype): "fp8_ds_mla" (FlashMLA's
+    # layouts above); FlashInfer's SM100 layer (FLASHINFER_MLA_SPARSE_DSV4/_DSV41) stores plain rows: "auto" and
+    # "bfloat16" a bf16 row (kv_record PLAIN_BF16_RECORD), "fp8" and "fp8_e4m3" a per-tensor e4m3 row
+    # (PLAIN_FP8_RECORD, k_scale 1.0, Case.kv_cache_dtype "fp8").
+    cache_dtype: str = "fp8_ds_mla"
+    # Rows of other components a page holds after this cache's (0: none): vLLM's packed KV layout (#44577) puts a
+    # block's KV components in one allocation, so each cache's per-block stride spans block + pad rows.
+    page_pad: int = 0
 
     @property
     def entries_per_block(self) -> int:
@@ -325,7 +337,9 @@ class Case:
                          + (f" c4_order={d.c4_order}" if d.indexed else "") + f" attn_sink={d.attn_sink}"
                          + (f" max_model_len={d.max_model_len}" if d.max_model_len else "")
                          + (f" block={d.compressed_block_size} kv_source={d.kv_source} record={d.kv_record}"
-                            if d.version == "4.1" else ""))
+                            if d.version == "4.1" else "")
+                         + (f" kv={d.cache_dtype}" if d.cache_dtype != "fp8_ds_mla" else "")
+                         + (f" page_pad={d.page_pad}" if d.page_pad else ""))
         if self.indexer is not None:
             x = self.indexer
             extra.append(f"indexer: heads={self.heads} topk_backend={x.topk_backend}"
@@ -515,8 +529,13 @@ def _validate_dsv4(case: "Case") -> None:
     ratios = V41_COMPRESS_RATIOS if d.version == "4.1" else COMPRESS_RATIOS
     _check(d.compress_ratio in ratios, "dsv4.compress_ratio", f"one of {ratios}, got {d.compress_ratio}")
     block = d.compressed_block_size
-    _check(d.kv_record == 584 or (d.version == "4.1" and d.kv_record == 528), "dsv4.kv_record",
+    plain = PLAIN_RECORDS.get(d.cache_dtype)
+    _check(d.cache_dtype in DSV4_CACHE_DTYPES, "dsv4.cache_dtype", f"one of {DSV4_CACHE_DTYPES}, got {d.cache_dtype!r}")
+    _check(d.kv_record == plain if plain else d.kv_record == 584 or (d.version == "4.1" and d.kv_record == 528),
+           "dsv4.kv_record", f"{plain} for a {d.cache_dtype} plain-row cache" if plain else
            f"584, or 528 for V4.1, got {d.kv_record}")
+    _check(d.page_pad >= 0 and (d.page_pad == 0 or plain), "dsv4.page_pad",
+           f"0, or rows past a plain-row cache's block in a packed page, got {d.page_pad}")
     _check(d.kv_source == "own" or (d.version == "4.1" and d.kv_source == "shared"), "dsv4.kv_source",
            f"'own', or 'shared' for V4.1, got {d.kv_source!r}")
     _check(block == DSV4_BLOCK_SIZE if d.version == "4" else block in V41_BLOCK_SIZES, "dsv4.compressed_block_size",
@@ -531,8 +550,10 @@ def _validate_dsv4(case: "Case") -> None:
     _check(d.max_model_len == 0 or d.max_model_len >= max(longest, 1), "dsv4.max_model_len",
            f"0 or at least the longest sequence ({longest}), got {d.max_model_len}")
     _check(case.block_size % 32 == 0, "block_size", f"the SWA cache's block size is a multiple of 32, got {case.block_size}")
-    _check(case.kv_cache_dtype == "fp8_ds_mla" and case.fp8_scale == "pow2", "kv_cache_dtype",
-           "a DeepSeek-V4 cache is fp8_ds_mla (the 584-byte record, UE8M0 power-of-two scales)")
+    stored = "fp8_ds_mla" if not plain else "bfloat16" if plain == PLAIN_BF16_RECORD else "fp8"
+    _check(case.kv_cache_dtype == stored and case.fp8_scale == "pow2", "kv_cache_dtype",
+           f"a DeepSeek-V4 cache of dsv4.cache_dtype {d.cache_dtype!r} is {stored} (fp8_ds_mla: the 584-byte record, "
+           "UE8M0 power-of-two scales; a per-tensor fp8 row: k_scale 1.0)")
     _check(1 <= case.heads <= 128, "heads", f"FlashMLA's DSv4 kernels pad to 64 or 128 heads, got {case.heads}")
     for name in ("earlier", "idx_mapping", "block_stride_rows", "mtp_draft"):
         _check(not getattr(case, name), name, "not drawn for a DeepSeek-V4 step (single fresh steps)")

@@ -14,7 +14,7 @@ Every knob is a swarm knob (strategies.swarm); without a swarm each is drawn uni
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hypothesis import strategies as st
 
@@ -22,6 +22,8 @@ from strategies.batches import CaseSpace, _domains
 from strategies.case import (
     COMPRESS_RATIOS,
     DSV4_BLOCK_SIZE,
+    PLAIN_BF16_RECORD,
+    PLAIN_RECORDS,
     V41_BLOCK_SIZES,
     V41_COMPRESS_RATIOS,
     V41_SWA_BLOCK_SIZE,
@@ -43,22 +45,42 @@ DSV4_KNOBS = ("compress_ratio", "window_size", "topk_width", "heads", "decodes",
 DSV41_KNOBS = ("compressed_block", "kv_source", "kv_record")
 
 
+# FlashInfer's SM100 layer (FLASHINFER_MLA_SPARSE_DSV4 / _DSV41): its plain-row caches and the packed KV layout.
+FLASHINFER_KNOBS = ("cache_dtype", "page_pad")
+# Rows of other components a packed page holds past a cache's own: none (unpacked), a few, as many again.
+PAGE_PADS = {"none": 0, "few": 8, "double": -1}
+
+
 @dataclass(frozen=True)
 class Dsv4Features:
     compress_ratios: tuple[int, ...] = COMPRESS_RATIOS
     version: str = "4"  # "4.1": DeepSeek-V4.1's layer (V41_FEATURES)
     kv_records: tuple[int, ...] = (584,)  # V4.1: also 528 (SM100's MXFP8 record) where the decode kernel reads it
+    # FlashInfer's layer: the --kv-cache-dtype values it takes on SM100 (plain rows; Dsv4.cache_dtype), the window it
+    # takes (its kernel's fixed 128 SWA columns; None: the profile's), the packed layouts (PAGE_PADS keys).
+    cache_dtypes: tuple[str, ...] = ()
+    window_sizes: tuple[int, ...] | None = None
+    page_pads: tuple[str, ...] = ("none",)
+    compressed_blocks: tuple[int, ...] = V41_BLOCK_SIZES  # V4.1: FlashMLA's 64 (SM90) or 128; FlashInfer's 128
 
 
 V41_FEATURES = Dsv4Features(compress_ratios=V41_COMPRESS_RATIOS, version="4.1", kv_records=(584, 528))
+FLASHINFER_FEATURES = Dsv4Features(cache_dtypes=("bfloat16", "fp8", "auto", "fp8_e4m3"), window_sizes=(128,),
+                                   page_pads=tuple(PAGE_PADS))
+FLASHINFER_V41_FEATURES = replace(V41_FEATURES, kv_records=(584,), cache_dtypes=FLASHINFER_FEATURES.cache_dtypes,
+                                  window_sizes=(128,), page_pads=tuple(PAGE_PADS), compressed_blocks=(128,))
 
 
 def dsv4_knobs(p: Profile, f: Dsv4Features) -> dict[str, tuple[str, ...]]:
     s = p.dsv4
-    names = DSV4_KNOBS + (DSV41_KNOBS if f.version == "4.1" else ())
-    return _domains(names, compress_ratio=map(str, f.compress_ratios), window_size=map(str, s.window_sizes),
+    names = DSV4_KNOBS + (DSV41_KNOBS if f.version == "4.1" else ()) + (FLASHINFER_KNOBS if f.cache_dtypes else ())
+    if f.cache_dtypes:  # plain rows: the record follows the dtype
+        names = tuple(n for n in names if n != "kv_record")
+    return _domains(names, compress_ratio=map(str, f.compress_ratios),
+                    window_size=map(str, f.window_sizes or s.window_sizes),
                     topk_width=map(str, s.topk_widths), heads=map(str, s.heads), table_layout=("arange", "permuted"),
-                    compressed_block=map(str, V41_BLOCK_SIZES), kv_record=map(str, f.kv_records))
+                    compressed_block=map(str, f.compressed_blocks), kv_record=map(str, f.kv_records),
+                    cache_dtype=f.cache_dtypes, page_pad=f.page_pads)
 
 
 def dsv4_space(p: Profile, f: Dsv4Features) -> CaseSpace:
@@ -165,16 +187,24 @@ def dsv4_cases(draw, p: Profile, f: Dsv4Features, knobs: dict[str, tuple[str, ..
         comp = _table(draw, [range(n) for n in needed], needed, spare, permuted)
     longest = max(r.seq_len for r in reqs)
     max_model_len = longest + draw(st.integers(0, 64)) if c("max_model_len") == "tight" else 0
+    plain: dict = {}
+    if f.cache_dtypes:  # FlashInfer's plain rows, each cache's pages unpacked or packed
+        dtype = c("cache_dtype")
+        pad = PAGE_PADS[c("page_pad")]
+        plain = dict(cache_dtype=dtype, kv_record=PLAIN_RECORDS[dtype],
+                     page_pad=bs if pad < 0 else pad)
+    kv_cache_dtype = ("fp8_ds_mla" if not plain else
+                      "bfloat16" if plain["kv_record"] == PLAIN_BF16_RECORD else "fp8")
     return Case(
         requests=tuple(reqs), num_decodes=num_decodes, block_size=bs, block_table=swa, topk_width=topk, topk=(),
-        heads=heads, kv_cache_dtype="fp8_ds_mla", values=c("values"), seed=draw(st.integers(0, 2**16)),
+        heads=heads, kv_cache_dtype=kv_cache_dtype, values=c("values"), seed=draw(st.integers(0, 2**16)),
         padded_tokens=draw(st.integers(1, 4)) if c("padded_tokens") == "some" else 0,
         dsv4=Dsv4(compress_ratio=ratio, window_size=w, compressed_block_table=comp, num_speculative_tokens=k,
                   c4_order=c("c4_order") if indexed else "scored", attn_sink=c("attn_sink"),
                   max_model_len=max_model_len, **(dict(version="4.1", compressed_block_size=block,
                                                        kv_source=c("kv_source") if compressed else "own",
-                                                       kv_record=int(c("kv_record")))
-                                                  if v41 else {})),
+                                                       **({} if plain else {"kv_record": int(c("kv_record"))}))
+                                                  if v41 else {}), **plain),
     ).validate()
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from strategies.case import Case
+from strategies.case import PLAIN_BF16_RECORD, PLAIN_FP8_RECORD, Case
 
 HEAD_DIM = 512  # DeepSeek-V4's latent: 448 NoPE + 64 RoPE; K = V
 NOPE, ROPE, QUANT_BLOCK = 448, 64, 64
@@ -32,11 +32,16 @@ def padded_heads(heads: int) -> int:
 
 
 V41_ENTRY_BYTES, V41_DATA_BYTES, V41_QUANT_BLOCK = 528, 512, 32  # V4.1's MXFP8 record (SM100): 512 fp8, 16 UE8M0
+PLAIN_RECORDS = {PLAIN_BF16_RECORD: torch.bfloat16, PLAIN_FP8_RECORD: torch.float8_e4m3fn}  # FlashInfer's rows
 
 
-def page_bytes(entries_per_block: int, record: int = ENTRY_BYTES) -> int:
+def page_bytes(entries_per_block: int, record: int = ENTRY_BYTES, pad: int = 0) -> int:
     """A page of the 584-byte layout: the entries' data rows, their scale rows, padded to a multiple of 576; of
-    V4.1's 528-byte one: whole interleaved records, padded to a multiple of 512."""
+    V4.1's 528-byte one: whole interleaved records, padded to a multiple of 512; of a plain-row cache (a bf16 or
+    per-tensor fp8 row a token, FlashInfer's layout): its entries' rows, then `pad` rows of the packed page's other
+    components (vLLM's packed KV layout)."""
+    if record in PLAIN_RECORDS:
+        return (entries_per_block + pad) * record
     if record == V41_ENTRY_BYTES:
         return -(-entries_per_block * V41_ENTRY_BYTES // 512) * 512
     return -(-entries_per_block * ENTRY_BYTES // DATA_BYTES) * DATA_BYTES
@@ -214,14 +219,37 @@ def write_v41_records(pages: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
     pages[(slots // entries_per_block)[:, None], cols] = v41_records(k)
 
 
+def plain_rows(k: torch.Tensor, record: int) -> torch.Tensor:
+    """bf16 [n, 512] -> uint8 [n, record]: the plain row FlashInfer's DeepSeek-V4 layer stores (its fused insert,
+    `_fused_qnorm_rope_kv_insert`'s plain-row path): the bf16 value as is, or per-tensor e4m3 of value / k_scale with
+    k_scale 1.0 (the layer's `_flashinfer_fp8_kv_scale`), saturated to +-448."""
+    if record == PLAIN_BF16_RECORD:
+        return k.to(torch.bfloat16).contiguous().view(torch.uint8)
+    return k.float().clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def write_plain_rows(pages: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, entries_per_block: int,
+                     record: int = PLAIN_BF16_RECORD) -> None:
+    """Write bf16 [n, 512] at `slots` of a raw plain-row cache: slot s's row at byte (s % entries) * record of page
+    s // entries (a packed page's rows past its entries belong to other components and stay as they were)."""
+    if not len(slots):
+        return
+    slots = slots.to(pages.device).long()
+    cols = (slots % entries_per_block)[:, None] * record + torch.arange(record, device=pages.device)
+    pages[(slots // entries_per_block)[:, None], cols] = plain_rows(k, record)
+
+
 def _writer(case: Case):
-    return write_v41_records if case.dsv4.kv_record == V41_ENTRY_BYTES else write_v4_records
+    record = case.dsv4.kv_record
+    if record in PLAIN_RECORDS:
+        return functools.partial(write_plain_rows, record=record)
+    return write_v41_records if record == V41_ENTRY_BYTES else write_v4_records
 
 
 def swa_pages(case: Case, inputs: Dsv4Inputs, num_blocks: int, device) -> torch.Tensor:
     """The SWA cache, poisoned (0xFF) where the model wrote nothing, holding every position its table keeps."""
-    pages = torch.full((num_blocks, page_bytes(case.block_size, case.dsv4.kv_record)), POISON, dtype=torch.uint8,
-                       device=device)
+    pages = torch.full((num_blocks, page_bytes(case.block_size, case.dsv4.kv_record, case.dsv4.page_pad)), POISON,
+                       dtype=torch.uint8, device=device)
     write = _writer(case)
     for i, _ in enumerate(case.requests):
         pos = written_swa_positions(case, i)
@@ -234,8 +262,8 @@ def compressed_pages(case: Case, inputs: Dsv4Inputs, num_blocks: int, device) ->
     """The compressed K cache, poisoned where the compressor wrote nothing, holding each request's seq_len // ratio
     completed entries (the compressor writes those of the step's own tokens before the attention call)."""
     per_block = case.dsv4.entries_per_block
-    pages = torch.full((num_blocks, page_bytes(per_block, case.dsv4.kv_record)), POISON, dtype=torch.uint8,
-                       device=device)
+    pages = torch.full((num_blocks, page_bytes(per_block, case.dsv4.kv_record, case.dsv4.page_pad)), POISON,
+                       dtype=torch.uint8, device=device)
     write = _writer(case)
     for i, _ in enumerate(case.requests):
         entries = torch.arange(len(inputs.compressed_values[i]))

@@ -102,6 +102,10 @@ KNOBS = _knobs(
     Knob("compressed_block", ("64", "128"), "DeepSeek-V4.1: the compressed K cache's block (SM90's 64, else 128)"),
     Knob("kv_record", ("584", "528"), "DeepSeek-V4.1: the caches' record, V4's 584 bytes or SM100's interleaved "
                                       "528-byte MXFP8 one"),
+    Knob("cache_dtype", ("bfloat16", "fp8", "auto", "fp8_e4m3"), "DeepSeek-V4 on FlashInfer's SM100 layer: the "
+                                                                   "--kv-cache-dtype of its plain-row caches"),
+    Knob("page_pad", ("none", "few", "double"), "DeepSeek-V4 on FlashInfer's SM100 layer: rows of other components "
+                                                "after each cache page's own (vLLM's packed KV layout, issue 47783)"),
     Knob("kv_source", ("own", "shared"), "DeepSeek-V4.1: the layer owns its compressed cache, or reads the kv-source "
                                          "layer's (compressed_cache_prefix)"),
     Knob("decode_lengths", ("uniform", "mixed"), "MTP decodes of one query length, or of several (require_uniform=False)"),
@@ -273,9 +277,13 @@ def dsv4_features(case: Case, decodes) -> dict[str, set[str]]:
                                for r in decodes}
         if d.num_speculative_tokens:
             f["decode_lengths"] = {"uniform" if len({r.query_len for r in decodes}) == 1 else "mixed"}
+    if d.cache_dtype != "fp8_ds_mla":
+        f["cache_dtype"] = {d.cache_dtype}
+        f["page_pad"] = {"none" if not d.page_pad else "double" if d.page_pad == bs else "few"}
     if d.version == "4.1":
         f["compressed_block"] = {str(d.compressed_block_size)}
-        f["kv_record"] = {str(d.kv_record)}
+        if d.cache_dtype == "fp8_ds_mla":
+            f["kv_record"] = {str(d.kv_record)}
         if d.compressed:
             f["kv_source"] = {d.kv_source}
     if d.compress_ratio > 1:

@@ -55,6 +55,8 @@ MUTANTS: dict[str, str] = {
     "dsv4-c128a-topk-past-row": "fuzzer.mutants.dsv4_c128a_topk_past_row",
     "dsv4-compressed-slot-partial-state": "fuzzer.mutants.dsv4_compressed_slot_partial_state",
     "dsv41-ratio1-swa-only": "fuzzer.mutants.dsv41_ratio1_swa_only",
+    "dsv4-flashinfer-packed-span-ignored": "fuzzer.mutants.dsv4_flashinfer_packed_span_ignored",
+    "dsv41-flashinfer-prefill-cu-not-rebased": "fuzzer.mutants.dsv41_flashinfer_prefill_cu_not_rebased",
     "dsv41-combine-topk-len-off-by-one": "fuzzer.mutants.dsv41_combine_topk_len_off_by_one",
     "dsv41-mxfp8-scales-not-interleaved": "fuzzer.mutants.dsv41_mxfp8_scales_not_interleaved",
     "pcp-dcp-shard-rows-own-rank": "fuzzer.mutants.pcp_dcp_shard_rows_own_rank",

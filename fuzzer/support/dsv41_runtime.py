@@ -125,22 +125,24 @@ def layer_ids(compress_ratio: int, kv_source: str) -> tuple[int, int | None]:
 
 
 def swa_cache_layer(cfg, layer_id: int, window_size: int, block_size: int = SWA_BLOCK_SIZE,
-                    record: int = ENTRY_BYTES):
+                    record: int = ENTRY_BYTES, layer_module: str = FLASHMLA_LAYER_MODULE,
+                    layer_class: str = "DeepseekV4FlashMLAAttention", dtype: torch.dtype = torch.uint8):
     """vLLM's DeepseekV4SWACache as the V4.1 layer makes it (no bounded replay): off SM100 584-byte records, pages
     aligned to 576; on SM100 (`record` 528) MXFP8 records, pages aligned to 512 and a block stride of whole rows of
     both caches' records (lcm of the two: FlashMLA reads the interleaved records as rows of the whole cache). It
-    registers itself in the forward context under its prefix."""
+    registers itself in the forward context under its prefix. `layer_module`, `layer_class`, `dtype`: another V4.1
+    layer's (FlashInfer's: plain rows of bf16 or e4m3, for which the record arguments do not count)."""
     return dsv4_runtime.swa_cache_layer(
-        cfg, window_size, block_size, prefix=f"{layer_prefix(layer_id)}.swa_cache", layer_module=FLASHMLA_LAYER_MODULE,
-        packed_bytes_per_token=record,
+        cfg, window_size, block_size, prefix=f"{layer_prefix(layer_id)}.swa_cache", layer_module=layer_module,
+        layer_class=layer_class, dtype=dtype, packed_bytes_per_token=record,
         packed_page_alignment=page_alignment(record),
         packed_block_stride_alignment=record if record == V41_ENTRY_BYTES else None)
 
 
-def _bare_layer(cfg, layer_id: int, compress_ratio: int, source_id: int | None):
+def _bare_layer(cfg, layer_id: int, compress_ratio: int, source_id: int | None, cls=None):
     import torch.nn as nn
 
-    cls = importlib.import_module(FLASHMLA_LAYER_MODULE).DeepseekV4FlashMLAAttention
+    cls = cls or importlib.import_module(FLASHMLA_LAYER_MODULE).DeepseekV4FlashMLAAttention
     layer = cls.__new__(cls)
     nn.Module.__init__(layer)
     prefix = layer_prefix(layer_id)
@@ -158,15 +160,16 @@ def _bare_layer(cfg, layer_id: int, compress_ratio: int, source_id: int | None):
 
 
 def attention_layers(cfg, compress_ratio: int, kv_source: str, swa_layer, kv_cache: torch.Tensor | None,
-                     topk_indices_buffer: torch.Tensor, attn_sink: torch.Tensor, num_heads: int):
+                     topk_indices_buffer: torch.Tensor, attn_sink: torch.Tensor, num_heads: int, cls=None):
     """The V4.1 DeepseekV4FlashMLAAttention under test, with what its forward_mqa reads, set as __init__ sets it;
     for a consumer (kv_source "shared") also its kv-source layer, registered under its prefix and holding the
-    compressed cache the runner binds to it. `attn_sink` [padded heads] fp32; `num_heads` the rank's q heads."""
+    compressed cache the runner binds to it. `attn_sink` [padded heads] fp32; `num_heads` the rank's q heads; `cls`:
+    another V4.1 layer class (FlashInfer's) in FlashMLA's place."""
     layer_id, source_id = layer_ids(compress_ratio, kv_source)
     if source_id is not None and source_id != layer_id:
-        source = _bare_layer(cfg, source_id, compress_ratio, source_id)
+        source = _bare_layer(cfg, source_id, compress_ratio, source_id, cls)
         source.kv_cache = kv_cache
-    layer = _bare_layer(cfg, layer_id, compress_ratio, source_id)
+    layer = _bare_layer(cfg, layer_id, compress_ratio, source_id, cls)
     if layer.is_kv_source:
         layer.kv_cache = kv_cache
     hf = cfg.model_config.hf_config
@@ -175,7 +178,8 @@ def attention_layers(cfg, compress_ratio: int, kv_source: str, swa_layer, kv_cac
     layer.head_dim, layer.scale = HEAD_DIM, HEAD_DIM**-0.5
     layer.n_local_heads = num_heads
     layer.padded_heads = attn_sink.shape[0]
-    layer._prefill_num_heads = layer._get_prefill_num_heads()  # vLLM's choice: the rank's heads on SM90 for 8/16/32
+    if hasattr(layer, "_get_prefill_num_heads"):  # FlashMLA's layer: the rank's heads on SM90 for 8/16/32
+        layer._prefill_num_heads = layer._get_prefill_num_heads()
     layer.attn_sink = attn_sink
     layer.swa_cache_layer = swa_layer
     layer.topk_indices_buffer = topk_indices_buffer

@@ -66,10 +66,18 @@ def bind_standins(device: str, layer_module: str, swa_module: str) -> tuple[str,
     layer = importlib.import_module(layer_module)
     layer.flash_mla_with_kvcache = flashmla_ops.flash_mla_with_kvcache
     layer.flash_mla_sparse_fwd = flashmla_ops.flash_mla_sparse_fwd
+    return ("flash_mla_with_kvcache", "flash_mla_sparse_fwd", *bind_swa_standins(device, swa_module))
+
+
+def bind_swa_standins(device: str, swa_module: str = SWA_MODULE) -> tuple[str, ...]:
+    """The SWA builder's FlashMLA entry point (`get_mla_metadata`: the empty tile-scheduler plan it makes for every
+    present layer type) bound to its stand-in where this host needs it; the names bound."""
+    if device != "cpu" and _has_flashmla_kernels():
+        return ()
     swa = importlib.import_module(swa_module)
     swa.get_mla_metadata = flashmla_ops.get_mla_metadata
     swa.FlashMLASchedMeta = flashmla_ops.FlashMLASchedMeta
-    return ("flash_mla_with_kvcache", "flash_mla_sparse_fwd", "get_mla_metadata")
+    return ("get_mla_metadata",)
 
 
 @functools.cache
@@ -111,10 +119,12 @@ def dsv4_config(device: str, state_dir: str | None = None):
 
 
 def configure(cfg, *, window_size: int, index_topk: int, num_speculative_tokens: int, max_num_batched_tokens: int,
-              max_model_len: int = 0):
+              max_model_len: int = 0, cache_dtype: str = "fp8_ds_mla"):
     """The case's fields on the shared config, before its builders are made (they read them at construction).
     MTP (num_speculative_tokens > 0): the two fields of vLLM's speculative config the builders read (the decode
-    threshold 1 + k; no DSpark, no parallel drafting). max_model_len 0: MAX_MODEL_LEN."""
+    threshold 1 + k; no DSpark, no parallel drafting). max_model_len 0: MAX_MODEL_LEN. `cache_dtype`: the engine's
+    --kv-cache-dtype (FlashMLA's layer: fp8_ds_mla; FlashInfer's: a plain-row dtype)."""
+    cfg.cache_config.cache_dtype = cache_dtype
     hf = cfg.model_config.hf_config
     hf.sliding_window, hf.index_topk = window_size, index_topk
     cfg.model_config.max_model_len = cfg.scheduler_config.max_model_len = max_model_len or MAX_MODEL_LEN
@@ -150,16 +160,18 @@ def compressed_spec(compress_ratio: int):
 
 
 def swa_cache_layer(cfg, window_size: int, block_size: int = SWA_BLOCK_SIZE, prefix: str = f"{LAYER}.swa_cache",
-                    layer_module: str = FLASHMLA_LAYER_MODULE, **packing):
-    """vLLM's DeepseekV4SWACache for the layer of `layer_module` (it registers itself in the forward context under
-    its prefix); `packing`: the record layout V4.1's layer passes (packed_bytes_per_token and its alignments)."""
+                    layer_module: str = FLASHMLA_LAYER_MODULE, layer_class: str = "DeepseekV4FlashMLAAttention",
+                    dtype: torch.dtype = torch.uint8, **packing):
+    """vLLM's DeepseekV4SWACache for the layer `layer_class` of `layer_module` (it registers itself in the forward
+    context under its prefix), of the layer's cache dtype (uint8: fp8_ds_mla; FlashInfer's plain rows: bf16 or
+    e4m3); `packing`: the record layout V4.1's layer passes (packed_bytes_per_token and its alignments)."""
     from vllm.config import set_current_vllm_config
 
     swa = importlib.import_module(SWA_MODULE)
-    layer_cls = importlib.import_module(layer_module).DeepseekV4FlashMLAAttention
+    layer_cls = getattr(importlib.import_module(layer_module), layer_class)
     cfg.compilation_config.static_forward_context.pop(prefix, None)
     with set_current_vllm_config(cfg):
-        return swa.DeepseekV4SWACache(head_dim=HEAD_DIM, window_size=window_size, dtype=torch.uint8, prefix=prefix,
+        return swa.DeepseekV4SWACache(head_dim=HEAD_DIM, window_size=window_size, dtype=dtype, prefix=prefix,
                                       cache_config=cfg.cache_config, backend_cls=layer_cls.swa_backend_cls,
                                       block_size=block_size, **packing)
 
@@ -171,12 +183,13 @@ def paged(raw: torch.Tensor, entries_per_block: int) -> torch.Tensor:
 
 
 def attention_layer(cfg, compress_ratio: int, swa_layer, kv_cache: torch.Tensor | None,
-                    topk_indices_buffer: torch.Tensor, attn_sink: torch.Tensor):
-    """DeepseekV4FlashMLAAttention with what its forward_mqa reads, set as its __init__ sets it (the __init__ itself
-    needs a TP group, linears, CUDA events and DeepGEMM; see the module docstring). `attn_sink` [padded heads] fp32."""
+                    topk_indices_buffer: torch.Tensor, attn_sink: torch.Tensor, cls=None):
+    """DeepseekV4FlashMLAAttention (or `cls`, another DeepseekV4Attention subclass) with what its forward_mqa reads,
+    set as its __init__ sets it (the __init__ itself needs a TP group, linears, CUDA events and DeepGEMM; see the
+    module docstring). `attn_sink` [padded heads] fp32."""
     import torch.nn as nn
 
-    cls = importlib.import_module(FLASHMLA_LAYER_MODULE).DeepseekV4FlashMLAAttention
+    cls = cls or importlib.import_module(FLASHMLA_LAYER_MODULE).DeepseekV4FlashMLAAttention
     layer = cls.__new__(cls)
     nn.Module.__init__(layer)
     hf = cfg.model_config.hf_config

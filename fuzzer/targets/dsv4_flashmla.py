@@ -114,6 +114,22 @@ class Dsv4FlashMLA(Target):
     guard_compressed_builder = True
     cpu_second_opinion = True  # vLLM's CPU layer reads V4's 584-byte record
 
+    forward_mqa = staticmethod(runtime.forward_mqa)
+
+    def check_pages(self, case, swa_raw, comp_raw, swa_spec, spec) -> None:
+        """The raw caches' pages are the size each cache's spec declares (what the runner allocates)."""
+        assert swa_raw.shape[1] == swa_spec.page_size_bytes, (swa_raw.shape, swa_spec.page_size_bytes)
+        assert comp_raw is None or comp_raw.shape[1] == spec.page_size_bytes, (comp_raw.shape, spec.page_size_bytes)
+
+    def call_notes(self) -> dict:
+        """What the call's stand-ins said of it, for the result's notes (none here)."""
+        return {}
+
+    def prepare_call(self, layer_module: dict) -> Call:
+        """The reproducer's host preparation: FlashMLA's kernels stood in for where the host lacks them."""
+        return Call(runtime.prepare_host, dict(device="DEVICE", **layer_module), assign="shims, emulated",
+                    note="FlashMLA's kernels stood in for where this host lacks them")
+
     def layer_sizes(self, case) -> dict:
         """The arguments of `step_layer` that are the case's sizes (the others: the config, the step's tensors)."""
         d = case.dsv4
@@ -149,9 +165,7 @@ class Dsv4FlashMLA(Target):
                                                   compressed_pages=comp_raw, topk_indices_buffer=s.topk_buffer,
                                                   attn_sink=inputs.attn_sink.clone())
             swa_layer = layer.swa_cache_layer
-            swa_spec = swa_layer.get_kv_cache_spec(cfg)
-            assert swa_raw.shape[1] == swa_spec.page_size_bytes, (swa_raw.shape, swa_spec.page_size_bytes)
-            assert comp_raw is None or comp_raw.shape[1] == spec.page_size_bytes, (comp_raw.shape, spec.page_size_bytes)
+            self.check_pages(case, swa_raw, comp_raw, swa_layer.get_kv_cache_spec(cfg), spec)
             heads = type(layer).get_padded_num_q_heads(case.heads)  # vLLM's padding of the layer's q heads
             assert heads == inputs.q.shape[1], (heads, inputs.q.shape)
             overruns: list[str] = []
@@ -167,7 +181,7 @@ class Dsv4FlashMLA(Target):
             if second_opinion:
                 with set_current_vllm_config(cfg), torch.inference_mode(), set_forward_context(metadata, cfg):
                     outputs["cpu_layer_out"] = vllm_cpu_ops.cpu_forward_mqa(layer, inputs.q, inputs.positions)
-            out = runtime.forward_mqa(cfg, layer, metadata, inputs.q, inputs.positions)
+            out = self.forward_mqa(cfg, layer, metadata, inputs.q, inputs.positions)
             changed = [f"{name} cache: {int((after != was).any(dim=1).sum())} of {len(was)} pages"
                        for name, after, was in (("SWA", swa_raw, before[0]), ("compressed", comp_raw, before[1]))
                        if was is not None and not torch.equal(after, was)]
@@ -177,7 +191,7 @@ class Dsv4FlashMLA(Target):
             return outputs
 
         obs = observe_paths(self.observe, call)
-        obs.notes.update(notes)
+        obs.notes.update(notes, **self.call_notes())
         if second_opinion:
             obs.notes["second_opinion"] = (f"vLLM's CPU layer ({vllm_cpu_ops.CPU_LAYER}.forward_mqa) on every token, "
                                            f"with {vllm_cpu_ops.load()}")
@@ -214,8 +228,7 @@ class Dsv4FlashMLA(Target):
                   "before attention (written by attnfuzz's torch writer, byte-equal to vLLM's\n"
                   "quantize_and_insert_k_cache), q, the indexer's top-k buffer, the builders' inputs; the expected\n"
                   "output (attnfuzz's fp64 reference) and each metadata tensor as its definition gives it.",
-            prepare=(Call(runtime.prepare_host, dict(device="DEVICE", **layer_module), assign="shims, emulated",
-                          note="FlashMLA's kernels stood in for where this host lacks them"),),
+            prepare=(self.prepare_call(layer_module),),
             setup=(Call(self.step_config, dict(device="DEVICE", **{k: repr(v) for k, v in self.config_fields(case).items()},
                                                max_num_batched_tokens='T["topk_indices_buffer"].shape[0]'), assign="cfg"),
                    Call(runtime.saved_step, dict(T="T", num_actual_tokens=repr(case.num_actual_tokens)),
@@ -229,8 +242,8 @@ class Dsv4FlashMLA(Target):
                       **({} if self.guard_compressed_builder else {"guard_compressed": "False"})), assign="metadata"),
                   Call(self.metadata_outputs, dict(swa_md="metadata[layer.swa_cache_layer.prefix]",
                                                    md="metadata.get(prefix)"), assign="md"),
-                  Call(runtime.forward_mqa, dict(cfg="cfg", layer="layer", metadata="metadata", q='T["q"]',
-                                                 positions='T["positions"]'), assign="out")),
+                  Call(self.forward_mqa, dict(cfg="cfg", layer="layer", metadata="metadata", q='T["q"]',
+                                              positions='T["positions"]'), assign="out")),
             judge=Judge("dsv4", dict(out="out", expected='T["expected_out"]', metadata="md",
                                      expected_metadata='{k[len("expected_md."):]: t for k, t in T.items() '
                                                        'if k.startswith("expected_md.")}',

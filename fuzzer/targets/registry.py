@@ -41,6 +41,8 @@ REGISTERED: dict[str, str] = {
     "vllm.dsv32.attention.dcp": "fuzzer.targets.dsv32_attention_dcp:Dsv32AttentionDcp",
     "vllm.dsv4.flashmla": "fuzzer.targets.dsv4_flashmla:Dsv4FlashMLA",
     "vllm.dsv41.flashmla": "fuzzer.targets.dsv41_flashmla:Dsv41FlashMLA",
+    "vllm.dsv4.flashinfer": "fuzzer.targets.dsv4_flashinfer:Dsv4FlashInfer",
+    "vllm.dsv41.flashinfer": "fuzzer.targets.dsv4_flashinfer:Dsv41FlashInfer",
     "vllm.step5_dsa": "fuzzer.targets.step5_dsa:Step5DSA",
     "selftest.fault": "fuzzer.targets.selftest:SelftestFault",  # harness self-test, not vLLM
 }
