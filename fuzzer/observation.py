@@ -27,6 +27,7 @@ class Notes(TypedDict, total=False):
     left_out: dict[str, str]  # backends sparse_mla.all did not run on this case, and why
     padded_tokens: int  # CUDA-graph padding tokens the case carried (their rows are not judged)
     padded_tokens_not_judged: str  # why the padding tokens' rows are not even judged finite (a stand-in's open contract)
+    padded_replay_not_run_eagerly: str  # why a padded graph replay was not compared with the step run eagerly
     not_public: list[str]  # what a stand-in met that the real kernel's public contract does not settle
     cudagraph: dict[str, Any]  # a full-graph engine's captured sizes, the tokens a step replayed, emulated or not
     mtp_draft: str  # an MTP draft step's metadata: "update_draft_decode_metadata" (in place) or "rebuilt"
