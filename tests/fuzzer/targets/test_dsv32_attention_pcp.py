@@ -1,0 +1,58 @@
+"""The `vllm.dsv32.attention.pcp_dcp` target on CPU: DeepSeek-V3.2's attention module with its real indexer under
+PCP x DCP, every rank of the PCP x TP world emulated in one process and fed by vLLM's PCPManager, judged as the
+undivided module (oracles/dsv32.py `judge_dsv32_dcp`) on a few fixed steps."""
+
+import functools
+
+import pytest
+
+from strategies.case import Case, Dcp, IndexerStep, Request
+
+pytestmark = pytest.mark.vllm
+
+
+@functools.cache
+def target():
+    from fuzzer.targets.dsv32_attention_pcp import Dsv32AttentionPcp
+
+    t = Dsv32AttentionPcp("cpu")
+    if t.unavailable():
+        pytest.skip(t.unavailable())
+    t.prepare()
+    return t
+
+
+def step(requests, num_decodes, table, dcp, attention_heads=8, width=512, earlier=(), skip=False, seed=5):
+    return Case(requests=tuple(requests), num_decodes=num_decodes, block_size=64, block_table=tuple(table),
+                topk_width=width, topk=(), heads=32, seed=seed, kv_cache_dtype="fp8_ds_mla", cudagraph="none",
+                earlier=tuple(earlier), dcp=dcp,
+                indexer=IndexerStep(attention_heads=attention_heads, skip_topk_layer=skip)).validate()
+
+
+PCP_PATHS = {"pcp.cache_inputs_gather", "pcp.finalize_decode", "dsv32.layer.indexer", "indexer.prefill"}
+CASES = {
+    # pcp2.dcp2: a decode past the top-k and an extend too short to split (whole on each PCP rank)
+    "decode_and_whole_extend": (step([Request(1, 700), Request(9, 600)], 1, [tuple(range(1, 7)), tuple(range(7, 12)) + (0,)],
+                                     Dcp(2, 0, 1, 2, 1)), PCP_PATHS | {"indexer.dcp_merge", "indexer.decode"}),
+    # pcp2.dcp2: a prefill split over the PCP ranks in head-tail chunks, interleave 4, a skip_topk layer
+    "split_prefill_skip_topk": (step([Request(40, 300)], 0, [(1, 2, 3, 0)], Dcp(2, 0, 4, 2, 1), skip=True),
+                                PCP_PATHS | {"pcp_dcp.kv_gather", "dsv32.layer.skip_topk"}),
+    # pcp2.dcp2.tp2: four ranks, the heads split over TP
+    "tp2": (step([Request(1, 520), Request(12, 0)], 1, [(1, 2, 3, 4, 5), (6, 0, 0, 0, 0)], Dcp(2, 0, 1, 2, 2)),
+            PCP_PATHS | {"indexer.decode"}),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_a_step_on_every_rank_is_judged_as_the_undivided_module(name):
+    case, paths = CASES[name]
+    t = target()
+    obs = t.run(case)
+    verdicts = t.oracle(case, obs)
+    assert obs.error is None and all(v.ok for v in verdicts), (case.summary(), obs.error, verdicts)
+    assert paths <= set(obs.notes["paths"]), sorted(obs.notes["paths"])
+    assert {"topk", "cache_write", "output"} <= {v.check for v in verdicts}
+    assert not len(obs.outputs["dcp_topk_rows_differ"]) and not obs.memory
+    heads = case.indexer.attention_heads * case.dcp.tp  # every TP rank's heads, side by side
+    assert obs.outputs["out"].shape == (case.num_tokens, heads * 128)
+    assert ("out_skip_topk" in obs.outputs) == case.indexer.skip_topk_layer
