@@ -3,10 +3,12 @@ PCP x DCP, every rank of the PCP x TP world emulated in one process and fed by v
 undivided module (oracles/dsv32.py `judge_dsv32_dcp`) on a few fixed steps."""
 
 import functools
+import json
 
 import pytest
 
 from strategies.case import Case, Dcp, IndexerStep, Request
+from tests.conftest import attnfuzz
 
 pytestmark = pytest.mark.vllm
 
@@ -56,3 +58,14 @@ def test_a_step_on_every_rank_is_judged_as_the_undivided_module(name):
     heads = case.indexer.attention_heads * case.dcp.tp  # every TP rank's heads, side by side
     assert obs.outputs["out"].shape == (case.num_tokens, heads * 128)
     assert ("out_skip_topk" in obs.outputs) == case.indexer.skip_topk_layer
+
+
+@pytest.mark.nightly
+def test_indexer_keys_left_rank_major_are_found(tmp_path):
+    """pcp-dcp-indexer-gather-rank-major (the gathered index-key shards not de-interleaved) through the CLI."""
+    run = attnfuzz("run", "--target", "vllm.dsv32.attention.pcp_dcp", "--max-examples", "60", "--max-findings", "1",
+                   "--no-shrink", "--seed", "1", "--inject", "pcp-dcp-indexer-gather-rank-major",
+                   "--json", str(tmp_path / "run.json"), state=tmp_path / "state")
+    assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
+    finding = json.loads((tmp_path / "run.json").read_text())["findings"][0]
+    assert "G" in finding["bug_classes"], finding
