@@ -68,4 +68,28 @@ def test_indexer_keys_left_rank_major_are_found(tmp_path):
                    "--json", str(tmp_path / "run.json"), state=tmp_path / "state")
     assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
     finding = json.loads((tmp_path / "run.json").read_text())["findings"][0]
-    assert "G" in finding["bug_classes"], finding
+    assert "O" in finding["bug_classes"], finding
+
+
+def test_cases_are_pcp_layouts_vllm_runs_eagerly():
+    from hypothesis import HealthCheck, given, settings
+
+    from strategies.batches import PCP_LAYOUTS, _pcp_layout_fits
+    from strategies.indexer_batches import attention_module_pcp_space
+    from strategies.profiles import PROFILES
+
+    p = PROFILES["cpu"]
+    seen = set()
+
+    @settings(max_examples=40, database=None, suppress_health_check=list(HealthCheck), deadline=None, derandomize=True)
+    @given(attention_module_pcp_space(p, p.attn_heads, combine_rows=768).strategy())
+    def check(case):
+        d, h = case.dcp, case.indexer.attention_heads
+        name = next(n for n, lay in PCP_LAYOUTS.items() if lay == (d.pcp, d.size, d.tp))
+        seen.add(name)
+        assert _pcp_layout_fits(name, h) and case.kv_cache_dtype == "fp8_ds_mla"
+        assert d.interleave == 1 or case.indexer.num_speculative_tokens == 0
+        assert all(s.cudagraph == "none" and not s.padded_tokens for s in case.steps)
+
+    check()
+    assert len(seen) >= 2, seen
