@@ -17,6 +17,7 @@ import dataclasses
 from hypothesis import strategies as st
 
 from strategies.batches import (
+    PCP_LAYOUTS,
     TOTAL_HEADS,
     CaseSpace,
     _at_block_edges,
@@ -24,6 +25,7 @@ from strategies.batches import (
     _domains,
     _graph_padding,
     _interleaves,
+    _pcp_layout_fits,
     _sampled,
     block_tables,
     requests,
@@ -173,3 +175,35 @@ def attention_module_dcp_cases(draw, p: Profile, attention_heads: tuple[int, ...
     x = dataclasses.replace(case.indexer, attention_heads=heads, skip_topk_layer=draw(st.booleans()))
     earlier = tuple(dataclasses.replace(e, indexer=x) for e in case.earlier)
     return dataclasses.replace(case, indexer=x, earlier=earlier).validate()
+
+
+def attention_module_pcp_space(p: Profile, attention_heads: tuple[int, ...],
+                               combine_rows: int | None = None) -> CaseSpace:
+    """DeepSeek-V3.2's attention module under PCP x DCP (`vllm.dsv32.attention.pcp_dcp`): a PCP x DCP (x TP) layout
+    of PCP_LAYOUTS that the heads per rank fit, then the steps of `attention_module_dcp_space` under it, eager (the
+    PCP runner pads no graph: the steps' graph padding dropped). `combine_rows` as there, over the layout's world."""
+    x = p.indexer
+    widths = tuple(w for w in x.topk_widths if w in DCP_MERGE_TOPK_WIDTHS) or DCP_MERGE_TOPK_WIDTHS[:1]
+    p = dataclasses.replace(p, indexer=dataclasses.replace(x, topk_widths=widths))
+    return CaseSpace(lambda swarm: attention_module_pcp_cases(p, attention_heads, combine_rows, swarm),
+                     indexer_knobs(p))
+
+
+@st.composite
+def attention_module_pcp_cases(draw, p: Profile, attention_heads: tuple[int, ...], combine_rows: int | None = None,
+                               swarm: Swarm | None = None) -> Case:
+    fits = [(n, h) for n in PCP_LAYOUTS for h in attention_heads if h < 32 and _pcp_layout_fits(n, h)]
+    name = draw(st.sampled_from(sorted({n for n, _ in fits})))
+    heads = draw(st.sampled_from([h for n, h in fits if n == name]))
+    pcp, size, tp = PCP_LAYOUTS[name]
+    interleave = draw(st.sampled_from(_interleaves(INDEXER_BLOCK_SIZE)[1:])) if draw(st.booleans()) else 1
+    if combine_rows is not None:
+        x = p.indexer
+        p = dataclasses.replace(p, indexer=dataclasses.replace(
+            x, max_tokens=min(x.max_tokens, max(2, combine_rows // (heads * tp * size * pcp)))))
+    case = draw(indexer_cases(p, INDEXER_TOPK_BACKENDS, swarm, dcp=Dcp(size, 0, interleave, pcp, tp),
+                              kv_cache_dtype="fp8_ds_mla"))
+    x = dataclasses.replace(case.indexer, attention_heads=heads, skip_topk_layer=draw(st.booleans()))
+    eager = {"indexer": x, "padded_tokens": 0, "cudagraph": "none"}
+    earlier = tuple(dataclasses.replace(e, **eager) for e in case.earlier)
+    return dataclasses.replace(case, earlier=earlier, **eager).validate()

@@ -61,6 +61,7 @@ MUTANTS: dict[str, str] = {
     "dsv41-mxfp8-scales-not-interleaved": "fuzzer.mutants.dsv41_mxfp8_scales_not_interleaved",
     "pcp-dcp-shard-rows-own-rank": "fuzzer.mutants.pcp_dcp_shard_rows_own_rank",
     "pcp-dcp-chunk-rows-paired": "fuzzer.mutants.pcp_dcp_chunk_rows_paired",
+    "pcp-dcp-indexer-gather-rank-major": "fuzzer.mutants.pcp_dcp_indexer_gather_rank_major",
     "indexer-prefill-row-ends-absolute": "fuzzer.mutants.indexer_prefill_row_ends_absolute",
     "indexer-mtp-seq-lens-off-by-one": "fuzzer.mutants.indexer_mtp_seq_lens_off_by_one",
     "indexer-flattened-seq-lens-off-by-one": "fuzzer.mutants.indexer_flattened_seq_lens_off_by_one",

@@ -183,3 +183,49 @@ def forward(layer, cfg, local, metadata, slot_mapping: torch.Tensor, kv_cache: t
     with set_forward_context({LAYER: metadata}, cfg, slot_mapping={LAYER: slot_mapping}):
         layer._sparse_indexer_and_attn(local.positions, None, q_nope, q_pe, None, None, None, kv_c, k_pe, ql_nope,
                                        q_pe, output)
+
+
+def module_forward(layers: list, cfg, local, mla_metadata, index_metadata, slot_mapping: torch.Tensor,
+                   q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, index_q_fp8: torch.Tensor,
+                   index_k: torch.Tensor, index_weights: torch.Tensor) -> list[torch.Tensor]:
+    """The module's layers for the rank's tokens under PCP, in order, under one forward context (the MLA layers'
+    metadata and the indexer's by their names, one slot mapping for both caches: every PCP rank's tokens,
+    rank-major): q [T, H, 192] after RoPE, kv_c [T, 512], k_pe [T, 64], the indexer's fp8 queries [T, heads, 128],
+    bf16 keys [T, 128] (under PCP the indexer gathers them over PCP and writes its cache itself) and head weights
+    [T, heads]. Each layer absorbs q_nope through W_UK and runs `_sparse_indexer_and_attn` (the MLA cache write
+    is the layer's own under PCP). Returns each layer's output [T, H * 128]."""
+    from vllm.forward_context import set_forward_context
+
+    metadata = {layer.layer_name: mla_metadata for layer in layers}
+    slots = {layer.layer_name: slot_mapping for layer in layers}
+    for layer in layers:
+        if layer.indexer is not None:
+            metadata[layer.indexer.k_cache.prefix] = index_metadata
+            slots[layer.indexer.k_cache.prefix] = slot_mapping
+    rows = q.shape[0]
+    hidden = torch.empty((rows, 1), dtype=torch.bfloat16, device=q.device)  # the seam reads only its row count
+    outputs = []
+    with set_forward_context(metadata, cfg, slot_mapping=slots):
+        for layer in layers:
+            q_nope, q_pe = q[..., :QK_NOPE], q[..., QK_NOPE:]
+            ql_nope = torch.bmm(q_nope.transpose(0, 1), layer.W_UK_T).transpose(0, 1)  # DeepseekV32Attention.forward
+            output = torch.full((rows, layer.num_local_heads * layer.v_head_dim), float("nan"), dtype=torch.bfloat16,
+                                device=q.device)
+            indexed = layer.indexer is not None
+            layer._sparse_indexer_and_attn(local.positions, hidden, q_nope, q_pe, index_q_fp8 if indexed else None,
+                                           index_k if indexed else None, index_weights if indexed else None, kv_c,
+                                           k_pe, ql_nope, q_pe, output)
+            outputs.append(output)
+    return outputs
+
+
+def with_dcp_local_seq_lens(manager, local, dcp: int, dcp_rank: int, interleave: int):
+    """The rank's local batch with its DCP-local sequence lengths, as the model runner sets them after the PCP
+    partition (`prepare_dcp_local_seq_lens` into the PCP manager's input buffers): the indexer's decode metadata
+    reads them."""
+    from vllm.v1.worker.gpu.cp_utils import prepare_dcp_local_seq_lens
+
+    local.dcp_local_seq_lens = prepare_dcp_local_seq_lens(
+        manager.input_buffers.dcp_local_seq_lens, local.seq_lens, local.num_reqs, dcp, dcp_rank, interleave,
+        num_reqs_padded=local.num_reqs_after_padding)
+    return local

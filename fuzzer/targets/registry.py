@@ -39,6 +39,7 @@ REGISTERED: dict[str, str] = {
     "vllm.dsv32.attention.flashattn": "fuzzer.targets.dsv32_attention_backends:Dsv32AttentionFlashAttn",
     "vllm.dsv32.attention.flashinfer_sm90": "fuzzer.targets.dsv32_attention_backends:Dsv32AttentionFlashInferSM90",
     "vllm.dsv32.attention.dcp": "fuzzer.targets.dsv32_attention_dcp:Dsv32AttentionDcp",
+    "vllm.dsv32.attention.pcp_dcp": "fuzzer.targets.dsv32_attention_pcp:Dsv32AttentionPcp",
     "vllm.dsv4.flashmla": "fuzzer.targets.dsv4_flashmla:Dsv4FlashMLA",
     "vllm.dsv41.flashmla": "fuzzer.targets.dsv41_flashmla:Dsv41FlashMLA",
     "vllm.dsv4.flashinfer": "fuzzer.targets.dsv4_flashinfer:Dsv4FlashInfer",

@@ -1,0 +1,284 @@
+"""`vllm.dsv32.attention.pcp_dcp`: DeepSeek-V3.2 / GLM-5's attention module (`DeepseekV32Attention`) with its real
+indexer under prefill context parallelism (PCP) x DCP (x TP), every rank of the PCP x TP world emulated in one
+process, over the steps of a trace.
+
+Each rank is fed as `vllm.flashmla_sparse.layer.pcp_dcp` feeds it (`fuzzer.support.pcp_runtime`): vLLM's PCPManager
+partitions the step (two head-tail chunk rows of every prefill long enough to split, decodes whole on every PCP
+rank: `shard_decode_requests` off), DefaultModelState builds both metadata (the indexer's and FLASHMLA_SPARSE's) on
+the rank's local batch and the PCP-converted slot mapping, and the module's seam runs with vLLM's PCP code:
+  * the indexer (`sparse_attn_indexer` with use_pcp): the step's index keys gathered over PCP and written by the
+    indexer itself (`maybe_gather_indexer_k`, `indexer_k_quant_and_cache`: under PCP nothing writes them before the
+    seam), prefill chunks planned over the DCP shards every PCP rank holds (`_split_pcp_dcp_prefill_chunks`,
+    `build_pcp_global_chunk_plan`), the shards all-gathered and de-interleaved (`dcp_gather_kv_rows`) before the
+    logits, decodes over the rank's shard and merged over DCP (`_merge_dcp_topk_global`);
+  * the MLA layer: the PCP-gathered cache write (`maybe_gather_mla_latent_cache_inputs`), the TP query gather where
+    DCP spans more ranks than PCP, `forward_mqa` (prefill rows over the DCP-gathered KV, decode rows over the shard,
+    merged by LSE), `finalize_mla_pcp_decode`, W_UV; PCPManager's restore puts the rows back in batch order.
+Each world rank holds its own index cache and MLA caches (its DCP rank's shard), top-k buffer and engine.
+
+Judged as the undivided module (`oracles/dsv32.py` `judge_dsv32_dcp`, as `vllm.dsv32.attention.dcp`): the top-k
+rows of the batch's tokens (each from the PCP rank that holds it) from the index cache's bytes as the ranks wrote
+them, every rank's copy of a row alike, each layer's restored output (the TP ranks' heads side by side) against the
+fp32 reference over the whole context, the fp8_ds_mla entries the ranks wrote. Not driven: decode sharding over PCP
+(`pcp_shard_decode_requests`), CUDA-graph padding (the steps run eager), the direct DCP collectives.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from fuzzer.env import STATE_DIR
+from fuzzer.support import dcp_group, pcp_runtime
+from fuzzer.support.dcp_steps import direct_dcp_off, layer_cache_writer, on_pcp_ranks, rank_heads, rank_kv_b_weight
+from fuzzer.support.dsv32_runtime import SKIP_TOPK_LAYER, clear_topk_rows, dsv32_layer, index_group_builder
+from fuzzer.support.flashmla_runtime import LAYER, guard_index_group, record_routes
+from fuzzer.support.indexer_runtime import (
+    BUILDER_MODULE,
+    INDEXER_MODULE,
+    index_cache,
+    indexer_builder,
+    indexer_config,
+    indexer_layer,
+    logits_budget,
+    write_index_keys,
+)
+from fuzzer.support.sparse_mla_steps import mla_spec, uninitialized_memory_as_nan
+from fuzzer.targets.base import WHOLE, RunPlan
+from fuzzer.targets.dsv32_attention import EMULATED as MODULE_EMULATED
+from fuzzer.targets.dsv32_attention import engines_ended
+from fuzzer.targets.dsv32_attention_dcp import (
+    COLLECTIVES,
+    INTERPRETED_COMBINE_ROWS,
+    Dsv32AttentionDcp,
+    RankState,
+    own_slots,
+    undivided_index_cache,
+)
+from fuzzer.targets.flashmla_layer_pcp import EMULATED as PCP_EMULATED
+from fuzzer.targets.flashmla_layer_pcp import fp8_scales
+from fuzzer.targets.harness import index_trace_step, max_batched_tokens, topk_buffer_for, trace_observation
+from fuzzer.targets.indexer import Indexer
+from oracles.dcp import rank_slots
+from oracles.dsv32 import undivided_trace
+from strategies.case import pcp_splits
+from strategies.indexer_batches import attention_module_pcp_space
+from strategies.indexer_tensors import attention_view, key_pool, materialize_indexer_inputs
+from strategies.tensors import materialize_layer_inputs, written_slots
+
+# Under PCP the seam's callers write nothing before it: the index keys and MLA entries of the step are the seam's.
+EMULATED = (MODULE_EMULATED[0].replace("the MLA cache write (concat_and_cache_mla), the index K-cache write "
+                                       "(indexer_k_quant_and_cache) and ", ""),)
+
+
+class Dsv32AttentionPcp(Dsv32AttentionDcp):
+    name = "vllm.dsv32.attention.pcp_dcp"
+    summary = ("DeepSeek-V3.2/GLM-5 attention module under PCP x DCP, every rank emulated in one process, fed by "
+               "vLLM's PCPManager: the real indexer (index K gathered over PCP, DCP-gathered prefill chunks, DCP "
+               "merge) feeding FLASHMLA_SPARSE (PCP cache write, gathered-KV prefill, LSE merge), skip_topk, traces")
+    bug_classes = "A C D G H I J"
+    real_parts = (*Dsv32AttentionDcp.real_parts,
+                  "PCPManager.partition_batch / _convert_to_gathered_slot_mappings / restore_hidden_states",
+                  "DefaultModelState.prepare_attn (the rank's CommonAttentionMetadata, both builders)",
+                  ("the indexer's PCP path (maybe_gather_indexer_k, _split_pcp_dcp_prefill_chunks, "
+                   "build_pcp_global_chunk_plan, dcp_gather_kv_rows)"),
+                  "the module's PCP path (maybe_gather_mla_latent_cache_inputs, TP query gather, finalize_mla_pcp_decode)")
+    cudagraph_modes = ("none",)  # the PCP runner's steps here are eager
+
+    def unavailable(self) -> str | None:
+        return super().unavailable() or pcp_runtime.missing()
+
+    def prepare(self) -> None:
+        direct_dcp_off()
+        super().prepare()
+        builder = importlib.import_module(BUILDER_MODULE)
+        if self.device == "cpu" and builder.PIN_MEMORY:  # the PCP chunk plan's host tensors (no pinned memory here)
+            builder.PIN_MEMORY = False
+            self.shims = (*self.shims, f"PIN_MEMORY=False where {BUILDER_MODULE} bound it (build_pcp_global_chunk_plan)")
+        indexer = importlib.import_module(INDEXER_MODULE)
+        if not getattr(indexer.dist, "attnfuzz_emulated", False):  # dcp_gather_kv_rows' all-gather on the emulated group
+            indexer.dist = dcp_group.emulated_dist()
+            indexer.dist.attnfuzz_emulated = True
+        self.shims = (*self.shims, f"{INDEXER_MODULE}.dist: torch.distributed with all_gather_into_tensor routed to "
+                      "attnfuzz's emulated groups (dcp_gather_kv_rows)")
+
+    def cases(self, profile, plan: RunPlan = WHOLE):
+        # As the DCP module's: on a CPU the LSE combine is interpreted, so steps are cut to 768 combine rows a layer
+        # over the whole world.
+        return attention_module_pcp_space(profile, profile.attn_heads,
+                                          combine_rows=INTERPRETED_COMBINE_ROWS if self.device == "cpu" else None)
+
+    def run(self, case):
+        dev, x, d = self.device, case.indexer, case.dcp
+        heads, world = x.attention_heads, d.pcp * d.tp
+        whole = undivided_trace(case, heads=False)
+        layers = 2 if x.skip_topk_layer else 1
+        views = [undivided_trace(attention_view(case, i), heads=True) for i in range(layers)]  # every TP rank's heads
+        pool = key_pool(whole, dev)
+        cfg = indexer_config(dev, str(STATE_DIR), case, max_num_batched_tokens=max_batched_tokens(case))
+        cfg.model_config.get_num_attention_heads = lambda parallel_config=None: heads
+        context_write, write_emulated = self.writer(attention_view(case))
+        write = layer_cache_writer(dev, fp8_scales(attention_view(case)))  # what the layer writes with under PCP
+        ranks, groups = pcp_runtime.emulated_world(d.pcp, d.tp, d.size, cfg, dev)
+        state = [RankState(topk=topk_buffer_for(case, dev),
+                           index_kv=index_cache(case.pool_blocks, case.block_size, dev),
+                           caches=[self.cache(attention_view(case, i), dev) for i in range(layers)])
+                 for _ in range(world)]
+        emulated = tuple(dict.fromkeys(e for e in (*self.emulated, write_emulated, *EMULATED, *PCP_EMULATED,
+                                                     COLLECTIVES) if e))
+        index_written = torch.zeros(pool.shape[0], dtype=torch.bool, device=dev)
+        observed = []
+        with engines_ended([st.engine for st in state]):
+            for k, step in enumerate(steps := case.steps):
+                inp = materialize_indexer_inputs(whole.steps[k], pool)
+                fresh = inp.context_slots[~index_written[inp.context_slots]]
+                layer_steps = [v.steps[k] for v in views]
+                layer_inputs = [materialize_layer_inputs(s, dev) for s in layer_steps]
+                reqs = step.requests
+                batch = pcp_runtime.global_batch([r.query_len for r in reqs], [r.context_len for r in reqs],
+                                                 [i >= step.num_decodes for i in range(len(reqs))], dev)
+                shared = dict(case=step, whole=whole.steps[k], inp=inp, fresh=fresh, fresh_keys=pool[fresh],
+                              layer_steps=layer_steps, layer_inputs=layer_inputs, first=k == 0, batch=batch,
+                              write=context_write)
+
+                def call(shared=shared):
+                    with logits_budget(shared["case"].indexer.max_logits_mb), uninitialized_memory_as_nan():
+                        results = on_pcp_ranks(cfg, ranks, groups, d.pcp, d.tp, write,
+                                               lambda w: self.pcp_rank_step(w, state[w], cfg, groups, shared))
+                    return self.pcp_merged(shared, results, groups)
+
+                split = [pcp_splits(r.query_len, d.pcp) for r in reqs[step.num_decodes:]]
+                obs = self.observe_step(call, lambda: state[0].routes, notes={
+                    "pcp": f"PCP {d.pcp} x TP {d.tp} ranks emulated in one process, DCP {d.size}, interleave "
+                           f"{d.interleave}, {heads} heads a rank",
+                    "pcp_paths": {"pcp_prefill_split": any(split), "pcp_prefill_whole": not all(split),
+                                  "decode": step.num_decodes > 0, "decode_sharded": False,
+                                  "mtp": x.num_speculative_tokens > 0, "skip_topk": bool(x.skip_topk_layer),
+                                  "dcp_merge": d.size > 1}})
+                if index_trace_step(observed, obs, step, inp, index_written, emulated, self.shims):
+                    break
+        return trace_observation(observed)
+
+    def pcp_rank_step(self, w: int, st: RankState, cfg, groups, s: dict) -> dict:
+        """World rank w's step, on its thread: the context no earlier step wrote put in its caches (its DCP rank's
+        shard), vLLM's PCP partition of the step, both builders' metadata from DefaultModelState on its local batch,
+        then each layer's `_sparse_indexer_and_attn` on its rows (the layer and the indexer write the step's
+        tokens), and PCPManager's restore."""
+        from vllm.config import set_current_vllm_config
+
+        dev, case, inp = self.device, s["case"], s["inp"]
+        d, h = case.dcp, case.indexer.attention_heads
+        p, t = divmod(w, d.tp)
+        r = groups["_DCP"].rank_in_group
+        if not st.engine:
+            self.new_pcp_rank_engine(t, st, cfg, case, s["layer_inputs"])
+        with set_current_vllm_config(cfg), torch.inference_mode():
+            fresh = own_slots(case, s["fresh"], r)
+            if bool((fresh >= 0).any()):
+                write_index_keys(s["fresh_keys"][fresh >= 0], st.index_kv, fresh[fresh >= 0])
+            news = []
+            for ls, li, cache in zip(s["layer_steps"], s["layer_inputs"], st.caches):
+                new = torch.cat([li.attention.slot_of[q][req.context_len:] for q, req in enumerate(ls.requests)]).to(dev)
+                news.append(new)
+                ctx = written_slots(ls).to(dev)
+                ctx = ctx[~torch.isin(ctx, new)]  # the context no earlier step wrote
+                local = own_slots(case, ctx, r)
+                keep = local >= 0
+                if bool(keep.any()):  # an empty write is not launched
+                    s["write"](li.attention.kv_c[ctx[keep]], li.attention.k_pe[ctx[keep]], cache, local[keep])
+            manager, local = pcp_runtime.rank_batch(s["batch"], d.pcp, p, d.size, r, d.interleave, dev)
+            local = pcp_runtime.with_dcp_local_seq_lens(manager, local, d.size, r, d.interleave)
+            rows = manager._local_gather_idx  # the batch token of each of the rank's rows (padding rows: token 0)
+            n = local.num_tokens
+            clear_topk_rows(st.topk, len(rows))
+            before = st.topk.clone()
+            for route in st.routes:
+                route.clear()
+                route.update(mqa_tokens=0, mha_tokens=0)
+            check_overrun = guard_index_group(st.engine["layers"][0].impl, poison=s["first"])
+            block_table = Indexer.common_metadata(s["whole"], inp, dev).block_table_tensor
+            slot_mapping = pcp_runtime.rank_slot_mapping(manager, own_slots(case, inp.slots, r))
+            index_md = pcp_runtime.rank_metadata(cfg, st.engine["indexer_builder"], st.engine["indexer_backend"],
+                                                 st.engine["indexer_spec"], local, block_table, slot_mapping)
+            mla_md = pcp_runtime.rank_metadata(cfg, st.engine["mla_builder"], self.backend, st.engine["mla_spec"],
+                                               local, block_table, slot_mapping)
+            outs = []
+            for layer, li, new in zip(st.engine["layers"], s["layer_inputs"], news):
+                outs += pcp_runtime.module_forward(
+                    [layer], cfg, local, mla_md, index_md, slot_mapping, rank_heads(li.q[rows], h, t),
+                    li.attention.kv_c[new][rows], li.attention.k_pe[new][rows], inp.q_fp8[rows], inp.k[rows],
+                    inp.weights[rows])
+            restored = [manager.restore_hidden_states(o) for o in outs]
+            overruns = [f"rank {w}: {m}" for m in check_overrun(st.routes[0]["mqa_tokens"])]
+        return {"restored": [o.clone() for o in restored], "topk": st.topk.clone(), "topk_before": before,
+                "rows": rows[:n].clone(), "index_kv": st.index_kv.clone(), "caches": [c.clone() for c in st.caches],
+                "overruns": overruns, "local": dict(rows=len(rows), tokens=n, requests=local.num_reqs)}
+
+    def new_pcp_rank_engine(self, t: int, st: RankState, cfg, case, layer_inputs) -> None:
+        """What world rank (., t)'s runner keeps for the engine's life: its indexer and the indexer's builder, its TP
+        rank's heads of the module's layers over its index group, FLASHMLA_SPARSE's builder (made on the rank's
+        thread, inside the PCP x TP config: the layers and builders read use_pcp there)."""
+        from vllm.config import set_current_vllm_config
+        from vllm.v1.attention.backends.mla.indexer import DeepseekV32IndexerBackend
+
+        dev, h = self.device, case.indexer.attention_heads
+        indexer = indexer_layer(cfg, st.topk, st.index_kv)
+        group = index_group_builder(cfg, st.topk)
+        layers = []
+        with set_current_vllm_config(cfg), torch.inference_mode():
+            for i, li in enumerate(layer_inputs):
+                layer = dsv32_layer(cfg, h, rank_kv_b_weight(li.kv_b_weight, h, t), st.topk,
+                                    indexer if i == 0 else None, group, dev,
+                                    prefix=LAYER if i == 0 else SKIP_TOPK_LAYER, backend=self.backend,
+                                    disable_tp=True)
+                layer.kv_cache = st.caches[i]
+                route: dict = {}
+                record_routes(layer.impl, route)
+                layers.append(layer)
+                st.routes.append(route)
+            st.engine["mla_builder"] = self.mla_metadata_builder(case, cfg)
+            st.engine["indexer_spec"] = indexer.k_cache.get_kv_cache_spec(cfg)
+        st.engine["mla_spec"] = mla_spec(case.block_size, "fp8_ds_mla")
+        st.engine["indexer_backend"] = DeepseekV32IndexerBackend
+        st.engine["indexer_builder"] = indexer_builder(cfg, indexer, dev, len(case.block_table[0]))
+        st.engine["layers"] = layers
+
+    def pcp_merged(self, s: dict, results: list[dict], groups):
+        """What every rank left, as the undivided step's observation: each layer's restored output (the TP ranks'
+        heads side by side), the top-k rows of the batch's tokens (each from the first rank holding it; rows two
+        ranks hold differently named), the index cache and the MLA entries read back from each DCP rank's first
+        world rank. Returns (outputs, overruns, cache changes)."""
+        case, n = s["case"], s["case"].num_tokens
+        d = case.dcp
+        rows, width = case.num_actual_tokens, case.topk_width
+        topk, before = results[0]["topk"].clone(), results[0]["topk_before"].clone()
+        seen = torch.zeros(rows, dtype=torch.bool, device=topk.device)
+        differ = torch.zeros(rows, dtype=torch.bool, device=topk.device)
+        for res in results:
+            tok = res["rows"].to(topk.device)
+            mine = res["topk"][:len(tok)]
+            first, again = tok[~seen[tok]], tok[seen[tok]]
+            differ[again] |= (topk[again, :width] != mine[seen[tok]][:, :width]).any(dim=1)
+            topk[first] = mine[~seen[tok]]
+            before[first] = res["topk_before"][:len(tok)][~seen[tok]]
+            seen[tok] = True
+        first_of = {}
+        for w in range(len(results)):
+            first_of.setdefault(groups["_DCP"]._group_of[w].index(w), w)
+        out = {"topk_indices_buffer": topk, "topk_before": before, "dcp_topk_rows_differ": differ.nonzero().flatten(),
+               "index_cache": undivided_index_cache(case, [results[first_of[r]]["index_kv"] for r in range(d.size)])}
+        for i, (ls, li) in enumerate(zip(s["layer_steps"], s["layer_inputs"])):
+            name = "out" if i == 0 else "out_skip_topk"
+            o = torch.cat([results[t]["restored"][i] for t in range(d.tp)], dim=1)
+            out[name], out[name + "_padded"] = o[:n], o[n:]
+            slots = torch.unique(torch.cat([li.attention.slot_of[q] for q in range(len(ls.requests))])).to(o.device)
+            owner, local = rank_slots(case, slots)
+            entries = torch.empty(len(slots), results[0]["caches"][i].shape[-1], dtype=torch.uint8, device=o.device)
+            for r in range(d.size):
+                sel = owner == r
+                cache = results[first_of[r]]["caches"][i]
+                entries[sel] = cache[local[sel] // case.block_size, local[sel] % case.block_size]
+            out[f"{name}.cache_slots"], out[f"{name}.cache_entries"] = slots, entries
+        overruns = [m for res in results for m in res["overruns"]]
+        return out, overruns, []

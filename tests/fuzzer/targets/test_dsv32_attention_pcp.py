@@ -1,0 +1,95 @@
+"""The `vllm.dsv32.attention.pcp_dcp` target on CPU: DeepSeek-V3.2's attention module with its real indexer under
+PCP x DCP, every rank of the PCP x TP world emulated in one process and fed by vLLM's PCPManager, judged as the
+undivided module (oracles/dsv32.py `judge_dsv32_dcp`) on a few fixed steps."""
+
+import functools
+import json
+
+import pytest
+
+from strategies.case import Case, Dcp, IndexerStep, Request
+from tests.conftest import attnfuzz
+
+pytestmark = pytest.mark.vllm
+
+
+@functools.cache
+def target():
+    from fuzzer.targets.dsv32_attention_pcp import Dsv32AttentionPcp
+
+    t = Dsv32AttentionPcp("cpu")
+    if t.unavailable():
+        pytest.skip(t.unavailable())
+    t.prepare()
+    return t
+
+
+def step(requests, num_decodes, table, dcp, attention_heads=8, width=512, earlier=(), skip=False, seed=5):
+    return Case(requests=tuple(requests), num_decodes=num_decodes, block_size=64, block_table=tuple(table),
+                topk_width=width, topk=(), heads=32, seed=seed, kv_cache_dtype="fp8_ds_mla", cudagraph="none",
+                earlier=tuple(earlier), dcp=dcp,
+                indexer=IndexerStep(attention_heads=attention_heads, skip_topk_layer=skip)).validate()
+
+
+PCP_PATHS = {"pcp.cache_inputs_gather", "pcp.finalize_decode", "dsv32.layer.indexer", "indexer.prefill"}
+CASES = {
+    # pcp2.dcp2: a decode past the top-k and an extend too short to split (whole on each PCP rank)
+    "decode_and_whole_extend": (step([Request(1, 700), Request(9, 600)], 1, [tuple(range(1, 7)), tuple(range(7, 12)) + (0,)],
+                                     Dcp(2, 0, 1, 2, 1)), PCP_PATHS | {"indexer.dcp_merge", "indexer.decode"}),
+    # pcp2.dcp2: a prefill split over the PCP ranks in head-tail chunks, interleave 4, a skip_topk layer
+    "split_prefill_skip_topk": (step([Request(40, 300)], 0, [(1, 2, 3, 0)], Dcp(2, 0, 4, 2, 1), skip=True),
+                                PCP_PATHS | {"pcp_dcp.kv_gather", "dsv32.layer.skip_topk"}),
+    # pcp2.dcp2.tp2: four ranks, the heads split over TP
+    "tp2": (step([Request(1, 520), Request(12, 0)], 1, [(1, 2, 3, 4, 5), (6, 0, 0, 0, 0)], Dcp(2, 0, 1, 2, 2)),
+            PCP_PATHS | {"indexer.decode"}),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_a_step_on_every_rank_is_judged_as_the_undivided_module(name):
+    case, paths = CASES[name]
+    t = target()
+    obs = t.run(case)
+    verdicts = t.oracle(case, obs)
+    assert obs.error is None and all(v.ok for v in verdicts), (case.summary(), obs.error, verdicts)
+    assert paths <= set(obs.notes["paths"]), sorted(obs.notes["paths"])
+    assert {"topk", "cache_write", "output"} <= {v.check for v in verdicts}
+    assert not len(obs.outputs["dcp_topk_rows_differ"]) and not obs.memory
+    heads = case.indexer.attention_heads * case.dcp.tp  # every TP rank's heads, side by side
+    assert obs.outputs["out"].shape == (case.num_tokens, heads * 128)
+    assert ("out_skip_topk" in obs.outputs) == case.indexer.skip_topk_layer
+
+
+@pytest.mark.nightly
+def test_indexer_keys_left_rank_major_are_found(tmp_path):
+    """pcp-dcp-indexer-gather-rank-major (the gathered index-key shards not de-interleaved) through the CLI."""
+    run = attnfuzz("run", "--target", "vllm.dsv32.attention.pcp_dcp", "--max-examples", "60", "--max-findings", "1",
+                   "--no-shrink", "--seed", "1", "--inject", "pcp-dcp-indexer-gather-rank-major",
+                   "--json", str(tmp_path / "run.json"), state=tmp_path / "state")
+    assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
+    finding = json.loads((tmp_path / "run.json").read_text())["findings"][0]
+    assert "O" in finding["bug_classes"], finding
+
+
+def test_cases_are_pcp_layouts_vllm_runs_eagerly():
+    from hypothesis import HealthCheck, given, settings
+
+    from strategies.batches import PCP_LAYOUTS, _pcp_layout_fits
+    from strategies.indexer_batches import attention_module_pcp_space
+    from strategies.profiles import PROFILES
+
+    p = PROFILES["cpu"]
+    seen = set()
+
+    @settings(max_examples=40, database=None, suppress_health_check=list(HealthCheck), deadline=None, derandomize=True)
+    @given(attention_module_pcp_space(p, p.attn_heads, combine_rows=768).strategy())
+    def check(case):
+        d, h = case.dcp, case.indexer.attention_heads
+        name = next(n for n, lay in PCP_LAYOUTS.items() if lay == (d.pcp, d.size, d.tp))
+        seen.add(name)
+        assert _pcp_layout_fits(name, h) and case.kv_cache_dtype == "fp8_ds_mla"
+        assert d.interleave == 1 or case.indexer.num_speculative_tokens == 0
+        assert all(s.cudagraph == "none" and not s.padded_tokens for s in case.steps)
+
+    check()
+    assert len(seen) >= 2, seen
