@@ -44,7 +44,7 @@ BUDGETS: dict[str, dict[str, Budget]] = {
         "vllm.dsv32.attention": Budget(gate=30, selftest=30),  # indexer + FlashMLA stand-in + interpreted remap: ~2 s a case
         "vllm.dsv32.attention.flashattn": Budget(gate=24, selftest=20),  # indexer steps of up to 300 tokens: ~2.6 s a case
         "vllm.dsv32.attention.flashinfer_sm90": Budget(gate=24, selftest=20),  # and FlashInfer's stand-in: ~3.8 s a case
-        "vllm.dsv32.attention.dcp": Budget(gate=20, selftest=12),  # 2-8 ranks' indexer and layer, interpreted combine: ~5 s a case
+        "vllm.dsv32.attention.dcp": Budget(gate=24, selftest=12),  # 2-8 ranks' indexer and layer, interpreted combine: ~5 s a case
         "vllm.step5_dsa": Budget(gate=24, selftest=20),  # interpreted decode kernels, up to 9 steps a case: ~0.2-1 case/s
     },
     "cuda": {  # native kernels, 2-13 cases/s (mostly host-side work per case)
