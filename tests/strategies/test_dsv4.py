@@ -2,11 +2,10 @@
 the cases drawn, and the indexer rows and caches the tensors hold (no vLLM here)."""
 
 import json
-import random
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import HealthCheck, given, settings
 
 from oracles import fp8_ds_mla_v4 as v4
 from strategies.case import Case, CaseError, Dsv4, Request, TopkSpec
@@ -20,7 +19,7 @@ from strategies.dsv4_tensors import (
     write_v4_records,
 )
 from strategies.profiles import PROFILES
-from strategies.swarm import case_features, coherent
+from tests.strategies import drawn
 
 P = PROFILES["cpu"]
 SPACE = dsv4_space(P, Dsv4Features())
@@ -78,16 +77,7 @@ def test_padding_rows_only_after_the_decodes_of_a_decode_only_batch():
 
 
 def draw_cases(swarm, n=12):
-    cases = []
-
-    @seed(11)
-    @settings(max_examples=n, database=None, suppress_health_check=list(HealthCheck), deadline=None)
-    @given(SPACE.strategy(swarm))
-    def collect(case):
-        cases.append(case)
-
-    collect()
-    return cases
+    return drawn.draw_cases(SPACE, swarm, n, 11)
 
 
 # Categories the strategy steers one request toward, which another knob's request or the profile's caps may undo.
@@ -96,15 +86,9 @@ LOOSE = {"window_edge", "state_fill", "c4_valid", "table_last_column", "table_la
 
 
 def test_a_pinned_category_shows_in_the_cases():
-    for name, values in SPACE.knobs.items():
-        for value in values:
-            swarm = coherent({name: value}, SPACE.knobs, random.Random(0), keep={name})
-            if swarm.pinned(name) != value:
-                continue
-            seen = [f[name] for f in (case_features(c, SPACE.knobs, P.max_context) for c in draw_cases(swarm))
-                    if name in f]
-            share = sum(value in s for s in seen) / max(1, len(seen))
-            assert share >= (0.2 if name in LOOSE else 0.9), (name, value, share)
+    for name, value, features in drawn.pinned_features(SPACE, draw_cases, P.max_context):
+        share = drawn.share(value, [f[name] for f in features if name in f])
+        assert share >= (0.2 if name in LOOSE else 0.9), (name, value, share)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))

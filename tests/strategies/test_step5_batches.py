@@ -1,12 +1,9 @@
 """Step5 DSA cases read back as the knob categories they were drawn under (the gate's pair coverage counts them)."""
 
-import random
-
-from hypothesis import HealthCheck, given, seed, settings
-
 from strategies.profiles import PROFILES
 from strategies.step5_batches import step5_space
-from strategies.swarm import case_features, coherent
+from strategies.swarm import case_features
+from tests.strategies import drawn
 
 P = PROFILES["cpu"]
 SPACE = step5_space(P)
@@ -17,16 +14,7 @@ LOOSE = {"table_layout", "table_last_column", "step5_context", "step5_region_edg
 
 
 def draw_cases(swarm, n=12):
-    cases = []
-
-    @seed(5)
-    @settings(max_examples=n, database=None, suppress_health_check=list(HealthCheck), deadline=None)
-    @given(SPACE.strategy(swarm))
-    def collect(case):
-        cases.append(case)
-
-    collect()
-    return cases
+    return drawn.draw_cases(SPACE, swarm, n, 5)
 
 
 def test_every_knob_of_the_space_is_read_back_from_a_case():
@@ -35,11 +23,6 @@ def test_every_knob_of_the_space_is_read_back_from_a_case():
 
 
 def test_a_pinned_category_shows_in_the_cases():
-    for name, values in SPACE.knobs.items():
-        for value in values:
-            swarm = coherent({name: value}, SPACE.knobs, random.Random(0), keep={name})
-            if swarm.pinned(name) != value:
-                continue
-            seen = [case_features(c, SPACE.knobs, P.max_context)[name] for c in draw_cases(swarm)]
-            share = sum(value in s for s in seen) / len(seen)
-            assert share >= (0.3 if name in LOOSE else 0.9), (name, value, share)
+    for name, value, features in drawn.pinned_features(SPACE, draw_cases, P.max_context):
+        share = drawn.share(value, [f[name] for f in features])  # every case of the space has every knob
+        assert share >= (0.3 if name in LOOSE else 0.9), (name, value, share)

@@ -3,7 +3,7 @@
 import random
 
 import pytest
-from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import HealthCheck, given, settings
 
 from strategies.batches import AttentionFeatures, IndexFeatures, attention_space, index_space
 from strategies.case import Case, IndexCall, Request, TopkSpec
@@ -16,10 +16,10 @@ from strategies.swarm import (
     call_mode_partners,
     call_mode_pins,
     call_modes,
-    case_features,
     category_share,
     coherent,
 )
+from tests.strategies import drawn
 
 P = PROFILES["cpu"]
 SPACES = {
@@ -30,16 +30,7 @@ SPACES = {
 
 
 def draw_cases(space, swarm, n=25):
-    cases = []
-
-    @seed(7)
-    @settings(max_examples=n, database=None, suppress_health_check=list(HealthCheck), deadline=None)
-    @given(space.strategy(swarm))
-    def collect(case):
-        cases.append(case)
-
-    collect()
-    return cases
+    return drawn.draw_cases(space, swarm, n, 7)
 
 
 # Categories the CPU profile's budget cannot always make (a 12-token attention step cannot hold a prefill of
@@ -53,18 +44,13 @@ LOOSE = {"prefill_len", "table_last_column", "block_edge", "topk_valid", "invali
 @pytest.mark.parametrize("kind", SPACES)
 def test_a_pinned_category_shows_in_the_cases(kind):
     space = SPACES[kind]
-    for name, values in space.knobs.items():
-        for value in values:
-            swarm = coherent({name: value}, space.knobs, random.Random(0), keep={name})
-            if swarm.pinned(name) != value:
-                continue  # its requirement cannot hold in this space
-            cases = draw_cases(space, swarm, 12)
-            # where the knob applies (a prefill's length, in a case whose token budget left room for a prefill)
-            seen = [f[name] for f in (case_features(c, space.knobs, P.max_context) for c in cases) if name in f]
-            share = sum(value in s for s in seen) / max(1, len(seen))
-            # a permuted table of one or two blocks often comes out in order, and reads as arange
-            floor = 0.1 if name == "table_layout" else 0.3 if name in LOOSE else 0.9
-            assert share >= floor, (kind, name, value, share)
+    for name, value, features in drawn.pinned_features(space, lambda swarm: draw_cases(space, swarm, 12),
+                                                       P.max_context):
+        # where the knob applies (a prefill's length, in a case whose token budget left room for a prefill)
+        share = drawn.share(value, [f[name] for f in features if name in f])
+        # a permuted table of one or two blocks often comes out in order, and reads as arange
+        floor = 0.1 if name == "table_layout" else 0.3 if name in LOOSE else 0.9
+        assert share >= floor, (kind, name, value, share)
 
 
 def test_requirements_are_pinned_with_the_knob_or_the_knob_is_dropped():

@@ -9,19 +9,11 @@ import pytest
 import torch
 
 from fuzzer.support.errors import StandInRefused
-from fuzzer.support.interp.sanitizer import SANITIZER
 from fuzzer.support.standins import aiter_mla as am
+from tests.fuzzer.support.sanitized import violations_during as _violations
 
 H, D, V, SCALE = 16, 576, 512, 0.1
 I32 = dict(dtype=torch.int32)
-
-
-def _violations(call):
-    before = len(SANITIZER.violations)
-    result = call()
-    found = SANITIZER.violations[before:]
-    del SANITIZER.violations[before:]
-    return result, found
 
 
 @pytest.fixture(autouse=True)

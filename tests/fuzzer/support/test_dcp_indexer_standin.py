@@ -8,15 +8,9 @@ import torch
 
 from fuzzer.support.interp.sanitizer import SANITIZER
 from fuzzer.support.standins import dcp_indexer as merge
+from tests.fuzzer.support.sanitized import violations  # noqa: F401  (a fixture)
 
 K = 512
-
-
-@pytest.fixture
-def violations():
-    before = len(SANITIZER.violations)
-    yield before
-    del SANITIZER.violations[before:]
 
 
 def owner_local(pos: torch.Tensor, n: int, inter: int):

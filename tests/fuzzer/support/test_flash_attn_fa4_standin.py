@@ -10,19 +10,11 @@ import pytest
 import torch
 
 from fuzzer.support.errors import StandInRefused
-from fuzzer.support.interp.sanitizer import SANITIZER
 from fuzzer.support.standins import flash_attn_fa4 as fa4
+from tests.fuzzer.support.sanitized import violations_during as _violations
 
 ROWS, W = 300, 256
 SCALE = 1.0 / math.sqrt(576)
-
-
-def _violations(call):
-    before = len(SANITIZER.violations)
-    result = call()
-    found = SANITIZER.violations[before:]
-    del SANITIZER.violations[before:]
-    return result, found
 
 
 def _inputs(tokens, heads, seed=0):

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from fuzzer.support.errors import StandInRefused
-from fuzzer.support.interp.sanitizer import SANITIZER
 from fuzzer.support.standins import flashinfer_dsv4_mla as fi
 from fuzzer.support.standins import flashinfer_trtllm_mla
+from tests.fuzzer.support.sanitized import violations_during as _violations
 
 H, SCALE = 8, 0.05
 WS = torch.zeros(1 << 10, dtype=torch.uint8)
@@ -24,14 +24,6 @@ def _clear():
     flashinfer_trtllm_mla.UNDOCUMENTED.clear()
     yield
     flashinfer_trtllm_mla.UNDOCUMENTED.clear()
-
-
-def _violations(call):
-    before = len(SANITIZER.violations)
-    result = call()
-    found = SANITIZER.violations[before:]
-    del SANITIZER.violations[before:]
-    return result, found
 
 
 def _pool(pages, rows, dtype=torch.bfloat16, pad=0, seed=0):

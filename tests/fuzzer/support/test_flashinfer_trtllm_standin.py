@@ -11,19 +11,11 @@ import pytest
 import torch
 
 from fuzzer.support.errors import StandInRefused
-from fuzzer.support.interp.sanitizer import SANITIZER
 from fuzzer.support.standins import flashinfer_trtllm_mla as fi
+from tests.fuzzer.support.sanitized import violations_during as _violations
 
 H, W, SCALE = 8, 16, 0.1
 WS = torch.zeros(1 << 20, dtype=torch.int8)
-
-
-def _violations(call):
-    before = len(SANITIZER.violations)
-    result = call()
-    found = SANITIZER.violations[before:]
-    del SANITIZER.violations[before:]
-    return result, found
 
 
 def _sm100(q, cache, table, lens, **kw):

@@ -9,16 +9,9 @@ import torch
 from fuzzer.support.interp.sanitizer import SANITIZER
 from fuzzer.support.standins import indexer_ops as ops
 from fuzzer.support.standins.cache_ops import EmptyLaunch
+from tests.fuzzer.support.sanitized import violations  # noqa: F401  (a fixture)
 
 HEAD_DIM = 128
-
-
-@pytest.fixture
-def violations():
-    """Where this test's violations start in SANITIZER's list; they are dropped after it."""
-    before = len(SANITIZER.violations)
-    yield before
-    del SANITIZER.violations[before:]
 
 
 def collected(before: int) -> list:

@@ -3,12 +3,11 @@ through `_sparse_indexer_and_attn`, judged stage by stage (oracles/dsv32.py); a 
 built-in mutant of the module's seam found through the CLI."""
 
 import functools
-import json
 
 import pytest
 
 from strategies.case import Case, CaseError, IndexerStep, Request
-from tests.conftest import attnfuzz
+from tests.fuzzer.targets.judged import assert_reached, clean_campaign, first_finding, prepared, run_judged
 
 pytestmark = pytest.mark.vllm
 
@@ -52,11 +51,8 @@ CASES = {
 @pytest.mark.parametrize("name", CASES)
 def test_a_step_is_judged_stage_by_stage(name):
     case, paths = CASES[name]
-    t = target()
-    obs = t.run(case)
-    verdicts = t.oracle(case, obs)
-    assert obs.error is None and all(v.ok for v in verdicts), (case.summary(), obs.error, verdicts)
-    assert paths <= set(obs.notes["paths"]), sorted(obs.notes["paths"])
+    obs, verdicts = run_judged(target(), case)
+    assert_reached(obs, paths)
     assert {"topk", "cache_write", "output"} <= {v.check for v in verdicts}
     assert ("out_skip_topk" in obs.outputs) == case.indexer.skip_topk_layer
     assert not obs.memory
@@ -66,10 +62,7 @@ def test_a_trace_keeps_the_engine():
     table = [(1,) + (0,) * 10, tuple(range(2, 12)) + (0,)]
     first = step([Request(20, 0), Request(30, 600)], 0, table)
     case = step([Request(1, 20), Request(1, 630)], 2, table, earlier=[first])
-    t = target()
-    obs = t.run(case)
-    verdicts = t.oracle(case, obs)
-    assert all(v.ok for v in verdicts), verdicts
+    obs, _ = run_judged(target(), case)
     assert len(obs.steps) == 1
 
 
@@ -82,20 +75,13 @@ def test_the_attention_fields_are_checked():
 
 
 def test_a_short_clean_campaign(tmp_path):
-    run = attnfuzz("run", "--target", "vllm.dsv32.attention", "--max-examples", "8", "--seed", "3",
-                   "--json", str(tmp_path / "run.json"), state=tmp_path / "state")
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    summary = json.loads((tmp_path / "run.json").read_text())
-    assert summary["examples"] == 8 and not summary["findings"]
+    clean_campaign(tmp_path, "vllm.dsv32.attention", 8, "--seed", "3")
 
 
 @pytest.mark.parametrize("mutant", ["dsv32-dense-mha-skip-with-decodes", "dsv32-dense-mha-split-ignores-context"])
 def test_a_seam_mutant_is_found(tmp_path, mutant):
-    run = attnfuzz("run", "--target", "vllm.dsv32.attention", "--max-examples", "20", "--max-findings", "1",
-                   "--no-shrink", "--seed", "1", "--inject", mutant, "--json", str(tmp_path / "run.json"),
-                   state=tmp_path / "state")
-    assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
-    finding = json.loads((tmp_path / "run.json").read_text())["findings"][0]
+    finding = first_finding(tmp_path, "vllm.dsv32.attention", "--max-examples", "20", "--max-findings", "1",
+                            "--no-shrink", "--seed", "1", "--inject", mutant)
     assert "F" in finding["bug_classes"], finding
 
 
@@ -103,17 +89,6 @@ def test_a_seam_mutant_is_found(tmp_path, mutant):
 ON_OTHER_BACKENDS = {"vllm.dsv32.attention.flashattn": "FlashAttnMLASparseMetadataBuilder",
                      "vllm.dsv32.attention.flashinfer_sm90": "FlashInferMLASparseSM90Builder "
                                                              "(FlashInferMLASparseMetadataBuilder, the sparse-MLA builder)"}
-
-
-@functools.cache
-def backend_target(name):
-    from fuzzer.targets.registry import TARGETS
-
-    t = TARGETS[name]("cpu")
-    if t.unavailable():
-        pytest.skip(t.unavailable())
-    t.prepare()
-    return t
 
 
 # A decode and a 150-token extend: past these builders' decode threshold (128 tokens at 16 heads).
@@ -133,15 +108,14 @@ def test_the_module_on_another_backend_splits_past_its_threshold_and_the_seam_mu
 
     from fuzzer.mutants import inject
 
-    t = backend_target(name)
+    t = prepared(name)
     assert ON_OTHER_BACKENDS[name] in t.real_parts and "FlashMLASparseMetadataBuilder" not in t.real_parts
     for case, mha_tokens, paths in ((PAST_THRESHOLD, 150, {"mqa", "mha.dense", "mha.chunked_context"}),
                                     (PAST_TOPK, 0, {"mqa"})):
-        obs = t.run(case)
-        verdicts = t.oracle(case, obs)
-        assert obs.error is None and all(v.ok for v in verdicts), (name, case.summary(), obs.error, verdicts)
+        obs, _ = run_judged(t, case)
         assert obs.notes["route"] == {"mqa_tokens": 1 + 150 - mha_tokens, "mha_tokens": mha_tokens}
-        assert paths <= set(obs.notes["paths"]) and "out_skip_topk" in obs.outputs
+        assert_reached(obs, paths)
+        assert "out_skip_topk" in obs.outputs
     saved = vars(sma.SparseMLACommonMetadataBuilder)["build"]
     inject("dsv32-dense-mha-split-ignores-context")
     try:

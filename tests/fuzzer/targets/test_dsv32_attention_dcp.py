@@ -4,13 +4,12 @@ heads, attending over its shard and merging by LSE), judged as the undivided mod
 `judge_dsv32_dcp`); its cases, a short clean campaign and PR 50005's attention half reverted found through the CLI."""
 
 import functools
-import json
 
 import pytest
 import torch
 
 from strategies.case import Case, Dcp, IndexerStep, Request
-from tests.conftest import attnfuzz
+from tests.fuzzer.targets.judged import assert_reached, clean_campaign, first_finding, run_judged
 
 pytestmark = pytest.mark.vllm
 
@@ -58,11 +57,8 @@ CASES = {
 @pytest.mark.parametrize("name", CASES)
 def test_a_step_on_every_rank_is_judged_as_the_undivided_module(name):
     case, paths = CASES[name]
-    t = target()
-    obs = t.run(case)
-    verdicts = t.oracle(case, obs)
-    assert obs.error is None and all(v.ok for v in verdicts), (case.summary(), obs.error, verdicts)
-    assert paths <= set(obs.notes["paths"]), sorted(obs.notes["paths"])
+    obs, verdicts = run_judged(target(), case)
+    assert_reached(obs, paths)
     assert {"topk", "cache_write", "output"} <= {v.check for v in verdicts}
     assert not len(obs.outputs["dcp_topk_rows_differ"]) and not obs.memory
     heads = case.indexer.attention_heads * case.dcp.size  # every rank's heads, side by side
@@ -74,9 +70,7 @@ def test_a_trace_keeps_every_ranks_engine():
     table = [(1, 2, 3, 4, 5, 6), (7, 8, 9, 0, 0, 0)]
     first = step([Request(20, 0), Request(30, 300)], 0, table, Dcp(2, 0, 4))
     case = step([Request(1, 20), Request(1, 330)], 2, table, Dcp(2, 0, 4), earlier=[first])
-    t = target()
-    obs = t.run(case)
-    assert all(v.ok for v in t.oracle(case, obs)), t.oracle(case, obs)
+    obs, _ = run_judged(target(), case)
     assert len(obs.steps) == 1
 
 
@@ -119,17 +113,10 @@ def test_cases_are_configurations_vllm_runs():
 
 
 def test_a_short_clean_campaign(tmp_path):
-    run = attnfuzz("run", "--target", "vllm.dsv32.attention.dcp", "--max-examples", "8", "--seed", "3",
-                   "--json", str(tmp_path / "run.json"), state=tmp_path / "state")
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    summary = json.loads((tmp_path / "run.json").read_text())
-    assert summary["examples"] == 8 and not summary["findings"]
+    clean_campaign(tmp_path, "vllm.dsv32.attention.dcp", 8, "--seed", "3")
 
 
 def test_pr_50005_reverted_is_found(tmp_path):
-    run = attnfuzz("run", "--target", "vllm.dsv32.attention.dcp", "--max-examples", "20", "--max-findings", "1",
-                   "--no-shrink", "--seed", "1", "--inject", "dsv32-dcp-no-query-gather-merge",
-                   "--json", str(tmp_path / "run.json"), state=tmp_path / "state")
-    assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
-    finding = json.loads((tmp_path / "run.json").read_text())["findings"][0]
+    finding = first_finding(tmp_path, "vllm.dsv32.attention.dcp", "--max-examples", "20", "--max-findings", "1",
+                            "--no-shrink", "--seed", "1", "--inject", "dsv32-dcp-no-query-gather-merge")
     assert "G" in finding["bug_classes"], finding

@@ -4,12 +4,12 @@ compressed cache or reading its kv source's; V4's 584-byte record and SM100's 52
 campaign through the CLI."""
 
 import functools
-import json
 
 import pytest
 
 from strategies.case import Case, Dsv4, Request
-from tests.conftest import attnfuzz
+from tests.fuzzer.targets.judged import clean_campaign
+from tests.fuzzer.targets.test_dsv4_flashmla import matches_the_reference
 
 pytestmark = pytest.mark.vllm
 
@@ -65,14 +65,7 @@ CASES = {
 
 @pytest.mark.parametrize("name", CASES)
 def test_a_step_matches_the_reference(name):
-    case, paths = CASES[name]
-    t = target()
-    obs = t.run(case)
-    verdicts = t.oracle(case, obs)
-    assert obs.error is None and all(v.ok for v in verdicts), (case.summary(), obs.error, verdicts)
-    assert paths <= set(obs.notes["paths"]), sorted(obs.notes["paths"])
-    assert {"flash_mla_with_kvcache", "flash_mla_sparse_fwd", "get_mla_metadata"} <= set(obs.emulated)
-    assert obs.outputs["out"].shape[0] == case.num_actual_tokens and not obs.memory
+    matches_the_reference(target(), *CASES[name])
 
 
 def test_v41_cases_are_not_v4_cases():
@@ -89,8 +82,4 @@ def test_v41_cases_are_not_v4_cases():
 
 
 def test_a_short_clean_campaign(tmp_path):
-    run = attnfuzz("run", "--target", "vllm.dsv41.flashmla", "--max-examples", "4", "--seed", "3",
-                   "--json", str(tmp_path / "run.json"), state=tmp_path / "state")
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    summary = json.loads((tmp_path / "run.json").read_text())
-    assert summary["examples"] == 4 and not summary["findings"]
+    clean_campaign(tmp_path, "vllm.dsv41.flashmla", 4, "--seed", "3")

@@ -3,12 +3,13 @@
 clean campaign through the CLI; a finding's reproducer."""
 
 import functools
-import json
 
 import pytest
 
 from strategies.case import Case, Dsv4, Request
-from tests.conftest import attnfuzz, python
+from tests.conftest import python
+from tests.fuzzer.targets.judged import TWICE  # noqa: F401  (test_dsv41_repro.py's and test_dsv4_flashinfer_repro.py's)
+from tests.fuzzer.targets.judged import assert_reached, clean_campaign, run_fixed_and_saved, run_judged
 
 pytestmark = pytest.mark.vllm
 
@@ -51,16 +52,18 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_a_step_matches_the_reference(name):
-    case, paths = CASES[name]
-    t = target()
-    obs = t.run(case)
-    verdicts = t.oracle(case, obs)
-    assert obs.error is None and all(v.ok for v in verdicts), (case.summary(), obs.error, verdicts)
-    assert paths <= set(obs.notes["paths"]), sorted(obs.notes["paths"])
+def matches_the_reference(t, case, paths):
+    """CASE on the V4 (or V4.1) layer T: judged clean, PATHS reached, FlashMLA's kernels the stand-ins, a row of output
+    a token, no memory violation."""
+    obs, _ = run_judged(t, case)
+    assert_reached(obs, paths)
     assert {"flash_mla_with_kvcache", "flash_mla_sparse_fwd", "get_mla_metadata"} <= set(obs.emulated)
     assert obs.outputs["out"].shape[0] == case.num_actual_tokens and not obs.memory
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_a_step_matches_the_reference(name):
+    matches_the_reference(target(), *CASES[name])
 
 
 @pytest.mark.parametrize("name", ["c4_mixed", "c128_decodes"])
@@ -83,20 +86,7 @@ def test_vllm_s_cpu_layer_gives_a_second_opinion_on_every_token(name):
 
 
 def test_a_short_clean_campaign(tmp_path):
-    run = attnfuzz("run", "--target", "vllm.dsv4.flashmla", "--max-examples", "4", "--seed", "3",
-                   "--json", str(tmp_path / "run.json"), state=tmp_path / "state")
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    summary = json.loads((tmp_path / "run.json").read_text())
-    assert summary["examples"] == 4 and not summary["findings"]
-
-
-# Runs a reproducer's main() twice in one process (one vLLM import): first as if fixed (its injected bug left out),
-# then as saved; the bug's patch stays in vLLM for the rest of the process, hence that order.
-TWICE = """
-import runpy, sys
-sys.path.insert(0, sys.argv[1])
-print("EXIT", [runpy.run_path(f"{sys.argv[1]}/{name}")["main"]() for name in ("fixed.py", "repro.py")])
-"""
+    clean_campaign(tmp_path, "vllm.dsv4.flashmla", 4, "--seed", "3")
 
 
 def test_a_mutant_finding_gets_a_reproducer_that_shows_it_and_passes_without_it(tmp_path):
@@ -125,13 +115,7 @@ def test_a_mutant_finding_gets_a_reproducer_that_shows_it_and_passes_without_it(
     script = (d / "repro.py").read_text()
     assert (d / SUPPORT_FILE).is_file() and (d / "tensors.safetensors").is_file() and "def apply(" in script
     assert "swa_builder.build(0, " in script and "builder.build(0, " in script and "layer.forward_mqa(" in script
-    # attnfuzz's own code only as its support modules, which attnfuzz_support.py serves
-    assert not [ln for ln in script.splitlines()
-                if ln.strip().startswith(("import fuzzer", "from fuzzer", "from oracles"))
-                and not ln.strip().startswith("from fuzzer.support.")]
-    (d / "fixed.py").write_text(script.replace("apply()  # the injected bug", "pass  # no injected bug"))
-    run = python("-c", TWICE, str(d), cwd=d, timeout=600)
-    assert run.returncode == 0 and "EXIT [0, 1]" in run.stdout, run.stdout + run.stderr[-3000:]
+    run = run_fixed_and_saved(d)
     assert "no bug: fixed" in run.stdout and "BUG: metadata compressed_slot_mapping" in run.stdout, run.stdout
     assert "stand-ins for ops this host lacks: flash_mla_with_kvcache" in run.stdout
     standalone = write_standalone(finding, t, tmp_path / "standalone").read_text()

@@ -4,7 +4,6 @@ the campaign judges. A decode batch takes FA4 (the sparse decode kernel, or the 
 anything else trtllm-gen; the built-in mutant at FA4's call site and its reproducer."""
 
 import dataclasses
-import functools
 import importlib.util
 import sys
 
@@ -13,21 +12,14 @@ import pytest
 from fuzzer.env import host_info
 from oracles.verdict import primary
 from strategies.case import Case, Request, TopkSpec
-from tests.conftest import python, run_repro
+from tests.fuzzer.targets.judged import failures, prepared, run_saved_then_fixed
 
 pytestmark = pytest.mark.vllm
 NAME, W = "vllm.flashattn_sparse_fa4", 128
 
 
-@functools.cache
 def target():
-    from fuzzer.targets.registry import TARGETS
-
-    t = TARGETS[NAME]("cpu")
-    if t.unavailable():
-        pytest.skip(t.unavailable())
-    t.prepare()
-    return t
+    return prepared(NAME)
 
 
 def _case(reqs, num_decodes, table, heads=16, **kw) -> Case:
@@ -36,9 +28,7 @@ def _case(reqs, num_decodes, table, heads=16, **kw) -> Case:
 
 
 def _judged(case):
-    t = target()
-    obs = t.run(case)
-    return obs, [v for v in t.oracle(case, obs) if not v.ok]
+    return failures(target(), case)
 
 
 DECODES = dict(reqs=(Request(1, 70), Request(1, 5), Request(2, 30)), num_decodes=2, table=((1, 2), (3, 0), (4, 0)))
@@ -113,9 +103,4 @@ def mutant_repro(tmp_path_factory):
 
 @pytest.mark.nightly  # two reproducer processes, each importing vLLM: ~45 s
 def test_the_mutant_s_reproducer_shows_the_bug_and_passes_without_it(mutant_repro):
-    run = run_repro(mutant_repro)
-    assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
-    script = (mutant_repro / "repro.py").read_text()
-    (mutant_repro / "fixed.py").write_text(script.replace("apply()  # the injected bug", "pass  # no injected bug"))
-    run = python("fixed.py", cwd=mutant_repro, timeout=300)
-    assert run.returncode == 0 and "no bug: fixed" in run.stdout, run.stdout[-2000:] + run.stderr[-3000:]
+    run_saved_then_fixed(mutant_repro)

@@ -3,7 +3,6 @@ FLASHINFER_MLA_SPARSE_SM120 builders and forward_mqa run for real, FlashInfer's 
 device; judged as the campaign judges. Each built-in mutant (at the backend's own call site) and its reproducer."""
 
 import dataclasses
-import functools
 import importlib.util
 
 import pytest
@@ -11,21 +10,14 @@ import pytest
 from fuzzer.env import host_info
 from oracles.verdict import primary
 from strategies.case import Case, Request, TopkSpec
-from tests.conftest import python, run_repro
+from tests.fuzzer.targets.judged import failures, prepared, run_saved_then_fixed
 
 pytestmark = pytest.mark.vllm
 W = 128
 
 
-@functools.cache
 def target(name):
-    from fuzzer.targets.registry import TARGETS
-
-    t = TARGETS[name]("cpu")
-    if t.unavailable():
-        pytest.skip(t.unavailable())
-    t.prepare()
-    return t
+    return prepared(name)
 
 
 def _case(reqs, num_decodes, table, valid=W, **kw) -> Case:
@@ -34,9 +26,7 @@ def _case(reqs, num_decodes, table, valid=W, **kw) -> Case:
 
 
 def _judged(name, case):
-    t = target(name)
-    obs = t.run(case)
-    return obs, [v for v in t.oracle(case, obs) if not v.ok]
+    return failures(target(name), case)
 
 
 MIXED = dict(reqs=(Request(1, 70), Request(1, 5), Request(9, 30)), num_decodes=2, table=((1, 2), (3, 0), (4, 0)))
@@ -132,9 +122,4 @@ def sm120_mutant(tmp_path_factory):
 @pytest.mark.parametrize("which", ["sm100_mutant", "sm120_mutant"])
 def test_the_mutant_s_reproducer_shows_the_bug_and_passes_without_it(which, request):
     repro = request.getfixturevalue(which)
-    run = run_repro(repro)
-    assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
-    script = (repro / "repro.py").read_text()
-    (repro / "fixed.py").write_text(script.replace("apply()  # the injected bug", "pass  # no injected bug"))
-    run = python("fixed.py", cwd=repro, timeout=300)
-    assert run.returncode == 0 and "no bug: fixed" in run.stdout, run.stdout[-2000:] + run.stderr[-3000:]
+    run_saved_then_fixed(repro)

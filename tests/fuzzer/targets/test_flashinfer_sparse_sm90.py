@@ -12,6 +12,7 @@ from fuzzer.env import host_info
 from oracles.verdict import primary
 from strategies.case import Case, Request, TopkSpec
 from tests.conftest import python, run_repro
+from tests.fuzzer.targets.judged import failures
 
 pytestmark = pytest.mark.vllm
 W = 128
@@ -34,8 +35,7 @@ def _case(reqs, num_decodes, table, **kw) -> Case:
 
 
 def _judged(case):
-    obs = target().run(case)
-    return obs, [v for v in target().oracle(case, obs) if not v.ok]
+    return failures(target(), case)
 
 
 MIXED = dict(reqs=(Request(1, 70), Request(1, 5), Request(9, 30)), num_decodes=2, table=((1, 2), (3, 0), (4, 0)))

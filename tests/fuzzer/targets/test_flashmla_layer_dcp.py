@@ -6,7 +6,7 @@ import functools
 import pytest
 
 from strategies.case import Case, Dcp, Request, TopkSpec
-from tests.conftest import python
+from tests.fuzzer.targets.judged import run_fixed_and_saved
 
 pytestmark = pytest.mark.vllm
 
@@ -47,15 +47,6 @@ def test_the_production_route_is_right_under_dcp(size, interleave, heads):
     assert any("DCP collectives" in e for e in obs.emulated)
 
 
-# Runs a reproducer's main() twice in one process (one vLLM import): first as if fixed (its injected bug left out),
-# then as saved; the bug's patch stays in vLLM for the rest of the process, hence that order.
-TWICE = """
-import runpy, sys
-sys.path.insert(0, sys.argv[1])
-print("EXIT", [runpy.run_path(f"{sys.argv[1]}/{name}")["main"]() for name in ("fixed.py", "repro.py")])
-"""
-
-
 def test_a_finding_gets_a_reproducer_that_emulates_the_ranks_and_shows_it(tmp_path):
     """dcp-empty-shard-lse-zero on a step built here (not searched): a decode whose only position is on rank 0, a
     decode with context on both ranks, a short prefill with cached context (dense MHA, the DCP context gather).
@@ -79,11 +70,5 @@ def test_a_finding_gets_a_reproducer_that_emulates_the_ranks_and_shows_it(tmp_pa
     script = (d / "repro.py").read_text()
     assert (d / SUPPORT_FILE).is_file() and "def replay_layer_dcp_ranks(" in script and "layer_forward(layer, " in script
     assert "on_dcp_ranks(dcp_size, rank_step)" in script and "def layer_forward(" in (d / SUPPORT_FILE).read_text()
-    # attnfuzz's own code only as its support modules, which attnfuzz_support.py serves
-    assert not [ln for ln in script.splitlines()
-                if ln.strip().startswith(("import fuzzer", "from fuzzer", "from oracles"))
-                and not ln.strip().startswith(("from fuzzer.support.", "import fuzzer.support."))]
-    (d / "fixed.py").write_text(script.replace("apply()  # the injected bug", "pass  # no injected bug"))
-    run = python("-c", TWICE, str(d), cwd=d, timeout=600)
-    assert run.returncode == 0 and "EXIT [0, 1]" in run.stdout, run.stdout + run.stderr[-3000:]
+    run = run_fixed_and_saved(d, ("from fuzzer.support.", "import fuzzer.support."))
     assert "merged output off by" in run.stdout and "'mha_tokens': 6" in run.stdout, run.stdout

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from strategies.case import Case, Dcp, Request, TopkSpec, pcp_splits
-from tests.conftest import python
+from tests.fuzzer.targets.judged import run_fixed_and_saved
 
 pytestmark = pytest.mark.vllm
 
@@ -95,15 +95,6 @@ def test_the_mutants_break_the_gather_and_the_oracle_sees_it(mutant, verdict):
         assert "all_gather_into_tensor" in obs.error and "different shapes" in obs.error, obs.error
 
 
-# Runs a reproducer's main() twice in one process (one vLLM import): first as if fixed (its injected bug left out),
-# then as saved; the bug's patch stays in vLLM for the rest of the process, hence that order.
-TWICE = """
-import runpy, sys
-sys.path.insert(0, sys.argv[1])
-print("EXIT", [runpy.run_path(f"{sys.argv[1]}/{name}")["main"]() for name in ("fixed.py", "repro.py")])
-"""
-
-
 def test_a_finding_gets_a_reproducer_that_emulates_every_rank_and_shows_it(tmp_path):
     """pcp-dcp-chunk-rows-paired on a step built here: two fresh prefills too short to split (one row each on
     every PCP rank, paired into one workspace entry by the mutant). repro.py (torch + vLLM only) runs every rank's
@@ -124,11 +115,5 @@ def test_a_finding_gets_a_reproducer_that_emulates_every_rank_and_shows_it(tmp_p
     script = (d / "repro.py").read_text()
     assert (d / SUPPORT_FILE).is_file() and "pcp_runtime.rank_batch(" in script and "def replay_pcp_ranks(" in script
     assert "on_pcp_ranks(cfg, ranks, groups, pcp, tp, write, rank_step)" in script
-    # attnfuzz's own code only as its support modules, which attnfuzz_support.py serves
-    assert not [ln for ln in script.splitlines()
-                if ln.strip().startswith(("import fuzzer", "from fuzzer", "from oracles"))
-                and not ln.strip().startswith(("from fuzzer.support.", "import fuzzer.support."))]
-    (d / "fixed.py").write_text(script.replace("apply()  # the injected bug", "pass  # no injected bug"))
-    run = python("-c", TWICE, str(d), cwd=d, timeout=600)
-    assert run.returncode == 0 and "EXIT [0, 1]" in run.stdout, run.stdout + run.stderr[-3000:]
+    run = run_fixed_and_saved(d, ("from fuzzer.support.", "import fuzzer.support."))
     assert "merged output off by" in run.stdout and "PCP 2 x TP 1 ranks" in run.stdout, run.stdout

@@ -3,12 +3,11 @@
 from the index cache's bytes; a short clean campaign and an injected bug through the CLI."""
 
 import functools
-import json
 
 import pytest
 
 from strategies.case import Case, CaseError, IndexerStep, Request
-from tests.conftest import attnfuzz
+from tests.fuzzer.targets.judged import assert_reached, clean_campaign, first_finding, run_judged
 
 pytestmark = pytest.mark.vllm
 
@@ -61,11 +60,8 @@ CASES = {
 @pytest.mark.parametrize("name", CASES)
 def test_a_step_gives_a_valid_top_k(name):
     case, paths = CASES[name]
-    t = target()
-    obs = t.run(case)
-    verdicts = t.oracle(case, obs)
-    assert obs.error is None and all(v.ok for v in verdicts), (case.summary(), obs.error, verdicts)
-    assert paths <= set(obs.notes["paths"]), sorted(obs.notes["paths"])
+    obs, verdicts = run_judged(target(), case)
+    assert_reached(obs, paths)
     assert {"deep_gemm.fp8_fp4_paged_mqa_logits", "indexer_k_quant_and_cache"} <= set(obs.emulated)
     assert {v.check for v in verdicts} >= {"topk", "cache_write", "padded_rows", "buffer_rows"}
     assert not obs.memory
@@ -78,10 +74,7 @@ def test_a_trace_keeps_the_cache_and_the_buffer_across_steps():
     first = step([Request(20, 0), Request(30, 600)], 0, table)
     second = step([Request(1, 20), Request(1, 630)], 2, table)
     case = step([Request(1, 21), Request(1, 631)], 2, table, earlier=[first, second])
-    t = target()
-    obs = t.run(case)
-    verdicts = t.oracle(case, obs)
-    assert all(v.ok for v in verdicts), verdicts
+    obs, _ = run_judged(target(), case)
     assert len(obs.steps) == 2
 
 
@@ -95,16 +88,10 @@ def test_an_indexer_case_holds_no_drawn_top_k_and_names_a_bad_field():
 
 
 def test_a_short_clean_campaign(tmp_path):
-    run = attnfuzz("run", "--target", "vllm.indexer", "--max-examples", "12", "--seed", "3",
-                   "--json", str(tmp_path / "run.json"), state=tmp_path / "state")
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    summary = json.loads((tmp_path / "run.json").read_text())
-    assert summary["examples"] == 12 and not summary["findings"]
+    clean_campaign(tmp_path, "vllm.indexer", 12, "--seed", "3")
 
 
 def test_an_injected_indexer_bug_is_found(tmp_path):
-    run = attnfuzz("run", "--target", "vllm.indexer", "--max-examples", "40", "--seed", "1", "--inject",
-                   "indexer-mtp-seq-lens-off-by-one", "--json", str(tmp_path / "run.json"), state=tmp_path / "state")
-    assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
-    finding = json.loads((tmp_path / "run.json").read_text())["findings"][0]
+    finding = first_finding(tmp_path, "vllm.indexer", "--max-examples", "40", "--seed", "1", "--inject",
+                            "indexer-mtp-seq-lens-off-by-one")
     assert "D" in finding["bug_classes"], finding

@@ -3,7 +3,6 @@ gfx950), AITER's planner and decode attnfuzz's stand-in; judged as the campaign 
 (repros/rocm-aiter-sparse-6d1468ed), the built-in mutant at the backend's own builder, and its reproducer."""
 
 import dataclasses
-import functools
 import importlib.util
 
 import pytest
@@ -11,22 +10,15 @@ import pytest
 from fuzzer.env import host_info
 from oracles.verdict import primary
 from strategies.case import Case, Request, TopkSpec
-from tests.conftest import python, run_repro
+from tests.fuzzer.targets.judged import failures, prepared, run_saved_then_fixed
 
 pytestmark = pytest.mark.vllm
 NAME = "vllm.rocm_aiter_sparse"
 W = 128
 
 
-@functools.cache
 def target():
-    from fuzzer.targets.registry import TARGETS
-
-    t = TARGETS[NAME]("cpu")
-    if t.unavailable():
-        pytest.skip(t.unavailable())
-    t.prepare()
-    return t
+    return prepared(NAME)
 
 
 def _case(reqs, num_decodes, table, **kw) -> Case:
@@ -36,9 +28,7 @@ def _case(reqs, num_decodes, table, **kw) -> Case:
 
 
 def _judged(case):
-    t = target()
-    obs = t.run(case)
-    return obs, [v for v in t.oracle(case, obs) if not v.ok]
+    return failures(target(), case)
 
 
 # A decode past the top-k width (its row full, split over two AITER work items), a short decode, a prefill.
@@ -102,12 +92,7 @@ def mutant_repro(tmp_path_factory):
 
 @pytest.mark.nightly
 def test_the_mutant_s_reproducer_shows_the_bug_and_passes_without_it(mutant_repro):
-    run = run_repro(mutant_repro)
-    assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
-    script = (mutant_repro / "repro.py").read_text()
-    (mutant_repro / "fixed.py").write_text(script.replace("apply()  # the injected bug", "pass  # no injected bug"))
-    run = python("fixed.py", cwd=mutant_repro, timeout=300)
-    assert run.returncode == 0 and "no bug: fixed" in run.stdout, run.stdout[-2000:] + run.stderr[-3000:]
+    run_saved_then_fixed(mutant_repro)
 
 
 def test_the_mutant_is_found(mutant_repro):
