@@ -161,10 +161,10 @@ def _has_c_op(name: str, device: str) -> bool:
         return False
 
 
-def layer_quant_shim(major: int, device: str) -> list[str]:
+def layer_quant_shim(major: int | None, device: str) -> list[str]:
     """What the engine's layer runs in place of a compiled op this host lacks, where the impl takes a quantized query
-    (SM100's; its result names it)."""
-    if major != 10 or _has_c_op("static_scaled_fp8_quant", device):
+    (SM100's, ROCm AITER's: major None; its result names it)."""
+    if major not in (10, None) or _has_c_op("static_scaled_fp8_quant", device):
         return []
     return ["MLAAttention's fp8 query quantization (_DecodeConcatQuantFP8): QuantFP8.forward_native, vLLM's own "
             "torch path, for the _C.static_scaled_fp8_quant op this host lacks"]

@@ -26,7 +26,7 @@ from types import SimpleNamespace
 
 import torch
 
-from fuzzer.support.flashinfer_sparse_runtime import _has_c_op, kv_cache_spec  # noqa: F401  (reproducers call it)
+from fuzzer.support.flashinfer_sparse_runtime import _has_c_op, kv_cache_spec, layer_quant_shim  # noqa: F401  (reproducers call them)
 from fuzzer.support.flashmla_runtime import LAYER
 from fuzzer.support.sparse_mla_steps import metadata_builder, prepare_cpu, sparse_mla_impl
 from fuzzer.support.standins import aiter_mla, flashmla_ops
@@ -163,14 +163,6 @@ def _engine(backend_cls, cfg, spec, heads, kv_cache_dtype, topk_indices_buffer, 
         builder = metadata_builder(backend_cls, spec, cfg, device)
     _call_under(builder, "build", aiter_mla.importable)
     return impl, layer, builder
-
-
-def layer_quant_shim(device: str) -> list[str]:
-    """What the engine's layer runs in place of a compiled op this host lacks (its fp8 query quantization)."""
-    if _has_c_op("static_scaled_fp8_quant", device):
-        return []
-    return ["MLAAttention's fp8 query quantization (_DecodeConcatQuantFP8): QuantFP8.forward_native, vLLM's own "
-            "torch path, for the _C.static_scaled_fp8_quant op this host lacks"]
 
 
 def undocumented() -> list[tuple[str, list[int]]]:

@@ -85,7 +85,7 @@ class RocmAiterMLASparse(FlashMLASparse):
 
     def prepare(self) -> None:
         self.backend, self.emulated, shims = runtime.prepare_host(self.device)
-        self.shims = [*shims, *runtime.layer_quant_shim(self.device)]
+        self.shims = [*shims, *runtime.layer_quant_shim(None, self.device)]
         self.real_parts = type(self).real_parts
         self.cfg = self.runtime(str(STATE_DIR))
         self.block_stride_rows = remap_api().has_block_stride_rows
