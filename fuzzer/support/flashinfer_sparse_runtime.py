@@ -123,9 +123,6 @@ def engine(major: int, backend_cls, cfg, spec, heads: int, kv_cache_dtype: str, 
 
 def _engine(major, backend_cls, cfg, spec, heads, kv_cache_dtype, topk_indices_buffer, k_scale, q_scale, device,
             model_type):
-    from vllm.model_executor.layers.attention.mla_attention import _DecodeConcatQuantFP8
-    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
-
     text = cfg.model_config.hf_text_config
     was, text.model_type = text.model_type, model_type
     try:
@@ -137,17 +134,26 @@ def _engine(major, backend_cls, cfg, spec, heads, kv_cache_dtype, topk_indices_b
         _kernel_call_under(impl, "_run_mqa_kernel", _sm120_flashinfer)
     else:
         _kernel_call_under(impl, "_forward_mqa_kernel", lambda: flashinfer_trtllm_mla.importable(10))
-    quant = _DecodeConcatQuantFP8(static=True, group_shape=GroupShape.PER_TENSOR, compile_native=True)
-    if not _has_c_op("static_scaled_fp8_quant", device):  # the op this host lacks: the op's own native path
-        quant._forward_method = quant.forward_native
-    f32 = dict(dtype=torch.float32, device=device)
-    layer = SimpleNamespace(impl=impl, prefill_backend=None, hisparse_cache=None,
-                            _k_scale=torch.tensor(k_scale, **f32), _k_scale_float=k_scale,
-                            _q_scale=torch.tensor(q_scale, **f32), _q_scale_float=q_scale,
-                            _decode_concat_quant_fp8_op=quant)
+    layer = mla_layer(impl, k_scale, q_scale, device)
     cfg.compilation_config.static_forward_context[LAYER] = layer
     builder = metadata_builder(backend_cls, spec, cfg, device)
     return impl, layer, builder
+
+
+def mla_layer(impl, k_scale: float, q_scale: float, device: str) -> SimpleNamespace:
+    """What forward_mqa reads of MLAAttention: its impl, its fp8 scales and its decode fp8 quantization of the
+    concatenated query (the op's own native path where the host lacks the compiled op)."""
+    from vllm.model_executor.layers.attention.mla_attention import _DecodeConcatQuantFP8
+    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+
+    quant = _DecodeConcatQuantFP8(static=True, group_shape=GroupShape.PER_TENSOR, compile_native=True)
+    if not _has_c_op("static_scaled_fp8_quant", device):
+        quant._forward_method = quant.forward_native
+    f32 = dict(dtype=torch.float32, device=device)
+    return SimpleNamespace(impl=impl, prefill_backend=None, hisparse_cache=None,
+                           _k_scale=torch.tensor(k_scale, **f32), _k_scale_float=k_scale,
+                           _q_scale=torch.tensor(q_scale, **f32), _q_scale_float=q_scale,
+                           _decode_concat_quant_fp8_op=quant)
 
 
 def _has_c_op(name: str, device: str) -> bool:

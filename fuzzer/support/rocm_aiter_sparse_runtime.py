@@ -26,7 +26,7 @@ from types import SimpleNamespace
 
 import torch
 
-from fuzzer.support.flashinfer_sparse_runtime import _has_c_op, kv_cache_spec, layer_quant_shim  # noqa: F401  (reproducers call them)
+from fuzzer.support.flashinfer_sparse_runtime import _has_c_op, kv_cache_spec, layer_quant_shim, mla_layer  # noqa: F401  (reproducers call them)
 from fuzzer.support.flashmla_runtime import LAYER
 from fuzzer.support.sparse_mla_steps import metadata_builder, prepare_cpu, sparse_mla_impl
 from fuzzer.support.standins import aiter_mla, flashmla_ops
@@ -144,20 +144,10 @@ def engine(backend_cls, cfg, spec, heads: int, kv_cache_dtype: str, topk_indices
 
 
 def _engine(backend_cls, cfg, spec, heads, kv_cache_dtype, topk_indices_buffer, k_scale, q_scale, device):
-    from vllm.model_executor.layers.attention.mla_attention import _DecodeConcatQuantFP8
-    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
-
     impl = sparse_mla_impl(backend_cls, heads, kv_cache_dtype, topk_indices_buffer)
     impl.owns_indexer = True  # DeepSeek-V3.2: every layer has its indexer (MLAAttention passes it as `indexer`)
     _call_under(impl, "_forward_mla", aiter_mla.importable)
-    quant = _DecodeConcatQuantFP8(static=True, group_shape=GroupShape.PER_TENSOR, compile_native=True)
-    if not _has_c_op("static_scaled_fp8_quant", device):  # the op this host lacks: the op's own native path
-        quant._forward_method = quant.forward_native
-    f32 = dict(dtype=torch.float32, device=device)
-    layer = SimpleNamespace(impl=impl, prefill_backend=None, hisparse_cache=None,
-                            _k_scale=torch.tensor(k_scale, **f32), _k_scale_float=k_scale,
-                            _q_scale=torch.tensor(q_scale, **f32), _q_scale_float=q_scale,
-                            _decode_concat_quant_fp8_op=quant)
+    layer = mla_layer(impl, k_scale, q_scale, device)
     cfg.compilation_config.static_forward_context[LAYER] = layer
     with aiter_mla.importable():
         builder = metadata_builder(backend_cls, spec, cfg, device)
