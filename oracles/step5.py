@@ -32,6 +32,7 @@ from strategies.step5_tensors import (
     materialize_step5,
     positions,
     request_summaries,
+    to_e4m3,
 )
 
 ATOL = RTOL = 0.02  # bf16 probabilities in the kernel's P.V (fp16 with an fp8 cache), bf16 output and gate
@@ -158,8 +159,8 @@ def _reference_row(case: Case, inp, j: int, i: int, g: int, p: int, regions: lis
     tokens = [t for r in regions for t in range(r * REGION, r * REGION + REGION) if t <= p]
     kk, vv = inp.k[i][tokens, g].float(), inp.v[i][tokens, g].float()
     if case.kv_cache_dtype == "fp8":  # as stored: e4m3 of x / scale, read back times the scale
-        kk = (kk / inp.k_scale).to(torch.float8_e4m3fn).float() * inp.k_scale
-        vv = (vv / inp.v_scale).to(torch.float8_e4m3fn).float() * inp.v_scale
+        kk = to_e4m3(kk / inp.k_scale).float() * inp.k_scale
+        vv = to_e4m3(vv / inp.v_scale).float() * inp.v_scale
     q = inp.q[j][i, g * heads:(g + 1) * heads].float()
     att = torch.softmax(q @ kk.T * HEAD_SIZE ** -0.5, dim=-1) @ vv
     sig = torch.sigmoid(inp.gate[j][i, g * heads:(g + 1) * heads].float()).bfloat16().float()

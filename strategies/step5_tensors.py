@@ -20,9 +20,10 @@ from dataclasses import dataclass
 import torch
 
 from strategies.case import Case
-from strategies.tensors import fp8_kv_scale
+from strategies.tensors import FP8_MAX, fp8_kv_scale
 
 HEAD_SIZE = 192
+KV_STD = 1.0  # K and V are N(0, 1); a calibrated fp8 scale is fitted to it
 PROXY_DIM = 256
 PADDED_INDEX_HEADS = 8  # the model pads the indexer's heads of a group to 8 (the logits kernel's minimum)
 REGION = 8  # tokens a region (a CSA summary) covers
@@ -53,7 +54,7 @@ def kv_scales(case: Case) -> tuple[float, float]:
     checkpoint's otherwise (not powers of two, not equal)."""
     if case.kv_cache_dtype != "fp8" or case.fp8_scale == "pow2":
         return 1.0, 1.0
-    k = fp8_kv_scale(case)
+    k = fp8_kv_scale(case, std=KV_STD)
     return k, k * 1.375
 
 
@@ -67,8 +68,8 @@ def materialize_step5(case: Case, device: str = "cpu") -> Step5Inputs:
 
     k, v, ik, iz = [], [], [], []
     for r in case.requests:
-        k.append(randn(r.seq_len, groups, HEAD_SIZE).bfloat16())
-        v.append(randn(r.seq_len, groups, HEAD_SIZE).bfloat16())
+        k.append(randn(r.seq_len, groups, HEAD_SIZE, scale=KV_STD).bfloat16())
+        v.append(randn(r.seq_len, groups, HEAD_SIZE, scale=KV_STD).bfloat16())
         key, z = randn(r.seq_len, PROXY_DIM), randn(r.seq_len, PROXY_DIM)
         if x.regions == "ties":  # every third closed region repeats region 0's rows: equal summaries, equal scores
             for start in range(3 * REGION, r.seq_len - REGION, 3 * REGION):
@@ -81,7 +82,7 @@ def materialize_step5(case: Case, device: str = "cpu") -> Step5Inputs:
         q.append(randn(n, heads, HEAD_SIZE).bfloat16())
         proxy = torch.zeros(groups, n, PADDED_INDEX_HEADS, PROXY_DIM)
         proxy[:, :, : x.index_heads] = randn(groups, n, x.index_heads, PROXY_DIM, scale=0.5)
-        pq.append(proxy.to(torch.float8_e4m3fn))
+        pq.append(to_e4m3(proxy))
         w = torch.zeros(groups, n, PADDED_INDEX_HEADS)
         w[:, :, : x.index_heads] = torch.rand(groups, n, x.index_heads, generator=g)
         pw.append(w)
@@ -107,6 +108,12 @@ def slots_of(case: Case, req: int, positions_: range, device) -> torch.Tensor:
     return (row[p // case.block_size] * case.block_size + p % case.block_size).to(device)
 
 
+def to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """x as e4m3, saturating at +-448 as vLLM's writers do (__NV_SATFINITE): torch's own conversion saturates on a
+    CPU but gives NaN bytes on CUDA for |x| >= 464, a cache vLLM never writes."""
+    return x.float().clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
 def write_kv(cache: torch.Tensor, case: Case, inp: Step5Inputs, req: int, positions_: range) -> None:
     """The packed cache [blocks, groups, block_size, 384] holds K then V of each written token: bf16 as is, or (a
     uint8 cache) e4m3 of K / k_scale and V / v_scale, the bytes vLLM's fp8 cache stores."""
@@ -117,7 +124,7 @@ def write_kv(cache: torch.Tensor, case: Case, inp: Step5Inputs, req: int, positi
     k = inp.k[req][positions_.start:positions_.stop].float()
     v = inp.v[req][positions_.start:positions_.stop].float()
     if cache.dtype == torch.uint8:
-        kv = torch.cat([k / inp.k_scale, v / inp.v_scale], dim=-1).to(torch.float8_e4m3fn).view(torch.uint8)
+        kv = to_e4m3(torch.cat([k / inp.k_scale, v / inp.v_scale], dim=-1)).view(torch.uint8)
     else:
         kv = torch.cat([k, v], dim=-1).to(cache.dtype)
     cache[s // bs, :, s % bs] = kv  # [tokens, groups, 384]
@@ -138,7 +145,7 @@ def encode_summaries(key: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         scale = torch.where(den > 0, torch.exp(mx - new), torch.zeros((), device=key.device))
         w = torch.exp(z[:, row] - new)
         num, den, mx = num * scale + w * key[:, row], den * scale + w, new
-    return (num / torch.clamp(den, min=1e-20)).bfloat16().to(torch.float8_e4m3fn).view(torch.uint8)
+    return to_e4m3((num / torch.clamp(den, min=1e-20)).bfloat16()).view(torch.uint8)
 
 
 def encode_summary(key: torch.Tensor, z: torch.Tensor) -> torch.Tensor:

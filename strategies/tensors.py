@@ -141,12 +141,17 @@ SM_SCALE = 192**-0.5  # DeepSeek-V3: (qk_nope_head_dim 128 + qk_rope_head_dim 64
 _VALUE_SCALE = {"normal": 0.25, "large": 4.0, "tiny": 1e-3, "zero_tiles": 0.25}
 
 
-def fp8_kv_scale(case: Case) -> float:
+FP8_MAX = 448.0  # e4m3's largest finite value
+
+
+def fp8_kv_scale(case: Case, std: float | None = None) -> float:
     """The layer's k_scale for a per-tensor fp8 cache (kv_cache_dtype "fp8"): vLLM's writer stores x / k_scale as
     e4m3 for both parts of an entry, and a reader multiplies back. fp8_scale "pow2": 1.0, vLLM's default where the
     checkpoint has no kv-cache scales; "arbitrary": a calibrated checkpoint's, amax / 448 for values up to 8 standard
-    deviations of the case's (none saturates; not a power of two)."""
-    return 1.0 if case.fp8_scale == "pow2" else _VALUE_SCALE[case.values] * 8 / 448
+    deviations of the values' (`std`, default the case's `values` scale; none saturates; not a power of two)."""
+    if case.fp8_scale == "pow2":
+        return 1.0
+    return (_VALUE_SCALE[case.values] if std is None else std) * 8 / FP8_MAX
 
 
 QUERY_STD = 0.25  # the attention inputs' q: 0.25 N(0, 1) (_step_values)

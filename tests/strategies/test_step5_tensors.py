@@ -75,3 +75,19 @@ def test_torch_writers_equal_vllms_triton_update(block):
             row = ring_row(c, i, p, capacity, capacity)
             assert torch.equal(ring_ours[row].view(torch.int16), ring_theirs[row].view(torch.int16)), (i, p)
     assert torch.equal(ours, theirs), (ours != theirs).nonzero()[:8].tolist()
+
+
+def test_fp8_values_saturate_and_a_calibrated_scale_fits_the_values():
+    """vLLM's writers saturate at +-448; torch's CUDA conversion gives NaN bytes there (its CPU one saturates), so
+    the writers clamp first. A calibrated k_scale fits step5's N(0, 1) K/V: nothing reaches 448."""
+    from strategies.step5_tensors import kv_scales, to_e4m3, write_kv
+
+    assert to_e4m3(torch.tensor([500.0, -1e4, 1.0])).float().tolist() == [448.0, -448.0, 1.0]
+    c = Case.from_dict({**case(contexts=(150,), block=64).to_dict(), "kv_cache_dtype": "fp8",
+                        "fp8_scale": "arbitrary"})
+    inp = materialize_step5(c)
+    assert kv_scales(c)[0] == pytest.approx(8 / 448)
+    cache = torch.zeros(12, 1, 64, 384, dtype=torch.uint8)
+    write_kv(cache, c, inp, 0, range(151))
+    values = cache.view(torch.float8_e4m3fn).float()
+    assert values.isfinite().all() and values.abs().max() < 448
