@@ -106,7 +106,8 @@ SIDE_BY_SIDE = {"vllm.sparse_mla.all": {"vllm.flashmla_sparse": "FLASHMLA_SPARSE
                                         "vllm.flashinfer_sparse_sm90": "FLASHINFER_MLA_SPARSE_SM90",
                                         "vllm.flashinfer_sparse_sm100": "FLASHINFER_MLA_SPARSE",
                                         "vllm.flashinfer_sparse_sm120": "FLASHINFER_MLA_SPARSE_SM120",
-                                        "vllm.flashattn_sparse_fa4": "FLASH_ATTN_MLA_SPARSE_FA4"}}
+                                        "vllm.flashattn_sparse_fa4": "FLASH_ATTN_MLA_SPARSE_FA4",
+                                        "vllm.rocm_aiter_sparse": "ROCM_AITER_MLA_SPARSE"}}
 
 
 def known_signature(found_on: str, signature: str, target: str, needs: tuple[str, ...] = ()) -> str | None:

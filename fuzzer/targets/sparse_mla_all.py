@@ -3,20 +3,23 @@ reference and against each other (`oracles.backends`).
 
 The same contracts, separate code: FLASHMLA_SPARSE, FLASH_ATTN_MLA_SPARSE, XPU_MLA_SPARSE (vLLM's pure-Triton
 backend), FLASHINFER_MLA_SPARSE_SM90 and the Blackwell ones, FLASHINFER_MLA_SPARSE (SM100, trtllm-gen),
-FLASHINFER_MLA_SPARSE_SM120 and FLASH_ATTN_MLA_SPARSE_FA4 (SM100, FA4), each take the step through their own metadata
-builder, index conversion and kernel on the MQA route, as their own targets drive them (`vllm.flashmla_sparse`,
-`vllm.flashattn_sparse`, `vllm.triton_sparse`, `vllm.flashinfer_sparse_sm90`, `vllm.flashinfer_sparse_sm100`,
-`vllm.flashinfer_sparse_sm120`, `vllm.flashattn_sparse_fa4`). Single fresh steps, blocks of 64 or 128 tokens. A step's
-cache is bf16 or fp8_ds_mla, and a backend takes it where vLLM would route that cache to it (its target's
-kv_cache_dtypes): bf16 to all but SM120, fp8_ds_mla to FLASHMLA_SPARSE and SM120 (SM120 takes fp8_ds_mla only; its
-fp8_ds_mla steps draw the tile-scale conventions whose model's scale format reads them exactly, power-of-two with
-DeepSeek-V3.2, arbitrary with GLM-5, so FlashMLA and SM120 read the same bytes alike). A backend that raises on such
-a case is a finding of its own (vLLM would route the step to it). FLASHINFER_MLA_SPARSE_SM90 plans each top-k row's
-count from its context, and trtllm-gen's answer for a row of no entry is not public (SM100, and FA4's non-decode
-batches): those three run on the cases whose rows are the indexer's (the knob `topk_rows`, "indexer": about half),
-and the others say they were left out, as a backend the step's cache does not fit is. Compiled kernels a host lacks
-are each backend's stand-ins (FlashInfer's and FA4's on every host), named in every result as each target names them.
-A finding that names one backend gets that backend's reproducer.
+FLASHINFER_MLA_SPARSE_SM120 and FLASH_ATTN_MLA_SPARSE_FA4 (SM100, FA4), and ROCM_AITER_MLA_SPARSE (AMD), each take the
+step through their own metadata builder, index conversion and kernel on the MQA route, as their own targets drive them
+(`vllm.flashmla_sparse`, `vllm.flashattn_sparse`, `vllm.triton_sparse`, `vllm.flashinfer_sparse_sm90`,
+`vllm.flashinfer_sparse_sm100`, `vllm.flashinfer_sparse_sm120`, `vllm.flashattn_sparse_fa4`, `vllm.rocm_aiter_sparse`).
+Single fresh steps, blocks of 64 or 128 tokens. A step's cache is bf16 or fp8_ds_mla, and a backend takes it where
+vLLM would route that cache to it (its target's kv_cache_dtypes): bf16 to all but SM120, fp8_ds_mla to FLASHMLA_SPARSE
+and SM120 (SM120 takes fp8_ds_mla only; its fp8_ds_mla steps draw the tile-scale conventions whose model's scale format
+reads them exactly, power-of-two with DeepSeek-V3.2, arbitrary with GLM-5, so FlashMLA and SM120 read the same bytes
+alike). A backend that raises on such a case is a finding of its own (vLLM would route the step to it).
+FLASHINFER_MLA_SPARSE_SM90 plans each top-k row's count from its context, ROCM_AITER_MLA_SPARSE computes it from the
+positions, and trtllm-gen's answer for a row of no entry is not public (SM100, and FA4's non-decode batches): those
+four run on the cases whose rows are the indexer's (the knob `topk_rows`, "indexer": about half), and the others say
+they were left out, as a backend the step's cache does not fit is. ROCM_AITER_MLA_SPARSE also reads a row's first
+entries as the valid ones (the indexer's -1 entries at the tail) and takes graph padding tokens only in a replayed FULL
+graph, as vLLM pads metadata for no other step: it is left out of steps with -1 entries elsewhere or with padding
+tokens. Compiled kernels a host lacks are each backend's stand-ins (FlashInfer's, FA4's and AITER's on every host),
+named in every result as each target names them. A finding that names one backend gets that backend's reproducer.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from fuzzer.targets.flashattn_sparse_fa4 import FlashAttnMLASparseFA4
 from fuzzer.targets.flashinfer_sparse_blackwell import FlashInferMLASparseSM100, FlashInferMLASparseSM120
 from fuzzer.targets.flashinfer_sparse_sm90 import FlashInferMLASparseSM90
 from fuzzer.targets.flashmla_sparse import FlashMLASparse
+from fuzzer.targets.rocm_aiter_sparse import RocmAiterMLASparse
 from fuzzer.targets.triton_sparse import TritonSparse
 from oracles.backends import judge_backends
 from strategies.batches import AttentionFeatures, attention_space
@@ -38,7 +42,7 @@ from strategies.batches import AttentionFeatures, attention_space
 class SparseMLAAll(Target):
     name = "vllm.sparse_mla.all"
     summary = ("every sparse-MLA backend this host runs (FlashMLA, FlashAttention FA3 and FA4, Triton, FlashInfer SM90, "
-               "SM100 and SM120), one step each (bf16, or fp8_ds_mla where it fits), judged pairwise")
+               "SM100 and SM120, ROCm AITER), one step each (bf16, or fp8_ds_mla where it fits), judged pairwise")
     bug_classes = "B C D I J K"
     oracle = staticmethod(judge_backends)
     kv_cache_dtypes = ("bfloat16", "fp8_ds_mla")
@@ -48,10 +52,14 @@ class SparseMLAAll(Target):
                 "XPU_MLA_SPARSE": TritonSparse, FlashInferMLASparseSM90.vllm_backend: FlashInferMLASparseSM90,
                 FlashInferMLASparseSM100.vllm_backend: FlashInferMLASparseSM100,
                 FlashInferMLASparseSM120.vllm_backend: FlashInferMLASparseSM120,
-                FlashAttnMLASparseFA4.vllm_backend: FlashAttnMLASparseFA4}
+                FlashAttnMLASparseFA4.vllm_backend: FlashAttnMLASparseFA4,
+                RocmAiterMLASparse.vllm_backend: RocmAiterMLASparse}
     # Backends that take a case only when each top-k row holds min(context, top-k) valid positions (the indexer's rows).
     INDEXER_ROWS_ONLY = (FlashInferMLASparseSM90.vllm_backend, FlashInferMLASparseSM100.vllm_backend,
-                         FlashAttnMLASparseFA4.vllm_backend)
+                         FlashAttnMLASparseFA4.vllm_backend, RocmAiterMLASparse.vllm_backend)
+    # Backends that read a row's first min(position + 1, top-k) entries as its valid ones, and whose Python refuses
+    # padded metadata run eagerly (vLLM pads it only for a FULL graph, `pad_attn`; this target's steps are eager).
+    RAGGED_ROWS = (RocmAiterMLASparse.vllm_backend,)
     # fp8_ds_mla tile-scale conventions whose readers agree: each with the model SM120 reads it for (exactly)
     FP8_SCALES = FlashInferMLASparseSM120.FP8_SCALES
     # What prepare() found (a worker campaign's parent plans from it and never imports vLLM).
@@ -95,6 +103,12 @@ class SparseMLAAll(Target):
                              f"{case.kv_cache_dtype} step to it)")
             elif not indexer_rows and name in self.INDEXER_ROWS_ONLY:
                 why[name] = "its rows are the indexer's only (min(context, top-k) valid); this case's are drawn otherwise"
+            elif name in self.RAGGED_ROWS and any(t.invalid_at != "tail" for t in case.topk):
+                why[name] = "it reads a row's valid entries first, as the indexer writes them; this case's -1 entries " \
+                            "are elsewhere"
+            elif name in self.RAGGED_ROWS and case.padded_tokens:
+                why[name] = "vLLM pads its metadata only in a FULL graph, and its Python refuses padded metadata " \
+                            "run eagerly; this case's step is eager with graph padding"
         return why
 
     def run(self, case) -> Observation:

@@ -266,9 +266,10 @@ def test_a_flashinfer_sm90_reproducer_carries_only_what_its_path_reaches():
     files = render(finding, FlashInferMLASparseSM90("cpu").repro_spec(finding))
     script, support = files["repro.py"], files[SUPPORT_FILE]
     assert len(script.splitlines()) <= 150, len(script.splitlines())
-    # Issue 34 asked for ~600; what the path reaches (harness, runtime set-up with its API-drift checks, bounds
-    # checker, stand-in) is ~1,460.
-    assert len(support.splitlines()) <= 1500, len(support.splitlines())
+    # Issue 34 asked for ~600; the path reaches 1,462 lines: the stand-in 591, bounds checker 181, vLLM-side set-up
+    # and CPU emulation 483, harness, loader, judges and errors 207. This case's run leaves 125 unrun: error, refusal
+    # and bounds-violation paths (57 lines in functions it never calls): bench/support_coverage.py.
+    assert len(support.splitlines()) <= 1470, len(support.splitlines())
     modules = _support_sources(support)
     assert not {"fuzzer.support.interp.corrections", "fuzzer.support.standins.flashmla_ops",
                 "fuzzer.support.dcp_group"} & set(modules)

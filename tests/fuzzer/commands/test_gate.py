@@ -265,6 +265,8 @@ def test_a_known_bug_of_a_backend_is_known_where_it_runs_side_by_side():
     assert known_signature("vllm.flashinfer_sparse_sm90", "output:output", "vllm.flashinfer_sparse_sm90.layer") == \
         "output:output"
     assert known_signature("vllm.flashmla_sparse.layer", "output:output", "vllm.sparse_mla.all") is None
+    assert known_signature("vllm.rocm_aiter_sparse", "padded_rows:padded_rows", "vllm.sparse_mla.all") == \
+        "padded_rows:ROCM_AITER_MLA_SPARSE:padded_rows"
     members = TARGETS["vllm.sparse_mla.all"].BACKENDS
     assert SIDE_BY_SIDE["vllm.sparse_mla.all"] == {cls.name: backend for backend, cls in members.items()}
 

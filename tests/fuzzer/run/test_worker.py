@@ -40,6 +40,27 @@ def test_a_crash_on_the_third_case_does_not_stop_the_campaign(tmp_path, fault, s
     assert (tmp_path / "repros" / finding["id"] / "case.json").exists()
 
 
+def test_a_hang_is_confirmed_on_a_fresh_worker_before_it_is_a_hang(tmp_path, monkeypatch):
+    """The watchdog at a second's scale (a campaign's --case-timeout is at least 5 s: the nightly test below runs it
+    end to end, finding and report): the case that hangs is killed, runs again on a fresh worker with HANG_CONFIRM
+    times the deadline, and hangs there too: a hang."""
+    from fuzzer.run.worker import HANG_CONFIRM, WorkerExecutor, WorkerSpec
+    from strategies.case import Case, Request, TopkSpec
+
+    for name, value in (("ATTNFUZZ_STATE", tmp_path / "state"), ("ATTNFUZZ_FAULT", "hang:1,hang:2"),
+                        ("ATTNFUZZ_FAULT_COUNTER", tmp_path / "count")):
+        monkeypatch.setenv(name, str(value))
+    executor = WorkerExecutor(WorkerSpec("selftest.fault", "cpu", case_timeout=1.0), tmp_path / "logs")
+    try:
+        obs, verdicts = executor.check(Case((Request(1, 0),), 1, 64, ((1,),), 128, (TopkSpec(0),)))
+    finally:
+        executor.close()
+    title = f"no result within 1 s, nor within {HANG_CONFIRM} s on a fresh worker (watchdog): worker killed"
+    assert [(v.check, v.detail) for v in verdicts] == [("hang", title)] and executor.started == 2
+    assert obs.notes["watchdog"] == {"deadline_s": 1.0, "confirm_s": float(HANG_CONFIRM)}
+
+
+@pytest.mark.nightly  # two watchdog deadlines of 5 and 20 s in a campaign: ~50 s (the test above: the same at 1 s)
 def test_a_hang_is_killed_by_the_watchdog_and_confirmed_on_a_fresh_worker(tmp_path):
     # The 2nd case hangs, and so does its re-run on a fresh worker (the fault counter's 3rd case).
     r = campaign(tmp_path, "hang:2,hang:3", "--case-timeout", "5s", "--reruns", "0", max_examples=6)

@@ -2,6 +2,7 @@
 (every rank emulated in one process; real ranks as processes over gloo), with and without the DCP mutants."""
 
 import json
+import os
 import threading
 from pathlib import Path
 
@@ -160,7 +161,37 @@ def test_each_dcp_mutant_is_seen(mutant, interleave, check):
     assert [check, "G"] in failed, failed
 
 
+RANKS_PROBE = """
+import json, sys
+from fuzzer.env import prepare_process
+prepare_process("cpu")
+import vllm
+from fuzzer.mutants import inject
+from fuzzer.targets.flashmla_dcp_ranks import FlashMLASparseDcpRanks
+from strategies.case import Case
+t = FlashMLASparseDcpRanks("cpu"); t.prepare(); inject(sys.argv[1])
+case = Case.from_json(sys.argv[2])
+obs = t.run(case)
+print(json.dumps([obs.notes.get("dcp"), sorted({(v.check, v.bug_class) for v in t.oracle(case, obs) if not v.ok})]))
+"""
+
+
 @pytest.mark.vllm
+def test_real_ranks_over_gloo_see_a_mutant(tmp_path):
+    """Two rank processes over gloo, vLLM's DCP group and collectives, on one fixed case: the mutant rank 0 applied
+    runs on rank 1 too (broadcast with the case), and the judge sees its class-G verdict (the campaign, shrinking
+    and the reproducer: the nightly test below)."""
+    from tests.conftest import python
+
+    env = dict(os.environ, ATTNFUZZ_STATE=str(tmp_path))  # the ranks' init file and logs
+    run = python("-c", RANKS_PROBE, "dcp-empty-shard-lse-zero", mixed(2, 1).to_json(None), env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    notes, failed = json.loads(run.stdout.strip().splitlines()[-1])
+    assert notes == "2 ranks, one process each" and ["dcp_empty_shard", "G"] in failed, failed
+
+
+@pytest.mark.vllm
+@pytest.mark.nightly  # a campaign with two rank processes, then its reproducer: ~70 s (the fixed case above: CI)
 def test_real_ranks_over_gloo_find_a_mutant(tmp_path):
     run = attnfuzz("--device", "cpu", "run", "--target", "vllm.flashmla_sparse.dcp.ranks", "--inject",
                    "dcp-empty-shard-lse-zero", "--max-examples", "6", "--max-findings", "1", "--no-shrink",

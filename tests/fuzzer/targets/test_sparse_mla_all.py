@@ -1,6 +1,7 @@
 """`vllm.sparse_mla.all` on CPU: one step through every sparse-MLA backend the host runs (FlashMLA, FlashAttention FA3,
-vLLM's Triton backend; FlashInfer's SM90 and SM100 ones and FA4 on cases whose rows are the indexer's; SM120 with
-FlashMLA on fp8_ds_mla steps; each with its target's stand-ins), judged against the reference and pairwise."""
+vLLM's Triton backend; FlashInfer's SM90 and SM100 ones, FA4 and ROCm's AITER one on cases whose rows are the
+indexer's; SM120 with FlashMLA on fp8_ds_mla steps; each with its target's stand-ins), judged against the reference
+and pairwise."""
 
 import dataclasses
 
@@ -15,7 +16,7 @@ from strategies.case import Case, Request, TopkSpec
 from tests.conftest import attnfuzz, run_repro
 
 ALL = ("FLASHMLA_SPARSE", "FLASH_ATTN_MLA_SPARSE", "XPU_MLA_SPARSE", "FLASHINFER_MLA_SPARSE_SM90", "FLASHINFER_MLA_SPARSE",
-       "FLASHINFER_MLA_SPARSE_SM120", "FLASH_ATTN_MLA_SPARSE_FA4")
+       "FLASHINFER_MLA_SPARSE_SM120", "FLASH_ATTN_MLA_SPARSE_FA4", "ROCM_AITER_MLA_SPARSE")
 CASE = Case(requests=(Request(1, 40), Request(3, 20)), num_decodes=1, block_size=64, block_table=((1,), (2,)),
             topk_width=128, topk=(TopkSpec(30), TopkSpec(12)), heads=16, seed=3).validate()
 
@@ -65,13 +66,20 @@ def _target():
 
 def test_each_backend_takes_the_steps_vllm_would_route_to_it():
     """bf16 to all but SM120 (fp8_ds_mla only), fp8_ds_mla to FlashMLA and SM120; the backends whose rows must be the
-    indexer's (SM90's plan, trtllm-gen's rows of no entry) left out of drawn rows. Each left out says why."""
+    indexer's (SM90's plan, trtllm-gen's rows of no entry, AITER's ragged lengths) left out of drawn rows, AITER also
+    of rows whose -1 entries are not at the tail and of eager steps with graph padding. Each left out says why."""
     t = _target()
     t.backends = ALL
     indexer = dataclasses.replace(CASE, topk=(TopkSpec(128), TopkSpec(128))).validate()
     assert set(t.left_out(indexer)) == {"FLASHINFER_MLA_SPARSE_SM120"}
     assert set(t.left_out(CASE)) == {"FLASHINFER_MLA_SPARSE_SM120", "FLASHINFER_MLA_SPARSE_SM90", "FLASHINFER_MLA_SPARSE",
-                                     "FLASH_ATTN_MLA_SPARSE_FA4"}
+                                     "FLASH_ATTN_MLA_SPARSE_FA4", "ROCM_AITER_MLA_SPARSE"}
+    head = dataclasses.replace(CASE, topk=(TopkSpec(128), TopkSpec(128, "head"))).validate()
+    assert set(t.left_out(head)) == {"FLASHINFER_MLA_SPARSE_SM120", "ROCM_AITER_MLA_SPARSE"}
+    assert "-1 entries" in t.left_out(head)["ROCM_AITER_MLA_SPARSE"]
+    padded = dataclasses.replace(indexer, padded_tokens=1)
+    assert set(t.left_out(padded)) == {"FLASHINFER_MLA_SPARSE_SM120", "ROCM_AITER_MLA_SPARSE"}
+    assert "FULL graph" in t.left_out(padded)["ROCM_AITER_MLA_SPARSE"]
     fp8 = dataclasses.replace(CASE, kv_cache_dtype="fp8_ds_mla", fp8_scale="arbitrary").validate()
     left = t.left_out(fp8)
     assert set(ALL) - set(left) == {"FLASHMLA_SPARSE", "FLASHINFER_MLA_SPARSE_SM120"}
@@ -85,7 +93,7 @@ def test_each_backend_takes_the_steps_vllm_would_route_to_it():
     ("fp8_ds_mla", "arbitrary", {"FLASHMLA_SPARSE", "FLASHINFER_MLA_SPARSE_SM120"}),
 ])
 def test_the_blackwell_backends_agree_with_the_others_on_one_step(kv_cache_dtype, fp8_scale, ran):
-    """Indexer rows: bf16 through six backends, fp8_ds_mla through FlashMLA and SM120 (each tile-scale convention with
+    """Indexer rows: bf16 through seven backends, fp8_ds_mla through FlashMLA and SM120 (each tile-scale convention with
     the model whose scale format reads it); every pair within twice the tolerance."""
     t = _target()
     t.prepare()
