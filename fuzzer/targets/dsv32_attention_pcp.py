@@ -188,7 +188,6 @@ class Dsv32AttentionPcp(Dsv32AttentionDcp):
                 if bool(keep.any()):  # an empty write is not launched
                     s["write"](li.attention.kv_c[ctx[keep]], li.attention.k_pe[ctx[keep]], cache, local[keep])
             manager, local = pcp_runtime.rank_batch(s["batch"], d.pcp, p, d.size, r, d.interleave, dev)
-            local = pcp_runtime.with_dcp_local_seq_lens(manager, local, d.size, r, d.interleave)
             rows = manager._local_gather_idx  # the batch token of each of the rank's rows (padding rows: token 0)
             n = local.num_tokens
             clear_topk_rows(st.topk, len(rows))
