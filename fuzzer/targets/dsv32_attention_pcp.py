@@ -31,16 +31,14 @@ import torch
 
 from fuzzer.env import STATE_DIR
 from fuzzer.support import dcp_group, pcp_runtime
-from fuzzer.support.dcp_steps import direct_dcp_off, layer_cache_writer, on_pcp_ranks, rank_heads, rank_kv_b_weight
-from fuzzer.support.dsv32_runtime import SKIP_TOPK_LAYER, clear_topk_rows, dsv32_layer, index_group_builder
-from fuzzer.support.flashmla_runtime import LAYER, guard_index_group, record_routes
+from fuzzer.support.dcp_steps import direct_dcp_off, layer_cache_writer, on_pcp_ranks, rank_heads
+from fuzzer.support.dsv32_runtime import clear_topk_rows
+from fuzzer.support.flashmla_runtime import guard_index_group
 from fuzzer.support.indexer_runtime import (
     BUILDER_MODULE,
     INDEXER_MODULE,
     index_cache,
-    indexer_builder,
     indexer_config,
-    indexer_layer,
     logits_budget,
     write_index_keys,
 )
@@ -215,33 +213,16 @@ class Dsv32AttentionPcp(Dsv32AttentionDcp):
                 "overruns": overruns, "local": dict(rows=len(rows), tokens=n, requests=local.num_reqs)}
 
     def new_pcp_rank_engine(self, t: int, st: RankState, cfg, case, layer_inputs) -> None:
-        """What world rank (., t)'s runner keeps for the engine's life: its indexer and the indexer's builder, its TP
-        rank's heads of the module's layers over its index group, FLASHMLA_SPARSE's builder (made on the rank's
-        thread, inside the PCP x TP config: the layers and builders read use_pcp there)."""
+        """World rank (., t)'s engine: the DCP module's (its TP rank's heads, kv_b_proj outside TP), plus what
+        DefaultModelState.prepare_attn takes for each builder (its backend and KV-cache spec)."""
         from vllm.config import set_current_vllm_config
         from vllm.v1.attention.backends.mla.indexer import DeepseekV32IndexerBackend
 
-        dev, h = self.device, case.indexer.attention_heads
-        indexer = indexer_layer(cfg, st.topk, st.index_kv)
-        group = index_group_builder(cfg, st.topk)
-        layers = []
-        with set_current_vllm_config(cfg), torch.inference_mode():
-            for i, li in enumerate(layer_inputs):
-                layer = dsv32_layer(cfg, h, rank_kv_b_weight(li.kv_b_weight, h, t), st.topk,
-                                    indexer if i == 0 else None, group, dev,
-                                    prefix=LAYER if i == 0 else SKIP_TOPK_LAYER, backend=self.backend,
-                                    disable_tp=True)
-                layer.kv_cache = st.caches[i]
-                route: dict = {}
-                record_routes(layer.impl, route)
-                layers.append(layer)
-                st.routes.append(route)
-            st.engine["mla_builder"] = self.mla_metadata_builder(case, cfg)
-            st.engine["indexer_spec"] = indexer.k_cache.get_kv_cache_spec(cfg)
+        self.new_rank_engine(t, st, cfg, case, layer_inputs, disable_tp=True)
+        with set_current_vllm_config(cfg):
+            st.engine["indexer_spec"] = st.engine["layers"][0].indexer.k_cache.get_kv_cache_spec(cfg)
         st.engine["mla_spec"] = mla_spec(case.block_size, "fp8_ds_mla")
         st.engine["indexer_backend"] = DeepseekV32IndexerBackend
-        st.engine["indexer_builder"] = indexer_builder(cfg, indexer, dev, len(case.block_table[0]))
-        st.engine["layers"] = layers
 
     def pcp_merged(self, s: dict, results: list[dict], groups):
         """What every rank left, as the undivided step's observation: each layer's restored output (the TP ranks'
