@@ -90,6 +90,9 @@ class Dsv32AttentionDcp(Dsv32Attention):
     def unavailable(self) -> str | None:
         return super().unavailable() or FlashMLASparseDcp.needs_dcp_manager()
 
+    def captures_graphs(self) -> bool:
+        return False  # the emulated ranks are threads meeting in Python collectives: FULL steps run eagerly
+
     def prepare(self) -> None:
         direct_dcp_off()  # no symmetric memory over emulated ranks
         super().prepare()
