@@ -235,10 +235,11 @@ def padded_row_verdicts(case, obs) -> list[Verdict]:
     return [passed("padded_rows", f"{pad.shape[0]} rows finite")]
 
 
-def layer_reference_for(case, layer_inputs, device: str = "cpu", slot_values=None, mha_tokens: int = 0):
+def layer_reference_for(case, layer_inputs, device: str = "cpu", slot_values=None, mha_tokens: int = 0,
+                        mha_rows: torch.Tensor | None = None, own_from: torch.Tensor | None = None):
     """(out [T, H, 128], valid_rows): the layer's output, v-projected through W_UV, for the route vLLM gave each
-    token: the last `mha_tokens` took dense MHA (`mha_reference`), the others forward_mqa, which attends in the
-    latent space with q absorbed through W_UK."""
+    token: the last `mha_tokens` (or the tokens `mha_rows` marks, bool [T]) took dense MHA (`mha_reference`, with
+    `own_from` as there), the others forward_mqa, which attends in the latent space with q absorbed through W_UK."""
     inp = layer_inputs.attention
     q = layer_inputs.latent_q()
     # The MQA route attends with q_nope absorbed through W_UK by a bf16 bmm (`mqa_ql_nope`, fp32 accumulation):
@@ -249,47 +250,66 @@ def layer_reference_for(case, layer_inputs, device: str = "cpu", slot_values=Non
     out, _, valid_rows = reference_for(case, inp, device, slot_values, q=q)
     _, w_uv = layer_inputs.w_uk_uv()
     out = torch.einsum("thl,hvl->thv", out.double(), w_uv.to(out.device)).float()
-    if mha_tokens:
+    if mha_rows is not None and bool(mha_rows.any()):
+        rows = mha_rows.to(out.device)
+        out[rows] = mha_reference(case, layer_inputs, device, slot_values, 0, rows, own_from).float().to(out.device)
+    elif mha_tokens:
         first = case.num_tokens - mha_tokens
         out[first:] = mha_reference(case, layer_inputs, device, slot_values, first).float()
     return out, valid_rows
 
 
-def mha_reference(case, layer_inputs, device: str, slot_values, first: int) -> torch.Tensor:
-    """float64 [T - first, H, 128]: tokens `first..T-1` (whole requests) as vLLM's dense-MHA route computes them,
-    over the positions their top-k rows select (the route is taken when those are every visible position).
+def mha_reference(case, layer_inputs, device: str, slot_values, first: int, rows: torch.Tensor | None = None,
+                  own_from: torch.Tensor | None = None) -> torch.Tensor:
+    """float64 [T - first, H, 128]: tokens `first..T-1` (whole requests; or the tokens `rows` marks, bool [T]) as
+    vLLM's dense-MHA route computes them, over the positions their top-k rows select (the route is taken when those
+    are every visible position).
 
     That route projects each key's latent through kv_b_proj, a bf16 GEMM: k_nope = bf16(W_UK kv_c) and
     v = bf16(W_UV kv_c) per head, and attends with the layer's q_nope and q_pe as given. The rounding of k_nope
     and v moves scores by up to a few hundredths with large values, more than the latent (absorbed) form shows,
     so the reference rounds where vLLM does. The step's own tokens come from kv_c as given (the route projects
     them before the cache write), the context from what the cache holds (`slot_values`: a quantized cache's
-    read-back, rounded to bf16 as the context gather produces it)."""
+    read-back, rounded to bf16 as the context gather produces it). `own_from` (int [T]): each token's first
+    position handed to the route as given, those before it read from the cache (under PCP a chunk's context holds
+    the step's earlier chunks, written before the attention); default: its request's context length."""
     inp = layer_inputs.attention
     kv = torch.cat([inp.kv_c, inp.k_pe], dim=-1).double().to(device)
     w_uk, w_uv = (w.to(device) for w in layer_inputs.w_uk_uv())
     q = layer_inputs.q.double().to(device)
     topk = inp.index.topk_indices.long().to(device)
+    if rows is None:
+        rows = torch.arange(case.num_tokens) >= first
+    rows = rows.cpu()
     outs = []
     for r, req in enumerate(case.requests):
         t0 = case.token_start(r)
-        if t0 < first or not req.query_len:
+        mine = rows[t0 : t0 + req.query_len].nonzero().flatten()
+        if not len(mine):
             continue
-        rows = kv[inp.slot_of[r].to(device)]  # [S, 576], position by position
-        if slot_values is not None and req.context_len:  # the context as the cache holds it
-            held = torch.full((inp.num_slots, kv.shape[1]), float("nan"), dtype=torch.float64, device=device)
-            held[slot_values[0].long().to(device)] = slot_values[1].double().to(device)
-            rows[: req.context_len] = held[inp.slot_of[r][: req.context_len].to(device)]
-        k_nope = torch.einsum("sl,hnl->shn", rows[:, :KV_LORA_RANK], w_uk).to(torch.bfloat16).double()
-        v = torch.einsum("sl,hvl->shv", rows[:, :KV_LORA_RANK], w_uv).to(torch.bfloat16).double()
-        heads = k_nope.shape[1]
-        k = torch.cat([k_nope, rows[:, None, KV_LORA_RANK:].expand(-1, heads, -1)], dim=-1)
-        idx = topk[t0 : t0 + req.query_len]
-        valid = (idx >= 0) & (idx < req.seq_len)
-        counts = torch.zeros(req.query_len, req.seq_len + 1, dtype=torch.float64, device=device)
-        counts.scatter_add_(1, torch.where(valid, idx, req.seq_len), valid.double())
-        outs.append(counted_attention(q[t0 : t0 + req.query_len], k, v, counts[:, : req.seq_len], SM_SCALE))
-    return torch.cat(outs) if outs else torch.zeros(0, *q.shape[1:2], w_uv.shape[1], dtype=torch.float64, device=device)
+        starts = (own_from[t0 : t0 + req.query_len].cpu() if own_from is not None
+                  else torch.full((req.query_len,), req.context_len))
+        for start in sorted({int(starts[i]) for i in mine}):  # the tokens that read the same positions from the cache
+            toks = mine[starts[mine] == start]
+            keys = kv[inp.slot_of[r].to(device)]  # [S, 576], position by position
+            if slot_values is not None and start:  # the context as the cache holds it
+                held = torch.full((inp.num_slots, kv.shape[1]), float("nan"), dtype=torch.float64, device=device)
+                held[slot_values[0].long().to(device)] = slot_values[1].double().to(device)
+                keys[:start] = held[inp.slot_of[r][:start].to(device)]
+            k_nope = torch.einsum("sl,hnl->shn", keys[:, :KV_LORA_RANK], w_uk).to(torch.bfloat16).double()
+            v = torch.einsum("sl,hvl->shv", keys[:, :KV_LORA_RANK], w_uv).to(torch.bfloat16).double()
+            heads = k_nope.shape[1]
+            k = torch.cat([k_nope, keys[:, None, KV_LORA_RANK:].expand(-1, heads, -1)], dim=-1)
+            idx = topk[t0 + toks.to(device)]
+            valid = (idx >= 0) & (idx < req.seq_len)
+            counts = torch.zeros(len(toks), req.seq_len + 1, dtype=torch.float64, device=device)
+            counts.scatter_add_(1, torch.where(valid, idx, req.seq_len), valid.double())
+            att = counted_attention(q[t0 + toks.to(device)], k, v, counts[:, : req.seq_len], SM_SCALE)
+            outs.append((t0 + toks, att))
+    if not outs:
+        return torch.zeros(0, *q.shape[1:2], w_uv.shape[1], dtype=torch.float64, device=device)
+    order = torch.cat([t for t, _ in outs]).argsort().to(device)  # token order, as `rows` marks them
+    return torch.cat([o for _, o in outs])[order]
 
 
 def judge_gathered_context(case, inputs, slot_values, slots, rows) -> list[Verdict]:

@@ -57,13 +57,15 @@ def token_positions(case) -> torch.Tensor:
     return torch.cat([torch.arange(r.context_len, r.seq_len) for r in case.requests] or [torch.zeros(0, dtype=torch.long)])
 
 
-def wide_mha_verdicts(view, pos: torch.Tensor, first_mha: int, label: str) -> list[Verdict]:
-    """Tokens first_mha.. took dense MHA: each attends its whole causal window, the sparse result only if it fits."""
+def wide_mha_verdicts(view, pos: torch.Tensor, first_mha: int, label: str, mha_rows=None) -> list[Verdict]:
+    """Tokens first_mha.. (or those `mha_rows` marks) took dense MHA: each attends its whole causal window, the sparse
+    result only if it fits."""
     width = view.topk_width
-    wide = (pos[first_mha:] + 1 > width).nonzero().flatten()
+    took = torch.arange(len(pos), device=pos.device) >= first_mha if mha_rows is None else mha_rows.to(pos.device)
+    wide = (took & (pos + 1 > width)).nonzero().flatten()
     if not len(wide):
         return []
-    t = first_mha + int(wide[0])
+    t = int(wide[0])
     return [Verdict("route", False, f"{label}{len(wide)} tokens took dense MHA over causal windows wider than the top-k "
                     f"({width}); first: token {t} at position {int(pos[t])} attends {int(pos[t]) + 1} positions where "
                     f"the indexer selects {width}", "F", where="route.mha")]
@@ -72,25 +74,28 @@ def wide_mha_verdicts(view, pos: torch.Tensor, first_mha: int, label: str) -> li
 def layer_verdicts(case, obs, layer: int, name: str, mha: int, view=None) -> list[Verdict]:
     """One layer's route and output, with the top-k rows the indexer left in the buffer. `view`: the layer's
     attention case (default: `attention_view(case, layer)`); a quantized MLA cache is judged by what its bytes hold
-    (`<name>.cache_slots` / `<name>.cache_entries`: the entries the layer's writes left, read back)."""
+    (`<name>.cache_slots` / `<name>.cache_entries`: the entries the layer's writes left, read back). The dense-MHA
+    tokens are the last `mha`, or those the outputs name (`mha_rows`, bool [T], with `mha_own_from`: under PCP each
+    rank decides for its own rows, and a chunk's earlier positions come from the cache)."""
     dev = obs.device
     view = attention_view(case, layer) if view is None else view
     n, width = view.num_tokens, view.topk_width
-    first_mha = n - mha
+    mha_rows, own_from = obs.outputs.get("mha_rows"), obs.outputs.get("mha_own_from")
+    took = (torch.arange(n, device=dev) >= n - mha) if mha_rows is None else mha_rows[:n].to(dev)
     rows = obs.outputs["topk_indices_buffer"][:n].to(dev).clone()
     pos = token_positions(view).to(dev)
     label = "" if layer == 0 else "skip_topk layer: "
-    verdicts = wide_mha_verdicts(view, pos, first_mha, label)
-    empty = (rows[:first_mha] == -1).all(dim=1).nonzero().flatten()
+    verdicts = wide_mha_verdicts(view, pos, 0, label, took)
+    empty = (~took & (rows == -1).all(dim=1)).nonzero().flatten()
     if len(empty):
         t = int(empty[0])
-        verdicts.append(Verdict("route", False, f"{label}{len(empty)} of {first_mha} tokens took forward_mqa with top-k "
-                                f"rows the indexer left unscored (all -1); first: token {t} at position {int(pos[t])}",
-                                "F", where="route.mqa"))
+        verdicts.append(Verdict("route", False, f"{label}{len(empty)} of {int((~took).sum())} tokens took forward_mqa "
+                                f"with top-k rows the indexer left unscored (all -1); first: token {t} at position "
+                                f"{int(pos[t])}", "F", where="route.mqa"))
     # A dense-MHA token's unscored row: the causal window it attends (the sparse result where it fits the top-k).
     col = torch.arange(width, device=dev)
     window = torch.where(col[None, :] <= pos[:, None], col[None, :], -1).to(rows.dtype)
-    take_window = (torch.arange(n, device=dev) >= first_mha) & (rows == -1).all(dim=1)
+    take_window = took & (rows == -1).all(dim=1)
     rows = torch.where(take_window[:, None], window, rows)
     li = materialize_layer_inputs(view, dev)
     index = dataclasses.replace(li.attention.index, topk_indices=rows)
@@ -101,7 +106,8 @@ def layer_verdicts(case, obs, layer: int, name: str, mha: int, view=None) -> lis
                                                  obs.outputs[f"{name}.cache_entries"])
         if wrong is not None:
             verdicts.append(dataclasses.replace(wrong, detail=label + wrong.detail) if layer else wrong)
-    out_ref, valid_rows = layer_reference_for(view, li, dev, slot_values, mha)
+    out_ref, valid_rows = (layer_reference_for(view, li, dev, slot_values, mha) if mha_rows is None else
+                           layer_reference_for(view, li, dev, slot_values, mha_rows=took, own_from=own_from))
     atol, rtol = layer_tolerance(view, li)
     out = obs.outputs[name].to(dev).float()
     if out.numel() != out_ref.numel():
@@ -152,6 +158,12 @@ def judge_dsv32_dcp(case, obs) -> list[Verdict]:
     unscored = bool((o["topk_indices_buffer"][:n] == -1).all()) if n else False
     verdicts += judge_indexer(whole, obs, rows_scored=not (mha == n and unscored))
     for layer, name in enumerate(LAYER_OUTPUTS):
+        if (differ := o.get(f"{name}.replica_slots_differ")) is not None and len(differ):
+            label = "skip_topk layer: " if layer else ""
+            verdicts.append(Verdict("cp_replica", False, f"{label}{len(differ)} MLA cache "
+                                    f"slots of the step differ between ranks that hold the same shard (first slot "
+                                    f"{int(differ[0])}): a rank missed or mis-wrote another rank's tokens", "G",
+                                    where=f"{name}.cp_replica"))
         if name in o:
             view = undivided_trace(attention_view(case, layer), heads=True)
             verdicts += layer_verdicts(whole, obs, layer, name, mha, view)

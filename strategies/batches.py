@@ -433,6 +433,9 @@ TOTAL_HEADS = 128  # DeepSeek-V3.2's attention heads: heads per rank are 128 / T
 # Prefill context parallelism x DCP (x TP) layouts vLLM's ParallelConfig allows (DCP spans the PCP ranks, or the
 # whole PCP x TP world): name -> (pcp, dcp, tp).
 PCP_LAYOUTS = {"pcp2.dcp2": (2, 2, 1), "pcp2.dcp2.tp2": (2, 2, 2), "pcp2.dcp4": (2, 4, 2), "pcp4.dcp4": (4, 4, 1)}
+# PCP without DCP (DCP 1: every rank holds the whole cache): vLLM shards decode requests over the PCP ranks there
+# (ParallelConfig.pcp_shard_decode_requests), one owner each, and dense-MHA prefill is allowed.
+PCP_ONLY_LAYOUTS = {"pcp2": (2, 1, 1), "pcp2.tp2": (2, 1, 2), "pcp4": (4, 1, 1)}
 
 
 def _fp8_pad(heads: int) -> int:
@@ -442,7 +445,7 @@ def _fp8_pad(heads: int) -> int:
 def _pcp_layout_fits(name: str, heads: int) -> bool:
     """The layout's TP world fits the model's heads, and (DCP past PCP gathers q over TP) the local and
     gathered heads pad to one fp8 kernel envelope, as FlashMLA's builder requires."""
-    pcp, dcp, tp = PCP_LAYOUTS[name]
+    pcp, dcp, tp = PCP_LAYOUTS[name] if name in PCP_LAYOUTS else PCP_ONLY_LAYOUTS[name]
     gathered = heads * tp if dcp > pcp else heads
     return heads * tp <= TOTAL_HEADS and _fp8_pad(heads) == _fp8_pad(gathered)
 

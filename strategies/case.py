@@ -97,7 +97,8 @@ class Dcp:
     # Prefill context parallelism (PCP) with DCP: `pcp` ranks each take two head-tail chunks of every prefill
     # long enough to split (the others every rank whole), `tp` TP ranks each (the world: pcp x tp ranks, the
     # step's heads split over the TP ranks). DCP spans the PCP ranks (size == pcp) or all of them (pcp * tp),
-    # as vLLM's ParallelConfig allows. pcp 1: DCP alone, which reuses the TP ranks (tp unused, 1).
+    # as vLLM's ParallelConfig allows; size 1: PCP alone (every rank holds the whole cache, decodes sharded over
+    # the PCP ranks). pcp 1: DCP alone, which reuses the TP ranks (tp unused, 1).
     pcp: int = 1
     tp: int = 1
 
@@ -106,6 +107,8 @@ class Dcp:
         """The PCP x DCP (x TP) layout's name: pcp2.dcp4, pcp2.dcp2.tp2, ... ("dcp<size>" without PCP)."""
         if self.pcp == 1:
             return f"dcp{self.size}"
+        if self.size == 1:
+            return f"pcp{self.pcp}" + (f".tp{self.tp}" if self.tp > 1 else "")
         return f"pcp{self.pcp}.dcp{self.size}" + (f".tp{self.tp}" if self.tp > 1 and self.size == self.pcp else "")
 
     @property
@@ -417,9 +420,9 @@ class Case:
         _check(d.pcp >= 1 and d.tp >= 1, "dcp.pcp", f"pcp and tp must be >= 1, got {d.pcp} and {d.tp}")
         if d.pcp == 1:
             _check(d.tp == 1, "dcp.tp", f"only under PCP (pcp > 1), got {d.tp}")
-        else:  # vLLM's ParallelConfig: with PCP, DCP spans the PCP axis or the whole TP x PCP one
-            _check(d.size in (d.pcp, d.pcp * d.tp) and d.rank == 0, "dcp.size",
-                   f"under PCP {d.pcp} x TP {d.tp}, DCP spans the PCP ranks ({d.pcp}) or all ({d.pcp * d.tp}) "
+        else:  # vLLM's ParallelConfig: with PCP, DCP spans the PCP axis or the whole TP x PCP one (or is off)
+            _check(d.size in (1, d.pcp, d.pcp * d.tp) and d.rank == 0, "dcp.size",
+                   f"under PCP {d.pcp} x TP {d.tp}, DCP is 1, spans the PCP ranks ({d.pcp}) or all ({d.pcp * d.tp}) "
                    f"(rank 0: every rank runs), got size {d.size}, rank {d.rank}")
         c = self.call
         _check(c.token_rows in TOKEN_ROWS, "call.token_rows", f"one of {TOKEN_ROWS}, got {c.token_rows!r}")
@@ -637,12 +640,13 @@ ENGINE_FIELDS = ("block_size", "block_stride_rows", "topk_width", "heads", "kv_c
                  "dcp", "call", "cudagraph", "indexer")
 
 
-def pcp_splits(query_len: int, pcp: int) -> bool:
-    """Whether a prefill of `query_len` tokens is split over `pcp` PCP ranks under DCP (two head-tail chunks of
-    ceil(q / 2 pcp) tokens each) or runs whole on every rank: split unless its last chunk would be empty, as
-    vLLM's PCPManager.replicated_requests decides (vllm/v1/worker/gpu/pcp_manager.py). For drawing cases only."""
+def pcp_splits(query_len: int, pcp: int, dcp: int = 2) -> bool:
+    """Whether a prefill of `query_len` tokens is split over `pcp` PCP ranks (two head-tail chunks of
+    ceil(q / 2 pcp) tokens each) or runs whole on every rank: under DCP split unless its last chunk would be
+    empty, without DCP (dcp 1) always split, as vLLM's PCPManager.replicated_requests decides
+    (vllm/v1/worker/gpu/pcp_manager.py). For drawing cases only."""
     chunks = 2 * pcp
-    return query_len > 0 and (chunks - 1) * -(-query_len // chunks) < query_len
+    return query_len > 0 and (dcp == 1 or (chunks - 1) * -(-query_len // chunks) < query_len)
 
 
 def rank_owned_positions(seq_len: int, dcp_size: int, rank: int, interleave: int) -> int:

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from strategies.batches import (
     PCP_LAYOUTS,
+    PCP_ONLY_LAYOUTS,
     TOTAL_HEADS,
     CaseSpace,
     _at_block_edges,
@@ -180,8 +181,9 @@ def attention_module_dcp_cases(draw, p: Profile, attention_heads: tuple[int, ...
 def attention_module_pcp_space(p: Profile, attention_heads: tuple[int, ...],
                                combine_rows: int | None = None) -> CaseSpace:
     """DeepSeek-V3.2's attention module under PCP x DCP (`vllm.dsv32.attention.pcp_dcp`): a PCP x DCP (x TP) layout
-    of PCP_LAYOUTS that the heads per rank fit, then the steps of `attention_module_dcp_space` under it, eager (the
-    PCP runner pads no graph: the steps' graph padding dropped). `combine_rows` as there, over the layout's world."""
+    of PCP_LAYOUTS, or of PCP_ONLY_LAYOUTS (PCP without DCP: decodes sharded over the PCP ranks), that the heads per
+    rank fit, then the steps of `attention_module_dcp_space` under it, eager (the PCP runner pads no graph: the
+    steps' graph padding dropped). `combine_rows` as there, over the layout's world."""
     x = p.indexer
     widths = tuple(w for w in x.topk_widths if w in DCP_MERGE_TOPK_WIDTHS) or DCP_MERGE_TOPK_WIDTHS[:1]
     p = dataclasses.replace(p, indexer=dataclasses.replace(x, topk_widths=widths))
@@ -192,11 +194,12 @@ def attention_module_pcp_space(p: Profile, attention_heads: tuple[int, ...],
 @st.composite
 def attention_module_pcp_cases(draw, p: Profile, attention_heads: tuple[int, ...], combine_rows: int | None = None,
                                swarm: Swarm | None = None) -> Case:
-    fits = [(n, h) for n in PCP_LAYOUTS for h in attention_heads if h < 32 and _pcp_layout_fits(n, h)]
+    layouts = {**PCP_LAYOUTS, **PCP_ONLY_LAYOUTS}
+    fits = [(n, h) for n in layouts for h in attention_heads if h < 32 and _pcp_layout_fits(n, h)]
     name = draw(st.sampled_from(sorted({n for n, _ in fits})))
     heads = draw(st.sampled_from([h for n, h in fits if n == name]))
-    pcp, size, tp = PCP_LAYOUTS[name]
-    interleave = draw(st.sampled_from(_interleaves(INDEXER_BLOCK_SIZE)[1:])) if draw(st.booleans()) else 1
+    pcp, size, tp = layouts[name]
+    interleave = draw(st.sampled_from(_interleaves(INDEXER_BLOCK_SIZE)[1:])) if size > 1 and draw(st.booleans()) else 1
     if combine_rows is not None:
         x = p.indexer
         p = dataclasses.replace(p, indexer=dataclasses.replace(

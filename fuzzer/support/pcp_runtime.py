@@ -5,7 +5,8 @@ carries this file). torch, numpy and vLLM only (plus attnfuzz's emulated groups)
 A rank's step, top to bottom, in vLLM's own code where vLLM has it:
   - the global batch (an `InputBatch` of the scheduled step) goes through `PCPManager.partition_batch`, which
     gives this PCP rank its rows: two head-tail chunk rows of every prefill long enough to split, the decodes
-    and too-short prefills whole (`global_batch`, `rank_batch`);
+    and too-short prefills whole (without DCP each decode on one rank only) (`global_batch`, `rank_batch`); under
+    DCP the runner then sets the local batch's DCP-local sequence lengths (`prepare_dcp_local_seq_lens`);
   - `PCPManager._convert_to_gathered_slot_mappings` turns the global batch's slot mapping (DCP-sharded: -1 for
     another DCP rank's tokens) into the rank-major mapping of every PCP rank's tokens the layer writes;
   - `DefaultModelState.prepare_attn` makes the rank's CommonAttentionMetadata from its local batch (req_idx,
@@ -124,14 +125,25 @@ def global_batch(query_lens, context_lens, is_prefilling, device: str):
 
 
 def rank_batch(batch, pcp: int, pcp_rank: int, dcp: int, dcp_rank: int, interleave: int, device: str):
-    """(this rank's PCPManager, its local InputBatch): vLLM's PCP partition of `batch` for an eager step."""
-    from vllm.config import CUDAGraphMode
+    """(this rank's PCPManager, its local InputBatch): vLLM's PCP partition of `batch` for an eager step (decodes
+    sharded over the PCP ranks where there is no DCP, as the runner's manager is made), then, under DCP, the local
+    batch's DCP-local sequence lengths as the model runner sets them after the partition (`execute_model`:
+    `prepare_dcp_local_seq_lens` into the PCP manager's input buffers; the indexer's decode metadata reads them)."""
+    from vllm.config import CUDAGraphMode, ParallelConfig
+    from vllm.v1.worker.gpu.cp_utils import prepare_dcp_local_seq_lens
 
     pcp_manager = importlib.import_module(PCP_MANAGER)
-    manager = pcp_manager.PCPManager(pcp, pcp_rank, torch.device(device), shard_decode_requests=False,
+    # maybe_build_pcp_manager's flag, by ParallelConfig's own rule (PCP without DCP shards decodes over the ranks)
+    shard = ParallelConfig.pcp_shard_decode_requests.fget(
+        SimpleNamespace(prefill_context_parallel_size=pcp, decode_context_parallel_size=dcp))
+    manager = pcp_manager.PCPManager(pcp, pcp_rank, torch.device(device), shard_decode_requests=shard,
                                      max_num_reqs=batch.num_reqs, max_num_tokens=max(batch.num_tokens, 1),
                                      dcp_world_size=dcp, dcp_rank=dcp_rank, cp_interleave=interleave)
     local = manager.partition_batch(batch, SimpleNamespace(cg_mode=CUDAGraphMode.NONE, num_tokens=None, num_reqs=None))
+    if dcp > 1:
+        local.dcp_local_seq_lens = prepare_dcp_local_seq_lens(
+            manager.input_buffers.dcp_local_seq_lens, local.seq_lens, local.num_reqs, dcp, dcp_rank, interleave,
+            num_reqs_padded=local.num_reqs_after_padding)
     return manager, local
 
 
@@ -218,14 +230,3 @@ def module_forward(layers: list, cfg, local, mla_metadata, index_metadata, slot_
             outputs.append(output)
     return outputs
 
-
-def with_dcp_local_seq_lens(manager, local, dcp: int, dcp_rank: int, interleave: int):
-    """The rank's local batch with its DCP-local sequence lengths, as the model runner sets them after the PCP
-    partition (`prepare_dcp_local_seq_lens` into the PCP manager's input buffers): the indexer's decode metadata
-    reads them."""
-    from vllm.v1.worker.gpu.cp_utils import prepare_dcp_local_seq_lens
-
-    local.dcp_local_seq_lens = prepare_dcp_local_seq_lens(
-        manager.input_buffers.dcp_local_seq_lens, local.seq_lens, local.num_reqs, dcp, dcp_rank, interleave,
-        num_reqs_padded=local.num_reqs_after_padding)
-    return local

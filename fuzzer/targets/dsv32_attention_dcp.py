@@ -90,6 +90,9 @@ class Dsv32AttentionDcp(Dsv32Attention):
     def unavailable(self) -> str | None:
         return super().unavailable() or FlashMLASparseDcp.needs_dcp_manager()
 
+    def captures_graphs(self) -> bool:
+        return False  # the emulated ranks are threads meeting in Python collectives: FULL steps run eagerly
+
     def prepare(self) -> None:
         direct_dcp_off()  # no symmetric memory over emulated ranks
         super().prepare()
@@ -203,11 +206,13 @@ class Dsv32AttentionDcp(Dsv32Attention):
                     "index_kv": st.index_kv.clone(), "caches": [c.clone() for c in st.caches], "overruns": overruns,
                     "changed": changed}
 
-    def new_rank_engine(self, r: int, st: RankState, cfg, case, layer_inputs) -> None:
+    def new_rank_engine(self, r: int, st: RankState, cfg, case, layer_inputs, disable_tp: bool = False) -> None:
         """What rank r's runner keeps for the engine's life: its indexer and the indexer's builder, its heads of the
         module's layers over its index group (each layer's MLADCPManager on the rank's DCP group), FLASHMLA_SPARSE's
         builder; the dense-MHA context gather as vLLM runs it on the group's device group (torch.distributed's
-        all_gather_into_tensor), here the emulated group's."""
+        all_gather_into_tensor), here the emulated group's. r: the rank whose heads it holds (the TP rank under PCP);
+        disable_tp: kv_b_proj outside TP (under PCP the TP group is an emulated one of its own). Made on the rank's
+        thread, inside the engine's config: the layers and builders read the parallel sizes there."""
         from vllm.config import set_current_vllm_config
 
         dev, h = self.device, case.indexer.attention_heads
@@ -218,7 +223,8 @@ class Dsv32AttentionDcp(Dsv32Attention):
             for i, li in enumerate(layer_inputs):
                 layer = dsv32_layer(cfg, h, rank_kv_b_weight(li.kv_b_weight, h, r), st.topk,
                                     indexer if i == 0 else None, group, dev,
-                                    prefix=LAYER if i == 0 else SKIP_TOPK_LAYER, backend=self.backend)
+                                    prefix=LAYER if i == 0 else SKIP_TOPK_LAYER, backend=self.backend,
+                                    disable_tp=disable_tp)
                 layer.kv_cache = st.caches[i]
                 route: dict = {}
                 record_routes(layer.impl, route)

@@ -3,9 +3,10 @@ indexer under prefill context parallelism (PCP) x DCP (x TP), every rank of the 
 process, over the steps of a trace.
 
 Each rank is fed as `vllm.flashmla_sparse.layer.pcp_dcp` feeds it (`fuzzer.support.pcp_runtime`): vLLM's PCPManager
-partitions the step (two head-tail chunk rows of every prefill long enough to split, decodes whole on every PCP
-rank: `shard_decode_requests` off), DefaultModelState builds both metadata (the indexer's and FLASHMLA_SPARSE's) on
-the rank's local batch and the PCP-converted slot mapping, and the module's seam runs with vLLM's PCP code:
+partitions the step (two head-tail chunk rows of every prefill long enough to split; under DCP decodes whole on
+every PCP rank, without DCP each decode on one PCP rank: `pcp_shard_decode_requests`), DefaultModelState builds both
+metadata (the indexer's and FLASHMLA_SPARSE's) on the rank's local batch and the PCP-converted slot mapping, and the
+module's seam runs with vLLM's PCP code:
   * the indexer (`sparse_attn_indexer` with use_pcp): the step's index keys gathered over PCP and written by the
     indexer itself (`maybe_gather_indexer_k`, `indexer_k_quant_and_cache`: under PCP nothing writes them before the
     seam), prefill chunks planned over the DCP shards every PCP rank holds (`_split_pcp_dcp_prefill_chunks`,
@@ -19,8 +20,10 @@ Each world rank holds its own index cache and MLA caches (its DCP rank's shard),
 Judged as the undivided module (`oracles/dsv32.py` `judge_dsv32_dcp`, as `vllm.dsv32.attention.dcp`): the top-k
 rows of the batch's tokens (each from the PCP rank that holds it) from the index cache's bytes as the ranks wrote
 them, every rank's copy of a row alike, each layer's restored output (the TP ranks' heads side by side) against the
-fp32 reference over the whole context, the fp8_ds_mla entries the ranks wrote. Not driven: decode sharding over PCP
-(`pcp_shard_decode_requests`), CUDA-graph padding (the steps run eager), the direct DCP collectives.
+fp32 reference over the whole context, the fp8_ds_mla entries the ranks wrote. Layouts: PCP x DCP (x TP), and PCP
+without DCP (every rank a whole cache replica; decodes sharded over the PCP ranks; dense-MHA prefill allowed, which
+vLLM's builder turns off under PCP + DCP). Not driven: CUDA-graph padding (the steps run eager), the direct DCP
+collectives.
 """
 
 from __future__ import annotations
@@ -31,16 +34,14 @@ import torch
 
 from fuzzer.env import STATE_DIR
 from fuzzer.support import dcp_group, pcp_runtime
-from fuzzer.support.dcp_steps import direct_dcp_off, layer_cache_writer, on_pcp_ranks, rank_heads, rank_kv_b_weight
-from fuzzer.support.dsv32_runtime import SKIP_TOPK_LAYER, clear_topk_rows, dsv32_layer, index_group_builder
-from fuzzer.support.flashmla_runtime import LAYER, guard_index_group, record_routes
+from fuzzer.support.dcp_steps import direct_dcp_off, layer_cache_writer, on_pcp_ranks, rank_heads
+from fuzzer.support.dsv32_runtime import clear_topk_rows
+from fuzzer.support.flashmla_runtime import guard_index_group
 from fuzzer.support.indexer_runtime import (
     BUILDER_MODULE,
     INDEXER_MODULE,
     index_cache,
-    indexer_builder,
     indexer_config,
-    indexer_layer,
     logits_budget,
     write_index_keys,
 )
@@ -148,14 +149,17 @@ class Dsv32AttentionPcp(Dsv32AttentionDcp):
                                                lambda w: self.pcp_rank_step(w, state[w], cfg, groups, shared))
                     return self.pcp_merged(shared, results, groups)
 
-                split = [pcp_splits(r.query_len, d.pcp) for r in reqs[step.num_decodes:]]
+                split = [pcp_splits(r.query_len, d.pcp, d.size) for r in reqs[step.num_decodes:]]
                 obs = self.observe_step(call, lambda: state[0].routes, notes={
                     "pcp": f"PCP {d.pcp} x TP {d.tp} ranks emulated in one process, DCP {d.size}, interleave "
                            f"{d.interleave}, {heads} heads a rank",
                     "pcp_paths": {"pcp_prefill_split": any(split), "pcp_prefill_whole": not all(split),
-                                  "decode": step.num_decodes > 0, "decode_sharded": False,
+                                  "decode": step.num_decodes > 0,
+                                  "decode_sharded": step.num_decodes > 0 and d.size == 1,  # pcp_shard_decode_requests
                                   "mtp": x.num_speculative_tokens > 0, "skip_topk": bool(x.skip_topk_layer),
                                   "dcp_merge": d.size > 1}})
+                if "mha_rows" in obs.outputs:  # every rank's dense-MHA rows, not rank 0's alone
+                    obs.notes["route"] = dict(obs.notes["route"], mha_tokens=int(obs.outputs["mha_rows"].sum()))
                 if index_trace_step(observed, obs, step, inp, index_written, emulated, self.shims):
                     break
         return trace_observation(observed)
@@ -188,7 +192,6 @@ class Dsv32AttentionPcp(Dsv32AttentionDcp):
                 if bool(keep.any()):  # an empty write is not launched
                     s["write"](li.attention.kv_c[ctx[keep]], li.attention.k_pe[ctx[keep]], cache, local[keep])
             manager, local = pcp_runtime.rank_batch(s["batch"], d.pcp, p, d.size, r, d.interleave, dev)
-            local = pcp_runtime.with_dcp_local_seq_lens(manager, local, d.size, r, d.interleave)
             rows = manager._local_gather_idx  # the batch token of each of the rank's rows (padding rows: token 0)
             n = local.num_tokens
             clear_topk_rows(st.topk, len(rows))
@@ -211,38 +214,26 @@ class Dsv32AttentionPcp(Dsv32AttentionDcp):
                     inp.weights[rows])
             restored = [manager.restore_hidden_states(o) for o in outs]
             overruns = [f"rank {w}: {m}" for m in check_overrun(st.routes[0]["mqa_tokens"])]
+            # forward_impl's dense-MHA rows are the rank's last ones; each reads its local request's positions
+            # before the request's first (the chunk's start) from the cache
+            own_from = torch.repeat_interleave(torch.as_tensor(local.num_computed_tokens_np[:local.num_reqs]).long(),
+                                               torch.as_tensor(local.num_scheduled_tokens[:local.num_reqs]).long())
         return {"restored": [o.clone() for o in restored], "topk": st.topk.clone(), "topk_before": before,
                 "rows": rows[:n].clone(), "index_kv": st.index_kv.clone(), "caches": [c.clone() for c in st.caches],
-                "overruns": overruns, "local": dict(rows=len(rows), tokens=n, requests=local.num_reqs)}
+                "overruns": overruns, "local": dict(rows=len(rows), tokens=n, requests=local.num_reqs),
+                "mha": min(st.routes[0]["mha_tokens"], n), "own_from": own_from}
 
     def new_pcp_rank_engine(self, t: int, st: RankState, cfg, case, layer_inputs) -> None:
-        """What world rank (., t)'s runner keeps for the engine's life: its indexer and the indexer's builder, its TP
-        rank's heads of the module's layers over its index group, FLASHMLA_SPARSE's builder (made on the rank's
-        thread, inside the PCP x TP config: the layers and builders read use_pcp there)."""
+        """World rank (., t)'s engine: the DCP module's (its TP rank's heads, kv_b_proj outside TP), plus what
+        DefaultModelState.prepare_attn takes for each builder (its backend and KV-cache spec)."""
         from vllm.config import set_current_vllm_config
         from vllm.v1.attention.backends.mla.indexer import DeepseekV32IndexerBackend
 
-        dev, h = self.device, case.indexer.attention_heads
-        indexer = indexer_layer(cfg, st.topk, st.index_kv)
-        group = index_group_builder(cfg, st.topk)
-        layers = []
-        with set_current_vllm_config(cfg), torch.inference_mode():
-            for i, li in enumerate(layer_inputs):
-                layer = dsv32_layer(cfg, h, rank_kv_b_weight(li.kv_b_weight, h, t), st.topk,
-                                    indexer if i == 0 else None, group, dev,
-                                    prefix=LAYER if i == 0 else SKIP_TOPK_LAYER, backend=self.backend,
-                                    disable_tp=True)
-                layer.kv_cache = st.caches[i]
-                route: dict = {}
-                record_routes(layer.impl, route)
-                layers.append(layer)
-                st.routes.append(route)
-            st.engine["mla_builder"] = self.mla_metadata_builder(case, cfg)
-            st.engine["indexer_spec"] = indexer.k_cache.get_kv_cache_spec(cfg)
+        self.new_rank_engine(t, st, cfg, case, layer_inputs, disable_tp=True)
+        with set_current_vllm_config(cfg):
+            st.engine["indexer_spec"] = st.engine["layers"][0].indexer.k_cache.get_kv_cache_spec(cfg)
         st.engine["mla_spec"] = mla_spec(case.block_size, "fp8_ds_mla")
         st.engine["indexer_backend"] = DeepseekV32IndexerBackend
-        st.engine["indexer_builder"] = indexer_builder(cfg, indexer, dev, len(case.block_table[0]))
-        st.engine["layers"] = layers
 
     def pcp_merged(self, s: dict, results: list[dict], groups):
         """What every rank left, as the undivided step's observation: each layer's restored output (the TP ranks'
@@ -268,6 +259,12 @@ class Dsv32AttentionPcp(Dsv32AttentionDcp):
             first_of.setdefault(groups["_DCP"]._group_of[w].index(w), w)
         out = {"topk_indices_buffer": topk, "topk_before": before, "dcp_topk_rows_differ": differ.nonzero().flatten(),
                "index_cache": undivided_index_cache(case, [results[first_of[r]]["index_kv"] for r in range(d.size)])}
+        mha_rows, own_from = torch.zeros(n, dtype=torch.bool), torch.zeros(n, dtype=torch.long)
+        for res in results:  # each batch token's dense-MHA route, from the ranks that ran it
+            tok = res["rows"].cpu()
+            mha_rows[tok[len(tok) - res["mha"]:]] = True
+            own_from[tok] = res["own_from"][:len(tok)]
+        out["mha_rows"], out["mha_own_from"] = mha_rows, own_from
         for i, (ls, li) in enumerate(zip(s["layer_steps"], s["layer_inputs"])):
             name = "out" if i == 0 else "out_skip_topk"
             o = torch.cat([results[t]["restored"][i] for t in range(d.tp)], dim=1)
@@ -280,5 +277,11 @@ class Dsv32AttentionPcp(Dsv32AttentionDcp):
                 cache = results[first_of[r]]["caches"][i]
                 entries[sel] = cache[local[sel] // case.block_size, local[sel] % case.block_size]
             out[f"{name}.cache_slots"], out[f"{name}.cache_entries"] = slots, entries
+            differ = torch.zeros(len(slots), dtype=torch.bool, device=o.device)
+            for w, res in enumerate(results):  # every world rank of a DCP rank holds its shard alike (PCP alone: all)
+                sel = owner == groups["_DCP"]._group_of[w].index(w)
+                held = res["caches"][i][local[sel] // case.block_size, local[sel] % case.block_size]
+                differ[sel] |= (held.view(torch.uint8) != entries[sel]).any(dim=-1)
+            out[f"{name}.replica_slots_differ"] = slots[differ]
         overruns = [m for res in results for m in res["overruns"]]
         return out, overruns, []

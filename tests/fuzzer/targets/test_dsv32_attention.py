@@ -58,6 +58,39 @@ def test_a_step_is_judged_stage_by_stage(name):
     assert not obs.memory
 
 
+GRAPH_TABLE = [tuple(range(1, 20)), (20, 21) + (0,) * 17, (0,) * 19, (0,) * 19]
+
+
+def graph_trace(skip=True):
+    """Two padded decode batches of one size, the second a token further on: captured before the first, both
+    replayed."""
+    first = step([Request(1, 1200), Request(1, 80), Request(0, 0), Request(0, 0)], 4, GRAPH_TABLE, pad=2, skip=skip)
+    return step([Request(1, 1201), Request(1, 81), Request(0, 0), Request(0, 0)], 4, GRAPH_TABLE, pad=2, skip=skip,
+                earlier=[first])
+
+
+def test_full_graph_steps_are_captured_and_replayed_where_graphs_are(monkeypatch):
+    """The CUDA path (ModuleGraphs), its capture emulated on a CPU (`cudagraphs.FullGraph`): every uniform decode step
+    is replayed from the graph captured before the first, and gives the bits of the same step run eagerly."""
+    from fuzzer.support.cudagraphs import EMULATED
+
+    t = target()
+    monkeypatch.setattr(t, "captures_graphs", lambda: True)
+    case = graph_trace()
+    obs, verdicts = run_judged(t, case)
+    assert len(obs.steps) == 1
+    for o in (*obs.steps, obs):
+        assert o.notes["cudagraph"]["captured"] == [[4, 1]] and o.notes["cudagraph"]["replayed"] == 4
+        assert o.notes["cudagraph"]["emulated"] and EMULATED in o.emulated
+        assert "out_eager" in o.outputs and "out_skip_topk" in o.outputs
+    assert any(v.check == "graph" and v.ok for v in verdicts), verdicts
+
+
+def test_full_graph_steps_run_eagerly_on_a_cpu():
+    obs, _ = run_judged(target(), graph_trace(skip=False))
+    assert "cudagraph" not in obs.notes and "out_eager" not in obs.outputs
+
+
 def test_a_trace_keeps_the_engine():
     table = [(1,) + (0,) * 10, tuple(range(2, 12)) + (0,)]
     first = step([Request(20, 0), Request(30, 600)], 0, table)

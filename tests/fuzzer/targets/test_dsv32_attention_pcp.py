@@ -1,6 +1,6 @@
 """The `vllm.dsv32.attention.pcp_dcp` target on CPU: DeepSeek-V3.2's attention module with its real indexer under
-PCP x DCP, every rank of the PCP x TP world emulated in one process and fed by vLLM's PCPManager, judged as the
-undivided module (oracles/dsv32.py `judge_dsv32_dcp`) on a few fixed steps."""
+PCP x DCP (and PCP alone), every rank of the PCP x TP world emulated in one process and fed by vLLM's PCPManager,
+judged as the undivided module (oracles/dsv32.py `judge_dsv32_dcp`) on a few fixed steps."""
 
 import functools
 import json
@@ -42,6 +42,14 @@ CASES = {
     # pcp2.dcp2.tp2: four ranks, the heads split over TP
     "tp2": (step([Request(1, 520), Request(12, 0)], 1, [(1, 2, 3, 4, 5), (6, 0, 0, 0, 0)], Dcp(2, 0, 1, 2, 2)),
             PCP_PATHS | {"indexer.decode"}),
+    # pcp2 (no DCP): two decodes sharded over the PCP ranks (one each), a short prefill split and on dense MHA
+    "pcp_only_sharded_decodes": (step([Request(1, 700), Request(1, 300), Request(40, 0)], 2,
+                                      [tuple(range(1, 12)), tuple(range(12, 17)) + (0,) * 6, (17,) + (0,) * 10],
+                                      Dcp(1, 0, 1, 2, 1)),
+                                 {"pcp.cache_inputs_gather", "indexer.decode", "mha.dense", "mha.chunked_context"}),
+    # pcp4.tp1 (no DCP): one decode on PCP rank 0, the other ranks with no rows (the manager's empty segment)
+    "pcp_only_idle_ranks": (step([Request(1, 200)], 1, [(1, 2, 3, 4)], Dcp(1, 0, 1, 4, 1), skip=True),
+                            {"pcp.cache_inputs_gather", "indexer.decode", "dsv32.layer.skip_topk"}),
 }
 
 
@@ -58,6 +66,24 @@ def test_a_step_on_every_rank_is_judged_as_the_undivided_module(name):
     heads = case.indexer.attention_heads * case.dcp.tp  # every TP rank's heads, side by side
     assert obs.outputs["out"].shape == (case.num_tokens, heads * 128)
     assert ("out_skip_topk" in obs.outputs) == case.indexer.skip_topk_layer
+    assert obs.notes["pcp_paths"]["decode_sharded"] == (case.dcp.size == 1 and case.num_decodes > 0)
+    assert obs.notes["route"]["mha_tokens"] == int(obs.outputs["mha_rows"].sum())
+    if case.dcp.size > 1:  # vLLM's builder keeps prefills off dense MHA under PCP + DCP
+        assert not obs.outputs["mha_rows"].any()
+
+
+def test_decodes_are_sharded_over_pcp_ranks_without_dcp_only():
+    """The runner's PCPManager shards decodes (one owner each) exactly where ParallelConfig says: PCP without DCP."""
+    from fuzzer.support import pcp_runtime
+
+    batch = pcp_runtime.global_batch([1, 1, 1], [10, 20, 30], [False, False, False], "cpu")
+    for dcp, owners in ((1, [[0, 2], [1]]), (2, [[0, 1, 2], [0, 1, 2]])):
+        seen = []
+        for p in range(2):
+            manager, local = pcp_runtime.rank_batch(batch, 2, p, dcp, 0, 1, "cpu")
+            seen.append(manager._local_gather_idx[:local.num_tokens].tolist())
+            assert (local.dcp_local_seq_lens is not None) == (dcp > 1)  # set after the partition, as the runner does
+        assert seen == owners, (dcp, seen)
 
 
 @pytest.mark.nightly
@@ -74,7 +100,7 @@ def test_indexer_keys_left_rank_major_are_found(tmp_path):
 def test_cases_are_pcp_layouts_vllm_runs_eagerly():
     from hypothesis import HealthCheck, given, settings
 
-    from strategies.batches import PCP_LAYOUTS, _pcp_layout_fits
+    from strategies.batches import PCP_LAYOUTS, PCP_ONLY_LAYOUTS, _pcp_layout_fits
     from strategies.indexer_batches import attention_module_pcp_space
     from strategies.profiles import PROFILES
 
@@ -85,11 +111,11 @@ def test_cases_are_pcp_layouts_vllm_runs_eagerly():
     @given(attention_module_pcp_space(p, p.attn_heads, combine_rows=768).strategy())
     def check(case):
         d, h = case.dcp, case.indexer.attention_heads
-        name = next(n for n, lay in PCP_LAYOUTS.items() if lay == (d.pcp, d.size, d.tp))
+        name = next(n for n, lay in {**PCP_LAYOUTS, **PCP_ONLY_LAYOUTS}.items() if lay == (d.pcp, d.size, d.tp))
         seen.add(name)
-        assert _pcp_layout_fits(name, h) and case.kv_cache_dtype == "fp8_ds_mla"
-        assert d.interleave == 1 or case.indexer.num_speculative_tokens == 0
+        assert _pcp_layout_fits(name, h) and case.kv_cache_dtype == "fp8_ds_mla" and case.dcp.layout == name
+        assert d.interleave == 1 or (case.indexer.num_speculative_tokens == 0 and d.size > 1)
         assert all(s.cudagraph == "none" and not s.padded_tokens for s in case.steps)
 
     check()
-    assert len(seen) >= 2, seen
+    assert len(seen & set(PCP_LAYOUTS)) >= 2 and seen & set(PCP_ONLY_LAYOUTS), seen
