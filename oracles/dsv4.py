@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from oracles import fp8_ds_mla_v4, fp8_ds_mla_v41, plain_rows
+from oracles import fp8_ds_mla_v4, fp8_ds_mla_v41, nvfp4_ds_mla_v41, plain_rows
 from oracles.attention import error_margin, sparse_mla_reference, tolerance
 from oracles.plain_rows import PlainRows
 from oracles.verdict import Verdict, passed
@@ -149,13 +149,14 @@ def _records(case, swa_pages, compressed_pages, device) -> tuple[dict, list[Verd
     and a verdict per cache whose records do not hold the values written (the writer's bytes against the format)."""
     inputs = materialize_dsv4_inputs(case, device)
     d = case.dsv4
-    caches = [("swa", swa_pages, case.block_size)]
+    caches = [("swa", swa_pages, case.block_size, d.kv_record)]
     if d.compressed:
-        caches.append(("compressed", compressed_pages, d.entries_per_block))
+        caches.append(("compressed", compressed_pages, d.entries_per_block, d.compressed_record))
     found, verdicts = {}, []
-    v4 = (PlainRows(d.kv_record) if d.kv_record in plain_rows.DTYPES else  # the record's own decoder
-          fp8_ds_mla_v41 if d.kv_record == fp8_ds_mla_v41.ENTRY else fp8_ds_mla_v4)
-    for name, pages, entries in caches:
+    for name, pages, entries, record in caches:
+        v4 = (PlainRows(record) if record in plain_rows.DTYPES else  # the record's own decoder
+              fp8_ds_mla_v41 if record == fp8_ds_mla_v41.ENTRY else
+              nvfp4_ds_mla_v41 if record == nvfp4_ds_mla_v41.ENTRY else fp8_ds_mla_v4)
         worst = None
         for i, _ in enumerate(case.requests):
             if name == "swa":
