@@ -169,6 +169,10 @@ class Dsv4:
     # Rows of other components a page holds after this cache's (0: none): vLLM's packed KV layout (#44577) puts a
     # block's KV components in one allocation, so each cache's per-block stride spans block + pad rows.
     page_pad: int = 0
+    # V4.1 on FlashMLA's mega-attention layer (FLASHMLA_MEGA_ATTN_DSV41, SM100): q reaches the kernel unroped (it
+    # applies GPT-J RoPE to the last 64 dims at each token's position), and the output leaves it inverse-roped and
+    # cast to MXFP8; the case's q is the unroped one.
+    mega_attn: bool = False
 
     @property
     def entries_per_block(self) -> int:
@@ -347,7 +351,8 @@ class Case:
                          + (f" block={d.compressed_block_size} kv_source={d.kv_source} record={d.kv_record}"
                             if d.version == "4.1" else "")
                          + (f" kv={d.cache_dtype}" if d.cache_dtype != "fp8_ds_mla" else "")
-                         + (f" page_pad={d.page_pad}" if d.page_pad else ""))
+                         + (f" page_pad={d.page_pad}" if d.page_pad else "")
+                         + (" mega_attn" if d.mega_attn else ""))
         if self.indexer is not None:
             x = self.indexer
             extra.append(f"indexer: heads={self.heads} topk_backend={x.topk_backend}"
@@ -544,6 +549,9 @@ def _validate_dsv4(case: "Case") -> None:
            f"584, or 528 for V4.1, got {d.kv_record}")
     _check(d.cache_dtype != "nvfp4_ds_mla" or (d.version == "4.1" and d.kv_record == 528), "dsv4.cache_dtype",
            "nvfp4_ds_mla is V4.1's, over its 528-byte sliding-window record (SM100)")
+    _check(not d.mega_attn or (d.version == "4.1" and d.kv_record == 528 and case.heads == 64), "dsv4.mega_attn",
+           "the mega-attention layer is V4.1's on SM100 (528-byte SWA record), at the 64 heads its fused q layout is "
+           "modelled for")
     _check(d.page_pad >= 0 and (d.page_pad == 0 or plain), "dsv4.page_pad",
            f"0, or rows past a plain-row cache's block in a packed page, got {d.page_pad}")
     _check(d.kv_source == "own" or (d.version == "4.1" and d.kv_source == "shared"), "dsv4.kv_source",

@@ -63,9 +63,15 @@ class Dsv4Features:
     page_pads: tuple[str, ...] = ("none",)
     compressed_blocks: tuple[int, ...] = V41_BLOCK_SIZES  # V4.1: FlashMLA's 64 (SM90) or 128; FlashInfer's 128
     heads: tuple[int, ...] | None = None  # the q heads drawn (None: the profile's)
+    mega_attn: bool = False  # FlashMLA's mega-attention layer (Dsv4.mega_attn)
 
 
 V41_FEATURES = Dsv4Features(compress_ratios=V41_COMPRESS_RATIOS, version="4.1", kv_records=(584, 528))
+# FlashMLA's mega-attention layer (FLASHMLA_MEGA_ATTN_DSV41, SM100): the MXFP8 SWA record, fp8_ds_mla's MXFP8 or
+# nvfp4_ds_mla's NVFP4 compressed record, the 128-token kernel block, the 64 heads of TP1.
+MEGA_FEATURES = Dsv4Features(compress_ratios=V41_COMPRESS_RATIOS, version="4.1", kv_records=(528,),
+                             cache_dtypes=("nvfp4_ds_mla", "fp8_ds_mla"), compressed_blocks=(128,), heads=(64,),
+                             mega_attn=True)
 FLASHINFER_FEATURES = Dsv4Features(cache_dtypes=("bfloat16", "fp8", "auto", "fp8_e4m3"), window_sizes=(128,),
                                    page_pads=tuple(PAGE_PADS))
 FLASHINFER_V41_FEATURES = replace(V41_FEATURES, kv_records=(584,), cache_dtypes=FLASHINFER_FEATURES.cache_dtypes,
@@ -210,7 +216,8 @@ def dsv4_cases(draw, p: Profile, f: Dsv4Features, knobs: dict[str, tuple[str, ..
                   max_model_len=max_model_len, **(dict(version="4.1", compressed_block_size=block,
                                                        kv_source=c("kv_source") if compressed else "own",
                                                        **({} if plain else {"kv_record": int(c("kv_record"))}))
-                                                  if v41 else {}), **plain, **packed),
+                                                  if v41 else {}), **plain, **packed,
+                  **({"mega_attn": True} if f.mega_attn else {})),
     ).validate()
 
 

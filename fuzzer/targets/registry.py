@@ -42,6 +42,7 @@ REGISTERED: dict[str, str] = {
     "vllm.dsv32.attention.pcp_dcp": "fuzzer.targets.dsv32_attention_pcp:Dsv32AttentionPcp",
     "vllm.dsv4.flashmla": "fuzzer.targets.dsv4_flashmla:Dsv4FlashMLA",
     "vllm.dsv41.flashmla": "fuzzer.targets.dsv41_flashmla:Dsv41FlashMLA",
+    "vllm.dsv41.flashmla_mega": "fuzzer.targets.dsv41_flashmla_mega:Dsv41FlashMLAMega",
     "vllm.dsv4.flashinfer": "fuzzer.targets.dsv4_flashinfer:Dsv4FlashInfer",
     "vllm.dsv41.flashinfer": "fuzzer.targets.dsv4_flashinfer:Dsv41FlashInfer",
     "vllm.step5_dsa": "fuzzer.targets.step5_dsa:Step5DSA",

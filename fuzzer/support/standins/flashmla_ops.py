@@ -23,6 +23,10 @@ NOPE, TILE, SCALES_AT, ROPE_AT, ENTRY_BYTES, FP8_MAX = 512, 128, 512, 528, 656, 
 V4_NOPE, V4_BLOCK, V4_DATA, V4_SCALES, V4_ENTRY_BYTES = 448, 64, 576, 8, 584
 # DeepSeek-V4.1 record (SM100's ModelType::V41): 512 fp8 values, then their 16 UE8M0 scales (one per 32), interleaved
 V41_DIM, V41_BLOCK, V41_ENTRY_BYTES = 512, 32, 528
+# DeepSeek-V4.1's NVFP4 compressed record (ModelType::V41_FP4, nvfp4_ds_mla): 256 bytes of e2m1 pairs (even element in
+# the low nibble), then 32 e4m3 scales of 16 values each; only the mega-attention kernel reads it
+V41_NVFP4_PACKED, V41_NVFP4_BLOCK, V41_NVFP4_ENTRY_BYTES = 256, 16, 288
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 def _violation(op: str, argument: str, access: str, index: int, limit: int, elem_bytes: int) -> None:
@@ -129,6 +133,25 @@ def _v41_records(k_cache: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return (data * torch.exp2(rec[:, V41_DIM:].float() - 127.0)[..., None]).reshape(-1, V41_DIM)
 
 
+def _e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [n, b] -> float32 [n, 2b]: two e2m1 values a byte, the even element in the low nibble."""
+    lut = torch.tensor(E2M1, dtype=torch.float32, device=packed.device)
+    return lut[torch.stack([packed & 0xF, packed >> 4], dim=-1).long()].flatten(-2)
+
+
+def _v41_nvfp4_records(k_cache: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """fp32 [n, 512] of V4.1's NVFP4 records (288 bytes a token) at `idx` (valid) of k_cache [pages, page_size, 1,
+    288]: record i of a page at byte i * 288, its 512 e2m1 values then 32 e4m3 scales, e2m1 x scale."""
+    pages, page_size = k_cache.shape[:2]
+    page = torch.as_strided(k_cache, (pages, k_cache.stride(0)), (k_cache.stride(0), 1))
+    block, offset = idx // page_size, idx % page_size
+    rec = page[block[:, None], offset[:, None] * V41_NVFP4_ENTRY_BYTES
+               + torch.arange(V41_NVFP4_ENTRY_BYTES, device=idx.device)]
+    scale = rec[:, V41_NVFP4_PACKED:].contiguous().view(torch.float8_e4m3fn).float()
+    values = _e2m1(rec[:, :V41_NVFP4_PACKED]).view(-1, V41_DIM // V41_NVFP4_BLOCK, V41_NVFP4_BLOCK)
+    return (values * scale[..., None]).reshape(-1, V41_DIM)
+
+
 def _decode_keys(op: str, k_cache, indices, topk_length, b: int, s_q: int, argument: str):
     """(keys fp32 [b * s_q, topk, d], invalid [b * s_q, topk]) one sparse decode list reads: -1 is skipped, anything
     else outside the cache a fault (reported, then skipped), and entries past a row's topk_length are not read."""
@@ -143,6 +166,8 @@ def _decode_keys(op: str, k_cache, indices, topk_length, b: int, s_q: int, argum
         keys = _v4_records(k_cache, safe.flatten()).view(*idx.shape, -1)
     elif k_cache.shape[-1] == V41_ENTRY_BYTES:
         keys = _v41_records(k_cache, safe.flatten()).view(*idx.shape, -1)
+    elif k_cache.shape[-1] == V41_NVFP4_ENTRY_BYTES:
+        keys = _v41_nvfp4_records(k_cache, safe.flatten()).view(*idx.shape, -1)
     else:  # entries honour the page stride of a strided cache
         keys = dequantize_fp8_ds_mla(k_cache[:, :, 0][safe // page_size, safe % page_size]).float()
     return keys, invalid
