@@ -19,6 +19,7 @@ from types import SimpleNamespace
 
 import torch
 
+from fuzzer.support import dsv4_runtime
 from fuzzer.support import dsv41_runtime as v41
 from fuzzer.support.standins import flashmla_mega
 
@@ -35,12 +36,12 @@ def install_standins(device: str = "cpu") -> tuple[str, ...]:
     module = importlib.import_module(MEGA_LAYER_MODULE)
     module.torch = flashmla_mega.TorchWithMegaOps()
     return ("fused_norm_rope_attn_rope_cast_decode", "fused_norm_rope_attn_rope_cast_fwd",
-            *v41.dsv4_runtime.bind_swa_standins(device))
+            *dsv4_runtime.bind_swa_standins(device))
 
 
 def prepare_host(device: str) -> tuple[list[str], tuple[str, ...]]:
     """(shims, ops stood in for): V4.1's host preparation, then the mega kernels' stand-ins."""
-    shims, _ = v41.dsv4_runtime.prepare_host(device, v41.FLASHMLA_LAYER_MODULE)
+    shims, _ = dsv4_runtime.prepare_host(device, v41.FLASHMLA_LAYER_MODULE)
     return shims, install_standins(device)
 
 
@@ -75,7 +76,7 @@ def step_layer(cfg, compress_ratio: int, kv_source: str, window_size: int, swa_b
     (`n_wv_group` = padded heads // 8, `rotary_emb.cos_sin_cache`, `kv_cache_dtype`). Returns (layer, the compressed
     cache's spec or None, its KV-cache group's prefix)."""
     layer_id, source_id = v41.layer_ids(compress_ratio, kv_source)
-    swa_layer = v41.dsv4_runtime.swa_cache_layer(
+    swa_layer = dsv4_runtime.swa_cache_layer(
         cfg, window_size, swa_block_size, prefix=f"{v41.layer_prefix(layer_id)}.swa_cache",
         layer_module=MEGA_LAYER_MODULE, layer_class=MEGA_LAYER_CLASS, packed_bytes_per_token=kv_record,
         packed_page_alignment=512, packed_block_stride_alignment=kv_record)
