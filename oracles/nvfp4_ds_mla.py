@@ -52,11 +52,12 @@ def error_bound(values: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
     """float32 [n, 576]: how far an entry may read back from the bf16 value written. NoPE: half the e2m1 step at the
     element's magnitude in units of its scale (0.25, 0.5 or 1), plus what saturation at 6 x scale cuts off (the scale
     is e4m3 of amax / 6, rounded to nearest, so it may land under it); RoPE: half an e4m3 step (2^-4 relative) or
-    its subnormal step (2^-10)."""
+    its subnormal step (2^-10), plus what saturation at 448 cuts off."""
     s = scales(entries).repeat_interleave(BLOCK, dim=-1)
     x = values[:, :NOPE].float().abs()
     r = x / s
     half_step = torch.where(r < 2, 0.25, torch.where(r < 4, 0.5, 1.0)) * s
     nope = half_step + (x - E2M1_MAX * s).clamp(min=0)
-    rope = 2**-4 * values[:, NOPE:].float().abs() + 2**-10
+    r = values[:, NOPE:].float().abs()
+    rope = 2**-4 * r + 2**-10 + (r - E4M3_MAX).clamp(min=0)
     return torch.cat([nope, rope], dim=-1)

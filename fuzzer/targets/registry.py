@@ -20,6 +20,7 @@ REGISTERED: dict[str, str] = {
     "vllm.dcp_filter": "fuzzer.targets.dcp_filter:DcpFilter",
     "vllm.triton_sparse": "fuzzer.targets.triton_sparse:TritonSparse",
     "vllm.flashmla_sparse": "fuzzer.targets.flashmla_sparse:FlashMLASparse",
+    "vllm.flashmla_sparse.nvfp4": "fuzzer.targets.flashmla_sparse_nvfp4:FlashMLASparseNvfp4",
     "vllm.flashmla_sparse.layer": "fuzzer.targets.flashmla_layer:FlashMLASparseLayer",
     "vllm.flashmla_sparse.dcp": "fuzzer.targets.flashmla_dcp:FlashMLASparseDcp",
     "vllm.flashmla_sparse.dcp.ranks": "fuzzer.targets.flashmla_dcp_ranks:FlashMLASparseDcpRanks",
