@@ -42,7 +42,6 @@ class Dsv41FlashMLAMega(Dsv41FlashMLA):
                   "DeepseekV4MegaAttnAttention.forward_mqa", "alloc_mega_attn_output", "permute_q_to_fused",
                   "Triton: SWA indices/lens, prefill gather lens, compressed slot mapping, global top-k, "
                   "dequantize-and-gather (MXFP8 and NVFP4), top-k/SWA combine")
-    bug_classes = "C E H J K N"
     kv_cache_dtypes = ("nvfp4_ds_mla", "fp8_ds_mla")
     writer = WRITER
     PLANNED = ()
