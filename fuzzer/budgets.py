@@ -23,6 +23,7 @@ BUDGETS: dict[str, dict[str, Budget]] = {
         "vllm.dcp_filter": Budget(gate=60, selftest=40),
         "vllm.triton_sparse": Budget(gate=30, selftest=12),
         "vllm.flashmla_sparse": Budget(gate=100, selftest=40),
+        "vllm.flashmla_sparse.nvfp4": Budget(gate=100, selftest=40),
         "vllm.flashmla_sparse.layer": Budget(gate=50, selftest=30),
         "vllm.flashmla_sparse.dcp": Budget(gate=20, selftest=16),  # every DCP rank emulated: ~5 s a case
         "vllm.flashmla_sparse.layer.dcp": Budget(gate=12, selftest=12),  # every rank's layer emulated: 5-10 s a case
@@ -38,6 +39,7 @@ BUDGETS: dict[str, dict[str, Budget]] = {
         "vllm.sparse_mla.all": Budget(gate=20, selftest=10),  # four backends a case, the Triton ones interpreted: ~2 s (12: 0.69 of the pairs)
         "vllm.dsv4.flashmla": Budget(gate=30, selftest=16),  # decodes ~0.1 s, prefills' interpreted gathers 1-4 s
         "vllm.dsv41.flashmla": Budget(gate=30, selftest=16),  # V4.1's layer kinds on the same step: ~0.4 s a case
+        "vllm.dsv41.flashmla_mega": Budget(gate=60, selftest=30),  # the mega stand-ins on V4.1's step: ~6 cases/s
         "vllm.dsv4.flashinfer": Budget(gate=40, selftest=30),  # interpreted index build, torch stand-in: ~3 cases/s
         "vllm.dsv41.flashinfer": Budget(gate=40, selftest=30),  # V4.1's objects on the same route: ~3 cases/s
         "vllm.indexer": Budget(gate=100, selftest=60),  # torch stand-ins, little interpreted Triton: ~0.2 s a case
@@ -52,6 +54,7 @@ BUDGETS: dict[str, dict[str, Budget]] = {
         "vllm.dcp_filter": Budget(gate=300, selftest=150),
         "vllm.triton_sparse": Budget(gate=150, selftest=40),
         "vllm.flashmla_sparse": Budget(gate=200, selftest=60),
+        "vllm.flashmla_sparse.nvfp4": Budget(gate=200, selftest=60),
         "vllm.flashmla_sparse.layer": Budget(gate=150, selftest=60),
         "vllm.flashmla_sparse.dcp": Budget(gate=100, selftest=40),
         "vllm.flashmla_sparse.layer.dcp": Budget(gate=60, selftest=40),
@@ -67,6 +70,7 @@ BUDGETS: dict[str, dict[str, Budget]] = {
         "vllm.sparse_mla.all": Budget(gate=100, selftest=40),
         "vllm.dsv4.flashmla": Budget(gate=150, selftest=40),
         "vllm.dsv41.flashmla": Budget(gate=150, selftest=40),
+        "vllm.dsv41.flashmla_mega": Budget(gate=150, selftest=40),
         "vllm.dsv4.flashinfer": Budget(gate=150, selftest=40),  # FlashInfer's kernel a stand-in on every host
         "vllm.dsv41.flashinfer": Budget(gate=150, selftest=40),
         "vllm.indexer": Budget(gate=60, selftest=30),  # ~1-3 s a case on an H100 (DeepGEMM's JIT, fp64 oracle)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from oracles import nvfp4_ds_mla
 from oracles.attention import counted_attention, error_margin, sparse_mla_reference, tolerance
 from oracles.fp8_ds_mla import dequantize, split_entry
 from oracles.verdict import Verdict, passed
@@ -97,10 +98,32 @@ def judge_fp8_entries(case, inputs, slots, entries):
     return (slots, values), verdict
 
 
+def judge_nvfp4_ds_mla_entries(case, inputs, slots, entries):
+    """The 352-byte nvfp4_ds_mla entries the cache writer produced, read back by the format's own decoder
+    (oracles/nvfp4_ds_mla.py): (slots, values) for the reference (exact in bf16, as the kernels dequantize them), and
+    a verdict if they do not hold the values written within the format's bound (class K for the NoPE, E for the
+    RoPE)."""
+    device = inputs.kv_c.device
+    entries, slots = entries.to(device).view(torch.uint8), slots.to(device)
+    values = nvfp4_ds_mla.dequantize(entries)
+    want = torch.cat([inputs.kv_c, inputs.k_pe], dim=-1)[slots.long()].float()
+    bad = ~((values - want).abs() <= nvfp4_ds_mla.error_bound(want, entries) + 1e-30)
+    verdict = None
+    if bad.any():
+        row, col = (int(x) for x in bad.nonzero()[0])
+        verdict = Verdict("cache_write", False, f"nvfp4_ds_mla entry of slot {int(slots[row])} reads back "
+                                                f"{values[row, col]:.4g} at element {col}, written {want[row, col]:.4g} "
+                                                f"({int(bad.sum())} elements off)", "K" if col < 512 else "E",
+                          where="cache_write")
+    return (slots, values), verdict
+
+
 def judge_cache_entries(case, inputs, slots, entries):
     """A quantized cache's entries read back: (slots, values) for the reference, and a verdict if they are off."""
     if case.kv_cache_dtype == "fp8":
         return judge_fp8_entries(case, inputs, slots, entries)
+    if case.kv_cache_dtype == "nvfp4_ds_mla":
+        return judge_nvfp4_ds_mla_entries(case, inputs, slots, entries)
     return judge_fp8_ds_mla_entries(case, inputs, slots, entries)
 
 
@@ -153,7 +176,7 @@ def _call_verdicts(obs) -> tuple[list[Verdict], bool]:
 
 
 def _read_back(case, inputs, obs, verdicts):
-    if case.kv_cache_dtype in ("fp8_ds_mla", "fp8") and "cache_entries" in obs.outputs:
+    if case.kv_cache_dtype in ("fp8_ds_mla", "fp8", "nvfp4_ds_mla") and "cache_entries" in obs.outputs:
         slot_values, write_verdict = judge_cache_entries(case, inputs, obs.outputs["cache_slots"],
                                                          obs.outputs["cache_entries"])
         verdicts += [write_verdict] if write_verdict else []

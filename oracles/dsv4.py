@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from oracles import fp8_ds_mla_v4, fp8_ds_mla_v41, plain_rows
+from oracles import fp8_ds_mla_v4, fp8_ds_mla_v41, nvfp4_ds_mla_v41, plain_rows
 from oracles.attention import error_margin, sparse_mla_reference, tolerance
 from oracles.plain_rows import PlainRows
 from oracles.verdict import Verdict, passed
@@ -149,13 +149,14 @@ def _records(case, swa_pages, compressed_pages, device) -> tuple[dict, list[Verd
     and a verdict per cache whose records do not hold the values written (the writer's bytes against the format)."""
     inputs = materialize_dsv4_inputs(case, device)
     d = case.dsv4
-    caches = [("swa", swa_pages, case.block_size)]
+    caches = [("swa", swa_pages, case.block_size, d.kv_record)]
     if d.compressed:
-        caches.append(("compressed", compressed_pages, d.entries_per_block))
+        caches.append(("compressed", compressed_pages, d.entries_per_block, d.compressed_record))
     found, verdicts = {}, []
-    v4 = (PlainRows(d.kv_record) if d.kv_record in plain_rows.DTYPES else  # the record's own decoder
-          fp8_ds_mla_v41 if d.kv_record == fp8_ds_mla_v41.ENTRY else fp8_ds_mla_v4)
-    for name, pages, entries in caches:
+    for name, pages, entries, record in caches:
+        v4 = (PlainRows(record) if record in plain_rows.DTYPES else  # the record's own decoder
+              fp8_ds_mla_v41 if record == fp8_ds_mla_v41.ENTRY else
+              nvfp4_ds_mla_v41 if record == nvfp4_ds_mla_v41.ENTRY else fp8_ds_mla_v4)
         worst = None
         for i, _ in enumerate(case.requests):
             if name == "swa":
@@ -208,10 +209,32 @@ def reference(case, records, device: str = "cpu"):
     if d.kv_record == PLAIN_FP8_RECORD:  # a per-tensor fp8 cache's layer hands its kernel q in e4m3 (q_scale 1.0)
         q = q.float().clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     q = q.double()
+    if d.mega_attn:  # the mega kernel ropes q itself at each token's position
+        q = gptj_rope(q, inputs.positions.to(device))
     out, lse = sparse_mla_reference(q, kv, indices, SCALE, 512)
     sink = inputs.attn_sink[: case.heads].to(device).double()
     out = out.double() * torch.sigmoid(lse.double() - sink[None]).nan_to_num(0.0)[..., None]
+    if d.mega_attn:  # ... and hands the output back inverse-roped
+        out = gptj_rope(out, inputs.positions.to(device), inverse=True)
     return out.float(), float(kv.abs().max()) if kv.numel() else 1.0
+
+
+ROPE_BASE = 10000.0
+
+
+def gptj_rope(x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """GPT-J (interleaved) RoPE of the last 64 dims of x [tokens, heads, 512] at each token's position: pair i =
+    dims (448 + 2i, 449 + 2i) turned by position x 10000^(-2i/64), as the fp32 cos/sin table the mega layer's harness
+    gives the layer holds it (cos then sin; padding tokens have position 0)."""
+    inv_freq = 1.0 / (ROPE_BASE ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+    freqs = positions.long().cpu().float()[:, None] * inv_freq[None]
+    cs = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device=x.device, dtype=x.dtype)
+    c, s = cs[:, None, :32], cs[:, None, 32:] * (-1 if inverse else 1)
+    out = x.clone()
+    even, odd = x[..., 448::2], x[..., 449::2]
+    out[..., 448::2] = even * c - odd * s
+    out[..., 449::2] = odd * c + even * s
+    return out
 
 
 def reference_for(case, swa_pages, compressed_pages, device: str = "cpu"):
@@ -221,6 +244,8 @@ def reference_for(case, swa_pages, compressed_pages, device: str = "cpu"):
     records, verdicts = _records(case, swa_pages, compressed_pages, device)
     out, key_scale = reference(case, records, device)
     atol, rtol = tolerance("bfloat16", "bfloat16")
+    if case.dsv4.mega_attn:  # the mega kernel's output is MXFP8: half an e4m3 step (2^-4 relative) more
+        rtol += 2**-4
     return out, atol * max(key_scale, 1e-6), rtol, verdicts
 
 

@@ -24,7 +24,9 @@ from strategies.errors import CaseError  # noqa: F401 (re-exported: `from strate
 SCHEMA = 1
 # "fp8": vLLM's per-tensor fp8 (e4m3) cache, [576] bytes a token, both parts divided by the layer's k_scale (the
 # kv-cache dtype FLASHINFER_MLA_SPARSE_SM90 takes; FLASHMLA_SPARSE turns "fp8" into fp8_ds_mla instead).
-KV_CACHE_DTYPES = ("bfloat16", "fp8_ds_mla", "fp8")
+# "nvfp4_ds_mla": SM100's NVFP4 entry (DeepSeek-V3.2: 352 bytes a token; DeepSeek-V4.1: the MXFP8 sliding-window record
+# with a 288-byte NVFP4 compressed record).
+KV_CACHE_DTYPES = ("bfloat16", "fp8_ds_mla", "fp8", "nvfp4_ds_mla")
 # Writer/reader scale conventions (bug class K). fp8_ds_mla: the entries' tile scales (powers of two, arbitrary
 # fp32, or powers of two a reader truncates to e8m0). "fp8": the layer's per-tensor k_scale, pow2 = 1.0 (vLLM's
 # default, no scale in the checkpoint), arbitrary = a checkpoint's calibrated scale (strategies.tensors.fp8_kv_scale).
@@ -63,7 +65,8 @@ INDEXER_MAX_SPECULATIVE = 3  # MTP draft tokens: next_n 1-4 (SM90's paged logits
 PLAIN_BF16_RECORD, PLAIN_FP8_RECORD = 1024, 512  # a DeepSeek-V4 plain-row cache's bytes a token (512 values)
 PLAIN_RECORDS = {"auto": PLAIN_BF16_RECORD, "bfloat16": PLAIN_BF16_RECORD, "fp8": PLAIN_FP8_RECORD,
                  "fp8_e4m3": PLAIN_FP8_RECORD}
-DSV4_CACHE_DTYPES = ("fp8_ds_mla", *PLAIN_RECORDS)
+DSV4_CACHE_DTYPES = ("fp8_ds_mla", "nvfp4_ds_mla", *PLAIN_RECORDS)
+V41_NVFP4_RECORD = 288  # V4.1's NVFP4 compressed record (nvfp4_ds_mla; the SWA cache keeps the 528-byte one)
 DSV4_BLOCK_SIZE = 256  # tokens a block of the compressed K cache covers (the backend's kernel block size)
 DSV4_MAX_SPECULATIVE = 7
 
@@ -169,11 +172,20 @@ class Dsv4:
     # Rows of other components a page holds after this cache's (0: none): vLLM's packed KV layout (#44577) puts a
     # block's KV components in one allocation, so each cache's per-block stride spans block + pad rows.
     page_pad: int = 0
+    # V4.1 on FlashMLA's mega-attention layer (FLASHMLA_MEGA_ATTN_DSV41, SM100): q reaches the kernel unroped (it
+    # applies GPT-J RoPE to the last 64 dims at each token's position), and the output leaves it inverse-roped and
+    # cast to MXFP8; the case's q is the unroped one.
+    mega_attn: bool = False
 
     @property
     def entries_per_block(self) -> int:
         """Compressed entries a block of the compressed K cache holds; 0 for V4.1's sliding-window layer (ratio 0)."""
         return self.compressed_block_size // self.compress_ratio if self.compress_ratio else 0
+
+    @property
+    def compressed_record(self) -> int:
+        """The compressed K cache's record: V4.1's 288-byte NVFP4 one under nvfp4_ds_mla, else the SWA cache's."""
+        return V41_NVFP4_RECORD if self.cache_dtype == "nvfp4_ds_mla" else self.kv_record
 
     @property
     def compressed(self) -> bool:
@@ -342,7 +354,8 @@ class Case:
                          + (f" block={d.compressed_block_size} kv_source={d.kv_source} record={d.kv_record}"
                             if d.version == "4.1" else "")
                          + (f" kv={d.cache_dtype}" if d.cache_dtype != "fp8_ds_mla" else "")
-                         + (f" page_pad={d.page_pad}" if d.page_pad else ""))
+                         + (f" page_pad={d.page_pad}" if d.page_pad else "")
+                         + (" mega_attn" if d.mega_attn else ""))
         if self.indexer is not None:
             x = self.indexer
             extra.append(f"indexer: heads={self.heads} topk_backend={x.topk_backend}"
@@ -537,6 +550,11 @@ def _validate_dsv4(case: "Case") -> None:
     _check(d.kv_record == plain if plain else d.kv_record == 584 or (d.version == "4.1" and d.kv_record == 528),
            "dsv4.kv_record", f"{plain} for a {d.cache_dtype} plain-row cache" if plain else
            f"584, or 528 for V4.1, got {d.kv_record}")
+    _check(d.cache_dtype != "nvfp4_ds_mla" or (d.version == "4.1" and d.kv_record == 528), "dsv4.cache_dtype",
+           "nvfp4_ds_mla is V4.1's, over its 528-byte sliding-window record (SM100)")
+    _check(not d.mega_attn or (d.version == "4.1" and d.kv_record == 528 and case.heads == 64), "dsv4.mega_attn",
+           "the mega-attention layer is V4.1's on SM100 (528-byte SWA record), at the 64 heads its fused q layout is "
+           "modelled for")
     _check(d.page_pad >= 0 and (d.page_pad == 0 or plain), "dsv4.page_pad",
            f"0, or rows past a plain-row cache's block in a packed page, got {d.page_pad}")
     _check(d.kv_source == "own" or (d.version == "4.1" and d.kv_source == "shared"), "dsv4.kv_source",
@@ -553,7 +571,8 @@ def _validate_dsv4(case: "Case") -> None:
     _check(d.max_model_len == 0 or d.max_model_len >= max(longest, 1), "dsv4.max_model_len",
            f"0 or at least the longest sequence ({longest}), got {d.max_model_len}")
     _check(case.block_size % 32 == 0, "block_size", f"the SWA cache's block size is a multiple of 32, got {case.block_size}")
-    stored = "fp8_ds_mla" if not plain else "bfloat16" if plain == PLAIN_BF16_RECORD else "fp8"
+    stored = (d.cache_dtype if d.cache_dtype == "nvfp4_ds_mla" else "fp8_ds_mla" if not plain else
+              "bfloat16" if plain == PLAIN_BF16_RECORD else "fp8")
     _check(case.kv_cache_dtype == stored and case.fp8_scale == "pow2", "kv_cache_dtype",
            f"a DeepSeek-V4 cache of dsv4.cache_dtype {d.cache_dtype!r} is {stored} (fp8_ds_mla: the 584-byte record, "
            "UE8M0 power-of-two scales; a per-tensor fp8 row: k_scale 1.0)")

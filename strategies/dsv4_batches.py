@@ -62,9 +62,16 @@ class Dsv4Features:
     window_sizes: tuple[int, ...] | None = None
     page_pads: tuple[str, ...] = ("none",)
     compressed_blocks: tuple[int, ...] = V41_BLOCK_SIZES  # V4.1: FlashMLA's 64 (SM90) or 128; FlashInfer's 128
+    heads: tuple[int, ...] | None = None  # the q heads drawn (None: the profile's)
+    mega_attn: bool = False  # FlashMLA's mega-attention layer (Dsv4.mega_attn)
 
 
 V41_FEATURES = Dsv4Features(compress_ratios=V41_COMPRESS_RATIOS, version="4.1", kv_records=(584, 528))
+# FlashMLA's mega-attention layer (FLASHMLA_MEGA_ATTN_DSV41, SM100): the MXFP8 SWA record, fp8_ds_mla's MXFP8 or
+# nvfp4_ds_mla's NVFP4 compressed record, the 128-token kernel block, the 64 heads of TP1.
+MEGA_FEATURES = Dsv4Features(compress_ratios=V41_COMPRESS_RATIOS, version="4.1", kv_records=(528,),
+                             cache_dtypes=("nvfp4_ds_mla", "fp8_ds_mla"), compressed_blocks=(128,), heads=(64,),
+                             mega_attn=True)
 FLASHINFER_FEATURES = Dsv4Features(cache_dtypes=("bfloat16", "fp8", "auto", "fp8_e4m3"), window_sizes=(128,),
                                    page_pads=tuple(PAGE_PADS))
 FLASHINFER_V41_FEATURES = replace(V41_FEATURES, kv_records=(584,), cache_dtypes=FLASHINFER_FEATURES.cache_dtypes,
@@ -74,11 +81,13 @@ FLASHINFER_V41_FEATURES = replace(V41_FEATURES, kv_records=(584,), cache_dtypes=
 def dsv4_knobs(p: Profile, f: Dsv4Features) -> dict[str, tuple[str, ...]]:
     s = p.dsv4
     names = DSV4_KNOBS + (DSV41_KNOBS if f.version == "4.1" else ()) + (FLASHINFER_KNOBS if f.cache_dtypes else ())
-    if f.cache_dtypes:  # plain rows: the record follows the dtype
+    if f.cache_dtypes and all(d in PLAIN_RECORDS for d in f.cache_dtypes):  # plain rows: the record follows the dtype
         names = tuple(n for n in names if n != "kv_record")
+    if f.cache_dtypes and not any(d in PLAIN_RECORDS for d in f.cache_dtypes):  # packed records: no page padding
+        names = tuple(n for n in names if n != "page_pad")
     return _domains(names, compress_ratio=map(str, f.compress_ratios),
                     window_size=map(str, f.window_sizes or s.window_sizes),
-                    topk_width=map(str, s.topk_widths), heads=map(str, s.heads), table_layout=("arange", "permuted"),
+                    topk_width=map(str, s.topk_widths), heads=map(str, f.heads or s.heads), table_layout=("arange", "permuted"),
                     compressed_block=map(str, f.compressed_blocks), kv_record=map(str, f.kv_records),
                     cache_dtype=f.cache_dtypes, page_pad=f.page_pads)
 
@@ -188,12 +197,15 @@ def dsv4_cases(draw, p: Profile, f: Dsv4Features, knobs: dict[str, tuple[str, ..
     longest = max(r.seq_len for r in reqs)
     max_model_len = longest + draw(st.integers(0, 64)) if c("max_model_len") == "tight" else 0
     plain: dict = {}
-    if f.cache_dtypes:  # FlashInfer's plain rows, each cache's pages unpacked or packed
-        dtype = c("cache_dtype")
+    packed: dict = {}
+    dtype = c("cache_dtype") if f.cache_dtypes else "fp8_ds_mla"
+    if dtype in PLAIN_RECORDS:  # FlashInfer's plain rows, each cache's pages unpacked or packed
         pad = PAGE_PADS[c("page_pad")]
         plain = dict(cache_dtype=dtype, kv_record=PLAIN_RECORDS[dtype],
                      page_pad=bs if pad < 0 else pad)
-    kv_cache_dtype = ("fp8_ds_mla" if not plain else
+    elif dtype != "fp8_ds_mla":  # nvfp4_ds_mla: V4.1's NVFP4 compressed record beside the MXFP8 SWA one
+        packed = dict(cache_dtype=dtype)
+    kv_cache_dtype = (dtype if packed else "fp8_ds_mla" if not plain else
                       "bfloat16" if plain["kv_record"] == PLAIN_BF16_RECORD else "fp8")
     return Case(
         requests=tuple(reqs), num_decodes=num_decodes, block_size=bs, block_table=swa, topk_width=topk, topk=(),
@@ -204,7 +216,8 @@ def dsv4_cases(draw, p: Profile, f: Dsv4Features, knobs: dict[str, tuple[str, ..
                   max_model_len=max_model_len, **(dict(version="4.1", compressed_block_size=block,
                                                        kv_source=c("kv_source") if compressed else "own",
                                                        **({} if plain else {"kv_record": int(c("kv_record"))}))
-                                                  if v41 else {}), **plain),
+                                                  if v41 else {}), **plain, **packed,
+                  **({"mega_attn": True} if f.mega_attn else {})),
     ).validate()
 
 

@@ -32,6 +32,8 @@ def padded_heads(heads: int) -> int:
 
 
 V41_ENTRY_BYTES, V41_DATA_BYTES, V41_QUANT_BLOCK = 528, 512, 32  # V4.1's MXFP8 record (SM100): 512 fp8, 16 UE8M0
+# V4.1's NVFP4 compressed record (`nvfp4_ds_mla`, SM100): 512 e2m1 two a byte, 32 e4m3 scales of 16 values each
+V41_NVFP4_ENTRY_BYTES, V41_NVFP4_PACKED, V41_NVFP4_BLOCK = 288, 256, 16
 PLAIN_RECORDS = {PLAIN_BF16_RECORD: torch.bfloat16, PLAIN_FP8_RECORD: torch.float8_e4m3fn}  # FlashInfer's rows
 
 
@@ -42,8 +44,8 @@ def page_bytes(entries_per_block: int, record: int = ENTRY_BYTES, pad: int = 0) 
     components (vLLM's packed KV layout)."""
     if record in PLAIN_RECORDS:
         return (entries_per_block + pad) * record
-    if record == V41_ENTRY_BYTES:
-        return -(-entries_per_block * V41_ENTRY_BYTES // 512) * 512
+    if record in (V41_ENTRY_BYTES, V41_NVFP4_ENTRY_BYTES):
+        return -(-entries_per_block * record // 512) * 512
     return -(-entries_per_block * ENTRY_BYTES // DATA_BYTES) * DATA_BYTES
 
 
@@ -219,6 +221,39 @@ def write_v41_records(pages: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
     pages[(slots // entries_per_block)[:, None], cols] = v41_records(k)
 
 
+def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> uint8 e2m1 codes (sign in bit 3) as `cvt.rn.satfinite.e2m1x2.f32` rounds: to nearest, ties to the
+    even code, magnitudes past 6 to 6, the sign kept (-0.0 and values that round to 0 from below are code 8)."""
+    m = x.abs()
+    # Each bound: the magnitude from which the next code is taken; a tie goes up where the upper code is even.
+    code = ((m > 0.25).to(torch.uint8) + (m >= 0.75) + (m > 1.25) + (m >= 1.75) + (m > 2.5) + (m >= 3.5) + (m > 5.0))
+    return code | (torch.signbit(x).to(torch.uint8) << 3)
+
+
+def v41_nvfp4_records(k: torch.Tensor) -> torch.Tensor:
+    """bf16 [n, 512] -> records uint8 [n, 288] as vLLM's `_rope_quant_insert_nvfp4_kernel` writes them (after its
+    RoPE, which the value here already carries): per 16-wide block the scale e4m3(clamp(amax * fp32(1/6), 2^-9,
+    448)), each value divided by it (IEEE, div_rn) and rounded to e2m1, two a byte (the even element low), then
+    the 32 scale bytes."""
+    tiles = k.float().view(-1, V41_DATA_BYTES // V41_NVFP4_BLOCK, V41_NVFP4_BLOCK)
+    sixth = torch.tensor(1.0 / 6.0, dtype=torch.float32, device=k.device)
+    scale = (tiles.abs().amax(dim=-1) * sixth).clamp(2.0**-9, FP8_MAX).to(torch.float8_e4m3fn)
+    codes = e2m1_codes(tiles / scale.float()[..., None]).view(-1, V41_NVFP4_PACKED, 2)
+    packed = codes[..., 0] | (codes[..., 1] << 4)
+    return torch.cat([packed, scale.view(torch.uint8)], dim=-1)
+
+
+def write_v41_nvfp4_records(pages: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, entries_per_block: int) -> None:
+    """Write bf16 [n, 512] at `slots` of a raw cache of 288-byte records: slot s's record at byte (s % entries) * 288
+    of page s // entries."""
+    if not len(slots):
+        return
+    slots = slots.to(pages.device).long()
+    cols = ((slots % entries_per_block)[:, None] * V41_NVFP4_ENTRY_BYTES
+            + torch.arange(V41_NVFP4_ENTRY_BYTES, device=pages.device))
+    pages[(slots // entries_per_block)[:, None], cols] = v41_nvfp4_records(k)
+
+
 def plain_rows(k: torch.Tensor, record: int) -> torch.Tensor:
     """bf16 [n, 512] -> uint8 [n, record]: the plain row FlashInfer's DeepSeek-V4 layer stores (its fused insert,
     `_fused_qnorm_rope_kv_insert`'s plain-row path): the bf16 value as is, or per-tensor e4m3 of value / k_scale with
@@ -239,8 +274,10 @@ def write_plain_rows(pages: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, 
     pages[(slots // entries_per_block)[:, None], cols] = plain_rows(k, record)
 
 
-def _writer(case: Case):
-    record = case.dsv4.kv_record
+def _writer(case: Case, record: int | None = None):
+    record = record or case.dsv4.kv_record
+    if record == V41_NVFP4_ENTRY_BYTES:
+        return write_v41_nvfp4_records
     if record in PLAIN_RECORDS:
         return functools.partial(write_plain_rows, record=record)
     return write_v41_records if record == V41_ENTRY_BYTES else write_v4_records
@@ -261,10 +298,10 @@ def swa_pages(case: Case, inputs: Dsv4Inputs, num_blocks: int, device) -> torch.
 def compressed_pages(case: Case, inputs: Dsv4Inputs, num_blocks: int, device) -> torch.Tensor:
     """The compressed K cache, poisoned where the compressor wrote nothing, holding each request's seq_len // ratio
     completed entries (the compressor writes those of the step's own tokens before the attention call)."""
-    per_block = case.dsv4.entries_per_block
-    pages = torch.full((num_blocks, page_bytes(per_block, case.dsv4.kv_record, case.dsv4.page_pad)), POISON,
+    per_block, record = case.dsv4.entries_per_block, case.dsv4.compressed_record
+    pages = torch.full((num_blocks, page_bytes(per_block, record, case.dsv4.page_pad)), POISON,
                        dtype=torch.uint8, device=device)
-    write = _writer(case)
+    write = _writer(case, record)
     for i, _ in enumerate(case.requests):
         entries = torch.arange(len(inputs.compressed_values[i]))
         write(pages, compressed_slots(case, i, entries), inputs.compressed_values[i], per_block)

@@ -304,7 +304,7 @@ class FlashMLASparse(Target):
     def finish(self, obs, case, slots, cache, before, write_emulated, overruns, guards):
         """What both FlashMLA targets add to an observation after the call: the fp8 entries written (for the
         oracle to read back), stand-ins and shims, overruns, guard regions, and whether the cache changed."""
-        if before and case.kv_cache_dtype in ("fp8_ds_mla", "fp8"):
+        if before and case.kv_cache_dtype in ("fp8_ds_mla", "fp8", "nvfp4_ds_mla"):
             obs.outputs["cache_slots"] = slots  # on the device: the worker's oracle reads them back there
             obs.outputs["cache_entries"] = before[0][slots // case.block_size, slots % case.block_size]
         out = obs.outputs.get("out")

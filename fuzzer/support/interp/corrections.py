@@ -16,6 +16,8 @@ ties and subnormals included, was byte-identical between torch, the GPU and thes
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 CORRECTIONS: tuple[str, ...] = (
@@ -23,6 +25,7 @@ CORRECTIONS: tuple[str, ...] = (
     "cast-to-fp8: float->fp8e4nv/fp8e5 rounded to nearest even, satfinite (triton#8322)",
     "cast-from-fp8: fp8->float of NaN/inf codes",
     "cast-bf16: float/int<->bf16 rounded to nearest even (the interpreter truncated)",
+    "inline-asm-e2m1x2: PTX `cvt.rn.satfinite.e2m1x2.f32` (NVFP4 writers) emulated; other inline asm still refused",
 )
 
 _installed = False
@@ -54,6 +57,39 @@ def _encode(values, tl_dtype) -> np.ndarray:
     bits = t.view(torch.int16).numpy().view(np.uint16) if tl_dtype.name == "bf16" else t.view(torch.uint8).numpy()
     bits[np.isnan(v.reshape(-1))] = 0x7FFF if tl_dtype.name == "bf16" else 0x7F
     return bits.reshape(v.shape)
+
+
+_E2M1_CVT = re.compile(r"cvt\.rn\.satfinite\.e2m1x2\.f32\s+\w+\s*,\s*\$(\d+)\s*,\s*\$(\d+)")
+
+
+def _e2m1(x: np.ndarray) -> np.ndarray:
+    """float32 -> e2m1 codes as `cvt.rn.satfinite` rounds (PTX ISA: to nearest, ties to even, saturating at 6; the sign
+    kept): each bound is where the next code is taken, a tie going up where the upper code is even."""
+    m = np.abs(x)
+    code = sum((m > 0.25, m >= 0.75, m > 1.25, m >= 1.75, m > 2.5, m >= 3.5, m > 5.0), np.zeros(m.shape, np.uint32))
+    return code | (np.signbit(x).astype(np.uint32) << np.uint32(3))
+
+
+def _e2m1x2_asm(asm: str, values) -> np.ndarray | None:
+    """The result of the two inline-asm forms vLLM's NVFP4 writers use, or None for any other asm: the byte of
+    `cvt.rn.satfinite.e2m1x2.f32 d, a, b` (a in the high nibble, b in the low) widened to 32 bits, as both the
+    `cvt.u32.u8` form and the `mov.b32 {t,t,t,t}; and.b32 255` form give it. $0 is the output; $k the (k-1)th arg."""
+    m = _E2M1_CVT.search(asm)
+    if m is None or ("cvt.u32.u8" not in asm and "and.b32" not in asm):
+        return None
+    hi, lo = (np.asarray(values[int(g) - 1].data, dtype=np.float32) for g in m.groups())
+    return (_e2m1(hi) << np.uint32(4)) | _e2m1(lo)
+
+
+class _AsmCall:
+    """What `tl.inline_asm_elementwise` reads of the builder's call: its one result."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def get_result(self, i: int):
+        assert i == 0, "one output register"
+        return self.handle
 
 
 def install_corrections() -> tuple[str, ...]:
@@ -114,6 +150,20 @@ def install_corrections() -> tuple[str, ...]:
         vals = np.asarray(src.data)
         return TensorHandle(_encode(vals.astype(np.float32), t), t)
 
+    inline_asm = B.create_inline_asm
+
+    def create_inline_asm(b, inlineAsm, constraints, values, type, isPure, pack):
+        """Was: NotImplementedError for every inline asm. Now: the e2m1x2 conversion vLLM's NVFP4 cache writers
+        make (one output register, pack 1) computed as the PTX ISA defines it; any other asm still refused."""
+        one = pack == 1 and constraints.startswith("=r,") and len(type) == 1
+        out = _e2m1x2_asm(inlineAsm, values) if one else None
+        if out is None:
+            return inline_asm(b, inlineAsm, constraints, values, type, isPure, pack)
+        scalar = getattr(type[0], "scalar", type[0])
+        handle = TensorHandle(out.astype(np.int32 if scalar.name == "int32" else np.uint32), scalar)
+        return _AsmCall(handle)
+
     B.create_dot, B.create_fp_to_fp, B.cast_impl = create_dot, create_fp_to_fp, cast_impl_
+    B.create_inline_asm = create_inline_asm
     _installed = True
     return CORRECTIONS

@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from fuzzer.support.errors import StandInRefused
 from fuzzer.support.interp.sanitizer import SANITIZER, MemoryViolation
 from fuzzer.support.standins.cache_ops import concat_and_cache_mla as plain_concat_and_cache_mla
 from fuzzer.support.standins.cache_ops import refuse_empty_grid
@@ -23,6 +24,13 @@ NOPE, TILE, SCALES_AT, ROPE_AT, ENTRY_BYTES, FP8_MAX = 512, 128, 512, 528, 656, 
 V4_NOPE, V4_BLOCK, V4_DATA, V4_SCALES, V4_ENTRY_BYTES = 448, 64, 576, 8, 584
 # DeepSeek-V4.1 record (SM100's ModelType::V41): 512 fp8 values, then their 16 UE8M0 scales (one per 32), interleaved
 V41_DIM, V41_BLOCK, V41_ENTRY_BYTES = 512, 32, 528
+# DeepSeek-V4.1's NVFP4 compressed record (ModelType::V41_FP4, nvfp4_ds_mla): 256 bytes of e2m1 pairs (even element in
+# the low nibble), then 32 e4m3 scales of 16 values each; only the mega-attention kernel reads it
+V41_NVFP4_PACKED, V41_NVFP4_BLOCK, V41_NVFP4_ENTRY_BYTES = 256, 16, 288
+# DeepSeek-V3.2's nvfp4_ds_mla entry (SM100): 512 e2m1 NoPE (256 bytes) | 64 e4m3 RoPE, unscaled | 32 e4m3 NoPE scales
+# of 16 values each, permuted (block s's at byte 320 + 8 * (s & 3) + (s >> 2)) = 352 bytes
+NVFP4_PACKED, NVFP4_ROPE_AT, NVFP4_SCALES_AT, NVFP4_BLOCK, NVFP4_ENTRY_BYTES = 256, 256, 320, 16, 352
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 def _violation(op: str, argument: str, access: str, index: int, limit: int, elem_bytes: int) -> None:
@@ -129,6 +137,67 @@ def _v41_records(k_cache: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return (data * torch.exp2(rec[:, V41_DIM:].float() - 127.0)[..., None]).reshape(-1, V41_DIM)
 
 
+def _e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [n, b] -> float32 [n, 2b]: two e2m1 values a byte, the even element in the low nibble."""
+    lut = torch.tensor(E2M1, dtype=torch.float32, device=packed.device)
+    return lut[torch.stack([packed & 0xF, packed >> 4], dim=-1).long()].flatten(-2)
+
+
+def _v41_nvfp4_records(k_cache: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """fp32 [n, 512] of V4.1's NVFP4 records (288 bytes a token) at `idx` (valid) of k_cache [pages, page_size, 1,
+    288]: record i of a page at byte i * 288, its 512 e2m1 values then 32 e4m3 scales, e2m1 x scale."""
+    pages, page_size = k_cache.shape[:2]
+    page = torch.as_strided(k_cache, (pages, k_cache.stride(0)), (k_cache.stride(0), 1))
+    block, offset = idx // page_size, idx % page_size
+    rec = page[block[:, None], offset[:, None] * V41_NVFP4_ENTRY_BYTES
+               + torch.arange(V41_NVFP4_ENTRY_BYTES, device=idx.device)]
+    scale = rec[:, V41_NVFP4_PACKED:].contiguous().view(torch.float8_e4m3fn).float()
+    values = _e2m1(rec[:, :V41_NVFP4_PACKED]).view(-1, V41_DIM // V41_NVFP4_BLOCK, V41_NVFP4_BLOCK)
+    return (values * scale[..., None]).reshape(-1, V41_DIM)
+
+
+def _nvfp4_scale_bytes(device) -> torch.Tensor:
+    s = torch.arange(NOPE // NVFP4_BLOCK, device=device)
+    return NVFP4_SCALES_AT + 8 * (s & 3) + (s >> 2)
+
+
+def dequantize_nvfp4_ds_mla(entries: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 352] -> bf16 [..., 576]: each e2m1 NoPE value x its block's e4m3 scale (exact in bf16), then the
+    e4m3 RoPE values."""
+    e = entries.reshape(-1, NVFP4_ENTRY_BYTES)
+    scale = e[:, _nvfp4_scale_bytes(e.device)].contiguous().view(torch.float8_e4m3fn).float()
+    nope = _e2m1(e[:, :NVFP4_PACKED]).view(-1, NOPE // NVFP4_BLOCK, NVFP4_BLOCK) * scale[..., None]
+    rope = e[:, NVFP4_ROPE_AT:NVFP4_SCALES_AT].contiguous().view(torch.float8_e4m3fn).float()
+    out = torch.cat([nope.reshape(-1, NOPE), rope], dim=-1).to(torch.bfloat16)
+    return out.view(*entries.shape[:-1], NOPE + rope.shape[-1])
+
+
+def _e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> e2m1 codes as PTX `cvt.rn.satfinite.e2m1x2.f32` rounds: to nearest, ties to the even code, past 6
+    to 6, the sign kept (a tie goes up where the upper code is even)."""
+    m = x.abs()
+    code = ((m > 0.25).to(torch.uint8) + (m >= 0.75) + (m > 1.25) + (m >= 1.75) + (m > 2.5) + (m >= 3.5) + (m > 5.0))
+    return code | (torch.signbit(x).to(torch.uint8) << 3)
+
+
+def quantize_nvfp4_ds_mla(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+    """[n, 512] + [n, 64] -> uint8 [n, 352], as vLLM's Triton writer of the entry (`_fused_norm_rope_kernel`'s
+    MLA_CACHE_NVFP4 branch in deepseek_v32/common/kernels.py, "in lockstep with concat_and_cache_nvfp4_ds_mla
+    (CUDA)") computes it: per 16-wide block sf = e4m3(max(amax * fp32(1/6), 2^-9)) (satfinite), each value times
+    fp32(1 / sf) rounded to e2m1, two a byte (the even element low); the RoPE as e4m3 (satfinite); the scales
+    permuted."""
+    tiles = kv_c.float().view(-1, NOPE // NVFP4_BLOCK, NVFP4_BLOCK)
+    sixth = torch.tensor(1.0 / 6.0, dtype=torch.float32, device=kv_c.device)
+    sf = torch.maximum(tiles.abs().amax(dim=-1) * sixth, torch.tensor(2.0**-9, device=kv_c.device))
+    sf = sf.clamp(max=FP8_MAX).to(torch.float8_e4m3fn)
+    codes = _e2m1_codes(tiles * (1.0 / sf.float())[..., None]).view(-1, NVFP4_PACKED, 2)
+    out = torch.empty(tiles.shape[0], NVFP4_ENTRY_BYTES, dtype=torch.uint8, device=kv_c.device)
+    out[:, :NVFP4_PACKED] = codes[..., 0] | (codes[..., 1] << 4)
+    out[:, NVFP4_ROPE_AT:NVFP4_SCALES_AT] = k_pe.float().clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    out[:, _nvfp4_scale_bytes(kv_c.device)] = sf.view(torch.uint8)
+    return out
+
+
 def _decode_keys(op: str, k_cache, indices, topk_length, b: int, s_q: int, argument: str):
     """(keys fp32 [b * s_q, topk, d], invalid [b * s_q, topk]) one sparse decode list reads: -1 is skipped, anything
     else outside the cache a fault (reported, then skipped), and entries past a row's topk_length are not read."""
@@ -143,6 +212,10 @@ def _decode_keys(op: str, k_cache, indices, topk_length, b: int, s_q: int, argum
         keys = _v4_records(k_cache, safe.flatten()).view(*idx.shape, -1)
     elif k_cache.shape[-1] == V41_ENTRY_BYTES:
         keys = _v41_records(k_cache, safe.flatten()).view(*idx.shape, -1)
+    elif k_cache.shape[-1] == V41_NVFP4_ENTRY_BYTES:
+        keys = _v41_nvfp4_records(k_cache, safe.flatten()).view(*idx.shape, -1)
+    elif k_cache.shape[-1] == NVFP4_ENTRY_BYTES:
+        keys = dequantize_nvfp4_ds_mla(k_cache[:, :, 0][safe // page_size, safe % page_size]).float()
     else:  # entries honour the page stride of a strided cache
         keys = dequantize_fp8_ds_mla(k_cache[:, :, 0][safe // page_size, safe % page_size]).float()
     return keys, invalid
@@ -153,8 +226,9 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
                            attn_sink=None, extra_k_cache=None, extra_indices_in_kvcache=None, topk_length=None,
                            extra_topk_length=None, out=None, enable_batch_invariant=False):
     """Sparse fp8 decode (`sparse_decode_fwd`) only: q [b, s_q, h_q, d], k_cache uint8 [pages, page_size, 1, bytes]
-    in the layout its bytes per token name (656: DeepSeek-V3.2, d 576; 584: DeepSeek-V4, d 512; 528: DeepSeek-V4.1's
-    MXFP8 record, which only SM100's kernel reads, d 512), indices
+    in the layout its bytes per token name (656: DeepSeek-V3.2, d 576; 352: DeepSeek-V3.2's nvfp4_ds_mla entry, which
+    only SM100's kernel reads, d 576; 584: DeepSeek-V4, d 512; 528: DeepSeek-V4.1's MXFP8 record, which only SM100's
+    kernel reads, d 512), indices
     [b, s_q, topk] = page * page_size + offset, -1 invalid; only the leftmost topk_length[i] of batch i's indices
     are read. extra_k_cache / extra_indices_in_kvcache / extra_topk_length: a second list attended together with the
     first. attn_sink [h_q] scales the output by exp(lse) / (exp(lse) + exp(attn_sink)). Returns out
@@ -162,7 +236,7 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
     meta = tile_scheduler_metadata
     assert isinstance(meta, FlashMLASchedMeta) and num_splits is None
     assert indices is not None and is_fp8_kvcache and not causal, "stand-in covers sparse fp8 decode only"
-    assert k_cache.shape[-1] in (ENTRY_BYTES, V4_ENTRY_BYTES, V41_ENTRY_BYTES), \
+    assert k_cache.shape[-1] in (ENTRY_BYTES, NVFP4_ENTRY_BYTES, V4_ENTRY_BYTES, V41_ENTRY_BYTES), \
         f"{k_cache.shape[-1]} bytes a token: not a layout here"
     assert (extra_k_cache is None) == (extra_indices_in_kvcache is None), "extra_k_cache comes with its indices"
     config = (q.shape[0], q.shape[1], q.shape[2], k_cache.shape[1], k_cache.shape[2], causal, is_fp8_kvcache,
@@ -200,7 +274,8 @@ def concat_mla_q(ql_nope: torch.Tensor, q_pe: torch.Tensor, q_out: torch.Tensor)
     q_out[:t, :h, nope:] = q_pe
 
 
-def _gather_request(op, src_cache, dst, block_table, b: int, start: int, pos: torch.Tensor) -> None:
+def _gather_request(op, src_cache, dst, block_table, b: int, start: int, pos: torch.Tensor,
+                    dequantize=dequantize_fp8_ds_mla) -> None:
     """Request b's positions `pos`, dequantized, to dst[start + i]; every index it follows bounds-checked."""
     num_blocks, block_size = src_cache.shape[:2]
     if start + len(pos) > dst.shape[0]:
@@ -211,10 +286,10 @@ def _gather_request(op, src_cache, dst, block_table, b: int, start: int, pos: to
     _report(op, "block_table", bad_col, b * block_table.shape[1] + col, block_table.numel(), 4)
     blocks = block_table[b].long()[col.clamp(max=block_table.shape[1] - 1)]
     bad = ~bad_col & ((blocks < 0) | (blocks >= num_blocks))
-    _report(op, "src_cache", bad, blocks * block_size + pos % block_size, num_blocks * block_size, ENTRY_BYTES)
+    _report(op, "src_cache", bad, blocks * block_size + pos % block_size, num_blocks * block_size, src_cache.shape[-1])
     ok = ~(bad_col | bad)
     first = pos[0] if len(pos) else 0
-    dst[start + pos[ok] - first] = dequantize_fp8_ds_mla(src_cache[blocks[ok], (pos % block_size)[ok]]).to(dst.dtype)
+    dst[start + pos[ok] - first] = dequantize(src_cache[blocks[ok], (pos % block_size)[ok]]).to(dst.dtype)
 
 
 def cp_gather_and_upconvert_fp8_kv_cache(src_cache, dst, block_table, workspace_starts, batch_size, seq_starts=None,
@@ -222,12 +297,30 @@ def cp_gather_and_upconvert_fp8_kv_cache(src_cache, dst, block_table, workspace_
     """`ops.cp_gather_and_upconvert_fp8_kv_cache`: request b's positions [0, n_b) (from seq_starts[b]) go, dequantized,
     to dst[workspace_starts[b] + i]; n_b is the gap to the next start (the last one: to dst's end)."""
     assert host_cache is None and host_row_ids is None and device_row_ids is None, "HiSparse host rows not covered"
+    if src_cache.shape[-1] * src_cache.element_size() != ENTRY_BYTES:  # what it would read is not an fp8_ds_mla entry
+        raise ValueError(f"cp_gather_and_upconvert_fp8_kv_cache: src_cache rows of "
+                         f"{src_cache.shape[-1] * src_cache.element_size()} bytes, the fp8_ds_mla entry is {ENTRY_BYTES}")
     starts = workspace_starts[:batch_size].long().tolist() + [dst.shape[0]]
     for b in range(batch_size):
         pos = torch.arange(starts[b + 1] - starts[b], device=dst.device)
         if seq_starts is not None:
             pos = pos + int(seq_starts[b])
         _gather_request("cp_gather_and_upconvert_fp8_kv_cache", src_cache, dst, block_table, b, starts[b], pos)
+
+
+def cp_gather_and_upconvert_nvfp4_kv_cache(src_cache, dst, block_table, workspace_starts, batch_size) -> None:
+    """`ops.cp_gather_and_upconvert_nvfp4_kv_cache` (vLLM's docstring: src [num_blocks, block_size, 352] uint8, dst bf16
+    [total_tokens, 576]): request b's positions [0, n_b) go, dequantized, to dst[workspace_starts[b] + i], n_b the gap
+    to the next start (the last one: to dst's end), as the fp8 op it sits beside (its CUDA source is not in vLLM's
+    wheel: this row extent is read from the call site, which sizes dst to the chunk's total)."""
+    if src_cache.shape[-1] != NVFP4_ENTRY_BYTES or dst.shape[-1] != NOPE + 64:
+        raise StandInRefused(f"cp_gather_and_upconvert_nvfp4_kv_cache: src rows of {src_cache.shape[-1]} bytes, dst "
+                             f"rows of {dst.shape[-1]} (only 352 -> 576 is the op's form)")
+    starts = workspace_starts[:batch_size].long().tolist() + [dst.shape[0]]
+    for b in range(batch_size):
+        pos = torch.arange(starts[b + 1] - starts[b], device=dst.device)
+        _gather_request("cp_gather_and_upconvert_nvfp4_kv_cache", src_cache, dst, block_table, b, starts[b], pos,
+                        dequantize_nvfp4_ds_mla)
 
 
 def _ceil_pow2(s: torch.Tensor) -> torch.Tensor:
@@ -246,18 +339,19 @@ def quantize_fp8_ds_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, scale_convention
 
 
 def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale, scale_convention="pow2"):
-    """`ops.concat_and_cache_mla` for "fp8_ds_mla" (per-entry scales; `scale` is ignored, as in the CUDA op);
-    unquantized dtypes go to the plain stand-in."""
-    if kv_cache_dtype != "fp8_ds_mla":
+    """`ops.concat_and_cache_mla` for "fp8_ds_mla" and "nvfp4_ds_mla" (per-entry scales; `scale` is ignored, as in the
+    CUDA op); unquantized dtypes go to the plain stand-in."""
+    if kv_cache_dtype not in ("fp8_ds_mla", "nvfp4_ds_mla"):
         return plain_concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale)
     refuse_empty_grid("concat_and_cache_mla", slot_mapping.shape[0])
     num_blocks, block_size = kv_cache.shape[:2]
     slots, capacity = slot_mapping.long(), num_blocks * block_size
     for slot in slots[slots >= capacity].tolist()[:8]:
-        _violation("concat_and_cache_mla", "kv_cache", "store", slot, capacity, ENTRY_BYTES)
+        _violation("concat_and_cache_mla", "kv_cache", "store", slot, capacity, kv_cache.shape[-1])
     keep = (slots >= 0) & (slots < capacity)
-    kv_cache[slots[keep] // block_size, slots[keep] % block_size] = quantize_fp8_ds_mla(
-        kv_c[keep], k_pe[keep], scale_convention)
+    entries = (quantize_nvfp4_ds_mla(kv_c[keep], k_pe[keep]) if kv_cache_dtype == "nvfp4_ds_mla" else
+               quantize_fp8_ds_mla(kv_c[keep], k_pe[keep], scale_convention))
+    kv_cache[slots[keep] // block_size, slots[keep] % block_size] = entries
 
 
 def cp_gather_and_upconvert_fp8_kv_cache_seq_lens(src_cache, dst, block_table, seq_lens, workspace_starts,

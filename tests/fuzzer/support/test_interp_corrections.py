@@ -41,9 +41,28 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def test_install_is_idempotent():
     from triton.runtime.interpreter import InterpreterBuilder as B
 
-    before = (B.create_dot, B.create_fp_to_fp, B.cast_impl)
-    assert install_corrections() == CORRECTIONS and len(CORRECTIONS) == 4
-    assert (B.create_dot, B.create_fp_to_fp, B.cast_impl) == before
+    before = (B.create_dot, B.create_fp_to_fp, B.cast_impl, B.create_inline_asm)
+    assert install_corrections() == CORRECTIONS and len(CORRECTIONS) == 5
+    assert (B.create_dot, B.create_fp_to_fp, B.cast_impl, B.create_inline_asm) == before
+
+
+def test_e2m1x2_inline_asm_rounds_as_ptx_and_other_asm_is_refused():
+    """`cvt.rn.satfinite.e2m1x2.f32 d, a, b` (a high nibble, b low), in both forms vLLM's NVFP4 writers use: to
+    nearest, ties to the even code, saturating at 6, the sign kept; any other inline asm still raises."""
+    import numpy as np
+
+    from fuzzer.support.interp.corrections import _e2m1, _e2m1x2_asm
+
+    x = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, -0.1, -6.0, 0.26, 0.74], dtype=np.float32)
+    assert _e2m1(x).tolist() == [0, 2, 2, 4, 4, 6, 6, 7, 8, 15, 1, 1]
+    handle = type("H", (), {})
+    lo, hi = handle(), handle()
+    lo.data, hi.data = np.array([1.0], np.float32), np.array([-3.0], np.float32)
+    v41 = "{ .reg .b8 tmp; cvt.rn.satfinite.e2m1x2.f32 tmp, $1, $2; cvt.u32.u8 $0, tmp; }"
+    v32 = "{ .reg .b8 t; .reg .b32 w; cvt.rn.satfinite.e2m1x2.f32 t, $2, $1; mov.b32 w, {t, t, t, t}; and.b32 $0, w, 255; }"
+    assert _e2m1x2_asm(v41, [hi, lo]).tolist() == [0xD2]  # args [x_hi, x_lo]
+    assert _e2m1x2_asm(v32, [lo, hi]).tolist() == [0xD2]  # args [even, odd]: $2 (odd) high
+    assert _e2m1x2_asm("cvt.rn.f32.s32 $0, $1;", [lo]) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
