@@ -211,7 +211,33 @@ def reference(case, records, device: str = "cpu"):
     out, lse = sparse_mla_reference(q, kv, indices, SCALE, 512)
     sink = inputs.attn_sink[: case.heads].to(device).double()
     out = out.double() * torch.sigmoid(lse.double() - sink[None]).nan_to_num(0.0)[..., None]
+    if d.rocm_arch:  # the ROCm layer hands its output on with the RoPE taken back out (its forward_mqa's last step)
+        out = inverse_rope(out, inputs.positions.to(device), rope_theta(case))
     return out.float(), float(kv.abs().max()) if kv.numel() else 1.0
+
+
+# DeepSeek-V4's RoPE (its config.json, which vLLM's tiny test config and V4.1's share): plain GPT-J RoPE over the
+# last 64 of the 512 dims, theta 10000 on sliding-window layers and 160000 on compressed ones.
+ROPE_DIM, ROPE_THETA, COMPRESS_ROPE_THETA = 64, 10000.0, 160000.0
+
+
+def rope_theta(case) -> float:
+    """The layer's RoPE base: the compressed layers' (V4: ratio > 1; V4.1: ratio > 0), else the main one."""
+    d = case.dsv4
+    return COMPRESS_ROPE_THETA if d.compress_ratio > (0 if d.version == "4.1" else 1) else ROPE_THETA
+
+
+def inverse_rope(out: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """`out` [tokens, heads, 512] with the GPT-J RoPE of each token's position taken back out of its last 64 dims
+    (pairs of adjacent lanes, frequency theta^(-2k/64) for pair k), in fp64."""
+    inv_freq = theta ** (-torch.arange(0, ROPE_DIM, 2, dtype=torch.float64, device=out.device) / ROPE_DIM)
+    angle = positions.to(torch.float64)[:, None] * inv_freq[None, :]  # [tokens, 32]
+    cos, sin = angle.cos()[:, None, :], angle.sin()[:, None, :]
+    out = out.clone()
+    a, b = out[..., -ROPE_DIM::2].clone(), out[..., -ROPE_DIM + 1::2].clone()
+    out[..., -ROPE_DIM::2] = a * cos + b * sin
+    out[..., -ROPE_DIM + 1::2] = b * cos - a * sin
+    return out
 
 
 def reference_for(case, swa_pages, compressed_pages, device: str = "cpu"):

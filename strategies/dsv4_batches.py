@@ -27,6 +27,7 @@ from strategies.case import (
     V41_BLOCK_SIZES,
     V41_COMPRESS_RATIOS,
     V41_SWA_BLOCK_SIZE,
+    ROCM_ARCHS,
     Case,
     Dsv4,
     Request,
@@ -47,6 +48,7 @@ DSV41_KNOBS = ("compressed_block", "kv_source", "kv_record")
 
 # FlashInfer's SM100 layer (FLASHINFER_MLA_SPARSE_DSV4 / _DSV41): its plain-row caches and the packed KV layout.
 FLASHINFER_KNOBS = ("cache_dtype", "page_pad")
+ROCM_KNOBS = ("rocm_arch",)  # the ROCm layers' emulated arch
 # Rows of other components a packed page holds past a cache's own: none (unpacked), a few, as many again.
 PAGE_PADS = {"none": 0, "few": 8, "double": -1}
 
@@ -62,11 +64,14 @@ class Dsv4Features:
     window_sizes: tuple[int, ...] | None = None
     page_pads: tuple[str, ...] = ("none",)
     compressed_blocks: tuple[int, ...] = V41_BLOCK_SIZES  # V4.1: FlashMLA's 64 (SM90) or 128; FlashInfer's 128
+    rocm_archs: tuple[str, ...] = ()  # the ROCm layers: the AMD archs they are emulated on (Dsv4.rocm_arch)
 
 
 V41_FEATURES = Dsv4Features(compress_ratios=V41_COMPRESS_RATIOS, version="4.1", kv_records=(584, 528))
 FLASHINFER_FEATURES = Dsv4Features(cache_dtypes=("bfloat16", "fp8", "auto", "fp8_e4m3"), window_sizes=(128,),
                                    page_pads=tuple(PAGE_PADS))
+ROCM_FEATURES = Dsv4Features(rocm_archs=ROCM_ARCHS[:1])  # gfx950 (MI355X)
+ROCM_V41_FEATURES = replace(V41_FEATURES, kv_records=(584,), rocm_archs=ROCM_ARCHS[:1])
 FLASHINFER_V41_FEATURES = replace(V41_FEATURES, kv_records=(584,), cache_dtypes=FLASHINFER_FEATURES.cache_dtypes,
                                   window_sizes=(128,), page_pads=tuple(PAGE_PADS), compressed_blocks=(128,))
 
@@ -74,13 +79,14 @@ FLASHINFER_V41_FEATURES = replace(V41_FEATURES, kv_records=(584,), cache_dtypes=
 def dsv4_knobs(p: Profile, f: Dsv4Features) -> dict[str, tuple[str, ...]]:
     s = p.dsv4
     names = DSV4_KNOBS + (DSV41_KNOBS if f.version == "4.1" else ()) + (FLASHINFER_KNOBS if f.cache_dtypes else ())
+    names += ROCM_KNOBS if f.rocm_archs else ()
     if f.cache_dtypes:  # plain rows: the record follows the dtype
         names = tuple(n for n in names if n != "kv_record")
     return _domains(names, compress_ratio=map(str, f.compress_ratios),
                     window_size=map(str, f.window_sizes or s.window_sizes),
                     topk_width=map(str, s.topk_widths), heads=map(str, s.heads), table_layout=("arange", "permuted"),
                     compressed_block=map(str, f.compressed_blocks), kv_record=map(str, f.kv_records),
-                    cache_dtype=f.cache_dtypes, page_pad=f.page_pads)
+                    cache_dtype=f.cache_dtypes, page_pad=f.page_pads, rocm_arch=f.rocm_archs)
 
 
 def dsv4_space(p: Profile, f: Dsv4Features) -> CaseSpace:
@@ -193,6 +199,7 @@ def dsv4_cases(draw, p: Profile, f: Dsv4Features, knobs: dict[str, tuple[str, ..
         pad = PAGE_PADS[c("page_pad")]
         plain = dict(cache_dtype=dtype, kv_record=PLAIN_RECORDS[dtype],
                      page_pad=bs if pad < 0 else pad)
+    rocm = {"rocm_arch": c("rocm_arch")} if f.rocm_archs else {}
     kv_cache_dtype = ("fp8_ds_mla" if not plain else
                       "bfloat16" if plain["kv_record"] == PLAIN_BF16_RECORD else "fp8")
     return Case(
@@ -204,7 +211,7 @@ def dsv4_cases(draw, p: Profile, f: Dsv4Features, knobs: dict[str, tuple[str, ..
                   max_model_len=max_model_len, **(dict(version="4.1", compressed_block_size=block,
                                                        kv_source=c("kv_source") if compressed else "own",
                                                        **({} if plain else {"kv_record": int(c("kv_record"))}))
-                                                  if v41 else {}), **plain),
+                                                  if v41 else {}), **plain, **rocm),
     ).validate()
 
 

@@ -58,6 +58,8 @@ MUTANTS: dict[str, str] = {
     "dsv4-flashinfer-packed-span-ignored": "fuzzer.mutants.dsv4_flashinfer_packed_span_ignored",
     "dsv41-flashinfer-prefill-cu-not-rebased": "fuzzer.mutants.dsv41_flashinfer_prefill_cu_not_rebased",
     "dsv41-combine-topk-len-off-by-one": "fuzzer.mutants.dsv41_combine_topk_len_off_by_one",
+    "dsv4-rocm-inverse-rope-positions-unshifted": "fuzzer.mutants.dsv4_rocm_inverse_rope_positions_unshifted",
+    "dsv41-rocm-decode-topk-block-in-tokens": "fuzzer.mutants.dsv41_rocm_decode_topk_block_in_tokens",
     "dsv41-mxfp8-scales-not-interleaved": "fuzzer.mutants.dsv41_mxfp8_scales_not_interleaved",
     "pcp-dcp-shard-rows-own-rank": "fuzzer.mutants.pcp_dcp_shard_rows_own_rank",
     "pcp-dcp-chunk-rows-paired": "fuzzer.mutants.pcp_dcp_chunk_rows_paired",
