@@ -12,7 +12,9 @@ the indexer's top-k like C4 (ratio 1: one compressed entry per token), there is 
 but SM100 is V4's 584 bytes (fp8_ds_mla_v4), on SM100 the interleaved 528-byte MXFP8 one (fp8_ds_mla_v41).
     out_h = sum_j e^{s_j} v_j / (sum_j e^{s_j} + e^{sink_h}),  s_j = 512^-0.5 q_h . k_j,  K = V = the record's value
 read from the cache bytes at the slots the case's own block tables give (fp8_ds_mla_v4 decodes them). Only the
-case's heads are judged (vLLM pads q with zero heads to 64 or 128; the model drops their output).
+case's heads are judged (vLLM pads q with zero heads to 64 or 128; the model drops their output). The ROCm layer
+(`Dsv4.rocm_arch` set) hands its output on with the RoPE taken back out of its last 64 dims: the reference is
+rotated back by each token's position (`inverse_rope`) before it is compared.
 """
 
 from __future__ import annotations
