@@ -74,22 +74,6 @@ def test_a_step_matches_the_reference(name):
     assert any("gfx950" in s for s in obs.notes["shims"])
 
 
-@pytest.mark.parametrize("name, arch, bad", [
-    ("v4_c4_mixed", "gfx1201", True),  # V4 on RDNA4: the fallback decode skips the inverse RoPE it reports as done
-    ("v4_c4_mixed", "gfx1250", False),  # V4 on gfx1250: forward_mqa passes no positions, the standalone pass rotates
-    ("v41_c2_shared", "gfx1250", True),  # V4.1 passes them on every arch
-])
-def test_the_untuned_archs_fallback_decode(name, arch, bad):
-    """On an arch other than gfx942/gfx950 the decode runs the ops module's fallback kernel, which ignores
-    inv_rope_positions while rocm_sparse_attn_decode reports every row rotated (docs/bug-reports/
-    vllm-0.33.0-rocm-dsv4-fallback-decode-no-inverse-rope.md): the decode rows keep their RoPE."""
-    target_name, case = _case(name, arch=arch)
-    t = target(target_name)
-    obs = t.run(case)
-    failed = {v.check for v in t.oracle(case, obs) if not v.ok}
-    assert obs.error is None and failed == ({"output"} if bad else set()), (failed, obs.error)
-
-
 def test_the_emulated_arch_is_the_steps_only():
     from fuzzer.support import rocm_dsv4_runtime as rocm
 
