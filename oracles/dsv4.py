@@ -12,7 +12,9 @@ the indexer's top-k like C4 (ratio 1: one compressed entry per token), there is 
 but SM100 is V4's 584 bytes (fp8_ds_mla_v4), on SM100 the interleaved 528-byte MXFP8 one (fp8_ds_mla_v41).
     out_h = sum_j e^{s_j} v_j / (sum_j e^{s_j} + e^{sink_h}),  s_j = 512^-0.5 q_h . k_j,  K = V = the record's value
 read from the cache bytes at the slots the case's own block tables give (fp8_ds_mla_v4 decodes them). Only the
-case's heads are judged (vLLM pads q with zero heads to 64 or 128; the model drops their output).
+case's heads are judged (vLLM pads q with zero heads to 64 or 128; the model drops their output). The ROCm layer
+(`Dsv4.rocm_arch` set) hands its output on with the RoPE taken back out of its last 64 dims: the reference is
+rotated back by each token's position (`gptj_rope(..., inverse=True)`) before it is compared.
 """
 
 from __future__ import annotations
@@ -214,26 +216,38 @@ def reference(case, records, device: str = "cpu"):
     out, lse = sparse_mla_reference(q, kv, indices, SCALE, 512)
     sink = inputs.attn_sink[: case.heads].to(device).double()
     out = out.double() * torch.sigmoid(lse.double() - sink[None]).nan_to_num(0.0)[..., None]
-    if d.mega_attn:  # ... and hands the output back inverse-roped
-        out = gptj_rope(out, inputs.positions.to(device), inverse=True)
+    if d.mega_attn or d.rocm_arch:  # both layers hand the output on with the RoPE taken back out
+        out = gptj_rope(out, inputs.positions.to(device), rope_theta(case), inverse=True)
     return out.float(), float(kv.abs().max()) if kv.numel() else 1.0
 
 
-ROPE_BASE = 10000.0
+# DeepSeek-V4's RoPE (its config.json, which vLLM's tiny test config and V4.1's share): GPT-J RoPE over the last 64 of
+# the 512 dims, theta 10000 on sliding-window layers and 160000 on compressed ones.
+ROPE_DIM, ROPE_THETA, COMPRESS_ROPE_THETA = 64, 10000.0, 160000.0
 
 
-def gptj_rope(x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """GPT-J (interleaved) RoPE of the last 64 dims of x [tokens, heads, 512] at each token's position: pair i =
-    dims (448 + 2i, 449 + 2i) turned by position x 10000^(-2i/64), as the fp32 cos/sin table the mega layer's harness
-    gives the layer holds it (cos then sin; padding tokens have position 0)."""
-    inv_freq = 1.0 / (ROPE_BASE ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+def rope_theta(case) -> float:
+    """The layer's RoPE base: the mega layer's harness gives it one 10000 table; the ROCm layer uses the compressed
+    layers' (V4: ratio > 1; V4.1: ratio > 0), else the main one."""
+    d = case.dsv4
+    if d.mega_attn:
+        return ROPE_THETA
+    return COMPRESS_ROPE_THETA if d.compress_ratio > (0 if d.version == "4.1" else 1) else ROPE_THETA
+
+
+def gptj_rope(x: torch.Tensor, positions: torch.Tensor, theta: float = ROPE_THETA,
+              inverse: bool = False) -> torch.Tensor:
+    """GPT-J (interleaved) RoPE of the last 64 dims of x [tokens, heads, 512] at each token's position (or taken back
+    out, `inverse`): pair i = the last 64's dims (2i, 2i + 1) turned by position x theta^(-2i/64), from an fp32 cos/sin
+    table as vLLM's rotary caches hold it (padding tokens have position 0)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, ROPE_DIM, 2, dtype=torch.float32) / ROPE_DIM))
     freqs = positions.long().cpu().float()[:, None] * inv_freq[None]
     cs = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device=x.device, dtype=x.dtype)
-    c, s = cs[:, None, :32], cs[:, None, 32:] * (-1 if inverse else 1)
+    c, s = cs[:, None, : ROPE_DIM // 2], cs[:, None, ROPE_DIM // 2:] * (-1 if inverse else 1)
     out = x.clone()
-    even, odd = x[..., 448::2], x[..., 449::2]
-    out[..., 448::2] = even * c - odd * s
-    out[..., 449::2] = odd * c + even * s
+    even, odd = x[..., -ROPE_DIM::2], x[..., -ROPE_DIM + 1::2]
+    out[..., -ROPE_DIM::2] = even * c - odd * s
+    out[..., -ROPE_DIM + 1::2] = odd * c + even * s
     return out
 
 

@@ -52,6 +52,9 @@ DSV4_VERSIONS = ("4", "4.1")
 # (DeepseekV4SparseMLABackend.get_supported_kernel_block_sizes); its SWA cache's is 32 (DeepseekV4Attention).
 V41_BLOCK_SIZES = (64, 128)
 V41_SWA_BLOCK_SIZE = 32
+# Dsv4.rocm_arch: the archs the ROCm DeepSeek-V4 layers can be emulated on (all with OCP e4m3 caches): gfx950,
+# which campaigns draw, and the un-tuned gfx1201 and gfx1250 (the decode's fallback kernel), for replays
+ROCM_ARCHS = ("gfx950", "gfx1201", "gfx1250")
 C4_ORDERS = ("scored", "ascending")  # top_k_per_row by score (any order), or the short-context fill's 0, 1, 2, ...
 ATTN_SINKS = ("finite", "none", "large")  # weights of order 1, -inf (no sink: make_attention_sink's init), ~ +6
 # The indexer (Case.indexer): the sparse_indexer_topk_backend values vLLM 0.33.0 resolves on an SM90 CUDA host
@@ -176,6 +179,9 @@ class Dsv4:
     # applies GPT-J RoPE to the last 64 dims at each token's position), and the output leaves it inverse-roped and
     # cast to MXFP8; the case's q is the unroped one.
     mega_attn: bool = False
+    # The AMD arch a ROCm layer (ROCM_FLASHMLA_SPARSE_DSV4/_DSV41) is emulated on, "" for the NVIDIA layers: the ROCm
+    # layer's forward_mqa hands its output on inverse-RoPE'd (ROCM_ARCHS; the 584-byte record only).
+    rocm_arch: str = ""
 
     @property
     def entries_per_block(self) -> int:
@@ -355,7 +361,8 @@ class Case:
                             if d.version == "4.1" else "")
                          + (f" kv={d.cache_dtype}" if d.cache_dtype != "fp8_ds_mla" else "")
                          + (f" page_pad={d.page_pad}" if d.page_pad else "")
-                         + (" mega_attn" if d.mega_attn else ""))
+                         + (" mega_attn" if d.mega_attn else "")
+                         + (f" rocm={d.rocm_arch}" if d.rocm_arch else ""))
         if self.indexer is not None:
             x = self.indexer
             extra.append(f"indexer: heads={self.heads} topk_backend={x.topk_backend}"
@@ -561,6 +568,8 @@ def _validate_dsv4(case: "Case") -> None:
            f"'own', or 'shared' for V4.1, got {d.kv_source!r}")
     _check(block == DSV4_BLOCK_SIZE if d.version == "4" else block in V41_BLOCK_SIZES, "dsv4.compressed_block_size",
            f"{DSV4_BLOCK_SIZE} for V4, one of {V41_BLOCK_SIZES} for V4.1, got {block}")
+    _check(not d.rocm_arch or (d.rocm_arch in ROCM_ARCHS and not plain and d.kv_record == 584), "dsv4.rocm_arch",
+           f"'', or one of {ROCM_ARCHS} with the 584-byte fp8_ds_mla record, got {d.rocm_arch!r}")
     w = d.window_size
     _check(w >= 16 and w & (w - 1) == 0, "dsv4.window_size", f"a power of two >= 16 (the combine kernel's arange), got {w}")
     _check(0 <= d.num_speculative_tokens <= DSV4_MAX_SPECULATIVE, "dsv4.num_speculative_tokens",

@@ -27,6 +27,7 @@ from strategies.case import (
     V41_BLOCK_SIZES,
     V41_COMPRESS_RATIOS,
     V41_SWA_BLOCK_SIZE,
+    ROCM_ARCHS,
     Case,
     Dsv4,
     Request,
@@ -47,6 +48,7 @@ DSV41_KNOBS = ("compressed_block", "kv_source", "kv_record")
 
 # FlashInfer's SM100 layer (FLASHINFER_MLA_SPARSE_DSV4 / _DSV41): its plain-row caches and the packed KV layout.
 FLASHINFER_KNOBS = ("cache_dtype", "page_pad")
+ROCM_KNOBS = ("rocm_arch",)  # the ROCm layers' emulated arch
 # Rows of other components a packed page holds past a cache's own: none (unpacked), a few, as many again.
 PAGE_PADS = {"none": 0, "few": 8, "double": -1}
 
@@ -64,6 +66,7 @@ class Dsv4Features:
     compressed_blocks: tuple[int, ...] = V41_BLOCK_SIZES  # V4.1: FlashMLA's 64 (SM90) or 128; FlashInfer's 128
     heads: tuple[int, ...] | None = None  # the q heads drawn (None: the profile's)
     mega_attn: bool = False  # FlashMLA's mega-attention layer (Dsv4.mega_attn)
+    rocm_archs: tuple[str, ...] = ()  # the ROCm layers: the AMD archs they are emulated on (Dsv4.rocm_arch)
 
 
 V41_FEATURES = Dsv4Features(compress_ratios=V41_COMPRESS_RATIOS, version="4.1", kv_records=(584, 528))
@@ -74,6 +77,8 @@ MEGA_FEATURES = Dsv4Features(compress_ratios=V41_COMPRESS_RATIOS, version="4.1",
                              mega_attn=True)
 FLASHINFER_FEATURES = Dsv4Features(cache_dtypes=("bfloat16", "fp8", "auto", "fp8_e4m3"), window_sizes=(128,),
                                    page_pads=tuple(PAGE_PADS))
+ROCM_FEATURES = Dsv4Features(rocm_archs=ROCM_ARCHS[:1])  # gfx950 (MI355X)
+ROCM_V41_FEATURES = replace(V41_FEATURES, kv_records=(584,), rocm_archs=ROCM_ARCHS[:1])
 FLASHINFER_V41_FEATURES = replace(V41_FEATURES, kv_records=(584,), cache_dtypes=FLASHINFER_FEATURES.cache_dtypes,
                                   window_sizes=(128,), page_pads=tuple(PAGE_PADS), compressed_blocks=(128,))
 
@@ -81,15 +86,17 @@ FLASHINFER_V41_FEATURES = replace(V41_FEATURES, kv_records=(584,), cache_dtypes=
 def dsv4_knobs(p: Profile, f: Dsv4Features) -> dict[str, tuple[str, ...]]:
     s = p.dsv4
     names = DSV4_KNOBS + (DSV41_KNOBS if f.version == "4.1" else ()) + (FLASHINFER_KNOBS if f.cache_dtypes else ())
+    names += ROCM_KNOBS if f.rocm_archs else ()
     if f.cache_dtypes and all(d in PLAIN_RECORDS for d in f.cache_dtypes):  # plain rows: the record follows the dtype
         names = tuple(n for n in names if n != "kv_record")
     if f.cache_dtypes and not any(d in PLAIN_RECORDS for d in f.cache_dtypes):  # packed records: no page padding
         names = tuple(n for n in names if n != "page_pad")
     return _domains(names, compress_ratio=map(str, f.compress_ratios),
                     window_size=map(str, f.window_sizes or s.window_sizes),
-                    topk_width=map(str, s.topk_widths), heads=map(str, f.heads or s.heads), table_layout=("arange", "permuted"),
+                    topk_width=map(str, s.topk_widths), heads=map(str, f.heads or s.heads),
+                    table_layout=("arange", "permuted"),
                     compressed_block=map(str, f.compressed_blocks), kv_record=map(str, f.kv_records),
-                    cache_dtype=f.cache_dtypes, page_pad=f.page_pads)
+                    cache_dtype=f.cache_dtypes, page_pad=f.page_pads, rocm_arch=f.rocm_archs)
 
 
 def dsv4_space(p: Profile, f: Dsv4Features) -> CaseSpace:
@@ -205,6 +212,7 @@ def dsv4_cases(draw, p: Profile, f: Dsv4Features, knobs: dict[str, tuple[str, ..
                      page_pad=bs if pad < 0 else pad)
     elif dtype != "fp8_ds_mla":  # nvfp4_ds_mla: V4.1's NVFP4 compressed record beside the MXFP8 SWA one
         packed = dict(cache_dtype=dtype)
+    rocm = {"rocm_arch": c("rocm_arch")} if f.rocm_archs else {}
     kv_cache_dtype = (dtype if packed else "fp8_ds_mla" if not plain else
                       "bfloat16" if plain["kv_record"] == PLAIN_BF16_RECORD else "fp8")
     return Case(
@@ -216,7 +224,7 @@ def dsv4_cases(draw, p: Profile, f: Dsv4Features, knobs: dict[str, tuple[str, ..
                   max_model_len=max_model_len, **(dict(version="4.1", compressed_block_size=block,
                                                        kv_source=c("kv_source") if compressed else "own",
                                                        **({} if plain else {"kv_record": int(c("kv_record"))}))
-                                                  if v41 else {}), **plain, **packed,
+                                                  if v41 else {}), **plain, **packed, **rocm,
                   **({"mega_attn": True} if f.mega_attn else {})),
     ).validate()
 

@@ -61,6 +61,8 @@ MUTANTS: dict[str, str] = {
     "dsv41-mega-prefill-positions-unsliced": "fuzzer.mutants.dsv41_mega_prefill_positions_unsliced",
     "dsv41-nvfp4-scales-permuted": "fuzzer.mutants.dsv41_nvfp4_scales_permuted",
     "flashmla-nvfp4-fp8-upconvert": "fuzzer.mutants.flashmla_nvfp4_fp8_upconvert",
+    "dsv4-rocm-inverse-rope-positions-unshifted": "fuzzer.mutants.dsv4_rocm_inverse_rope_positions_unshifted",
+    "dsv41-rocm-decode-topk-block-in-tokens": "fuzzer.mutants.dsv41_rocm_decode_topk_block_in_tokens",
     "dsv41-mxfp8-scales-not-interleaved": "fuzzer.mutants.dsv41_mxfp8_scales_not_interleaved",
     "pcp-dcp-shard-rows-own-rank": "fuzzer.mutants.pcp_dcp_shard_rows_own_rank",
     "pcp-dcp-chunk-rows-paired": "fuzzer.mutants.pcp_dcp_chunk_rows_paired",

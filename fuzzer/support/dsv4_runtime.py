@@ -315,8 +315,9 @@ def build_metadata(cfg, layer, swa_common, compressed_spec, compressed_prefix, c
 
     swa_layer, cls = layer.swa_cache_layer, type(layer)
     with set_current_vllm_config(cfg), torch.inference_mode():
-        swa_builder = cls.swa_backend_cls.get_builder_cls()(swa_layer.get_kv_cache_spec(cfg), [swa_layer.prefix], cfg,
-                                                             torch.device(device))
+        # the SWA cache's own backend (the layer's swa_backend_cls, or the default one where the layer names none)
+        swa_builder = swa_layer.get_attn_backend().get_builder_cls()(swa_layer.get_kv_cache_spec(cfg),
+                                                                     [swa_layer.prefix], cfg, torch.device(device))
         check = guard_buffers(swa_builder)
         metadata = {swa_layer.prefix: swa_builder.build(0, swa_common)}
         found += check(metadata[swa_layer.prefix])

@@ -46,6 +46,8 @@ REGISTERED: dict[str, str] = {
     "vllm.dsv41.flashmla_mega": "fuzzer.targets.dsv41_flashmla_mega:Dsv41FlashMLAMega",
     "vllm.dsv4.flashinfer": "fuzzer.targets.dsv4_flashinfer:Dsv4FlashInfer",
     "vllm.dsv41.flashinfer": "fuzzer.targets.dsv4_flashinfer:Dsv41FlashInfer",
+    "vllm.dsv4.rocm": "fuzzer.targets.dsv4_rocm:Dsv4Rocm",
+    "vllm.dsv41.rocm": "fuzzer.targets.dsv4_rocm:Dsv41Rocm",
     "vllm.step5_dsa": "fuzzer.targets.step5_dsa:Step5DSA",
     "selftest.fault": "fuzzer.targets.selftest:SelftestFault",  # harness self-test, not vLLM
 }

@@ -123,3 +123,19 @@ def test_record_model_round_trip_and_bound():
     assert ((back - x.float()).abs() <= v4.error_bound(x, records)).all()
     assert torch.equal(back.to(torch.bfloat16).float(), back)  # exact in bf16, as the kernels read it
     assert v4.page_bytes(64) == 37440 and v4.page_bytes(2) == 1728 and not math.isnan(float(back.sum()))
+
+
+def test_the_rocm_layers_output_is_the_reference_with_its_rope_taken_out():
+    """A ROCm step (Dsv4.rocm_arch): the NoPE dims as without, each RoPE pair of the token at position p rotated by
+    -p theta^(-2k/64) (theta 10000 for a sliding-window layer), norms kept; position 0 unrotated."""
+    from dataclasses import replace
+
+    c = case([Request(1, 0), Request(1, 40)], 2, [(1,), (2,)])
+    rocm = replace(c, dsv4=replace(c.dsv4, rocm_arch="gfx950")).validate()
+    plain, rotated = reference(c)[0].double(), reference(rocm)[0].double()
+    assert torch.equal(plain[:, :, :448], rotated[:, :, :448]) and torch.allclose(plain[0], rotated[0])
+    a, b = plain[1, :, 448::2], plain[1, :, 449::2]
+    angle = 40 * 10000.0 ** (-torch.arange(0, 64, 2, dtype=torch.float64) / 64)
+    assert torch.allclose(rotated[1, :, 448::2], (a * angle.cos() + b * angle.sin()).float().double(), atol=1e-6)
+    assert torch.allclose(rotated[1, :, 449::2], (b * angle.cos() - a * angle.sin()).float().double(), atol=1e-6)
+    assert oracle.rope_theta(replace(rocm, dsv4=replace(rocm.dsv4, compress_ratio=4))) == 160000.0

@@ -1,0 +1,17 @@
+"""The ROCm layer's standalone inverse RoPE reads the wrong positions (class N): DeepSeek-V4's ROCm `forward_mqa`
+(ROCM_FLASHMLA_SPARSE_DSV4) rotates the rows its decode reduce did not, output[rotated:], with the positions of
+the batch's first rows, positions[:T - rotated], instead of their own, positions[rotated:]. A step of decodes only
+or prefills only is unaffected (rotated is all of the rows or none); with both, every prefill row is rotated back
+by a decode's or an earlier prefill token's angle. Found by the output check; needs a step with decodes and
+prefills whose positions differ."""
+
+from fuzzer.mutants._kernel_patch import patch_method
+
+BUG_CLASS = "N"
+TARGETS = ("vllm.dsv4.rocm",)
+
+
+def apply():
+    patch_method("vllm.models.deepseek_v4.amd.rocm", "DeepseekV4ROCMAiterMLAAttention", "forward_mqa",
+                 [("positions[rotated:]", "positions[:positions.shape[0] - rotated]")],  # the standalone pass's
+                 "dsv4-rocm-inverse-rope-positions-unshifted")
