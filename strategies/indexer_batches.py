@@ -143,6 +143,13 @@ DCP_SIZES = (2, 4, 8)
 DCP_MAX_GATHERED_HEADS = 64
 
 
+def _merge_topk_widths(p: Profile) -> Profile:
+    """The profile with the indexer's top-k widths narrowed to those the DCP merge takes."""
+    x = p.indexer
+    widths = tuple(w for w in x.topk_widths if w in DCP_MERGE_TOPK_WIDTHS) or DCP_MERGE_TOPK_WIDTHS[:1]
+    return dataclasses.replace(p, indexer=dataclasses.replace(x, topk_widths=widths))
+
+
 def attention_module_dcp_space(p: Profile, attention_heads: tuple[int, ...],
                                combine_rows: int | None = None) -> CaseSpace:
     """DeepSeek-V3.2's attention module under DCP (`vllm.dsv32.attention.dcp`): a DCP group of 2-8 ranks (heads per
@@ -151,9 +158,7 @@ def attention_module_dcp_space(p: Profile, attention_heads: tuple[int, ...],
     and half the time a skip_topk layer. `combine_rows`: a cap on tokens x gathered heads x ranks a step's LSE
     combine runs per layer (None: none), each step's tokens cut to fit it (at least 2): where the combine's kernel is
     interpreted it costs a program per token and gathered head on every rank."""
-    x = p.indexer  # the knobs' top-k widths too: those the merge takes
-    widths = tuple(w for w in x.topk_widths if w in DCP_MERGE_TOPK_WIDTHS) or DCP_MERGE_TOPK_WIDTHS[:1]
-    p = dataclasses.replace(p, indexer=dataclasses.replace(x, topk_widths=widths))
+    p = _merge_topk_widths(p)  # the knobs' top-k widths too
     return CaseSpace(lambda swarm: attention_module_dcp_cases(p, attention_heads, combine_rows, swarm),
                      indexer_knobs(p))
 
@@ -184,9 +189,7 @@ def attention_module_pcp_space(p: Profile, attention_heads: tuple[int, ...],
     of PCP_LAYOUTS, or of PCP_ONLY_LAYOUTS (PCP without DCP: decodes sharded over the PCP ranks), that the heads per
     rank fit, then the steps of `attention_module_dcp_space` under it, eager (the PCP runner pads no graph: the
     steps' graph padding dropped). `combine_rows` as there, over the layout's world."""
-    x = p.indexer
-    widths = tuple(w for w in x.topk_widths if w in DCP_MERGE_TOPK_WIDTHS) or DCP_MERGE_TOPK_WIDTHS[:1]
-    p = dataclasses.replace(p, indexer=dataclasses.replace(x, topk_widths=widths))
+    p = _merge_topk_widths(p)
     return CaseSpace(lambda swarm: attention_module_pcp_cases(p, attention_heads, combine_rows, swarm),
                      indexer_knobs(p))
 

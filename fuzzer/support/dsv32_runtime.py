@@ -99,6 +99,18 @@ def clear_topk_rows(topk_indices_buffer: torch.Tensor, num_rows: int) -> None:
     topk_indices_buffer[:num_rows] = -1
 
 
+
+def forward_context_maps(layers, mla_metadata, indexer_metadata, slot_mapping) -> tuple[dict, dict]:
+    """The forward context's attention metadata and slot mappings by layer name, as the model runner keys them: each
+    MLA layer's under its name, its indexer's under the index K cache's prefix."""
+    metadata = {layer.layer_name: mla_metadata for layer in layers}
+    slots = {layer.layer_name: slot_mapping for layer in layers}
+    for layer in layers:
+        if layer.indexer is not None:
+            metadata[layer.indexer.k_cache.prefix] = indexer_metadata
+            slots[layer.indexer.k_cache.prefix] = slot_mapping
+    return metadata, slots
+
 def module_step(cfg, layers: list, indexer_metadata, mla_metadata, q: torch.Tensor, kv_c: torch.Tensor,
                 k_pe: torch.Tensor, index_q_fp8: torch.Tensor, index_weights: torch.Tensor, positions: torch.Tensor,
                 slot_mapping: torch.Tensor, cudagraph_mode: str = "none") -> list[torch.Tensor]:
@@ -111,12 +123,7 @@ def module_step(cfg, layers: list, indexer_metadata, mla_metadata, q: torch.Tens
     from vllm.forward_context import set_forward_context
 
     mode = CUDAGraphMode.FULL if cudagraph_mode == "full" else CUDAGraphMode.NONE
-    metadata = {layer.layer_name: mla_metadata for layer in layers}
-    slots = {layer.layer_name: slot_mapping for layer in layers}
-    for layer in layers:
-        if layer.indexer is not None:
-            metadata[layer.indexer.k_cache.prefix] = indexer_metadata
-            slots[layer.indexer.k_cache.prefix] = slot_mapping
+    metadata, slots = forward_context_maps(layers, mla_metadata, indexer_metadata, slot_mapping)
     rows = q.shape[0]
     hidden = torch.empty((rows, 1), dtype=torch.bfloat16, device=q.device)  # the seam reads only its row count
     outputs = []

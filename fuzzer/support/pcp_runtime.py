@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from fuzzer.support import dcp_group
-from fuzzer.support.dsv32_runtime import V32_ATTENTION, dsv32_layer
+from fuzzer.support.dsv32_runtime import V32_ATTENTION, dsv32_layer, forward_context_maps
 from fuzzer.support.flashmla_runtime import BACKEND_MODULE, LAYER, QK_NOPE
 
 PCP_MANAGER = "vllm.v1.worker.gpu.pcp_manager"
@@ -208,12 +208,7 @@ def module_forward(layers: list, cfg, local, mla_metadata, index_metadata, slot_
     is the layer's own under PCP). Returns each layer's output [T, H * 128]."""
     from vllm.forward_context import set_forward_context
 
-    metadata = {layer.layer_name: mla_metadata for layer in layers}
-    slots = {layer.layer_name: slot_mapping for layer in layers}
-    for layer in layers:
-        if layer.indexer is not None:
-            metadata[layer.indexer.k_cache.prefix] = index_metadata
-            slots[layer.indexer.k_cache.prefix] = slot_mapping
+    metadata, slots = forward_context_maps(layers, mla_metadata, index_metadata, slot_mapping)
     rows = q.shape[0]
     hidden = torch.empty((rows, 1), dtype=torch.bfloat16, device=q.device)  # the seam reads only its row count
     outputs = []

@@ -33,6 +33,7 @@ from fuzzer.support import dsv4_runtime, dsv41_runtime
 from fuzzer.support import rocm_dsv4_runtime as rocm
 from fuzzer.targets.base import WHOLE, RunPlan
 from fuzzer.targets.dsv4_flashmla import Dsv4FlashMLA
+from fuzzer.targets.dsv41_flashmla import Dsv41FlashMLA
 from strategies.dsv4_batches import ROCM_FEATURES, ROCM_V41_FEATURES, dsv4_space
 
 WRITER = ("cache writes: attnfuzz's torch writer of the 584-byte record, OCP e4m3 (byte-equal to vLLM's Triton "
@@ -139,9 +140,4 @@ class Dsv41Rocm(Dsv4Rocm):
     step_layer = staticmethod(rocm.step_layer_v41)
     metadata_outputs = staticmethod(dsv41_runtime.metadata_outputs_v41)
     guard_compressed_builder = False
-
-    def layer_sizes(self, case) -> dict:
-        d = case.dsv4
-        return dict(compress_ratio=d.compress_ratio, kv_source=d.kv_source, window_size=d.window_size,
-                    swa_block_size=case.block_size, kv_record=d.kv_record, compressed_block_size=d.compressed_block_size,
-                    entries_per_block=d.entries_per_block, num_heads=case.heads)
+    layer_sizes = Dsv41FlashMLA.layer_sizes  # V4.1's layer, its heads included
