@@ -69,7 +69,7 @@ def test_a_draft_update_bug_is_found_by_mtp_draft_steps_and_reproduced(tmp_path)
     """The builder's in-place update for MTP draft steps, broken: found (class M, the `draft` check: the draft
     step on updated metadata against the same step on metadata built for it) by a default campaign, whose
     traces hold draft steps; its reproducer runs the draft step as the speculator does. (With single steps,
-    `--max-steps 1`, nothing finds it: docs/benchmarks.md, "MTP draft steps".)"""
+    `--max-steps 1`, nothing finds it: docs/benchmarks.md, "vLLM's compiled cache ops" (its last sentence).)"""
     r = attnfuzz("run", "--target", "vllm.flashattn_sparse", "--inject", "flashattn-draft-update-last-token",
                  "--seed", "1", "--no-shrink", "--reruns", "0", "--max-examples", "40", "--max-findings", "1",
                  "--json", str(tmp_path / "t.json"), "--repros", str(tmp_path / "repros"), state=tmp_path / "state")
