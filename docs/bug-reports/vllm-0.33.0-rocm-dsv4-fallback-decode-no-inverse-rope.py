@@ -45,7 +45,6 @@ BLOCKS, BLOCK_SIZE, RECORD = 8, 16, 584  # 448 fp8 + 64 bf16 = 576 data bytes, 8
 # -- Triton interpreter corrections (see docstring) --------------------------------------------------------------
 B, TH = interp.InterpreterBuilder, interp.TensorHandle
 E4M3 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().numpy()
-BF16_ARITH = {"fixed": True}
 
 
 def values(h):
@@ -92,7 +91,7 @@ def create_fp_to_fp(self, src, dst_type, rounding_mode):
 
 def bf16_op(stock, op):
     def create(self, lhs, rhs):
-        if BF16_ARITH["fixed"] and lhs.dtype.scalar == tl.bfloat16 and rhs.dtype.scalar == tl.bfloat16:
+        if lhs.dtype.scalar == tl.bfloat16 and rhs.dtype.scalar == tl.bfloat16:
             return TH(to_bf16_bits(op(values(lhs), values(rhs))), tl.bfloat16)
         return stock(self, lhs, rhs)
     return create
@@ -204,10 +203,12 @@ if __name__ == "__main__":
     print(f"vLLM {__import__('vllm').__version__}; reference |out| max {ref_rot.abs().max().item():.3f}, "
           f"RoPE dims: rotation moves them by up to {err(ref_rot[..., NOPE:], ref_plain[..., NOPE:]):.3e}")
     report("gfx950  (tuned split-K + reduce)", *decode(x, False, True), ref_rot, ref_plain)
-    report("un-tuned (fallback ragged kernel)", *decode(x, False, False), ref_rot, ref_plain)
-    BF16_ARITH["fixed"] = False
     out, rotated = decode(x, False, False)
-    report("un-tuned, interpreter's own bf16 *", out, rotated, ref_rot, ref_plain)
-    worst = (out[..., :NOPE] - ref_rot[..., :NOPE]).abs().argmax().item()
-    print(f"  (that run's worst NoPE value {out[..., :NOPE].flatten()[worst].item():.3e} at flat index {worst}: "
-          f"the interpreter multiplies bf16 bit patterns as uint16; not the kernel)")
+    report("un-tuned (fallback ragged kernel)", out, rotated, ref_rot, ref_plain)
+    tol = 0.05  # a few bf16 steps at |out| ~ 7
+    if rotated == 2 and err(out[..., NOPE:], ref_rot[..., NOPE:]) > tol >= err(out[..., NOPE:], ref_plain[..., NOPE:]):
+        print("BUG: on an un-tuned arch rocm_sparse_attn_decode reports both rows rotated, but their RoPE dims are "
+              "still in RoPE coordinates (the fallback kernel returns before the reduce that applies "
+              "inv_rope_positions); forward_mqa's standalone pass then skips them.")
+        raise SystemExit(1)
+    print("OK: the fallback decode's rows are rotated as reported.")
