@@ -30,8 +30,9 @@ def _torch_has_cuda() -> bool:
 
 
 def host_device() -> str:
-    """The device a command runs on by default: "cuda" on a host with a GPU driver, else "cpu"."""
-    return "cuda" if _has_cuda_driver() else "cpu"
+    """The device a command runs on by default: "cuda" on a host with a GPU driver whose GPUs this process may see
+    (CUDA_VISIBLE_DEVICES not set empty), else "cpu"."""
+    return "cuda" if _has_cuda_driver() and os.environ.get("CUDA_VISIBLE_DEVICES") != "" else "cpu"
 
 
 def prepare_process(device: str | None = None) -> str:

@@ -130,6 +130,10 @@ def plan_campaigns(config) -> Plan | None:
     if mutant is not None and mutant not in MUTANTS:
         raise pytest.UsageError(f"--attnfuzz-inject {mutant}: not a built-in mutant ({', '.join(MUTANTS)})")
     device = config.getoption("attnfuzz_device") or host_device()
+    if device == "cuda" and os.environ.get("CUDA_VISIBLE_DEVICES") == "":  # its campaigns would see no GPU
+        raise pytest.UsageError("--attnfuzz-device cuda: CUDA_VISIBLE_DEVICES is empty in this pytest process (in "
+                                "attnfuzz's own checkout, tests/conftest.py prepares the CPU unless "
+                                "ATTNFUZZ_TEST_DEVICE=cuda)")
     repros = config.getoption("attnfuzz_repros")
     if repros is None and (ROOT / "repros").is_dir():
         repros = ROOT / "repros"

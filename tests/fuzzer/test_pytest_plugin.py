@@ -50,6 +50,8 @@ def test_campaigns_are_items_one_per_target_and_kv_cache_dtype(pytester):
     (("--attnfuzz", "vllm.index_remap", "--attnfuzz-budget", "soon"), "--attnfuzz-budget: not a duration"),
     (("--attnfuzz", "vllm.index_remap", "--attnfuzz-budget", "0s"), "must be more than 0 s"),
     (("--attnfuzz", "vllm.index_remap", "--attnfuzz-inject", "no-such-bug"), "not a built-in mutant"),
+    # tests/conftest.py has hidden the GPUs (CUDA_VISIBLE_DEVICES empty): campaigns on cuda would see none
+    (("--attnfuzz", "vllm.index_remap", "--attnfuzz-device", "cuda"), "CUDA_VISIBLE_DEVICES is empty"),
 ])
 def test_options_it_cannot_run_are_usage_errors(pytester, options, message):
     result = pytester.runpytest_inprocess(*PLUGIN, *options)
