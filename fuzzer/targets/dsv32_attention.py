@@ -210,6 +210,7 @@ class Dsv32Attention(FlashMLASparseLayer):
                 route.update(mqa_tokens=0, mha_tokens=0)
             clear_topk_rows(topk_buffer, step.num_actual_tokens)  # as fused_norm_rope leaves them before the seam
             out["out_eager"] = eager()[0][: step.num_tokens].clone()
+            out["topk_eager"] = topk_buffer.clone()  # its own rows: the top-k kernels promise no order (oracles/steps)
         else:
             outs = eager()
         overruns = check_overrun(engine["routes"][0]["mqa_tokens"])

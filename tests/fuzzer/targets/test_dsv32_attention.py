@@ -5,6 +5,7 @@ built-in mutant of the module's seam found through the CLI."""
 import functools
 
 import pytest
+import torch
 
 from strategies.case import Case, CaseError, IndexerStep, Request
 from tests.fuzzer.targets.judged import assert_reached, clean_campaign, first_finding, prepared, run_judged
@@ -84,6 +85,30 @@ def test_full_graph_steps_are_captured_and_replayed_where_graphs_are(monkeypatch
         assert o.notes["cudagraph"]["emulated"] and EMULATED in o.emulated
         assert "out_eager" in o.outputs and "out_skip_topk" in o.outputs
     assert any(v.check == "graph" and v.ok for v in verdicts), verdicts
+
+
+def test_a_replay_whose_topk_came_in_another_order_is_not_taken_for_a_stale_one(monkeypatch):
+    """On an H100 the replay's attention differed from the eager run's in the bits of the rows whose context passes
+    the top-k (cooperative_topk writes its k best in no promised order); the top-k kernel here returns each full row
+    in another order every call: the graph check passes, naming the rows it did not compare."""
+    from vllm.model_executor.layers.indexer_topk import SparseIndexerTopk
+
+    forward, calls = SparseIndexerTopk.forward, []
+
+    def reordered(self, logits, seq_lens, next_n, topk_indices, topk_tokens, max_seq_len):
+        forward(self, logits, seq_lens, next_n, topk_indices, topk_tokens, max_seq_len)
+        calls.append(topk_indices.shape[0])
+        full = (topk_indices >= 0).all(dim=1)
+        order = torch.randperm(topk_indices.shape[1], generator=torch.Generator().manual_seed(len(calls)))
+        topk_indices[full] = topk_indices[full][:, order]
+
+    t = target()
+    monkeypatch.setattr(t, "captures_graphs", lambda: True)
+    monkeypatch.setattr(SparseIndexerTopk, "forward", reordered)
+    obs, verdicts = run_judged(t, graph_trace(skip=False))
+    assert calls and obs.notes["cudagraph"]["replayed"] == 4
+    graph = [v for v in verdicts if v.check == "graph"]
+    assert graph and "1 of 2 rows not compared" in graph[0].detail, graph
 
 
 def test_full_graph_steps_run_eagerly_on_a_cpu():
