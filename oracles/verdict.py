@@ -40,6 +40,8 @@ CHECKS: dict[str, str] = {
                           "opinion, outside the tolerance of the fp32 reference",
     "lse": "LSE outside the tolerance of the fp32 reference",
     "dcp_rank_out": "a rank's partial output over its own share is off",
+    "cp_replica": "the ranks that must hold the same MLA cache entries (a DCP rank's PCP replicas; every rank "
+                  "without DCP) hold them differently after the step",
     "pcp_rank_rows": "a PCP rank's own rows (a prefill every rank runs whole; one copy is kept) are off",
     "backends": "two sparse-MLA backends give outputs of the same step further apart than both tolerances",
     "graph": "a step replayed from a captured CUDA graph differs from the same step run eagerly (stale metadata)",
