@@ -135,9 +135,9 @@ class Dsv32Attention(FlashMLASparseLayer):
                                                 topk_buffer, index_kv, caches, write, first, graphs)
 
                 obs = self.observe_step(call, lambda: engine.get("routes", []))
-                if graphs is not None and graphs.notes:
-                    obs.notes["cudagraph"] = dict(graphs.notes)
-                    graphs.notes.pop("replayed", None)
+                if graphs is not None and graphs.cudagraph:
+                    obs.notes["cudagraph"] = dict(graphs.cudagraph)
+                    graphs.cudagraph.pop("replayed", None)
                 step_emulated = (*emulated, cudagraphs.EMULATED) if graphs is not None and graphs.emulated else emulated
                 if index_trace_step(observed, obs, step, inp, index_written, step_emulated, self.shims):
                     break
@@ -283,7 +283,7 @@ class ModuleGraphs:
         self.runner = DecodeGraphs(case, device, max_model_len)  # the capture sizes and the runner's buffers
         self.sizes, self.device, self.max_model_len = self.runner.sizes, device, max_model_len
         self.graphs: dict = {}
-        self.notes: dict = {}
+        self.cudagraph: dict = {}  # what notes["cudagraph"] reports: support, captured sizes, emulated, replayed
 
     @property
     def emulated(self) -> bool:
@@ -301,7 +301,7 @@ class ModuleGraphs:
 
         builders = (engine["indexer_builder"], engine["mla_builder"])
         support = min((type(b).get_cudagraph_support(cfg, b.kv_cache_spec) for b in builders), key=lambda c: c.value)
-        self.notes["support"] = support.name
+        self.cudagraph["support"] = support.name
         if support.value < AttentionCGSupport.UNIFORM_BATCH.value:
             self.sizes = []  # vLLM's runner captures no FULL graph of these decode batches: they run eagerly
             return
@@ -331,7 +331,7 @@ class ModuleGraphs:
 
             self.graphs[(tokens, query_len)] = cudagraphs.FullGraph(forward, build, self.device), statics
         topk_buffer.copy_(before)
-        self.notes.update(captured=[list(s) for s in self.sizes], emulated=self.emulated)
+        self.cudagraph.update(captured=[list(s) for s in self.sizes], emulated=self.emulated)
 
     def replays(self, step) -> bool:
         """Whether the step is replayed: a uniform decode batch of a size captured (vLLM's dispatcher)."""
@@ -342,7 +342,7 @@ class ModuleGraphs:
         graph, statics = self.graphs[(step.num_actual_tokens, max(r.query_len for r in step.requests))]
         for name, t in statics.items():
             t.copy_(inputs[name])
-        self.notes["replayed"] = step.num_actual_tokens
+        self.cudagraph["replayed"] = step.num_actual_tokens
         return graph.replay()
 
 
