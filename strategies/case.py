@@ -53,7 +53,7 @@ DSV4_VERSIONS = ("4", "4.1")
 V41_BLOCK_SIZES = (64, 128)
 V41_SWA_BLOCK_SIZE = 32
 # Dsv4.rocm_arch: the archs the ROCm DeepSeek-V4 layers can be emulated on (all with OCP e4m3 caches): gfx950,
-# which campaigns draw, and the un-tuned gfx1201 and gfx1250 (the decode's fallback kernel), for replays
+# and the un-tuned gfx1201 and gfx1250 (the decode's fallback kernel)
 ROCM_ARCHS = ("gfx950", "gfx1201", "gfx1250")
 C4_ORDERS = ("scored", "ascending")  # top_k_per_row by score (any order), or the short-context fill's 0, 1, 2, ...
 ATTN_SINKS = ("finite", "none", "large")  # weights of order 1, -inf (no sink: make_attention_sink's init), ~ +6

@@ -77,8 +77,10 @@ MEGA_FEATURES = Dsv4Features(compress_ratios=V41_COMPRESS_RATIOS, version="4.1",
                              mega_attn=True)
 FLASHINFER_FEATURES = Dsv4Features(cache_dtypes=("bfloat16", "fp8", "auto", "fp8_e4m3"), window_sizes=(128,),
                                    page_pads=tuple(PAGE_PADS))
-ROCM_FEATURES = Dsv4Features(rocm_archs=ROCM_ARCHS[:1])  # gfx950 (MI355X)
-ROCM_V41_FEATURES = replace(V41_FEATURES, kv_records=(584,), rocm_archs=ROCM_ARCHS[:1])
+# gfx950 (MI355X) and the un-tuned archs, whose decode takes the ops module's fallback kernel: gfx1201 (RDNA4), and
+# for V4 gfx1250, where its forward_mqa passes the decode no positions (V4.1's layer reads no gfx1250 flag: as gfx1201)
+ROCM_FEATURES = Dsv4Features(rocm_archs=ROCM_ARCHS)
+ROCM_V41_FEATURES = replace(V41_FEATURES, kv_records=(584,), rocm_archs=ROCM_ARCHS[:2])
 FLASHINFER_V41_FEATURES = replace(V41_FEATURES, kv_records=(584,), cache_dtypes=FLASHINFER_FEATURES.cache_dtypes,
                                   window_sizes=(128,), page_pads=tuple(PAGE_PADS), compressed_blocks=(128,))
 

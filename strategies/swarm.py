@@ -24,6 +24,7 @@ from strategies.case import (
     CUDAGRAPH_MODES,
     FP8_SCALES,
     INVALID_AT,
+    ROCM_ARCHS,
     TOPK_PICKS,
     VALUE_KINDS,
     Case,
@@ -108,6 +109,8 @@ KNOBS = _knobs(
                                                 "after each cache page's own (vLLM's packed KV layout, issue 47783)"),
     Knob("kv_source", ("own", "shared"), "DeepSeek-V4.1: the layer owns its compressed cache, or reads the kv-source "
                                          "layer's (compressed_cache_prefix)"),
+    Knob("rocm_arch", ROCM_ARCHS, "DeepSeek-V4 on the ROCm layers: the emulated AMD arch, gfx950's tuned decode or "
+                                  "an un-tuned arch's fallback kernel (Dsv4.rocm_arch)"),
     Knob("decode_lengths", ("uniform", "mixed"), "MTP decodes of one query length, or of several (require_uniform=False)"),
     Knob("window_context", ("short", "near", "long"),
          "a decode's sequence: within the window (clipped at position < window), up to two blocks past it, or far past"),
@@ -280,6 +283,8 @@ def dsv4_features(case: Case, decodes) -> dict[str, set[str]]:
     if d.cache_dtype != "fp8_ds_mla":
         f["cache_dtype"] = {d.cache_dtype}
         f["page_pad"] = {"none" if not d.page_pad else "double" if d.page_pad == bs else "few"}
+    if d.rocm_arch:
+        f["rocm_arch"] = {d.rocm_arch}
     if d.version == "4.1":
         f["compressed_block"] = {str(d.compressed_block_size)}
         if d.cache_dtype == "fp8_ds_mla":

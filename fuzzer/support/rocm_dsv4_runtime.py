@@ -55,9 +55,9 @@ ROPE_MODULES = {"4": "vllm.models.deepseek_v4.common.rope", "4.1": "vllm.models.
 ROPE_CONFIG = dict(rope_theta=10000.0, compress_rope_theta=160000.0,
                    rope_parameters={"main": {"rope_type": "default", "rope_theta": 10000.0},
                                     "compress": {"rope_type": "default", "rope_theta": 160000.0}})
-# The archs the target can emulate: their (gfx942, gfx950, gfx1250) flags as vLLM's modules read them. Campaigns
-# draw gfx950 (MI355X); gfx1201 (RDNA4) and gfx1250 are the un-tuned archs whose decode takes the ops module's
-# fallback kernel (both write OCP e4m3 caches, as gfx950 does), for replaying a finding there.
+# The archs the target can emulate: their (gfx942, gfx950, gfx1250) flags as vLLM's modules read them. gfx950
+# (MI355X); gfx1201 (RDNA4) and gfx1250 are the un-tuned archs whose decode takes the ops module's fallback kernel
+# (both write OCP e4m3 caches, as gfx950 does).
 ARCHS = {"gfx950": (False, True, False), "gfx1201": (False, False, False), "gfx1250": (False, False, True)}
 DEFAULT_ARCH = "gfx950"
 # The ops module's launchers whose CPU-tensor asserts are taken out on a CPU (see the module docstring).

@@ -9,7 +9,7 @@ form), then the layer's forward_mqa: the prefill route (V4's chunk plan, dequant
 workspace, the ROCm module's own top-k/window combine, vLLM's Triton `rocm_sparse_attn_prefill`), the decode route
 (C4A's global top-k packed ragged by `compute_global_topk_ragged_indices_and_indptr`, C128A's builder rows;
 `rocm_sparse_attn_decode`: gfx950's split-K partial kernel over both fp8_ds_mla caches read in place and its reduce,
-which takes the sink and folds the inverse RoPE in), and the inverse RoPE the rows the reduce did not rotate still
+which takes the sink and folds the inverse RoPE in; on the un-tuned gfx1201 and gfx1250 the fallback ragged kernel), and the inverse RoPE the rows the reduce did not rotate still
 owe (`rocm_inverse_rope_rows_`). Compress ratios 1, 4 and 128; MTP decodes; the 584-byte record in both caches,
 which every --kv-cache-dtype the backend takes (auto, fp8, fp8_ds_mla) resolves to.
 
@@ -17,8 +17,8 @@ Everything on the route is vLLM's Python and Triton (interpreted and bounds-chec
 (VLLM_ROCM_USE_AITER, VLLM_ROCM_USE_AITER_TRITON_SPARSE_MLA off) no AITER kernel is on it. Emulated, named in every
 result: the caches' writer (attnfuzz's torch writer of V4's record, OCP e4m3 as the gfx950 fused insert writes it),
 and the platform: vLLM's platform check would not choose the backend here, so the layer is built as a gfx950 host
-builds it and the modules that read the arch by value answer gfx950's for the step (rocm_dsv4_runtime, the
-result's shims). Judged by the V4 oracle with the output's RoPE taken back out (`Dsv4.rocm_arch`). A finding's
+builds it and the modules that read the arch by value answer the case's arch's for the step (`Dsv4.rocm_arch`:
+gfx950, gfx1201 or gfx1250; rocm_dsv4_runtime, the result's shims). Judged by the V4 oracle with the output's RoPE taken back out (`Dsv4.rocm_arch`). A finding's
 repro.py is the V4 target's, making the ROCm layer and calling the builders and forward_mqa on the emulated arch.
 """
 
@@ -43,15 +43,15 @@ WRITER = ("cache writes: attnfuzz's torch writer of the 584-byte record, OCP e4m
 
 class Dsv4Rocm(Dsv4FlashMLA):
     name = "vllm.dsv4.rocm"
-    summary = ("DeepSeek-V4 sparse attention (ROCM_FLASHMLA_SPARSE_DSV4, emulated gfx950): SWA + compressed-KV builders "
-               "and the layer's forward_mqa with its inverse RoPE, compress ratios 1/4/128")
+    summary = ("DeepSeek-V4 sparse attention (ROCM_FLASHMLA_SPARSE_DSV4, emulated gfx950/gfx1201/gfx1250): SWA + "
+               "compressed-KV builders and the layer's forward_mqa with its inverse RoPE, compress ratios 1/4/128")
     bug_classes = "C H J K N"
     real_parts = ("DeepseekV4ROCMAiterSparseSWAMetadataBuilder", "DeepseekV4ROCMAiterMLASparseMetadataBuilder",
                   "DeepseekV4ROCMAiterMLAAttention.forward_mqa",
                   "Triton: SWA indices/lens, prefill gather lens, compressed slot mapping, C128A top-k metadata, "
                   "ragged indices, global top-k (ragged), dequantize-and-gather, top-k/SWA combine (ROCm's), "
-                  "rocm_sparse_attn_prefill, rocm_sparse_attn_decode (gfx950 partial + reduce with inverse RoPE), "
-                  "rocm_inverse_rope_rows_")
+                  "rocm_sparse_attn_prefill, rocm_sparse_attn_decode (gfx950 partial + reduce with inverse RoPE; "
+                  "un-tuned archs: the fallback ragged kernel), rocm_inverse_rope_rows_")
     version = "4"
     features = ROCM_FEATURES
     writer = WRITER
@@ -122,14 +122,15 @@ class Dsv41Rocm(Dsv4Rocm):
     consumer (`kv_source`); SWA blocks of 32; V4's 584-byte record (V4.1 writes its MXFP8 record on SM100 only)."""
 
     name = "vllm.dsv41.rocm"
-    summary = ("DeepSeek-V4.1 sparse attention (ROCM_FLASHMLA_SPARSE_DSV41, emulated gfx950): SWA + compressed-KV "
-               "builders and the layer's forward_mqa with its inverse RoPE, compress ratios 0/1/2, own or shared "
-               "compressed cache")
+    summary = ("DeepSeek-V4.1 sparse attention (ROCM_FLASHMLA_SPARSE_DSV41, emulated gfx950/gfx1201): SWA + "
+               "compressed-KV builders and the layer's forward_mqa with its inverse RoPE, compress ratios 0/1/2, own "
+               "or shared compressed cache")
     real_parts = ("DeepseekV41ROCMAiterSparseSWAMetadataBuilder", "DeepseekV41ROCMAiterMLASparseMetadataBuilder",
                   "DeepseekV41ROCMAiterMLAAttention.forward_mqa",
                   "Triton: SWA indices/lens, compressed slot mapping, ragged indices, global top-k (ragged), "
                   "dequantize-and-gather (V4.1), top-k/SWA combine, rocm_sparse_attn_prefill, rocm_sparse_attn_decode "
-                  "(gfx950 partial + reduce with inverse RoPE), rocm_inverse_rope_rows_")
+                  "(gfx950 partial + reduce with inverse RoPE; gfx1201: the fallback ragged kernel), "
+                  "rocm_inverse_rope_rows_")
     version = "4.1"
     features = ROCM_V41_FEATURES
     writer = WRITER

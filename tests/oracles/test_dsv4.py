@@ -113,6 +113,33 @@ def test_judge_sees_a_wrong_output_and_a_cache_that_changed():
     assert bad == {("output", "N"), ("cache", "H")}
 
 
+def test_rows_left_in_rope_coordinates_have_their_own_signature():
+    """On a ROCm step, decode rows handed on without the inverse RoPE (the reference before it) are `output` at
+    `output:rope_not_inverted`; rows rotated by the wrong angle, or wrong elsewhere, stay plain `output`."""
+    from dataclasses import replace
+
+    plain_case = case([Request(1, 40), Request(1, 300)], 2, [(1, 0, 0, 0, 0), (2, 3, 4, 5, 6)])
+    c = replace(plain_case, dsv4=replace(plain_case.dsv4, rocm_arch="gfx1201")).validate()
+    plain, rotated = reference(plain_case)[0], reference(c)[0]
+
+    def where(out):
+        full = torch.zeros(c.num_actual_tokens, c.heads, 512)
+        full[:, : c.heads] = out
+        obs = SimpleNamespace(memory=[], notes={}, error_type=None, device="cpu",
+                              outputs={**outputs(c), **{f"md.{k}": v for k, v in oracle.expected_metadata(c).items()},
+                                       "out": full})
+        return [(v.check, v.bug_class, v.where) for v in oracle.judge_dsv4(c, obs) if not v.ok]
+
+    assert where(rotated) == []
+    assert where(torch.cat([rotated[:1], plain[1:]])) == [("output", "N", "output:rope_not_inverted")]
+    assert where(plain) == [("output", "N", "output:rope_not_inverted")]
+    wrong_angle = oracle.gptj_rope(plain.double(), torch.tensor([7, 300]), inverse=True).float()
+    assert where(wrong_angle) == [("output", "N", "output")]
+    nope_off = plain.clone()
+    nope_off[1, 0, 5] += 1.0
+    assert where(nope_off) == [("output", "N", "output")]
+
+
 def test_record_model_round_trip_and_bound():
     g = torch.Generator().manual_seed(2)
     x = (torch.randn(16, 512, generator=g) * torch.logspace(-6, 3, 16)[:, None]).to(torch.bfloat16)

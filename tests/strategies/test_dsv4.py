@@ -138,3 +138,18 @@ def test_caches_hold_what_the_model_wrote():
     last = v4.read_records(comp, torch.tensor([2 * 64 + 10]), 64)  # entry 74: its row's block 1 (id 2), slot 10
     assert torch.equal(last, v4.quantize(inputs.compressed_values[0][74:75]))
     assert (v4.read_records(comp, torch.tensor([2 * 64 + 11]), 64) == 255).all()  # entry 75: not written
+
+
+@pytest.mark.parametrize("features, archs", [("ROCM_FEATURES", ("gfx950", "gfx1201", "gfx1250")),
+                                             ("ROCM_V41_FEATURES", ("gfx950", "gfx1201"))])
+def test_the_rocm_layers_draw_their_archs_and_a_pinned_one_shows(features, archs):
+    """The ROCm layers' `rocm_arch` knob (a swarm knob like the others): V4 on gfx950, gfx1201 and gfx1250, V4.1 on
+    gfx950 and gfx1201 (its layer reads no gfx1250 flag); a swarm pinning one draws only it."""
+    import strategies.dsv4_batches as batches
+    from strategies.swarm import Swarm
+
+    space = dsv4_space(P, getattr(batches, features))
+    assert space.knobs["rocm_arch"] == archs
+    for arch in archs:
+        cases = drawn.draw_cases(space, Swarm((("rocm_arch", arch),)), 6, 7)
+        assert {c.dsv4.rocm_arch for c in cases} == {arch}

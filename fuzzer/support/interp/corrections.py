@@ -26,6 +26,7 @@ CORRECTIONS: tuple[str, ...] = (
     "cast-from-fp8: fp8->float of NaN/inf codes",
     "cast-bf16: float/int<->bf16 rounded to nearest even (the interpreter truncated)",
     "inline-asm-e2m1x2: PTX `cvt.rn.satfinite.e2m1x2.f32` (NVFP4 writers) emulated; other inline asm still refused",
+    "arith-bf16: bf16 + - * / on the operands' values, rounded to nearest even (the interpreter used their uint16 bits)",
 )
 
 _installed = False
@@ -163,6 +164,25 @@ def install_corrections() -> tuple[str, ...]:
         handle = TensorHandle(out.astype(np.int32 if scalar.name == "int32" else np.uint32), scalar)
         return _AsmCall(handle)
 
+    def bf16_arith(stock, op):
+        """Was: numpy's `op` on the two uint16 bit patterns (`binary_op`), e.g. 1.0 * 1.0 -> 0x3F80**2 cut to 16 bits.
+        Now, where both operands are bf16: `op` on their exact values in fp32, the result rounded to bf16 by
+        `_encode` (nearest even, canonical NaN; overflow to inf), which is the correctly rounded bf16 result (fp32's
+        24 bits >= 2 * 8 + 2, so the double rounding cannot differ) as compiled bf16 arithmetic gives it. Other
+        dtypes go to the original."""
+
+        def create(b, lhs, rhs):
+            if lhs.dtype.scalar != tl.bfloat16 or rhs.dtype.scalar != tl.bfloat16:
+                return stock(b, lhs, rhs)
+            with np.errstate(all="ignore"):  # inf/nan results are the answer, not a warning
+                out = op(_values(lhs.data, tl.bfloat16), _values(rhs.data, tl.bfloat16)).astype(np.float32)
+            return TensorHandle(_encode(out, tl.bfloat16), tl.bfloat16)
+
+        return create
+
+    for name, op in (("create_fadd", np.add), ("create_fsub", np.subtract), ("create_fmul", np.multiply),
+                     ("create_fdiv", np.divide)):
+        setattr(B, name, bf16_arith(getattr(B, name), op))
     B.create_dot, B.create_fp_to_fp, B.cast_impl = create_dot, create_fp_to_fp, cast_impl_
     B.create_inline_asm = create_inline_asm
     _installed = True

@@ -1,5 +1,5 @@
-"""Interpreter arithmetic corrections (fuzzer/support/interp/corrections.py: bf16 dot products on raw bits, fp8
-rounding) on tiny kernels of our own, then vLLM's pure-Triton sparse MLA kernel end to end against the fp32
+"""Interpreter arithmetic corrections (fuzzer/support/interp/corrections.py: bf16 dot products and bf16 + - * / on
+raw bits, fp8 rounding) on tiny kernels of our own, then vLLM's pure-Triton sparse MLA kernel end to end against the fp32
 oracle."""
 
 import numpy as np
@@ -28,6 +28,20 @@ def _cast(x, y, n, BLOCK: tl.constexpr):
     tl.store(y + i, tl.load(x + i, mask=i < n).to(y.dtype.element_ty), mask=i < n)
 
 
+@triton.jit
+def _arith(x, y, out, n, OP: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    a, b = tl.load(x + i, mask=i < n), tl.load(y + i, mask=i < n)
+    r = a + b if OP == 0 else a - b if OP == 1 else a * b if OP == 2 else a / b  # `/`: fp32 (Triton promotes)
+    tl.store(out + i, r, mask=i < n)
+
+
+def _arith_run(x: torch.Tensor, y: torch.Tensor, op: int) -> torch.Tensor:
+    out = torch.empty_like(x)
+    _arith[(triton.cdiv(x.numel(), 1024),)](x, y, out, x.numel(), OP=op, BLOCK=1024)
+    return out
+
+
 def _cast_run(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     y = torch.empty(x.numel(), dtype=dtype)
     _cast[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
@@ -41,9 +55,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def test_install_is_idempotent():
     from triton.runtime.interpreter import InterpreterBuilder as B
 
-    before = (B.create_dot, B.create_fp_to_fp, B.cast_impl, B.create_inline_asm)
-    assert install_corrections() == CORRECTIONS and len(CORRECTIONS) == 5
-    assert (B.create_dot, B.create_fp_to_fp, B.cast_impl, B.create_inline_asm) == before
+    names = ("create_dot", "create_fp_to_fp", "cast_impl", "create_inline_asm", "create_fadd", "create_fsub",
+             "create_fmul", "create_fdiv")
+    before = [getattr(B, n) for n in names]
+    assert install_corrections() == CORRECTIONS and len(CORRECTIONS) == 6
+    assert [getattr(B, n) for n in names] == before
 
 
 def test_e2m1x2_inline_asm_rounds_as_ptx_and_other_asm_is_refused():
@@ -138,6 +154,65 @@ def test_bf16_casts_round_to_nearest_even():
     assert torch.equal(_cast_run(y, torch.float32), y.float())
     ints = torch.tensor([0, 1, -3, 257, 1000001], dtype=torch.int32)
     assert torch.equal(_bits(_cast_run(ints, torch.bfloat16)), _bits(ints.to(torch.bfloat16)))
+
+
+BF16_OPS = [(0, torch.add), (1, torch.sub), (2, torch.mul), (3, torch.div)]
+
+
+@pytest.mark.parametrize("op, ref", BF16_OPS)
+def test_bf16_arithmetic_on_values_rounded_to_nearest_even(op, ref):
+    """bf16 (op) bf16 stays bf16 (both operands bf16) and is computed on the values, rounded once to nearest even,
+    as torch's bf16 ops (fp32, then one rounding) give it; uncorrected the interpreter used the uint16 bit patterns."""
+    g = torch.Generator().manual_seed(5)
+    n = 4096
+    x = (torch.randn(n, generator=g) * torch.exp2(torch.randint(-20, 20, (n,), generator=g).float())).bfloat16()
+    y = (torch.randn(n, generator=g) * torch.exp2(torch.randint(-20, 20, (n,), generator=g).float())).bfloat16()
+    # ties to even: 1 + 2^-8 -> 1 (even), (1 + 2^-7) + 2^-8 -> 1 + 2^-6 (even); 3 * (1 + 2^-7) = 3 + 3 * 2^-7 -> 3 + 2^-5;
+    # exact: 1 * 1, 0.5 - 0.25; subnormals: 2^-126 / 4, 2^-130 - 2^-131
+    x[:6] = torch.tensor([1.0, 1 + 2**-7, 3.0, 1.0, 2**-126, 2**-130])
+    y[:6] = torch.tensor([2**-8, 2**-8, 1 + 2**-7, 1.0, 4.0, 2**-131])
+    got, want = _arith_run(x, y, op), ref(x, y)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(_bits(got), _bits(want))  # uncorrected: nearly all wrong (products of bit patterns)
+    if op == 0:
+        assert got[:2].tolist() == [1.0, 1 + 2**-6]
+    if op == 2:
+        assert got[2].item() == 3 + 2**-5 and got[3].item() == 1.0
+
+
+def test_bf16_arithmetic_inf_nan_overflow():
+    """IEEE special values, overflow to inf (no saturation: compiled bf16 arithmetic is not satfinite), NaN as the
+    canonical positive 0x7FFF, as the bf16 casts give it."""
+    inf, nan, big = float("inf"), float("nan"), torch.finfo(torch.bfloat16).max
+    x = torch.tensor([inf, inf, 1.0, -1.0, 0.0, nan, big, -big], dtype=torch.bfloat16)
+    y = torch.tensor([inf, 0.0, 0.0, 0.0, 0.0, 1.0, big, big], dtype=torch.bfloat16)
+    bits = lambda t: (_bits(t).int() & 0xFFFF).tolist()  # noqa: E731
+    assert bits(_arith_run(x, y, 1)) == [0x7FFF, 0x7F80, 0x3F80, 0xBF80, 0, 0x7FFF, 0, 0xFF80]  # inf-inf, -big-big
+    assert bits(_arith_run(x, y, 2)) == [0x7F80, 0x7FFF, 0, 0x8000, 0, 0x7FFF, 0x7F80, 0xFF80]  # inf*0: NaN
+    assert bits(_arith_run(x, y, 3)) == [0x7FFF, 0x7F80, 0x7F80, 0xFF80, 0x7FFF, 0x7FFF, 0x3F80, 0xBF80]  # 1/0, 0/0
+    assert bits(_arith_run(x, y, 0)) == [0x7F80, 0x7F80, 0x3F80, 0xBF80, 0, 0x7FFF, 0x7F80, 0]
+
+
+def test_bf16_fdiv_on_values():
+    """`a / b` reaches the builder in fp32 (computation_type_impl promotes bf16 division), so create_fdiv sees bf16
+    only when called on bf16 handles directly: the correction divides their values there too."""
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+
+    x = torch.tensor([1.0, 3.0, 1.0, 0.0, -2.0, 1.0], dtype=torch.bfloat16)
+    y = torch.tensor([3.0, 7.0, 0.0, 0.0, 2**-100, 2**-127], dtype=torch.bfloat16)
+    h = [TensorHandle(_bits(t).numpy().view(np.uint16), tl.bfloat16) for t in (x, y)]
+    got = InterpreterBuilder.create_fdiv(None, *h)
+    want = (_bits(x / y).int() & 0xFFFF).tolist()
+    want[3] = 0x7FFF  # 0/0: the canonical NaN (torch: 0xFFC0)
+    assert got.dtype == tl.bfloat16 and got.data.tolist() == want
+
+
+def test_fp16_and_fp32_arithmetic_unchanged():
+    g = torch.Generator().manual_seed(6)
+    for dtype in (torch.float16, torch.float32):
+        x, y = torch.randn(2048, generator=g).to(dtype), torch.randn(2048, generator=g).to(dtype)
+        for op, ref in BF16_OPS:
+            assert torch.equal(_arith_run(x, y, op), ref(x, y))
 
 
 @pytest.mark.vllm
