@@ -17,7 +17,8 @@ import torch
 
 from oracles.verdict import Verdict, passed
 from strategies.case import Case
-from strategies.indexer_tensors import FP8_MAX, INDEX_HEAD_DIM, key_pool, materialize_indexer_inputs
+from strategies.indexer_tensors import INDEX_HEAD_DIM, key_pool, materialize_indexer_inputs
+from strategies.tensors import FP8_MAX
 
 SCALE_BYTES = 4
 POISON_BYTE = 0xFF  # the cache before the first write: every value e4m3 NaN, every scale an fp32 NaN

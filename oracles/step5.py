@@ -32,8 +32,8 @@ from strategies.step5_tensors import (
     materialize_step5,
     positions,
     request_summaries,
-    to_e4m3,
 )
+from strategies.tensors import to_e4m3
 
 ATOL = RTOL = 0.02  # bf16 probabilities in the kernel's P.V (fp16 with an fp8 cache), bf16 output and gate
 SCORE_RTOL = 5e-5  # fp32 sums of 256 exact fp8 products and of 8 weighted heads, against fp64 (worst case ~1.5e-5)

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import torch
 
 from strategies.case import PLAIN_BF16_RECORD, PLAIN_FP8_RECORD, Case
+from strategies.tensors import FP8_MAX, to_e4m3
 
 HEAD_DIM = 512  # DeepSeek-V4's latent: 448 NoPE + 64 RoPE; K = V
 NOPE, ROPE, QUANT_BLOCK = 448, 64, 64
 DATA_BYTES, SCALE_BYTES, ENTRY_BYTES = 576, 8, 584  # a record: 448 fp8 + 64 bf16, then 7 UE8M0 exponents + pad
-FP8_MAX = 448.0
 POISON = 255  # an unwritten cache byte: fp8 NaN, a NaN UE8M0 scale
 TOPK_POISON = 2**30 - 1  # top-k buffer rows no step's token owns
 _VALUE_SCALE = {"normal": 1.0, "large": 8.0, "tiny": 2e-5, "zero_tiles": 1.0}  # tiny: under the 1e-4 floor
@@ -179,7 +179,7 @@ def v4_records(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = x[:, :NOPE].view(-1, NOPE // QUANT_BLOCK, QUANT_BLOCK)
     amax = blocks.abs().amax(dim=-1).clamp(min=1e-4)
     exponent = torch.ceil(torch.log2(amax / FP8_MAX))
-    fp8 = (blocks / torch.exp2(exponent)[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    fp8 = to_e4m3(blocks / torch.exp2(exponent)[..., None])
     data = torch.cat([fp8.view(torch.uint8).view(-1, NOPE), k[:, NOPE:].contiguous().view(torch.uint8)], dim=-1)
     scales = torch.zeros(len(k), SCALE_BYTES, dtype=torch.uint8, device=k.device)
     scales[:, : NOPE // QUANT_BLOCK] = (exponent + 127).clamp(0, 255).to(torch.uint8)
@@ -206,7 +206,7 @@ def v41_records(k: torch.Tensor) -> torch.Tensor:
     clamp(x / 2^e, +-448), then the 16 bytes e + 127."""
     x = k.float().view(-1, V41_DATA_BYTES // V41_QUANT_BLOCK, V41_QUANT_BLOCK)
     exponent = torch.ceil(torch.log2(x.abs().amax(dim=-1).clamp(min=1e-4) / FP8_MAX))
-    fp8 = (x / torch.exp2(exponent)[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    fp8 = to_e4m3(x / torch.exp2(exponent)[..., None])
     return torch.cat([fp8.view(torch.uint8).view(-1, V41_DATA_BYTES), (exponent + 127).clamp(0, 255).to(torch.uint8)],
                      dim=-1)
 
@@ -260,7 +260,7 @@ def plain_rows(k: torch.Tensor, record: int) -> torch.Tensor:
     k_scale 1.0 (the layer's `_flashinfer_fp8_kv_scale`), saturated to +-448."""
     if record == PLAIN_BF16_RECORD:
         return k.to(torch.bfloat16).contiguous().view(torch.uint8)
-    return k.float().clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    return to_e4m3(k).view(torch.uint8)
 
 
 def write_plain_rows(pages: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, entries_per_block: int,

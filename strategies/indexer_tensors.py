@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from strategies.case import Case, TopkSpec
+from strategies.tensors import to_e4m3
 
 INDEX_HEAD_DIM = 128
-FP8_MAX = 448.0
 _K_SCALE = {"normal": 1.0, "large": 100.0, "tiny": 1e-3, "zero_tiles": 1.0}
 _Q_SCALE = {"normal": 1.0, "large": 40.0, "tiny": 0.01, "zero_tiles": 1.0}
 
@@ -71,7 +71,7 @@ def materialize_indexer_inputs(step: Case, pool: torch.Tensor) -> IndexerInputs:
     k = torch.where((slots_t >= 0)[:, None], pool.cpu()[slots_t.clamp(min=0)], 0).to(torch.bfloat16)
     context_t = torch.tensor(sorted(set(context)), dtype=torch.int64)
     return IndexerInputs(
-        q_fp8=q.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(device), weights=weights.to(device),
+        q_fp8=to_e4m3(q).to(device), weights=weights.to(device),
         k=k.to(device), slots=slots_t.to(device), positions=torch.tensor(positions, dtype=torch.int64).to(device),
         context_slots=context_t.to(device), context_k=pool[context_t.to(device)])
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from strategies.case import Case
-from strategies.tensors import FP8_MAX, fp8_kv_scale
+from strategies.tensors import fp8_kv_scale, to_e4m3
 
 HEAD_SIZE = 192
 KV_STD = 1.0  # K and V are N(0, 1); a calibrated fp8 scale is fitted to it
@@ -106,12 +106,6 @@ def slots_of(case: Case, req: int, positions_: range, device) -> torch.Tensor:
     p = torch.arange(positions_.start, positions_.stop, positions_.step, dtype=torch.int64)
     row = torch.tensor(case.block_table[req], dtype=torch.int64)
     return (row[p // case.block_size] * case.block_size + p % case.block_size).to(device)
-
-
-def to_e4m3(x: torch.Tensor) -> torch.Tensor:
-    """x as e4m3, saturating at +-448 as vLLM's writers do (__NV_SATFINITE): torch's own conversion saturates on a
-    CPU but gives NaN bytes on CUDA for |x| >= 464, a cache vLLM never writes."""
-    return x.float().clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
 def write_kv(cache: torch.Tensor, case: Case, inp: Step5Inputs, req: int, positions_: range) -> None:

@@ -144,6 +144,12 @@ _VALUE_SCALE = {"normal": 0.25, "large": 4.0, "tiny": 1e-3, "zero_tiles": 0.25}
 FP8_MAX = 448.0  # e4m3's largest finite value
 
 
+def to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """x as e4m3, saturating at +-448 as vLLM's writers do (__NV_SATFINITE): torch's own conversion saturates on a
+    CPU but gives NaN bytes on CUDA for |x| >= 464, a cache vLLM never writes."""
+    return x.float().clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
 def fp8_kv_scale(case: Case, std: float | None = None) -> float:
     """The layer's k_scale for a per-tensor fp8 cache (kv_cache_dtype "fp8"): vLLM's writer stores x / k_scale as
     e4m3 for both parts of an entry, and a reader multiplies back. fp8_scale "pow2": 1.0, vLLM's default where the

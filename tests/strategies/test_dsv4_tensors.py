@@ -10,6 +10,15 @@ from strategies.dsv4_tensors import page_bytes, write_v4_records
 pytestmark = pytest.mark.vllm
 
 
+def pages(k: torch.Tensor, entries: int, record: int = 584):
+    """Cache pages for k's rows at random slots past block 0 (block count, slots, vLLM's pages and ours, both poisoned
+    with 255)."""
+    blocks = len(k) // entries + 3
+    slots = torch.randperm((blocks - 1) * entries, generator=torch.Generator().manual_seed(1))[: len(k)] + entries
+    theirs = torch.full((blocks, page_bytes(entries, record)), 255, dtype=torch.uint8)
+    return blocks, slots, theirs, theirs.clone()
+
+
 def latents() -> torch.Tensor:
     g = torch.Generator().manual_seed(0)
     k = torch.randn(24, 512, generator=g)
@@ -33,10 +42,7 @@ def test_torch_writer_equals_vllms_triton_writer(entries):
     install_cpu_shims()
     install_corrections()
     k = latents()
-    blocks = len(k) // entries + 3
-    slots = torch.randperm((blocks - 1) * entries, generator=torch.Generator().manual_seed(1))[: len(k)] + entries
-    theirs = torch.full((blocks, page_bytes(entries)), 255, dtype=torch.uint8)
-    ours = theirs.clone()
+    blocks, slots, theirs, ours = pages(k, entries)
     with SANITIZER.install().collect() as violations:
         quantize_and_insert_k_cache(k, theirs, slots, block_size=entries)
     assert not violations
@@ -57,10 +63,7 @@ def test_torch_writer_equals_vllms_triton_writer_of_the_v41_record(entries):
     install_cpu_shims()
     install_corrections()
     k = latents()
-    blocks = len(k) // entries + 3
-    slots = torch.randperm((blocks - 1) * entries, generator=torch.Generator().manual_seed(1))[: len(k)] + entries
-    theirs = torch.full((blocks, page_bytes(entries, 528)), 255, dtype=torch.uint8)
-    ours = theirs.clone()
+    blocks, slots, theirs, ours = pages(k, entries, 528)
     with SANITIZER.install().collect() as violations:
         quantize_and_insert_k_cache(k, theirs, slots, block_size=entries, bytes_per_token=528)
     assert not violations
@@ -99,10 +102,7 @@ def test_torch_writer_equals_vllms_triton_writer_of_the_v41_nvfp4_record(entries
     install_cpu_shims()
     install_corrections()
     k = nvfp4_latents()
-    blocks = len(k) // entries + 3
-    slots = torch.randperm((blocks - 1) * entries, generator=torch.Generator().manual_seed(1))[: len(k)] + entries
-    theirs = torch.full((blocks, page_bytes(entries, 288)), 255, dtype=torch.uint8)
-    ours = theirs.clone()
+    blocks, slots, theirs, ours = pages(k, entries, 288)
     cos_sin = torch.cat([torch.ones(len(k), 32), torch.zeros(len(k), 32)], dim=-1)
     cache = torch.as_strided(theirs, (blocks, entries, 288), (theirs.shape[1], 288, 1))
     with SANITIZER.install().collect() as violations:

@@ -80,7 +80,8 @@ def test_torch_writers_equal_vllms_triton_update(block):
 def test_fp8_values_saturate_and_a_calibrated_scale_fits_the_values():
     """vLLM's writers saturate at +-448; torch's CUDA conversion gives NaN bytes there (its CPU one saturates), so
     the writers clamp first. A calibrated k_scale fits step5's N(0, 1) K/V: nothing reaches 448."""
-    from strategies.step5_tensors import kv_scales, to_e4m3, write_kv
+    from strategies.step5_tensors import kv_scales, write_kv
+    from strategies.tensors import to_e4m3
 
     assert to_e4m3(torch.tensor([500.0, -1e4, 1.0])).float().tolist() == [448.0, -448.0, 1.0]
     c = Case.from_dict({**case(contexts=(150,), block=64).to_dict(), "kv_cache_dtype": "fp8",
