@@ -156,6 +156,7 @@ def test_the_layers_rope_is_the_oracles(version, ratio):
     assert torch.allclose(-got[:, 1::2], cache[:, ROPE_DIM // 2:], atol=2e-3)
 
 
-@pytest.mark.parametrize("name", ["vllm.dsv4.rocm", "vllm.dsv41.rocm"])
+# V4's campaign is nightly (28 s on the CI host); V4.1's keeps the plumbing of the shared target class in CI.
+@pytest.mark.parametrize("name", [pytest.param("vllm.dsv4.rocm", marks=pytest.mark.nightly), "vllm.dsv41.rocm"])
 def test_a_short_clean_campaign(tmp_path, name):
     clean_campaign(tmp_path, name, 4, "--seed", "3", "--known", ROPE_KEPT)  # gfx1201 cases meet the open bug
