@@ -7,10 +7,11 @@ second time on the same metadata and buffers (`out_again`): FlashMLA's sparse ke
 any other bits mean nondeterminism or state the first call left behind (what a CUDA-graph replay would read).
 A step a full-graph engine replayed is also run eagerly on the same metadata (`out_eager`): the replay must
 give the same bits (the same kernels on the same inputs), or it read tensors the step no longer fills. Where the
-step's top-k indices are computed in it (an indexer, `topk_eager`: the eager run's rows), a token whose row holds the
-same ids in another order in the two runs is not compared: vLLM's decode top-k kernels write the k best in no promised
-order (cooperative_topk scatters them through shared-memory atomics), and the attention's bits follow the order it
-reads them in. An MTP draft step, run on the step before's metadata updated in place, is also run on metadata
+step's top-k indices are computed in it (an indexer, `topk_eager`: the eager run's rows), only tokens whose rows hold
+the same ids in the same order in the two runs are compared: vLLM's decode top-k kernels write the k best in no promised
+order (cooperative_topk scatters them through shared-memory atomics) and may break a tie at the k-th score either way,
+and the attention's bits follow the ids and the order it reads them in. The replay's own top-k and output are judged
+against the reference by the step's judge; the graph verdict names how many rows it left out, and why. An MTP draft step, run on the step before's metadata updated in place, is also run on metadata
 built for it (`out_rebuilt`): the speculator's in-place update promises what a build gives.
 """
 
@@ -57,23 +58,29 @@ def graph_verdicts(obs) -> list[Verdict]:
                         "the in-place update left the metadata other than a build makes it")]
 
 
-def _same_topk_rows(obs) -> torch.Tensor | None:
-    """Per output row, whether its bits are compared: not where the replay (`topk_indices_buffer`) and the eager run
-    (`topk_eager`) left the same top-k ids in another order; None where the step observed no eager top-k. Rows whose
-    ids differ are compared (a replay that read a stale length or query selects other ids)."""
+def _same_topk_rows(obs) -> tuple[torch.Tensor, str] | None:
+    """(per output row, whether its bits are compared; why the others are not): compared where the replay
+    (`topk_indices_buffer`) and the eager run (`topk_eager`) left the same ids in the same order; None where the step
+    observed no eager top-k."""
     eager, replay, out = (obs.outputs.get(k) for k in ("topk_eager", "topk_indices_buffer", "out"))
     if eager is None or replay is None or out is None:
         return None
     n = out.shape[0]
     eager, replay = eager[:n], replay[:n]
-    reordered = (eager != replay).any(dim=1) & (eager.sort(dim=1).values == replay.sort(dim=1).values).all(dim=1)
-    return ~reordered
+    same = (eager == replay).all(dim=1)
+    reordered = ~same & (eager.sort(dim=1).values == replay.sort(dim=1).values).all(dim=1)
+    other = ~same & ~reordered
+    why = [f"{int(m.sum())} with {what}" for m, what in ((reordered, "their top-k ids in another order"),
+                                                          (other, "another top-k selection (a tie at the k-th score "
+                                                           "may go either way; the replay's own is judged)"))
+           if int(m.sum())]
+    return same, "; ".join(why) + " (vLLM's top-k kernels promise no order)"
 
 
 def _same_bits(obs, name: str, check: str, same: str, differs: str, why: str,
-               rows: torch.Tensor | None = None) -> list[Verdict]:
+               rows: tuple[torch.Tensor, str] | None = None) -> list[Verdict]:
     """`name` against `out`, bit for bit, on every row or on the rows `rows` marks (the others are named in the
-    detail as not compared)."""
+    detail as not compared, with rows' reason)."""
     other, out = obs.outputs.get(name), obs.outputs.get("out")
     if other is None or out is None:
         return []
@@ -82,10 +89,9 @@ def _same_bits(obs, name: str, check: str, same: str, differs: str, why: str,
     if other.shape != out.shape:
         return [Verdict(check, False, f"{differs}: shape {tuple(other.shape)}, not {tuple(out.shape)}: {why}", "M",
                         where=check)]
-    compared = torch.ones(n, dtype=torch.bool, device=out.device) if rows is None else rows.to(out.device)
+    compared = torch.ones(n, dtype=torch.bool, device=out.device) if rows is None else rows[0].to(out.device)
     skipped = n - int(compared.sum())
-    note = (f"; {skipped} of {n} rows not compared: their top-k ids came in another order (vLLM's top-k kernels "
-            "promise none)" if skipped else "")
+    note = f"; {skipped} of {n} rows not compared: {rows[1]}" if skipped else ""
     wrong = (_bits(other).view(n, -1) != _bits(out).view(n, -1)).any(dim=1) & compared if n else compared
     bad = wrong.nonzero().flatten()
     if not len(bad):

@@ -42,6 +42,10 @@ if [ -z "$VER" ] && [ -f /tmp/gpu-bundle-ops/deep_gemm.tar.xz ] && [ ! -f "$DG/_
   tar xJf /tmp/gpu-bundle-ops/deep_gemm.tar.xz -C "$(dirname "$DG")"
 fi
 if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda; fi
+# vLLM's flash_attn_interface.py (part b of the ops): FA4's target calls vLLM's own flash_attn_varlen_func from it
+if [ -z "$VER" ] && [ -f /tmp/gpu-bundle-ops/flash_attn_interface.py ]; then
+  export ATTNFUZZ_VLLM_FLASH_ATTN_INTERFACE=/tmp/gpu-bundle-ops/flash_attn_interface.py
+fi
 # vLLM 0.33.0's own vllm_flash_attn with its FA3 extension (scripts/gpu-kernels.sh install fa3), for the runs that ask
 # with ATTNFUZZ_FA3=real: a tree of links to the bundle's vllm/ with that package in place of the bundle's import
 # stand-in, so that other runs on the machine keep theirs.

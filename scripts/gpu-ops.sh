@@ -41,9 +41,12 @@ case ${1:-} in
     (cd "$OPS" && sha256sum "$XZ") > "$OPS/b/SHA256SUMS"
     cp "$OPS/VERSION" "$OPS/b/"
     deep_gemm_pack "$(cat "$OPS/VERSION")" "$OPS/b/deep_gemm.tar.xz"
+    "$0" fa-interface
     du -b "$OPS/a/$XZ.part-a" "$OPS/b/$XZ.part-b" "$OPS/b/deep_gemm.tar.xz";;
   deep-gemm)  # (re)pack DeepGEMM alone into part b
     deep_gemm_pack "$(cat "$OPS/VERSION")" "$OPS/b/deep_gemm.tar.xz" && du -b "$OPS/b/deep_gemm.tar.xz";;
+  fa-interface)  # vLLM's vllm_flash_attn/flash_attn_interface.py (pure Python; the bundle leaves the package out), for FA4's target
+    "${PYTHON:-$ROOT/.venv/bin/python}" -c "import vllm, os, shutil, sys; assert vllm.__version__ == sys.argv[1], vllm.__version__; shutil.copy(os.path.join(os.path.dirname(vllm.__file__), 'vllm_flash_attn', 'flash_attn_interface.py'), sys.argv[2])" "$(cat "$OPS/VERSION")" "$OPS/b/flash_attn_interface.py";;
   stash)  # call 1, on the GPU host
     mkdir -p "$STASH" && cp "$OPS/a/$XZ.part-a" "$STASH/"
     echo "gpu-ops: part a stashed in $STASH ($(du -b "$STASH/$XZ.part-a" | cut -f1) bytes)";;
@@ -56,6 +59,7 @@ case ${1:-} in
     xz -dc "$STASH/$XZ" > "$STASH/_C_stable_libtorch.abi3.so" && rm -f "$STASH/$XZ" "$STASH/$XZ.part-a"
     cp "$OPS/b/VERSION" "$STASH/"
     [ ! -f "$OPS/b/deep_gemm.tar.xz" ] || cp "$OPS/b/deep_gemm.tar.xz" "$STASH/"
+    [ ! -f "$OPS/b/flash_attn_interface.py" ] || cp "$OPS/b/flash_attn_interface.py" "$STASH/"
     echo "gpu-ops: ops for vLLM $(cat "$STASH/VERSION") unpacked in $STASH";;
   check)
     "$ROOT/scripts/gpu-host.sh" python3 -c "

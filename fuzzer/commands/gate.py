@@ -27,6 +27,7 @@ what did not run; a failure found before the signal still fails the gate, exit 1
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import math
 import re
@@ -319,7 +320,7 @@ def add_parser(subparsers) -> None:
     g.add_argument("--min-pair-coverage", type=float, default=budgets.GATE_MIN_PAIR_COVERAGE, metavar="F",
                    help="fail a campaign whose cases cover less than this share of the pairs of knob categories "
                         f"(default {budgets.GATE_MIN_PAIR_COVERAGE}; 0: no minimum)")
-    g.add_argument("--jobs", type=int, default=None, help="campaigns at a time (default 2: a campaign keeps about one core busy, its process and its worker taking turns)")
+    g.add_argument("--jobs", type=int, default=None, help="campaigns (and reproducers) at a time (default 2: a campaign keeps about one core busy, its process and its worker taking turns)")
     g.add_argument("--targets", default=None, help="comma-separated: fuzz only these targets")
     g.add_argument("--no-repros", action="store_true", help="skip the replay step")
     g.add_argument("--no-campaigns", action="store_true", help="skip the campaign step")
@@ -381,10 +382,16 @@ def main(args: argparse.Namespace, device: str) -> int:
         print(f"attnfuzz gate on {device} ({host.device_name}), vLLM {vllm_version}: {len(records)} reproducer(s)",
               flush=True)
 
-        for rec in records:
-            r = replay(rec, device, vllm_version, unavailable, out / "repro-logs", budgets.REPRO_TIMEOUT_S[device])
-            repro_results.append(r)
-            print(f"  repro {r.id}: {r.outcome} ({r.seconds:.1f} s) {r.detail}", flush=True)
+        jobs = args.jobs or 2
+        # each reproducer is a process of its own: `jobs` at a time, reported in their order
+        pool = concurrent.futures.ThreadPoolExecutor(jobs)
+        try:
+            for r in pool.map(lambda rec: replay(rec, device, vllm_version, unavailable, out / "repro-logs",
+                                                 budgets.REPRO_TIMEOUT_S[device]), records):
+                repro_results.append(r)
+                print(f"  repro {r.id}: {r.outcome} ({r.seconds:.1f} s) {r.detail}", flush=True)
+        finally:  # a signal starts no more of them
+            pool.shutdown(wait=True, cancel_futures=True)
 
         if not args.no_campaigns:
             known = known_bugs(records, vllm_version)
@@ -397,7 +404,6 @@ def main(args: argparse.Namespace, device: str) -> int:
                 r = judge_campaign(o, known, args.min_pair_coverage, interrupt.received())
                 print(f"  campaign {r.name}: {r.outcome}, {r.figures}{': ' + r.reason if r.reason else ''}", flush=True)
 
-            jobs = args.jobs or 2
             # A signal here is passed on to the campaigns running (they wind down) and starts no more.
             outcomes = run_campaigns(specs, device, out / "campaigns", budgets.CAMPAIGN_TIMEOUT_S[device], jobs, report)
             campaign_results = [judge_campaign(o, known, args.min_pair_coverage, interrupt.received())

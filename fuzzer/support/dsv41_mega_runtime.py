@@ -91,7 +91,9 @@ def step_layer(cfg, compress_ratio: int, kv_source: str, window_size: int, swa_b
     layer.n_local_groups = num_heads // GROUP
     layer.n_wv_group = layer.padded_heads // GROUP
     layer.kv_cache_dtype = "nvfp4_ds_mla" if compressed_record == NVFP4_ENTRY_BYTES else "fp8_ds_mla"
-    layer.rotary_emb = SimpleNamespace(cos_sin_cache=rope_cos_sin(cfg.model_config.max_model_len + 1))
+    # on the step's device, as the layer's rotary embedding keeps it (the kernel indexes it with the positions)
+    layer.rotary_emb = SimpleNamespace(
+        cos_sin_cache=rope_cos_sin(cfg.model_config.max_model_len + 1).to(topk_indices_buffer.device))
     return layer, spec, None if source_id is None else v41.layer_prefix(source_id)
 
 

@@ -58,6 +58,7 @@ def backend(device: str = "cuda"):
     FLASH_ATTN_MLA_SPARSE's, imported as that backend's loader imports it (FA3's stand-in in vllm_flash_attn's place
     where it cannot load)."""
     flash_attn_sparse_backend(device)
+    flash_attn_interface_file()  # the kernel call's flash_attn_varlen_func is vLLM's own, from that file
     backend_cls = importlib.import_module(FLASH_ATTN_SPARSE_MODULE).FlashAttnMLASparseFA4Backend
     backend_cls.get_impl_cls()
     return backend_cls, EMULATED
@@ -70,6 +71,19 @@ def prepare_host(device: str):
     return backend_cls, emulated, [*shims, PLATFORM_NOTE]
 
 
+def flash_attn_interface_file() -> str:
+    """vLLM's vllm_flash_attn/flash_attn_interface.py: the installed release's, or where a host without the package
+    (the GPU bundle leaves vllm_flash_attn out) keeps that release's copy, $ATTNFUZZ_VLLM_FLASH_ATTN_INTERFACE
+    (scripts/gpu-ops.sh carries it)."""
+    vllm = importlib.import_module("vllm")
+    for path in (os.path.join(os.path.dirname(vllm.__file__), "vllm_flash_attn", "flash_attn_interface.py"),
+                 os.environ.get("ATTNFUZZ_VLLM_FLASH_ATTN_INTERFACE", "")):
+        if path and os.path.isfile(path):
+            return path
+    raise FileNotFoundError("vLLM's vllm_flash_attn/flash_attn_interface.py is not on this host (the GPU bundle "
+                            "leaves vllm_flash_attn out: scripts/gpu-ops.sh carries it)")
+
+
 @functools.cache
 def vllm_flash_attn_interface() -> types.ModuleType:
     """vLLM's `vllm_flash_attn.flash_attn_interface`: imported where its package loads, else from its file with a
@@ -78,11 +92,10 @@ def vllm_flash_attn_interface() -> types.ModuleType:
     with contextlib.suppress(ImportError):
         return importlib.import_module(FLASH_ATTN_INTERFACE)
     package_name = FLASH_ATTN_INTERFACE.rsplit(".", 1)[0]
-    vllm = importlib.import_module("vllm")
-    directory = os.path.join(os.path.dirname(vllm.__file__), "vllm_flash_attn")
+    path = flash_attn_interface_file()
     package = types.ModuleType(package_name, "attnfuzz's stand-in package around vLLM's flash_attn_interface.py")
-    package.__path__ = [directory]
-    spec = importlib.util.spec_from_file_location(FLASH_ATTN_INTERFACE, os.path.join(directory, "flash_attn_interface.py"))
+    package.__path__ = [os.path.dirname(path)]
+    spec = importlib.util.spec_from_file_location(FLASH_ATTN_INTERFACE, path)
     module = importlib.util.module_from_spec(spec)
     with importable_as({package_name: package, FLASH_ATTN_INTERFACE: module}):
         spec.loader.exec_module(module)

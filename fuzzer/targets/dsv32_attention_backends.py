@@ -42,6 +42,14 @@ class _OnAnotherBackend(Dsv32Attention):
     def cases(self, profile, plan: RunPlan = WHOLE):
         return super().cases(past_decode_thresholds(profile), plan)
 
+    def captures_graphs(self) -> bool:
+        # the backend's stand-in reads its plan or page table on the host, which a CUDA graph cannot capture: on a
+        # GPU without the real kernel a FULL step runs eagerly, as on a CPU
+        return super().captures_graphs() and self.kernel_is_real()
+
+    def kernel_is_real(self) -> bool:
+        raise NotImplementedError
+
 
 class Dsv32AttentionFlashAttn(_OnAnotherBackend, FlashAttnMLASparseLayer):
     name = "vllm.dsv32.attention.flashattn"
@@ -50,6 +58,9 @@ class Dsv32AttentionFlashAttn(_OnAnotherBackend, FlashAttnMLASparseLayer):
                "indexer feeding FLASH_ATTN_MLA_SPARSE (FA3 a stand-in unless installed), dense-MHA split, traces")
     real_parts = _on({"FlashMLASparseMetadataBuilder": ("FlashAttnMLASparseMetadataBuilder",),
                       "FlashMLASparseImpl.forward_mqa / forward_mha": ("FlashAttnMLASparseImpl.forward_mqa / forward_mha",)})
+
+    def kernel_is_real(self) -> bool:
+        return "flash_attn_varlen_func" not in self.emulated
 
 
 class Dsv32AttentionFlashInferSM90(_OnAnotherBackend, FlashInferMLASparseSM90Layer):
@@ -63,6 +74,9 @@ class Dsv32AttentionFlashInferSM90(_OnAnotherBackend, FlashInferMLASparseSM90Lay
                           "_SM90State.plan (host lengths, plan reuse) and its Triton `_clamp_work_kv_end`"),
                       "FlashMLASparseImpl.forward_mqa / forward_mha": (
                           "FlashInferMLASparseSM90Impl.forward_mqa / forward_mha", "the Triton `_pack_topk_indices`")})
+
+    def kernel_is_real(self) -> bool:
+        return flashinfer_runtime.real_flashinfer(self.device) is not None
 
     def mla_metadata_builder(self, case, cfg):
         # _SM90State imports flashinfer.mla here: FlashInfer's own where the host has it, else the stand-in

@@ -43,6 +43,11 @@ class FlashMLASparseNvfp4(FlashMLASparse):
     BLOCK_SIZES = (64,)  # FlashMLASparseBackend.get_supported_kernel_block_sizes: a quantized cache on SM100
 
     def unavailable(self) -> str | None:
+        if self.device != "cpu" and torch.cuda.get_device_capability()[0] != 10:
+            # FlashMLA's compiled kernels here are this GPU's, which refuse the NVFP4 entry (vLLM takes it on SM100
+            # only); the stand-ins of SM100's kernels run on a CPU
+            return (f"nvfp4_ds_mla is SM100's: this GPU (sm_{''.join(map(str, torch.cuda.get_device_capability()))}) "
+                    "runs FlashMLA kernels that refuse it; run on a CPU (SM100's kernels emulated) or an SM100")
         try:
             flashmla_sparse_sm100_backend(self.device)
         except Exception as e:

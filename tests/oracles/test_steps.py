@@ -1,5 +1,6 @@
-"""The `graph` check (oracles/steps.py): a replayed step against the same step run eagerly, bit for bit, except the
-tokens whose top-k rows the two runs left as the same ids in another order (vLLM's top-k kernels promise no order)."""
+"""The `graph` check (oracles/steps.py): a replayed step against the same step run eagerly, bit for bit, on the tokens
+whose top-k rows the two runs left as the same ids in the same order (vLLM's top-k kernels promise no order and may
+break a tie at the k-th score either way; the replay's own top-k is judged by the step's judge)."""
 
 import torch
 
@@ -31,11 +32,16 @@ def test_other_bits_on_the_same_topk_rows_are_class_m():
     assert not v.ok and v.bug_class == "M" and "1 of 3 rows (first row 2)" in v.detail, v
 
 
-def test_other_ids_are_compared():
-    """A replay that read a stale length or query selects other ids: its rows stay compared."""
+def test_another_selection_is_left_to_the_topk_check_and_named():
+    """On an H100 the replay and the eager run of a 2,048-wide indexer step differed in rows whose ids differed: a
+    tie at the k-th score may go either way. Those rows are named, not compared; the replay's top-k is judged
+    against the reference as a set (judge_indexer), which a stale length or query fails."""
     eager = observed(None, None).outputs["out"].clone()
     eager[1] += 1
-    other = TOPK.clone()
+    eager[0] += 1
+    other, reordered = TOPK.clone(), TOPK.clone()
     other[1] = torch.tensor([0, 1, 2, -1])
+    other[0] = torch.tensor([0, 1, 2, 3])
     (v,) = graph_verdicts(observed(eager, other))
-    assert not v.ok and "first row 1" in v.detail, v
+    assert v.ok and "2 of 3 rows not compared: 1 with their top-k ids in another order; 1 with another top-k " \
+        "selection" in v.detail, v

@@ -27,6 +27,8 @@ CORRECTIONS: tuple[str, ...] = (
     "cast-bf16: float/int<->bf16 rounded to nearest even (the interpreter truncated)",
     "inline-asm-e2m1x2: PTX `cvt.rn.satfinite.e2m1x2.f32` (NVFP4 writers) emulated; other inline asm still refused",
     "arith-bf16: bf16 + - * / on the operands' values, rounded to nearest even (the interpreter used their uint16 bits)",
+    "index-scalar: a scalar used as an index is its one element (Triton 3.6 took int() of a 1-element array: NumPy 2 "
+    "refuses)",
 )
 
 _installed = False
@@ -185,5 +187,15 @@ def install_corrections() -> tuple[str, ...]:
         setattr(B, name, bf16_arith(getattr(B, name), op))
     B.create_dot, B.create_fp_to_fp, B.cast_impl = create_dot, create_fp_to_fp, cast_impl_
     B.create_inline_asm = create_inline_asm
+    patch_lang_tensor = interp._patch_lang_tensor
+
+    def _patch_lang_tensor(tensor, scope):
+        """Was (Triton 3.6): a scalar's `__index__` is `int()` of its one-element array, which NumPy 2 refuses, so
+        `range(0, index_width, BLOCK)` over a scalar argument (vLLM's SWA index kernel) raised TypeError. Now: its
+        one element, as Triton 3.9 takes it (`.squeeze()`)."""
+        patch_lang_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interp._patch_lang_tensor = _patch_lang_tensor
     _installed = True
     return CORRECTIONS

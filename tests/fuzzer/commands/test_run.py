@@ -114,7 +114,7 @@ def test_topk_length_mutant_is_found_on_the_flashmla_layer(tmp_path):
         pytest.skip("the layer target and this mutant are written against 0.33 (no index group here)")
     r = attnfuzz("run", "--target", "vllm.flashmla_sparse.layer", "--inject", "flashmla-topk-length-dropped",
                  "--kv-cache-dtype", "bfloat16", "--max-examples", "10", "--reruns", "0", "--max-steps", "1",
-                 "--json", str(tmp_path / "s.json"), "--repros", str(tmp_path / "repros"))
+                 "--no-shrink", "--json", str(tmp_path / "s.json"), "--repros", str(tmp_path / "repros"))
     assert r.returncode == 1, r.stdout + r.stderr
     finding, *_ = _load(tmp_path / "s.json")["findings"]  # (a trace may show it under more than one signature)
     assert finding["examples_to_find"] <= 10 and finding["inject"] == "flashmla-topk-length-dropped"

@@ -68,7 +68,7 @@ results["oob"] = [digest(dst)] + [v.describe() for v in found]
 
 if os.environ.get("WITH_VLLM") == "1":  # vLLM's index remap, on the paths the campaign draws
     from vllm.v1.attention.backends.mla import sparse_utils as su
-    for width, tokens, counts in ((256, 3, False), (2048, 2, True), (4224, 2, True), (4224, 2, False)):
+    for width, tokens, counts in ((256, 3, False), (2048, 2, True), (4224, 1, True), (4224, 1, False)):
         reqs, block = 3, 64
         bt = torch.randint(0, 1000, (reqs, width // block), dtype=torch.int32, generator=g)
         req = torch.randint(0, reqs, (tokens,), dtype=torch.int32, generator=g)
