@@ -14,7 +14,7 @@ import pytest
 
 import fuzzer.support
 from fuzzer.artifacts.repro import SUPPORT_FILE, compact_list, render, support_file
-from fuzzer.artifacts.slicer import slice_support
+from fuzzer.artifacts.slicer import shown, slice_support
 from fuzzer.repro_spec import Call, Judge, ReproSpec
 from fuzzer.support.index_remap import remap_topk_indices
 from fuzzer.support.sparse_mla_steps import topk_buffer
@@ -92,6 +92,17 @@ def test_a_slice_carries_what_its_roots_reach_and_imports_nothing_else_of_attnfu
     compile(support_file(whole), SUPPORT_FILE, "exec")
     assert _imports(support_file(whole).split("SUPPORT = {")[0]) <= {"contextlib", "importlib", "linecache", "sys",
                                                                     "traceback"}
+
+
+def test_a_shown_function_using_a_support_module_by_its_name_carries_the_members_it_uses():
+    """`dsv4_runtime.build_metadata(...)` in a shown function roots that member, not the whole module (whose other
+    functions, and the stand-ins they bind, the path never reaches)."""
+    from fuzzer.support.rocm_dsv4_runtime import build_metadata
+
+    roots = shown(build_metadata, set()).roots
+    assert ("fuzzer.support.dsv4_runtime", "build_metadata") in roots
+    assert not any(name == "*" for _, name in roots), roots
+    assert "def bind_standins(" not in slice_support(roots)["fuzzer.support.dsv4_runtime"]
 
 
 def test_the_support_file_imports_its_modules_under_their_own_names_without_attnfuzz(tmp_path):
