@@ -193,6 +193,26 @@ def test_a_support_function_passed_as_an_argument_is_imported_by_name_and_carrie
     assert "fuzzer.support.standins.flash_attn_ops" not in support
 
 
+def test_unchecked_a_cpu_reproducer_carries_no_bounds_checker_but_collects_its_stand_ins_reports():
+    """bounds_checked off (a target's call for a finding that is not a memory one): neither file has the
+    interpreter's bounds checker; a stand-in on the path (FlashInfer's, through the engine) reports into
+    VIOLATIONS, which main() collects; without one, nothing is collected. On: the checker, installed."""
+    from fuzzer.support.flashinfer_runtime import engine
+
+    setup = (Call(engine, {p: p for p in inspect.signature(engine).parameters}, assign="impl, layer, builder"),)
+    judge = Judge("index_contract", dict(req_id_per_token="r", topk_indices="t"))
+    for checked in (False, True):
+        files = render(_finding(), ReproSpec(about="", call=(_REMAP,), setup=setup, judge=judge,
+                                             bounds_checked=checked))
+        script, support = files["repro.py"], files[SUPPORT_FILE]
+        compile(script, "repro.py", "exec")
+        assert ("class InterpreterSanitizer" in support) is checked and ("SANITIZER.install()" in script) is checked
+        assert f"with vllm_call({'SANITIZER' if checked else 'VIOLATIONS'}) as call:" in script
+    bare = render(_finding(), ReproSpec(about="", call=(_REMAP,), judge=judge))
+    assert "with vllm_call() as call:" in bare["repro.py"]
+    assert "fuzzer.support.interp.sanitizer" not in _support_sources(bare[SUPPORT_FILE])
+
+
 def test_a_judge_and_a_call_are_given_exactly_their_parameters():
     with pytest.raises(ValueError, match="no expression for"):
         render(_finding(), ReproSpec(about="", call=(), judge=Judge("index", {"out": "out"})))
@@ -277,10 +297,12 @@ def test_a_flashinfer_sm90_reproducer_carries_only_what_its_path_reaches():
     files = render(finding, FlashInferMLASparseSM90("cpu").repro_spec(finding))
     script, support = files["repro.py"], files[SUPPORT_FILE]
     assert len(script.splitlines()) <= 150, len(script.splitlines())
-    # Issue 34 asked for ~600; the path reaches 1,462 lines: the stand-in 591, bounds checker 181, vLLM-side set-up
-    # and CPU emulation 483, harness, loader, judges and errors 207. This case's run leaves 125 unrun: error, refusal
-    # and bounds-violation paths (57 lines in functions it never calls): bench/support_coverage.py.
-    assert len(support.splitlines()) <= 1470, len(support.splitlines())
+    # Issue 34 asked for ~600; the path reaches 1,323 lines: the stand-in 591, its violation record 46, vLLM-side
+    # set-up and CPU emulation 483, harness, loader, judges and errors 203 (bench/support_coverage.py: what its run
+    # executes). An output finding: no interpreter bounds checker (a memory finding's reproducer carries it).
+    assert len(support.splitlines()) <= 1330, len(support.splitlines())
+    assert "class InterpreterSanitizer" not in support and "SANITIZER.install()" not in script
+    assert "with vllm_call(VIOLATIONS) as call:" in script  # the stand-in's own checks still report
     modules = _support_sources(support)
     assert not {"fuzzer.support.interp.corrections", "fuzzer.support.standins.flashmla_ops",
                 "fuzzer.support.dcp_group"} & set(modules)
