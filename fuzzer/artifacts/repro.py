@@ -12,6 +12,7 @@ for a bug report upstream. An injected mutant's source is inlined at the end: it
 
 from __future__ import annotations
 
+import ast
 import inspect
 import itertools
 import re
@@ -145,7 +146,7 @@ _MAIN = """
 def main():
     with stage("the set-up"):  # a failure here is not the bug's answer
 {body}{found}    with vllm_call({checker}) as call:  # what vLLM raises is its answer (judged below); ours: exit 2
-{call}    problems = call.problems{plus_found}  # call.problems: what the bounds checker saw
+{call}    problems = call.problems{plus_found}  # call.problems: what {saw} saw
 {judge}{report}    return verdict(problems)  # prints each problem; 1: the bug present, 0: fixed
 """
 
@@ -155,6 +156,17 @@ _ENTRY = '''
 if __name__ == "__main__":
     run(main)  # exits with main()'s code; 2: the check itself failed
 '''
+
+
+def _checker(spec: ReproSpec, sources: dict[str, str]) -> str:
+    """What main() collects bounds-check reports from: SANITIZER (installed: every interpreted Triton load and store
+    checked, and the stand-ins' own checks); else VIOLATIONS where the support code carried reports into it (a
+    stand-in's own checks, the interpreted kernels unchecked); else nothing."""
+    if spec.bounds_checked:
+        return "SANITIZER"
+    sliced = ast.parse(sources.get(_SANITIZER, ""))
+    kept = {t.id for n in sliced.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    return "VIOLATIONS" if "VIOLATIONS" in kept else ""
 
 
 def _saw(verdicts) -> list[str]:
@@ -287,6 +299,9 @@ def render(finding, spec: ReproSpec, standalone: bool = False) -> dict[str, str]
     cpu = finding.host.device == "cpu"
     functions, support_imports, roots = _shown(spec)
     sources = slicer.slice_support(roots) if roots else {}
+    checker = _checker(spec, sources)
+    if checker == "VIOLATIONS":
+        support_imports.append(f"from {_SANITIZER} import VIOLATIONS")
     judge = spec.judge.name
     fn = repro_judges.FUNCTIONS[judge][-1]
     if not standalone:  # served beside repro.py (standalone: the check's source closes the script)
@@ -320,7 +335,8 @@ def render(finding, spec: ReproSpec, standalone: bool = False) -> dict[str, str]
     main = _MAIN.format(body=_indent("\n".join(b for b in body if b), 8),
                         call=_indent("\n".join(_line(c) for c in spec.call), 8),
                         judge=_indent(judge_lines, 4), report=_indent(report, 4),
-                        checker="SANITIZER" if spec.bounds_checked else "",
+                        checker=checker,
+                        saw={"VIOLATIONS": "the stand-ins' bounds checks"}.get(checker, "the bounds checker"),
                         found="    found = []  # what the calls' own checks see\n" if uses_found else "",
                         plus_found=" + found" if uses_found else "")
     tail = []

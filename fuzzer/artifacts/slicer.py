@@ -321,7 +321,8 @@ def shown(fn: types.FunctionType, others: set[str]) -> Shown:
             raise ValueError(f"{module}.{fn.__name__} uses {name!r}, which its module does not define")
         value = fn.__globals__[name]
         if isinstance(value, types.ModuleType):
-            if is_support(value.__name__):
+            # A support module its module's imports bind: `references` took the members used (whole if used bare).
+            if is_support(value.__name__) and outer.get(name) != value.__name__:
                 roots.add((value.__name__, _WHOLE))
             line = f"import {value.__name__}" if value.__name__ == name else f"import {value.__name__} as {name}"
         else:

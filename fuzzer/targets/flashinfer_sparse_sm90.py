@@ -50,12 +50,21 @@ from strategies.tensors import fp8_kv_scale
 
 
 def sm90_repro(target, finding, layer: bool) -> ReproSpec:
-    """FlashMLA's reproducer of the step (or the layer's), saying what FlashInfer's wrapper was."""
+    """FlashMLA's reproducer of the step (or the layer's), saying what FlashInfer's wrapper was. The step's
+    reproducer of a finding that is not a memory one runs vLLM's interpreted kernels (index remap, page packing,
+    kv_end clamp: integer ones, no scalar masks for the checker to correct) without the bounds checker, as its GPU
+    reproducer runs without compute-sanitizer: a run the checker saw nothing in is the same without it, and the
+    stand-in's own checks still report."""
     spec = flashmla_repro(target, finding, layer=layer)
-    return dataclasses.replace(spec, about=spec.about + (
+    memory = bool(finding.observation.memory) or any(v.bug_class == "A" for v in finding.verdicts)
+    checked = spec.bounds_checked and (layer or memory)  # the layer's dense-MHA float kernels: checked as before
+    return dataclasses.replace(spec, bounds_checked=checked, about=spec.about + (
         f" FLASHINFER_MLA_SPARSE_SM90{' under MLAAttention' if layer else ''}: FlashInfer's "
         "BatchMLAPagedAttentionWrapper is attnfuzz's stand-in (flashinfer.mla, imported by the builder), FlashInfer 0.7.2.post1's planner and kernel "
-        "semantics, unless the GPU host has FlashInfer itself (the script prints which)."))
+        "semantics, unless the GPU host has FlashInfer itself (the script prints which).")
+        + ("\nNot a memory finding: vLLM's Triton kernels run interpreted without attnfuzz's bounds checker (a memory "
+           "finding's reproducer has it); the stand-in checks its own accesses." if spec.bounds_checked and not checked
+           else ""))
 
 
 def per_tensor_fp8_writer(device: str, case):

@@ -90,13 +90,36 @@ def _tensor_args(fn, args, kwargs) -> list[_Arg]:
     return out
 
 
-class InterpreterSanitizer:
-    """Install once per process; `collect()` gathers the violations of the calls made inside it."""
+class Violations:
+    """Where bounds checks report: the interpreter's (InterpreterSanitizer, below) and the stand-ins' own, into one
+    list. `collect()` gathers those of the calls made inside it. A reproducer whose interpreted kernels go unchecked
+    still collects its stand-ins' reports here."""
+
+    def __init__(self, violations: list[MemoryViolation] | None = None) -> None:
+        self.violations: list[MemoryViolation] = [] if violations is None else violations
+
+    @contextmanager
+    def collect(self):
+        start = len(self.violations)
+        found: list[MemoryViolation] = []
+        try:
+            yield found
+        finally:
+            found.extend(self.violations[start:])
+            del self.violations[start:]
+
+
+VIOLATIONS = Violations()
+
+
+class InterpreterSanitizer(Violations):
+    """Install once per process; `collect()` gathers the violations of the calls made inside it (the stand-ins'
+    among them: one list with VIOLATIONS)."""
 
     def __init__(self) -> None:
+        super().__init__(VIOLATIONS.violations)
         self._local = threading.local()
         self._installed = False
-        self.violations: list[MemoryViolation] = []
 
     # -- public ---------------------------------------------------------------------------------------
     def install(self) -> "InterpreterSanitizer":
@@ -140,16 +163,6 @@ class InterpreterSanitizer:
         B.create_atomic_rmw, B.create_atomic_cas = _taking(create_atomic_rmw), _taking(create_atomic_cas)
         self._installed = True
         return self
-
-    @contextmanager
-    def collect(self):
-        start = len(self.violations)
-        found: list[MemoryViolation] = []
-        try:
-            yield found
-        finally:
-            found.extend(self.violations[start:])
-            del self.violations[start:]
 
     # -- internals ------------------------------------------------------------------------------------
     def _stack(self) -> list:

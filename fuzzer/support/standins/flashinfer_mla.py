@@ -70,7 +70,7 @@ import torch
 
 from fuzzer.support import cudagraphs
 from fuzzer.support.errors import StandInRefused, _BackendPlanUnsupportedError
-from fuzzer.support.interp.sanitizer import SANITIZER, MemoryViolation
+from fuzzer.support.interp.sanitizer import VIOLATIONS, MemoryViolation
 from fuzzer.support.standins.importable import importable_as, stand_in_module
 
 __version__ = "0.7.2.post1"  # what this stand-in follows
@@ -92,7 +92,7 @@ LOG2E = 1.0 / math.log(2.0)
 
 def _violation(argument: str, index: int, limit: int, elem_bytes: int, access: str = "load",
                inside: bool = False) -> None:
-    SANITIZER.violations.append(MemoryViolation(
+    VIOLATIONS.violations.append(MemoryViolation(
         kernel=OP, op=access, argument=argument, byte_offset=index * elem_bytes, argument_bytes=limit * elem_bytes,
         element_bytes=elem_bytes, program_id=(0, 0, 0), lanes=1, inside_allocation=inside))
 

@@ -14,7 +14,7 @@ import pytest
 
 import fuzzer.support
 from fuzzer.artifacts.repro import SUPPORT_FILE, compact_list, render, support_file
-from fuzzer.artifacts.slicer import slice_support
+from fuzzer.artifacts.slicer import shown, slice_support
 from fuzzer.repro_spec import Call, Judge, ReproSpec
 from fuzzer.support.index_remap import remap_topk_indices
 from fuzzer.support.sparse_mla_steps import topk_buffer
@@ -92,6 +92,17 @@ def test_a_slice_carries_what_its_roots_reach_and_imports_nothing_else_of_attnfu
     compile(support_file(whole), SUPPORT_FILE, "exec")
     assert _imports(support_file(whole).split("SUPPORT = {")[0]) <= {"contextlib", "importlib", "linecache", "sys",
                                                                     "traceback"}
+
+
+def test_a_shown_function_using_a_support_module_by_its_name_carries_the_members_it_uses():
+    """`dsv4_runtime.build_metadata(...)` in a shown function roots that member, not the whole module (whose other
+    functions, and the stand-ins they bind, the path never reaches)."""
+    from fuzzer.support.rocm_dsv4_runtime import build_metadata
+
+    roots = shown(build_metadata, set()).roots
+    assert ("fuzzer.support.dsv4_runtime", "build_metadata") in roots
+    assert not any(name == "*" for _, name in roots), roots
+    assert "def bind_standins(" not in slice_support(roots)["fuzzer.support.dsv4_runtime"]
 
 
 def test_the_support_file_imports_its_modules_under_their_own_names_without_attnfuzz(tmp_path):
@@ -182,6 +193,26 @@ def test_a_support_function_passed_as_an_argument_is_imported_by_name_and_carrie
     assert "fuzzer.support.standins.flash_attn_ops" not in support
 
 
+def test_unchecked_a_cpu_reproducer_carries_no_bounds_checker_but_collects_its_stand_ins_reports():
+    """bounds_checked off (a target's call for a finding that is not a memory one): neither file has the
+    interpreter's bounds checker; a stand-in on the path (FlashInfer's, through the engine) reports into
+    VIOLATIONS, which main() collects; without one, nothing is collected. On: the checker, installed."""
+    from fuzzer.support.flashinfer_runtime import engine
+
+    setup = (Call(engine, {p: p for p in inspect.signature(engine).parameters}, assign="impl, layer, builder"),)
+    judge = Judge("index_contract", dict(req_id_per_token="r", topk_indices="t"))
+    for checked in (False, True):
+        files = render(_finding(), ReproSpec(about="", call=(_REMAP,), setup=setup, judge=judge,
+                                             bounds_checked=checked))
+        script, support = files["repro.py"], files[SUPPORT_FILE]
+        compile(script, "repro.py", "exec")
+        assert ("class InterpreterSanitizer" in support) is checked and ("SANITIZER.install()" in script) is checked
+        assert f"with vllm_call({'SANITIZER' if checked else 'VIOLATIONS'}) as call:" in script
+    bare = render(_finding(), ReproSpec(about="", call=(_REMAP,), judge=judge))
+    assert "with vllm_call() as call:" in bare["repro.py"]
+    assert "fuzzer.support.interp.sanitizer" not in _support_sources(bare[SUPPORT_FILE])
+
+
 def test_a_judge_and_a_call_are_given_exactly_their_parameters():
     with pytest.raises(ValueError, match="no expression for"):
         render(_finding(), ReproSpec(about="", call=(), judge=Judge("index", {"out": "out"})))
@@ -266,10 +297,12 @@ def test_a_flashinfer_sm90_reproducer_carries_only_what_its_path_reaches():
     files = render(finding, FlashInferMLASparseSM90("cpu").repro_spec(finding))
     script, support = files["repro.py"], files[SUPPORT_FILE]
     assert len(script.splitlines()) <= 150, len(script.splitlines())
-    # Issue 34 asked for ~600; the path reaches 1,462 lines: the stand-in 591, bounds checker 181, vLLM-side set-up
-    # and CPU emulation 483, harness, loader, judges and errors 207. This case's run leaves 125 unrun: error, refusal
-    # and bounds-violation paths (57 lines in functions it never calls): bench/support_coverage.py.
-    assert len(support.splitlines()) <= 1470, len(support.splitlines())
+    # Issue 34 asked for ~600; the path reaches 1,323 lines: the stand-in 591, its violation record 46, vLLM-side
+    # set-up and CPU emulation 483, harness, loader, judges and errors 203 (bench/support_coverage.py: what its run
+    # executes). An output finding: no interpreter bounds checker (a memory finding's reproducer carries it).
+    assert len(support.splitlines()) <= 1330, len(support.splitlines())
+    assert "class InterpreterSanitizer" not in support and "SANITIZER.install()" not in script
+    assert "with vllm_call(VIOLATIONS) as call:" in script  # the stand-in's own checks still report
     modules = _support_sources(support)
     assert not {"fuzzer.support.interp.corrections", "fuzzer.support.standins.flashmla_ops",
                 "fuzzer.support.dcp_group"} & set(modules)

@@ -102,6 +102,8 @@ def mutant_finding(tmp_path_factory):
 
 
 def test_the_mutant_s_reproducer_shows_the_bug(mutant_finding):
+    # A memory finding (class A, in `_clamp_work_kv_end`): its reproducer bounds-checks the interpreted kernels.
+    assert "SANITIZER.install()" in (mutant_finding / "repro.py").read_text()
     run = run_repro(mutant_finding)
     assert run.returncode == 1 and "q_nope" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
 
