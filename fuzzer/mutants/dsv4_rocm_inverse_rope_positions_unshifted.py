@@ -11,6 +11,12 @@ BUG_CLASS = "N"
 TARGETS = ("vllm.dsv4.rocm", "vllm.dsv4.all")
 
 
+def unavailable(device: str) -> str | None:
+    if device != "cpu":  # vllm.dsv4.all runs there without its ROCm backend
+        return "the ROCm layer runs on a CPU only (its Triton launches take AMD options): no case on a GPU reaches it"
+    return None
+
+
 def apply():
     patch_method("vllm.models.deepseek_v4.amd.rocm", "DeepseekV4ROCMAiterMLAAttention", "forward_mqa",
                  [("positions[rotated:]", "positions[:positions.shape[0] - rotated]")],  # the standalone pass's
