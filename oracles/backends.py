@@ -17,7 +17,7 @@ from itertools import combinations
 
 from oracles.attention import error_margin
 from oracles.attention_judge import attention_tolerance, judge_attention
-from oracles.dsv4 import judge_dsv4, reference_for, roped_frame
+from oracles.dsv4 import frame_tolerance, judge_dsv4, reference_for, roped_frame
 from oracles.verdict import Verdict, passed
 from strategies.dsv4_batches import dsv4_form
 from strategies.tensors import materialize_attention_inputs
@@ -56,9 +56,9 @@ def judge_dsv4_backends(case, obs) -> list[Verdict]:
             tolerances[name] = reference_for(form, part.outputs["swa_pages"], part.outputs.get("compressed_pages"),
                                              obs.device)[1:3]
     if len(outs) >= 2:
-        verdicts += _apart(outs, tolerances, obs.device) or [
+        verdicts += _apart(outs, tolerances, obs.device, _roped_margin) or [
             passed("backends", f"{', '.join(outs)} agree on {case.num_tokens} tokens",
-                   margin=max(_margin(outs[a], outs[b], tolerances[a], tolerances[b], obs.device)
+                   margin=max(_roped_margin(outs[a], outs[b], tolerances[a], tolerances[b], obs.device)
                               for a, b in combinations(sorted(outs), 2)))]
     if all(v.ok for v in verdicts):
         verdicts.append(passed("output", f"{case.num_tokens} tokens within tolerance on {', '.join(obs.parts)}"))
@@ -71,14 +71,21 @@ def _margin(x, y, tolerance_x: tuple, tolerance_y: tuple, device) -> float:
                         tolerance_x[1] + tolerance_y[1])
 
 
+def _roped_margin(x, y, tolerance_x: tuple, tolerance_y: tuple, device) -> float:
+    """`_margin` in the RoPE'd frame, where a pair of RoPE dims shares its errors (`oracles.dsv4.frame_tolerance`)."""
+    y = y.to(device)
+    tolerance = frame_tolerance(y, tolerance_x[0] + tolerance_y[0], tolerance_x[1] + tolerance_y[1])
+    return error_margin(x.to(device), y, tolerance, 0.0)
+
+
 def _pairs(case, obs, outs: dict) -> list[Verdict]:
     atol, rtol = attention_tolerance(case, materialize_attention_inputs(case, obs.device))
     return _apart(outs, dict.fromkeys(outs, (atol, rtol)), obs.device)
 
 
-def _apart(outs: dict, tolerances: dict, device) -> list[Verdict]:
-    """A `backends` verdict where two outputs are further apart than the sum of their (atol, rtol) tolerances,
-    naming the backend out of line where the others agree; none where every pair agrees."""
+def _apart(outs: dict, tolerances: dict, device, margin=_margin) -> list[Verdict]:
+    """A `backends` verdict where two outputs are further apart than the sum of their (atol, rtol) tolerances
+    (`margin` says how far), naming the backend out of line where the others agree; none where every pair agrees."""
     apart = {}
     for a, b in combinations(sorted(outs), 2):
         x, y = outs[a].to(device).float(), outs[b].to(device).float()
@@ -86,17 +93,19 @@ def _apart(outs: dict, tolerances: dict, device) -> list[Verdict]:
             apart[a, b] = f"outputs of shapes {tuple(x.shape)} and {tuple(y.shape)}"
             continue
         (atol_a, rtol_a), (atol_b, rtol_b) = tolerances[a], tolerances[b]
-        margin = _margin(x, y, tolerances[a], tolerances[b], device)
-        if margin > 1:
-            apart[a, b] = (f"{margin:.3g}x twice the tolerance (atol {atol_a:.3g}, rtol {rtol_a}) apart"
+        m = margin(x, y, tolerances[a], tolerances[b], device)
+        if m > 1:
+            apart[a, b] = (f"{m:.3g}x twice the tolerance (atol {atol_a:.3g}, rtol {rtol_a}) apart"
                            if (atol_a, rtol_a) == (atol_b, rtol_b) else
-                           f"{margin:.3g}x the sum of their tolerances (atol {atol_a + atol_b:.3g}, rtol "
+                           f"{m:.3g}x the sum of their tolerances (atol {atol_a + atol_b:.3g}, rtol "
                            f"{rtol_a + rtol_b:.3g}) apart")
     if not apart:
         return []
     # The backend in every pair that is apart, where the others agree among themselves: the one out of line.
+    # Where one pair alone is apart, either of the two may be: neither is named.
     odd = [n for n in outs if all(n in pair for pair in apart) and len(outs) > 2
            and not any(n not in pair and set(pair) <= set(outs) for pair in apart)]
+    odd = odd if len(odd) == 1 else []
     who = f"{odd[0]} disagrees with {', '.join(n for n in sorted(outs) if n != odd[0])}, which agree" if odd else \
         "no backend agrees with all the others"
     return [Verdict("backends", False, f"{who}: " + "; ".join(f"{a} and {b}: {why}" for (a, b), why in apart.items()),

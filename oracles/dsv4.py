@@ -246,6 +246,21 @@ def roped_frame(case, out: torch.Tensor, device: str = "cpu") -> torch.Tensor:
     return gptj_rope(out, positions, rope_theta(case))
 
 
+def frame_tolerance(y: torch.Tensor, atol: float, rtol: float) -> torch.Tensor:
+    """The elementwise tolerance around y [tokens, heads, 512] in the RoPE'd frame: atol + rtol |y| on the NoPE dims;
+    on the RoPE dims sqrt(2) atol + rtol times the norm of the element's pair. Turning an output back into the frame
+    (`roped_frame`) mixes each pair's errors: an error within atol + rtol |x| of each element of a pair stays, after
+    any rotation, within that bound (a component is at most the pair's norm, and the norm is the rotation's
+    invariant)."""
+    y = y.double()
+    magnitude = y.abs()
+    pairs = y[..., -ROPE_DIM:].unflatten(-1, (ROPE_DIM // 2, 2)).norm(dim=-1).nan_to_num(0.0)  # a NaN: its own inf
+    magnitude[..., -ROPE_DIM:] = pairs.repeat_interleave(2, dim=-1)
+    scale = torch.ones_like(y)
+    scale[..., -ROPE_DIM:] = 2**0.5
+    return atol * scale + rtol * magnitude
+
+
 def reference_for(case, swa_pages, compressed_pages, device: str = "cpu"):
     """(out [num_actual_tokens, heads, 512] float32, atol, rtol, verdicts on the records) of the step whose caches
     hold these bytes: the reference over the records they hold, and its tolerance (bf16's, atol scaled by the

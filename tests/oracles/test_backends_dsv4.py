@@ -110,3 +110,41 @@ def test_rows_the_rocm_fallback_leaves_in_rope_coordinates_carry_the_known_signa
     failed = [v for v in judge_dsv4_backends(c, Observation("vllm.dsv4.all", "cpu", parts=parts)) if not v.ok]
     assert failed[0].signature == "output:ROCM_FLASHMLA_SPARSE_DSV4:output:rope_not_inverted"
     assert failed[0].bug_class == "N"
+
+
+def test_an_error_a_layer_made_in_its_own_frame_is_judged_by_its_pairs_norm_in_the_roped_one():
+    """The mega layer's MXFP8 rounding (up to 2^-4 of each element) in its inverse-roped output: turned back into the
+    RoPE'd frame, a pair's errors land on whichever element the rotation makes small. Elementwise that element's
+    tolerance is exceeded; within the pair's norm (`frame_tolerance`) it is not. An error of the same size in a NoPE
+    dim, or a rotation by a wrong angle, stays outside."""
+    from oracles.backends import _roped_margin
+
+    y = torch.zeros(1, 1, 512, dtype=torch.float64)
+    y[..., :448], y[..., 448:] = 1.0, 0.5
+    y[0, 0, 450], y[0, 0, 451] = 20.0, 20.0  # pair 1, turned by 0.75 rad at position 1 (theta 10000)
+    x = y.clone()
+    x[0, 0, 450] += 1.25
+    x[0, 0, 451] -= 1.25  # each within the mega layer's rtol + 2^-4 of 20
+    mega = dsv4_form(step(version="4.1", record=528, arch="", heads=64), MEGA)
+
+    def turned(t, position=1):
+        return oracle.gptj_rope(t, torch.tensor([position]), oracle.rope_theta(mega))
+
+    tolerance, mega_tolerance = (0.05, 0.01), (0.05, 0.01 + 2**-4)
+    assert turned(y)[0, 0, 450].abs() < 1.5  # the pair's first element made small
+    assert _margin(turned(x), turned(y), mega_tolerance, tolerance, "cpu") > 5  # elementwise: apart
+    assert _roped_margin(turned(x), turned(y), mega_tolerance, tolerance, "cpu") < 1
+    nope = y.clone()
+    nope[0, 0, 5] += 1.25
+    assert _roped_margin(nope, y, mega_tolerance, tolerance, "cpu") > 1
+    assert _roped_margin(turned(y, 2), turned(y), mega_tolerance, tolerance, "cpu") > 1
+
+
+def test_one_pair_apart_among_three_names_neither():
+    """Three backends, one pair apart: either of the two may be out of line, so the verdict names both."""
+    from oracles.backends import _apart
+
+    y = torch.ones(2, 1, 512)
+    outs = {"A": y, "B": y + 0.08, "C": y + 0.16}
+    (v,) = _apart(outs, dict.fromkeys(outs, (0.05, 0.01)), "cpu")
+    assert v.where == "A|C" and v.detail.startswith("no backend agrees with all the others")
