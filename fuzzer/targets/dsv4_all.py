@@ -23,8 +23,8 @@ decodes of mixed lengths, padding rows and tokens, block tables, the attention s
 FlashInfer's kernel takes the first 128 columns as the window) and, for V4.1, the 128-token compressed block (the
 kernel block of FlashInfer's and the mega layer's SM100 kernels; FlashMLA's SM90 64 is its own target's). A
 backend that does not take a step is left out of it with why (`left_out`): ROCm of V4.1's 528-byte steps, the mega
-layer of 584-byte steps and of steps other than its 64 heads (V4.1 heads are drawn 64 or 16 so that it takes about
-a quarter). ROCm's arch is drawn as its target draws it (gfx950, gfx1201, gfx1250; V4.1: gfx950, gfx1201), not
+layer of 584-byte steps (V4.1's steps have its 64 heads, TP1's: other head counts are each backend's own target's,
+and the mega layer then takes about half the steps). ROCm's arch is drawn as its target draws it (gfx950, gfx1201, gfx1250; V4.1: gfx950, gfx1201), not
 pinned to gfx950: the fallback decode of the un-tuned archs is compared with the others too, and its open bug (the
 decode rows keep their RoPE, docs/bug-reports/vllm-0.33.0-rocm-dsv4-fallback-decode-no-inverse-rope.md) comes out
 under the ROCm backend's name with the signature `attnfuzz gate` and `selftest` know for this target
@@ -159,7 +159,7 @@ class Dsv41All(Dsv4All):
     BACKENDS = {"FLASHMLA_SPARSE_DSV41": (Dsv41FlashMLA, RECORD),
                 "FLASHINFER_MLA_SPARSE_DSV41": (Dsv41FlashInfer, PLAIN_BF16),
                 "FLASHMLA_MEGA_ATTN_DSV41": (Dsv41FlashMLAMega, MEGA), "ROCM_FLASHMLA_SPARSE_DSV41": (Dsv41Rocm, ROCM)}
-    features = dataclasses.replace(V41_FEATURES, window_sizes=(128,), compressed_blocks=(128,), heads=(64, 16),
+    features = dataclasses.replace(V41_FEATURES, window_sizes=(128,), compressed_blocks=(128,), heads=(64,),
                                    rocm_archs=ROCM_ARCHS[:2], latent_grid=True)
     PLANNED = ("backends", "kv_records")
     kv_records: tuple[int, ...] = V41_FEATURES.kv_records
