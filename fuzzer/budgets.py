@@ -44,6 +44,8 @@ BUDGETS: dict[str, dict[str, Budget]] = {
         "vllm.dsv41.flashinfer": Budget(gate=40, selftest=30),  # V4.1's objects on the same route: ~3 cases/s
         "vllm.dsv4.rocm": Budget(gate=30, selftest=30),  # interpreted ROCm decode/prefill kernels: 0.5-10 s a case
         "vllm.dsv41.rocm": Budget(gate=30, selftest=30),  # V4.1's objects on the same route: 0.4-10 s a case
+        "vllm.dsv4.all": Budget(gate=30, selftest=16),  # the three V4 backends a case, ROCm's interpreted: ~3.2 s a case
+        "vllm.dsv41.all": Budget(gate=30, selftest=16),  # three of V4.1's four backends a case: ~3.5 s a case
         "vllm.indexer": Budget(gate=100, selftest=60),  # torch stand-ins, little interpreted Triton: ~0.2 s a case
         "vllm.dsv32.attention": Budget(gate=30, selftest=30),  # indexer + FlashMLA stand-in + interpreted remap: ~2 s a case
         "vllm.dsv32.attention.flashattn": Budget(gate=24, selftest=20),  # indexer steps of up to 300 tokens: ~2.6 s a case
@@ -75,6 +77,8 @@ BUDGETS: dict[str, dict[str, Budget]] = {
         "vllm.dsv41.flashmla_mega": Budget(gate=150, selftest=40),
         "vllm.dsv4.flashinfer": Budget(gate=150, selftest=40),  # FlashInfer's kernel a stand-in on every host
         "vllm.dsv41.flashinfer": Budget(gate=150, selftest=40),
+        "vllm.dsv4.all": Budget(gate=100, selftest=40),  # FlashMLA real, FlashInfer's stand-in (ROCm: CPU only)
+        "vllm.dsv41.all": Budget(gate=100, selftest=40),
         "vllm.indexer": Budget(gate=60, selftest=30),  # ~1-3 s a case on an H100 (DeepGEMM's JIT, fp64 oracle)
         "vllm.dsv32.attention": Budget(gate=40, selftest=30),  # the indexer's cost and a backend step
         "vllm.dsv32.attention.flashattn": Budget(gate=40, selftest=30),

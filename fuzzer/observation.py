@@ -21,10 +21,11 @@ class Notes(TypedDict, total=False):
     dcp_filter_call: dict[str, Any]  # how vLLM called the DCP filter (its block stride)
     rank_batches: list[Any]  # each PCP x TP rank's share of the step, as the runner partitioned it (pcp_dcp)
     query_fp8_scale: float  # the layer's q_scale: forward_mqa was handed the query quantized to fp8 with it
+    case_fields: dict[str, Any]  # a side-by-side part's form of the step: the case fields it ran with (vllm.dsv4.all)
     # what the harness and the reports read
     paths: list[str]  # vLLM's paths the case took (fuzzer/targets/probes.py)
     layer_routes: dict[str, Any]  # what this release's forward_impl offers a sparse impl
-    left_out: dict[str, str]  # backends sparse_mla.all did not run on this case, and why
+    left_out: dict[str, str]  # backends sparse_mla.all (vllm.dsv4.all) did not run on this case, and why
     padded_tokens: int  # CUDA-graph padding tokens the case carried (their rows are not judged)
     padded_tokens_not_judged: str  # why the padding tokens' rows are not even judged finite (a stand-in's open contract)
     padded_replay_not_run_eagerly: str  # why a padded graph replay was not compared with the step run eagerly

@@ -97,8 +97,9 @@ def tolerance(dtype, kv_cache_dtype: str = "auto"):
     raise ValueError(f"no tolerance for kv_cache_dtype {kv_cache_dtype!r}")
 
 
-def error_margin(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float) -> float:
-    """max |a - e| / (atol + rtol |e|) over elements; <= 1 means within tolerance.
+def error_margin(actual: torch.Tensor, expected: torch.Tensor, atol: float | torch.Tensor, rtol: float) -> float:
+    """max |a - e| / (atol + rtol |e|) over elements (atol may be a tensor of e's shape: an elementwise tolerance);
+    <= 1 means within tolerance.
 
     Where expected is non-finite (e.g. lse = -inf for an empty row) only an identical
     actual counts (exact, 0); a NaN/Inf actual where expected is finite gives +inf.

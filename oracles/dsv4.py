@@ -26,9 +26,13 @@ from oracles.attention import error_margin, sparse_mla_reference, tolerance
 from oracles.plain_rows import PlainRows
 from oracles.verdict import Verdict, passed
 from strategies.case import PLAIN_FP8_RECORD
-from strategies.dsv4_tensors import (
+from strategies.dsv4_tensors import (  # the RoPE (theta, dims, rotation) is the case's: strategies' too
+    COMPRESS_ROPE_THETA,
+    ROPE_DIM,
+    ROPE_THETA,
     c4_valid_count,
     compressed_slots,
+    gptj_rope,
     materialize_dsv4_inputs,
     swa_slots,
     written_swa_positions,
@@ -221,11 +225,6 @@ def reference(case, records, device: str = "cpu"):
     return out.float(), float(kv.abs().max()) if kv.numel() else 1.0
 
 
-# DeepSeek-V4's RoPE (its config.json, which vLLM's tiny test config and V4.1's share): GPT-J RoPE over the last 64 of
-# the 512 dims, theta 10000 on sliding-window layers and 160000 on compressed ones.
-ROPE_DIM, ROPE_THETA, COMPRESS_ROPE_THETA = 64, 10000.0, 160000.0
-
-
 def rope_theta(case) -> float:
     """The layer's RoPE base: the mega layer's harness gives it one 10000 table; the ROCm layer uses the compressed
     layers' (V4: ratio > 1; V4.1: ratio > 0), else the main one."""
@@ -235,20 +234,31 @@ def rope_theta(case) -> float:
     return COMPRESS_ROPE_THETA if d.compress_ratio > (0 if d.version == "4.1" else 1) else ROPE_THETA
 
 
-def gptj_rope(x: torch.Tensor, positions: torch.Tensor, theta: float = ROPE_THETA,
-              inverse: bool = False) -> torch.Tensor:
-    """GPT-J (interleaved) RoPE of the last 64 dims of x [tokens, heads, 512] at each token's position (or taken back
-    out, `inverse`): pair i = the last 64's dims (2i, 2i + 1) turned by position x theta^(-2i/64), from an fp32 cos/sin
-    table as vLLM's rotary caches hold it (padding tokens have position 0)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, ROPE_DIM, 2, dtype=torch.float32) / ROPE_DIM))
-    freqs = positions.long().cpu().float()[:, None] * inv_freq[None]
-    cs = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device=x.device, dtype=x.dtype)
-    c, s = cs[:, None, : ROPE_DIM // 2], cs[:, None, ROPE_DIM // 2:] * (-1 if inverse else 1)
-    out = x.clone()
-    even, odd = x[..., -ROPE_DIM::2], x[..., -ROPE_DIM + 1::2]
-    out[..., -ROPE_DIM::2] = even * c - odd * s
-    out[..., -ROPE_DIM + 1::2] = odd * c + even * s
-    return out
+def roped_frame(case, out: torch.Tensor, device: str = "cpu") -> torch.Tensor:
+    """out [tokens, heads, 512] as FlashMLA's and FlashInfer's layers hand theirs on, the RoPE still in its last 64
+    dims: where the layer (ROCm's, the mega one) took it back out, it is put back at each token's position and the
+    layer's theta (float64). The frame `vllm.dsv4.all` compares its backends' outputs in."""
+    d = case.dsv4
+    out = out.to(device).double()
+    if not (d.mega_attn or d.rocm_arch):
+        return out
+    positions = materialize_dsv4_inputs(case, device).positions[: out.shape[0]].to(device)
+    return gptj_rope(out, positions, rope_theta(case))
+
+
+def frame_tolerance(y: torch.Tensor, atol: float, rtol: float) -> torch.Tensor:
+    """The elementwise tolerance around y [tokens, heads, 512] in the RoPE'd frame: atol + rtol |y| on the NoPE dims;
+    on the RoPE dims sqrt(2) atol + rtol times the norm of the element's pair. Turning an output back into the frame
+    (`roped_frame`) mixes each pair's errors: an error within atol + rtol |x| of each element of a pair stays, after
+    any rotation, within that bound (a component is at most the pair's norm, and the norm is the rotation's
+    invariant)."""
+    y = y.double()
+    magnitude = y.abs()
+    pairs = y[..., -ROPE_DIM:].unflatten(-1, (ROPE_DIM // 2, 2)).norm(dim=-1).nan_to_num(0.0)  # a NaN: its own inf
+    magnitude[..., -ROPE_DIM:] = pairs.repeat_interleave(2, dim=-1)
+    scale = torch.ones_like(y)
+    scale[..., -ROPE_DIM:] = 2**0.5
+    return atol * scale + rtol * magnitude
 
 
 def reference_for(case, swa_pages, compressed_pages, device: str = "cpu"):

@@ -182,6 +182,14 @@ class Dsv4:
     # The AMD arch a ROCm layer (ROCM_FLASHMLA_SPARSE_DSV4/_DSV41) is emulated on, "" for the NVIDIA layers: the ROCm
     # layer's forward_mqa hands its output on inverse-RoPE'd (ROCM_ARCHS; the 584-byte record only).
     rocm_arch: str = ""
+    # The record whose values the latents are drawn on (0: bf16 as drawn; 584 or 528: each latent rounded to what that
+    # record holds of it, its decoding): caches of other formats (a plain bf16 row, the same record written again) then
+    # hold exactly the same keys, so backends that store the step differently attend over the same values
+    # (`vllm.dsv4.all`, `vllm.dsv41.all`).
+    latent_grid: int = 0
+    # The mega layer's q is the drawn q with its RoPE taken back out (GPT-J, theta 10000, rounded to bf16): the kernel's
+    # own roping gives back the q the other layers take, within a bf16 rounding of the last 64 dims.
+    q_rope_removed: bool = False
 
     @property
     def entries_per_block(self) -> int:
@@ -362,7 +370,9 @@ class Case:
                          + (f" kv={d.cache_dtype}" if d.cache_dtype != "fp8_ds_mla" else "")
                          + (f" page_pad={d.page_pad}" if d.page_pad else "")
                          + (" mega_attn" if d.mega_attn else "")
-                         + (f" rocm={d.rocm_arch}" if d.rocm_arch else ""))
+                         + (f" rocm={d.rocm_arch}" if d.rocm_arch else "")
+                         + (f" grid={d.latent_grid}" if d.latent_grid else "")
+                         + (" q_rope_removed" if d.q_rope_removed else ""))
         if self.indexer is not None:
             x = self.indexer
             extra.append(f"indexer: heads={self.heads} topk_backend={x.topk_backend}"
@@ -570,6 +580,8 @@ def _validate_dsv4(case: "Case") -> None:
            f"{DSV4_BLOCK_SIZE} for V4, one of {V41_BLOCK_SIZES} for V4.1, got {block}")
     _check(not d.rocm_arch or (d.rocm_arch in ROCM_ARCHS and not plain and d.kv_record == 584), "dsv4.rocm_arch",
            f"'', or one of {ROCM_ARCHS} with the 584-byte fp8_ds_mla record, got {d.rocm_arch!r}")
+    _check(d.latent_grid in (0, 584, 528), "dsv4.latent_grid", f"0, 584 or 528, got {d.latent_grid}")
+    _check(not d.q_rope_removed or d.mega_attn, "dsv4.q_rope_removed", "the mega layer's q only (its kernel ropes q)")
     w = d.window_size
     _check(w >= 16 and w & (w - 1) == 0, "dsv4.window_size", f"a power of two >= 16 (the combine kernel's arange), got {w}")
     _check(0 <= d.num_speculative_tokens <= DSV4_MAX_SPECULATIVE, "dsv4.num_speculative_tokens",

@@ -67,6 +67,7 @@ class Dsv4Features:
     heads: tuple[int, ...] | None = None  # the q heads drawn (None: the profile's)
     mega_attn: bool = False  # FlashMLA's mega-attention layer (Dsv4.mega_attn)
     rocm_archs: tuple[str, ...] = ()  # the ROCm layers: the AMD archs they are emulated on (Dsv4.rocm_arch)
+    latent_grid: bool = False  # the latents drawn on the record's values (Dsv4.latent_grid: side-by-side targets)
 
 
 V41_FEATURES = Dsv4Features(compress_ratios=V41_COMPRESS_RATIOS, version="4.1", kv_records=(584, 528))
@@ -217,7 +218,7 @@ def dsv4_cases(draw, p: Profile, f: Dsv4Features, knobs: dict[str, tuple[str, ..
     rocm = {"rocm_arch": c("rocm_arch")} if f.rocm_archs else {}
     kv_cache_dtype = (dtype if packed else "fp8_ds_mla" if not plain else
                       "bfloat16" if plain["kv_record"] == PLAIN_BF16_RECORD else "fp8")
-    return Case(
+    case = Case(
         requests=tuple(reqs), num_decodes=num_decodes, block_size=bs, block_table=swa, topk_width=topk, topk=(),
         heads=heads, kv_cache_dtype=kv_cache_dtype, values=c("values"), seed=draw(st.integers(0, 2**16)),
         padded_tokens=draw(st.integers(1, 4)) if c("padded_tokens") == "some" else 0,
@@ -228,7 +229,15 @@ def dsv4_cases(draw, p: Profile, f: Dsv4Features, knobs: dict[str, tuple[str, ..
                                                        **({} if plain else {"kv_record": int(c("kv_record"))}))
                                                   if v41 else {}), **plain, **packed, **rocm,
                   **({"mega_attn": True} if f.mega_attn else {})),
-    ).validate()
+    )
+    d = case.dsv4
+    # The ROCm layers read the 584-byte record only: a side-by-side step of V4.1's 528-byte one drops the arch it drew
+    # (drawn anyway, so that the single-backend targets' cases keep their draws).
+    if d.kv_record != 584 and d.rocm_arch:
+        d = replace(d, rocm_arch="")
+    if f.latent_grid and not plain:
+        d = replace(d, latent_grid=d.kv_record)
+    return replace(case, dsv4=d).validate()
 
 
 def _table(draw, held: list[range], needed: list[int], spare: bool, permuted: bool) -> tuple[tuple[int, ...], ...]:
@@ -246,3 +255,12 @@ def _table(draw, held: list[range], needed: list[int], spare: bool, permuted: bo
             k += 1
         rows.append(tuple(row))
     return tuple(rows)
+
+
+def dsv4_form(case: Case, fields: dict) -> Case:
+    """`case` as one backend of a side-by-side target takes the step: the fields `fields` names set (Case's own, such
+    as kv_cache_dtype, or the step's Dsv4 ones, such as cache_dtype and rocm_arch). The target runs the backend on
+    it and the oracle judges the backend's part on it (the part's notes["case_fields"])."""
+    own = {k: v for k, v in fields.items() if k in Case.__dataclass_fields__}
+    step = {k: v for k, v in fields.items() if k not in own}
+    return replace(case, **own, dsv4=replace(case.dsv4, **step)).validate()

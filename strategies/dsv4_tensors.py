@@ -26,6 +26,27 @@ TOPK_POISON = 2**30 - 1  # top-k buffer rows no step's token owns
 _VALUE_SCALE = {"normal": 1.0, "large": 8.0, "tiny": 2e-5, "zero_tiles": 1.0}  # tiny: under the 1e-4 floor
 
 
+# DeepSeek-V4's RoPE (its config.json, which vLLM's tiny test config and V4.1's share): GPT-J RoPE over the last 64 of
+# the 512 dims, theta 10000 on sliding-window layers and 160000 on compressed ones.
+ROPE_DIM, ROPE_THETA, COMPRESS_ROPE_THETA = 64, 10000.0, 160000.0
+
+
+def gptj_rope(x: torch.Tensor, positions: torch.Tensor, theta: float = ROPE_THETA,
+              inverse: bool = False) -> torch.Tensor:
+    """GPT-J (interleaved) RoPE of the last 64 dims of x [tokens, heads, 512] at each token's position (or taken back
+    out, `inverse`): pair i = the last 64's dims (2i, 2i + 1) turned by position x theta^(-2i/64), from an fp32 cos/sin
+    table as vLLM's rotary caches hold it (padding tokens have position 0)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, ROPE_DIM, 2, dtype=torch.float32) / ROPE_DIM))
+    freqs = positions.long().cpu().float()[:, None] * inv_freq[None]
+    cs = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device=x.device, dtype=x.dtype)
+    c, s = cs[:, None, : ROPE_DIM // 2], cs[:, None, ROPE_DIM // 2:] * (-1 if inverse else 1)
+    out = x.clone()
+    even, odd = x[..., -ROPE_DIM::2], x[..., -ROPE_DIM + 1::2]
+    out[..., -ROPE_DIM::2] = even * c - odd * s
+    out[..., -ROPE_DIM + 1::2] = odd * c + even * s
+    return out
+
+
 def padded_heads(heads: int) -> int:
     """The q/output heads FlashMLA's DSv4 kernels take: 64 or 128 (DeepseekV4FlashMLAAttention pads to them)."""
     return 64 if heads <= 64 else 128
@@ -96,7 +117,7 @@ def materialize_dsv4_inputs(case: Case, device: str | torch.device = "cpu") -> D
     return _inputs(case, str(torch.device(device)))
 
 
-@functools.lru_cache(maxsize=2)
+@functools.lru_cache(maxsize=4)  # a side-by-side target's backends each take their own form of one step
 def _inputs(case: Case, device: str) -> Dsv4Inputs:
     d = case.dsv4
     g = torch.Generator().manual_seed(case.seed)
@@ -106,8 +127,9 @@ def _inputs(case: Case, device: str) -> Dsv4Inputs:
     scale = _VALUE_SCALE[case.values]
     swa, comp = [], []
     for r in case.requests:
-        swa.append(_latents(r.seq_len, scale, case.values, gd, device))
-        comp.append(_latents(r.seq_len // d.compress_ratio if d.compressed else 0, scale, case.values, gd, device))
+        swa.append(_latents(r.seq_len, scale, case.values, gd, device, d.latent_grid))
+        comp.append(_latents(r.seq_len // d.compress_ratio if d.compressed else 0, scale, case.values, gd, device,
+                             d.latent_grid))
     positions, token_req, slots, qsl = [], [], [], [0]
     for i, r in enumerate(case.requests):
         pos = torch.arange(r.context_len, r.seq_len)
@@ -123,6 +145,8 @@ def _inputs(case: Case, device: str) -> Dsv4Inputs:
     hp = padded_heads(case.heads)
     q = torch.zeros(len(positions), hp, HEAD_DIM)
     q[:, : case.heads] = torch.randn(len(positions), case.heads, HEAD_DIM, generator=g)
+    if d.q_rope_removed:  # the mega kernel ropes q itself (theta 10000): it is handed q with its RoPE taken out
+        q = gptj_rope(q.to(torch.bfloat16).float(), positions, ROPE_THETA, inverse=True)
     sink = torch.full((hp,), float("-inf"))
     if d.attn_sink == "finite":
         sink[: case.heads] = torch.randn(case.heads, generator=g) * 2
@@ -138,12 +162,30 @@ def _inputs(case: Case, device: str) -> Dsv4Inputs:
         topk_indices=topk.to(device), q=q.to(torch.bfloat16).to(device), attn_sink=sink.to(device))
 
 
-def _latents(n: int, scale: float, values: str, g: torch.Generator, device: str) -> torch.Tensor:
+def _latents(n: int, scale: float, values: str, g: torch.Generator, device: str, grid: int = 0) -> torch.Tensor:
     x = torch.randn(n, HEAD_DIM, generator=g, device=device) * scale
     if values == "zero_tiles" and n:  # whole 64-wide quantization blocks of zeros (the scale's 1e-4 floor)
         blocks = x[:, :NOPE].view(n, NOPE // QUANT_BLOCK, QUANT_BLOCK)
         blocks[torch.rand(n, NOPE // QUANT_BLOCK, generator=g, device=device) < 0.5] = 0
-    return x.to(torch.bfloat16)
+    return record_values(x.to(torch.bfloat16), grid) if grid else x.to(torch.bfloat16)
+
+
+def record_values(k: torch.Tensor, record: int) -> torch.Tensor:
+    """bf16 [n, 512] -> bf16 [n, 512]: what a 584-byte (V4) or 528-byte (V4.1 MXFP8) record written from k decodes
+    to. Exact in bf16 (an e4m3 value times a power of two), and written again it decodes to itself: a plain bf16 row
+    and the record hold the same values (`Dsv4.latent_grid`)."""
+    width, cols = (QUANT_BLOCK, NOPE) if record == ENTRY_BYTES else (V41_QUANT_BLOCK, V41_DATA_BYTES)
+    fp8, exponent = _e4m3_blocks(k[:, :cols].float(), width)
+    values = (fp8.float() * torch.exp2(exponent)[..., None]).view(len(k), cols)
+    return torch.cat([values, k[:, cols:].float()], dim=-1).to(torch.bfloat16)
+
+
+def _e4m3_blocks(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 [n, c] -> (float8_e4m3fn [n, c // width, width], exponents [n, c // width]) as vLLM's Triton writers
+    quantize each `width`-wide block: e = ceil(log2(max(amax, 1e-4) / 448)), the block as e4m3 of clamp(x / 2^e)."""
+    blocks = x.view(len(x), x.shape[1] // width, width)
+    exponent = torch.ceil(torch.log2(blocks.abs().amax(dim=-1).clamp(min=1e-4) / FP8_MAX))
+    return to_e4m3(blocks / torch.exp2(exponent)[..., None]), exponent
 
 
 def c4_valid_count(position: int, index_topk: int, ratio: int = 4) -> int:
@@ -175,11 +217,7 @@ def v4_records(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """bf16 [n, 512] -> (data uint8 [n, 576], scales uint8 [n, 8]) as quantize_and_insert_k_kernel writes them: per
     64-wide NoPE block the exponent e = ceil(log2(max(amax, 1e-4) / 448)) (fp32), the block as float8_e4m3fn of
     clamp(x / 2^e, +-448), e + 127 its scale byte (the 8th byte 0); the RoPE part as bf16."""
-    x = k.float()
-    blocks = x[:, :NOPE].view(-1, NOPE // QUANT_BLOCK, QUANT_BLOCK)
-    amax = blocks.abs().amax(dim=-1).clamp(min=1e-4)
-    exponent = torch.ceil(torch.log2(amax / FP8_MAX))
-    fp8 = to_e4m3(blocks / torch.exp2(exponent)[..., None])
+    fp8, exponent = _e4m3_blocks(k[:, :NOPE].float(), QUANT_BLOCK)
     data = torch.cat([fp8.view(torch.uint8).view(-1, NOPE), k[:, NOPE:].contiguous().view(torch.uint8)], dim=-1)
     scales = torch.zeros(len(k), SCALE_BYTES, dtype=torch.uint8, device=k.device)
     scales[:, : NOPE // QUANT_BLOCK] = (exponent + 127).clamp(0, 255).to(torch.uint8)
@@ -204,9 +242,7 @@ def v41_records(k: torch.Tensor) -> torch.Tensor:
     """bf16 [n, 512] -> records uint8 [n, 528] as vLLM's `_quantize_and_insert_k_mxfp8_kernel` writes them: per
     32-wide block the exponent e = ceil(log2(max(amax, 1e-4) / 448)) (fp32), the block as float8_e4m3fn of
     clamp(x / 2^e, +-448), then the 16 bytes e + 127."""
-    x = k.float().view(-1, V41_DATA_BYTES // V41_QUANT_BLOCK, V41_QUANT_BLOCK)
-    exponent = torch.ceil(torch.log2(x.abs().amax(dim=-1).clamp(min=1e-4) / FP8_MAX))
-    fp8 = to_e4m3(x / torch.exp2(exponent)[..., None])
+    fp8, exponent = _e4m3_blocks(k.float(), V41_QUANT_BLOCK)
     return torch.cat([fp8.view(torch.uint8).view(-1, V41_DATA_BYTES), (exponent + 127).clamp(0, 255).to(torch.uint8)],
                      dim=-1)
 

@@ -100,7 +100,7 @@ def reached_through(found_on: str, target: str) -> bool:
 
 
 # Targets that run other targets' backends side by side, each verdict named after its backend ("check:BACKEND:where"):
-# target -> {member target: vLLM's backend name} (tests/fuzzer/commands check it against SparseMLAAll.BACKENDS).
+# target -> {member target: vLLM's backend name} (tests/fuzzer/commands check it against each target's BACKENDS).
 SIDE_BY_SIDE = {"vllm.sparse_mla.all": {"vllm.flashmla_sparse": "FLASHMLA_SPARSE",
                                         "vllm.flashattn_sparse": "FLASH_ATTN_MLA_SPARSE",
                                         "vllm.triton_sparse": "XPU_MLA_SPARSE",
@@ -108,7 +108,14 @@ SIDE_BY_SIDE = {"vllm.sparse_mla.all": {"vllm.flashmla_sparse": "FLASHMLA_SPARSE
                                         "vllm.flashinfer_sparse_sm100": "FLASHINFER_MLA_SPARSE",
                                         "vllm.flashinfer_sparse_sm120": "FLASHINFER_MLA_SPARSE_SM120",
                                         "vllm.flashattn_sparse_fa4": "FLASH_ATTN_MLA_SPARSE_FA4",
-                                        "vllm.rocm_aiter_sparse": "ROCM_AITER_MLA_SPARSE"}}
+                                        "vllm.rocm_aiter_sparse": "ROCM_AITER_MLA_SPARSE"},
+                "vllm.dsv4.all": {"vllm.dsv4.flashmla": "FLASHMLA_SPARSE_DSV4",
+                                  "vllm.dsv4.flashinfer": "FLASHINFER_MLA_SPARSE_DSV4",
+                                  "vllm.dsv4.rocm": "ROCM_FLASHMLA_SPARSE_DSV4"},
+                "vllm.dsv41.all": {"vllm.dsv41.flashmla": "FLASHMLA_SPARSE_DSV41",
+                                   "vllm.dsv41.flashinfer": "FLASHINFER_MLA_SPARSE_DSV41",
+                                   "vllm.dsv41.flashmla_mega": "FLASHMLA_MEGA_ATTN_DSV41",
+                                   "vllm.dsv41.rocm": "ROCM_FLASHMLA_SPARSE_DSV41"}}
 
 
 def known_signature(found_on: str, signature: str, target: str, needs: tuple[str, ...] = ()) -> str | None:

@@ -4,12 +4,13 @@ with `cum_seq_lens_q` rebased to 0 (`query_start_loc[num_decodes:] - query_start
 the rebase only for its RopeQuant output, whose rows span the whole batch). Here the rebase is dropped, so in a step
 with decodes before its prefills each prefill request's tokens are read num_decode_tokens rows late: its first
 tokens attend with another token's query, position and window, its last ones are never written. Found by the output
-check (or NaN rows); needs a step with both decodes and a prefill."""
+check (or NaN rows); needs a step with both decodes and a prefill. Beside the other V4.1 backends
+(`vllm.dsv41.all`) it is the one out of line."""
 
 from fuzzer.mutants._kernel_patch import patch_method
 
 BUG_CLASS = "N"
-TARGETS = ("vllm.dsv41.flashinfer",)
+TARGETS = ("vllm.dsv41.flashinfer", "vllm.dsv41.all")
 
 
 def apply():

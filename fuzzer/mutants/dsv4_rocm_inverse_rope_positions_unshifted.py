@@ -3,12 +3,18 @@
 the batch's first rows, positions[:T - rotated], instead of their own, positions[rotated:]. A step of decodes only
 or prefills only is unaffected (rotated is all of the rows or none); with both, every prefill row is rotated back
 by a decode's or an earlier prefill token's angle. Found by the output check; needs a step with decodes and
-prefills whose positions differ."""
+prefills whose positions differ. Beside the other V4 backends (`vllm.dsv4.all`) it is the one out of line."""
 
 from fuzzer.mutants._kernel_patch import patch_method
 
 BUG_CLASS = "N"
-TARGETS = ("vllm.dsv4.rocm",)
+TARGETS = ("vllm.dsv4.rocm", "vllm.dsv4.all")
+
+
+def unavailable(device: str) -> str | None:
+    if device != "cpu":  # vllm.dsv4.all runs there without its ROCm backend
+        return "the ROCm layer runs on a CPU only (its Triton launches take AMD options): no case on a GPU reaches it"
+    return None
 
 
 def apply():

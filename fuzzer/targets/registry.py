@@ -48,6 +48,8 @@ REGISTERED: dict[str, str] = {
     "vllm.dsv41.flashinfer": "fuzzer.targets.dsv4_flashinfer:Dsv41FlashInfer",
     "vllm.dsv4.rocm": "fuzzer.targets.dsv4_rocm:Dsv4Rocm",
     "vllm.dsv41.rocm": "fuzzer.targets.dsv4_rocm:Dsv41Rocm",
+    "vllm.dsv4.all": "fuzzer.targets.dsv4_all:Dsv4All",
+    "vllm.dsv41.all": "fuzzer.targets.dsv4_all:Dsv41All",
     "vllm.step5_dsa": "fuzzer.targets.step5_dsa:Step5DSA",
     "selftest.fault": "fuzzer.targets.selftest:SelftestFault",  # harness self-test, not vLLM
 }

@@ -153,3 +153,42 @@ def test_the_rocm_layers_draw_their_archs_and_a_pinned_one_shows(features, archs
     for arch in archs:
         cases = drawn.draw_cases(space, Swarm((("rocm_arch", arch),)), 6, 7)
         assert {c.dsv4.rocm_arch for c in cases} == {arch}
+
+
+@pytest.mark.parametrize("record", [584, 528])
+def test_latents_on_a_records_values_are_what_the_record_and_a_plain_bf16_row_hold(record):
+    """`Dsv4.latent_grid`: each latent rounded to what the record decodes to (exact in bf16) is a fixed point of the
+    record's writer, so the record and a plain bf16 row of the same step hold the same values; the drawn latents
+    move by at most the record's rounding."""
+    from oracles import fp8_ds_mla_v41 as v41
+    from strategies.dsv4_tensors import record_values, v41_records
+
+    g = torch.Generator().manual_seed(4)
+    k = (torch.randn(64, 512, generator=g) * torch.logspace(-6, 2, 64)[:, None]).to(torch.bfloat16)
+    k[0] = 0
+    values = record_values(k, record)
+    assert torch.equal(record_values(values, record), values)
+    model = v4 if record == 584 else v41
+    records = torch.cat(v4_records(values), dim=-1) if record == 584 else v41_records(values)
+    assert torch.equal(model.dequantize(records), values.float())
+    assert ((values.float() - k.float()).abs() <= model.error_bound(k, model.quantize(k))).all()
+
+
+def test_a_side_by_side_space_draws_latents_on_the_record_and_no_arch_on_v41s_528_byte_one():
+    from dataclasses import replace
+
+    from strategies.dsv4_batches import V41_FEATURES, dsv4_form
+
+    space = dsv4_space(P, replace(V41_FEATURES, rocm_archs=("gfx950", "gfx1201"), latent_grid=True))
+    cases = drawn.draw_cases(space, None, 30, 2)
+    assert {c.dsv4.kv_record for c in cases} == {584, 528}
+    assert all(c.dsv4.latent_grid == c.dsv4.kv_record and bool(c.dsv4.rocm_arch) == (c.dsv4.kv_record == 584)
+               for c in cases)
+    c = next(c for c in cases if c.dsv4.rocm_arch)
+    plain = dsv4_form(c, {"kv_cache_dtype": "bfloat16", "cache_dtype": "bfloat16", "kv_record": 1024, "rocm_arch": ""})
+    assert plain.kv_cache_dtype == "bfloat16" and plain.dsv4.latent_grid == c.dsv4.latent_grid
+    a, b = materialize_dsv4_inputs(c), materialize_dsv4_inputs(plain)
+    assert all(torch.equal(x, y) for x, y in zip(a.swa_values + a.compressed_values, b.swa_values + b.compressed_values))
+    assert torch.equal(a.q, b.q) and torch.equal(a.topk_indices, b.topk_indices)
+    with pytest.raises(CaseError, match="dsv4.q_rope_removed"):
+        dsv4_form(c, {"q_rope_removed": True})

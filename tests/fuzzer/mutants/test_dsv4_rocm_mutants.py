@@ -49,7 +49,7 @@ def test_each_rocm_dsv4_mutant_fails_its_step_only(target):
 
     jobs = JOBS[target]
     mutants = [m for m, _, _ in jobs if m]
-    assert all(load(m).BUG_CLASS == "N" and load(m).TARGETS == (target,) for m in mutants)
+    assert all(load(m).BUG_CLASS == "N" and target in load(m).TARGETS for m in mutants)
     probe = PROBE.replace('"vllm.dsv4.flashmla"', f'"{target}"')
     run = python("-c", probe, *mutants, input=json.dumps([c.to_dict() for _, c, _ in jobs]), timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
