@@ -106,6 +106,7 @@ def test_mutant_is_found_by_a_default_campaign(target, mutant, bug_class, seed, 
     assert "case (as first found, not shrunk)" in r.stdout and "shrunk case" not in r.stdout
 
 
+@pytest.mark.nightly  # 26 s on the CI host; a mutant found with its standalone reproducer stays in CI (test_flashmla_sparse)
 def test_topk_length_mutant_is_found_on_the_flashmla_layer(tmp_path):
     """Class B at backend level: stale entries past the valid count, read because topk_length is dropped."""
     from fuzzer.support.flashmla_runtime import _try_import

@@ -104,5 +104,6 @@ def test_kernels_of_our_own_give_the_same_bytes_and_reports_with_and_without_the
 
 
 @pytest.mark.vllm
+@pytest.mark.nightly  # 52 s on the CI host; the kernels of our own above reach the same speed-ups in CI
 def test_vllm_index_remap_gives_the_same_bytes_and_reports_with_and_without_the_speed_ups():
     _compare(with_vllm=True)

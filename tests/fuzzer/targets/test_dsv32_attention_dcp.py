@@ -112,6 +112,7 @@ def test_cases_are_configurations_vllm_runs():
     assert seen == {2, 4, 8}
 
 
+@pytest.mark.nightly  # 38 s on the CI host; the DCP step tests above stay in CI
 def test_a_short_clean_campaign(tmp_path):
     clean_campaign(tmp_path, "vllm.dsv32.attention.dcp", 8, "--seed", "3")
 
