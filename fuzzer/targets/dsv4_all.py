@@ -44,6 +44,7 @@ from fuzzer.targets.dsv4_flashmla import Dsv4FlashMLA
 from fuzzer.targets.dsv4_rocm import Dsv4Rocm, Dsv41Rocm
 from fuzzer.targets.dsv41_flashmla import Dsv41FlashMLA
 from fuzzer.targets.dsv41_flashmla_mega import Dsv41FlashMLAMega
+from fuzzer.targets.sparse_mla_all import named_backend, side_by_side
 from oracles.backends import judge_dsv4_backends
 from strategies.case import PLAIN_BF16_RECORD, ROCM_ARCHS
 from strategies.dsv4_batches import V41_FEATURES, Dsv4Features, dsv4_form, dsv4_space
@@ -128,27 +129,18 @@ class Dsv4All(Target):
             fields = self.form(case, name)
             parts[name] = self.parts[name].run(dsv4_form(case, fields))
             parts[name].notes["case_fields"] = fields
-        obs = Observation(self.name, self.device, real=self.real_parts, parts=parts,
-                          emulated=tuple(dict.fromkeys(f"{name}: {e}" for name, p in parts.items() for e in p.emulated)))
-        # Each backend's paths, under its name: coverage says which backend took which route.
-        obs.notes["paths"] = sorted(f"{name}/{path}" for name, p in parts.items() for path in p.notes.get("paths", ()))
-        obs.notes["shims"] = tuple(dict.fromkeys(s for p in parts.values() for s in p.notes.get("shims", ())))
-        obs.seconds = sum(p.seconds for p in parts.values())
-        if left_out:
-            obs.notes["left_out"] = left_out
-        return obs
+        return side_by_side(self, parts, left_out)
 
     def repro_spec(self, finding):
         """The reproducer of the one backend the finding names (its failing verdicts', or the one out of line), as
         its own target renders it on its form of the step: that backend alone, against the reference. None where
         the finding names several."""
-        named = {v.where.split(":")[0] for v in finding.verdicts if not v.ok} & set(self.parts)
-        part = finding.observation.parts.get(next(iter(named))) if len(named) == 1 else None
-        if part is None:
+        name = named_backend(self, finding)
+        if name is None:
             return None
-        name = next(iter(named))
         form = dsv4_form(finding.case, self.form(finding.case, name))
-        return self.parts[name].repro_spec(dataclasses.replace(finding, case=form, observation=part))
+        return self.parts[name].repro_spec(dataclasses.replace(finding, case=form,
+                                                               observation=finding.observation.parts[name]))
 
 
 class Dsv41All(Dsv4All):

@@ -114,23 +114,35 @@ class SparseMLAAll(Target):
     def run(self, case) -> Observation:
         left_out = self.left_out(case)
         names = [n for n in self.backends if n not in left_out]
-        parts = {name: self.parts[name].run(case) for name in names}
-        obs = Observation(self.name, self.device, real=self.real_parts, parts=parts,
-                          emulated=tuple(dict.fromkeys(f"{name}: {e}" for name, p in parts.items() for e in p.emulated)))
-        # Each backend's paths, under its name: coverage says which backend took which route.
-        obs.notes["paths"] = sorted(f"{name}/{path}" for name, p in parts.items() for path in p.notes.get("paths", ()))
-        obs.notes["shims"] = tuple(dict.fromkeys(s for p in parts.values() for s in p.notes.get("shims", ())))
-        obs.seconds = sum(p.seconds for p in parts.values())
-        if left_out:
-            obs.notes["left_out"] = left_out
-        return obs
+        return side_by_side(self, {name: self.parts[name].run(case) for name in names}, left_out)
 
     def repro_spec(self, finding):
         """The reproducer of the one backend the finding names (its failing verdicts', or the one out of line),
         as its own target renders it: that backend alone on the step, against the reference. None where the
         finding names several."""
-        named = {v.where.split(":")[0] for v in finding.verdicts if not v.ok} & set(self.parts)
-        part = finding.observation.parts.get(next(iter(named))) if len(named) == 1 else None
-        if part is None:
+        name = named_backend(self, finding)
+        if name is None:
             return None
-        return self.parts[next(iter(named))].repro_spec(dataclasses.replace(finding, observation=part))
+        return self.parts[name].repro_spec(dataclasses.replace(finding, observation=finding.observation.parts[name]))
+
+
+def side_by_side(target: Target, parts: dict[str, Observation], left_out: dict[str, str]) -> Observation:
+    """One observation of a step run through several backends (`parts`, by vLLM's backend name): each part's emulated
+    ops, paths and shims under its name, its seconds summed, the backends left out with why."""
+    obs = Observation(target.name, target.device, real=target.real_parts, parts=parts,
+                      emulated=tuple(dict.fromkeys(f"{name}: {e}" for name, p in parts.items() for e in p.emulated)))
+    # Each backend's paths, under its name: coverage says which backend took which route.
+    obs.notes["paths"] = sorted(f"{name}/{path}" for name, p in parts.items() for path in p.notes.get("paths", ()))
+    obs.notes["shims"] = tuple(dict.fromkeys(s for p in parts.values() for s in p.notes.get("shims", ())))
+    obs.seconds = sum(p.seconds for p in parts.values())
+    if left_out:
+        obs.notes["left_out"] = left_out
+    return obs
+
+
+def named_backend(target: Target, finding) -> str | None:
+    """The one backend a side-by-side finding names (its failing verdicts', or the one out of line) that took part in
+    the step; None where it names several or none."""
+    named = {v.where.split(":")[0] for v in finding.verdicts if not v.ok} & set(target.parts)
+    name = next(iter(named)) if len(named) == 1 else None
+    return name if name in finding.observation.parts else None
