@@ -16,6 +16,7 @@ Leaf module: the standard library only.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -57,3 +58,19 @@ class ReproSpec:
     literals: Mapping[str, Any] = field(default_factory=dict)  # int tensors written as torch.tensor literals
     tensors: Mapping[str, Any] = field(default_factory=dict)  # saved to tensors.safetensors, loaded as T
     bounds_checked: bool = False  # run the call under the interpreter's bounds checker (CPU)
+
+
+def memory_finding(finding) -> bool:
+    """A memory finding: the bounds checks saw an access outside its tensors, or a verdict of class A."""
+    return bool(finding.observation.memory) or any(v.bug_class == "A" for v in finding.verdicts)
+
+
+def unchecked_unless_memory(spec: ReproSpec, finding, stand_ins: str = "") -> ReproSpec:
+    """`spec` without the interpreter's bounds checker where the finding is not a memory one: its CPU reproducer runs
+    vLLM's interpreted kernels unchecked, as its GPU reproducer runs without compute-sanitizer (a run the checker saw
+    nothing in is the same without it); `stand_ins`: what still checks (the stand-ins' own bounds checks)."""
+    if not spec.bounds_checked or memory_finding(finding):
+        return spec
+    return dataclasses.replace(spec, bounds_checked=False, about=spec.about + (
+        "\nNot a memory finding: vLLM's Triton kernels run interpreted without attnfuzz's bounds checker (a memory "
+        "finding's reproducer has it)" + (f"; {stand_ins}" if stand_ins else "") + "."))

@@ -28,7 +28,7 @@ import dataclasses
 from types import SimpleNamespace
 
 from fuzzer.env import STATE_DIR
-from fuzzer.repro_spec import Call, ReproSpec
+from fuzzer.repro_spec import Call, ReproSpec, unchecked_unless_memory
 from fuzzer.support import dsv4_runtime, dsv41_runtime
 from fuzzer.support import rocm_dsv4_runtime as rocm
 from fuzzer.targets.base import WHOLE, RunPlan
@@ -101,15 +101,16 @@ class Dsv4Rocm(Dsv4FlashMLA):
                     note="vLLM's ROCm modules as a gfx950 host imports them; nothing stood in for")
 
     def repro_spec(self, finding) -> ReproSpec:
-        """The V4 target's reproducer, its builders and forward_mqa called on the case's emulated arch."""
+        """The V4 target's reproducer, its builders and forward_mqa called on the case's emulated arch; a finding that
+        is not a memory one runs the interpreted kernels without the bounds checker."""
         spec = super().repro_spec(finding)
         arch = repr(finding.case.dsv4.rocm_arch)
         swap = {dsv4_runtime.build_metadata: rocm.build_metadata, dsv4_runtime.forward_mqa: rocm.forward_mqa}
         calls = tuple(dataclasses.replace(c, fn=swap[c.fn], args={**c.args, "arch": arch}) if c.fn in swap else c
                       for c in spec.call)
-        return dataclasses.replace(spec, call=calls, about=spec.about + (
+        return unchecked_unless_memory(dataclasses.replace(spec, call=calls, about=spec.about + (
             f"\n{rocm.LAYER_CLASSES[self.version]}'s route on an emulated {finding.case.dsv4.rocm_arch}: vLLM's platform "
-            "check bypassed as that device's host would pass it (the shims printed say how)."))
+            "check bypassed as that device's host would pass it (the shims printed say how).")), finding)
 
 
 class Dsv41Rocm(Dsv4Rocm):

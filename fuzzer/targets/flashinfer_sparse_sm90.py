@@ -36,7 +36,7 @@ import dataclasses
 import torch
 
 from fuzzer.errors import HarnessError
-from fuzzer.repro_spec import Call, ReproSpec
+from fuzzer.repro_spec import Call, ReproSpec, unchecked_unless_memory
 from fuzzer.support import flashinfer_runtime
 from fuzzer.support.flashmla_runtime import has_cache_op
 from fuzzer.support.standins.cache_ops import concat_and_cache_mla
@@ -56,15 +56,13 @@ def sm90_repro(target, finding, layer: bool) -> ReproSpec:
     reproducer runs without compute-sanitizer: a run the checker saw nothing in is the same without it, and the
     stand-in's own checks still report."""
     spec = flashmla_repro(target, finding, layer=layer)
-    memory = bool(finding.observation.memory) or any(v.bug_class == "A" for v in finding.verdicts)
-    checked = spec.bounds_checked and (layer or memory)  # the layer's dense-MHA float kernels: checked as before
-    return dataclasses.replace(spec, bounds_checked=checked, about=spec.about + (
+    spec = dataclasses.replace(spec, about=spec.about + (
         f" FLASHINFER_MLA_SPARSE_SM90{' under MLAAttention' if layer else ''}: FlashInfer's "
         "BatchMLAPagedAttentionWrapper is attnfuzz's stand-in (flashinfer.mla, imported by the builder), FlashInfer 0.7.2.post1's planner and kernel "
-        "semantics, unless the GPU host has FlashInfer itself (the script prints which).")
-        + ("\nNot a memory finding: vLLM's Triton kernels run interpreted without attnfuzz's bounds checker (a memory "
-           "finding's reproducer has it); the stand-in checks its own accesses." if spec.bounds_checked and not checked
-           else ""))
+        "semantics, unless the GPU host has FlashInfer itself (the script prints which)."))
+    if layer:  # the layer's dense-MHA float kernels: checked as before
+        return spec
+    return unchecked_unless_memory(spec, finding, "the stand-in checks its own accesses")
 
 
 def per_tensor_fp8_writer(device: str, case):

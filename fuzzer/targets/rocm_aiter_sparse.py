@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 
 from fuzzer.env import STATE_DIR
-from fuzzer.repro_spec import Call, ReproSpec
+from fuzzer.repro_spec import Call, ReproSpec, unchecked_unless_memory
 from fuzzer.support import rocm_aiter_sparse_runtime as runtime
 from fuzzer.support.flashmla_runtime import HEAD_SIZE
 from fuzzer.support.sparse_mla_steps import forward_mqa
@@ -160,10 +160,11 @@ class RocmAiterMLASparse(FlashMLASparse):
         spec = flashmla_repro(self, finding, layer=False)
         steps = [dict(s, EAGER=False) if s.get("REPLAY") and step.padded_tokens else s  # as mqa_step: replay only
                  for s, step in zip(spec.constants["STEPS"], finding.case.steps)]
-        return dataclasses.replace(spec, constants={**spec.constants, "STEPS": steps}, about=spec.about + (
+        spec = dataclasses.replace(spec, constants={**spec.constants, "STEPS": steps}, about=spec.about + (
             f" {self.vllm_backend}: AITER's get_mla_metadata_v1 and mla_decode_fwd are attnfuzz's stand-ins for a "
             "gfx950 device (fuzzer.support.standins.aiter_mla), vLLM's platform check bypassed as that device's host "
             "would pass it."))
+        return unchecked_unless_memory(spec, finding, "the stand-ins check their own accesses")
 
     def repro_prepare(self, layer: bool) -> tuple[Call, ...]:
         return (Call(runtime.prepare_host, dict(device="DEVICE"), assign="backend, emulated, shims"),)

@@ -51,7 +51,7 @@ import math
 import torch
 
 from fuzzer.support.errors import StandInRefused
-from fuzzer.support.interp.sanitizer import SANITIZER, MemoryViolation
+from fuzzer.support.interp.sanitizer import VIOLATIONS, MemoryViolation
 from fuzzer.support.standins.importable import importable_as, stand_in_module
 
 __version__ = "0.1.20.post1"  # what this stand-in follows (vLLM 0.33.0 pins 0.1.21.post2; see the docstring)
@@ -75,7 +75,7 @@ def _refuse(what: str) -> StandInRefused:
 
 
 def _violation(kernel: str, argument: str, index: int, limit: int, elem_bytes: int, access: str = "load") -> None:
-    SANITIZER.violations.append(MemoryViolation(
+    VIOLATIONS.violations.append(MemoryViolation(
         kernel=kernel, op=access, argument=argument, byte_offset=index * elem_bytes, argument_bytes=limit * elem_bytes,
         element_bytes=elem_bytes, program_id=(0, 0, 0), lanes=1, inside_allocation=False))
 

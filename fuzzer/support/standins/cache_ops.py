@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 
 from fuzzer.support.errors import EmptyLaunch
-from fuzzer.support.interp.sanitizer import SANITIZER, MemoryViolation
+from fuzzer.support.interp.sanitizer import VIOLATIONS, MemoryViolation
 
 
 def _violation(op: str, argument: str, index: int, limit: int, elem_bytes: int, access: str = "store") -> None:
-    SANITIZER.violations.append(MemoryViolation(
+    VIOLATIONS.violations.append(MemoryViolation(
         kernel=f"{op} (attnfuzz stand-in)", op=access, argument=argument, byte_offset=index * elem_bytes,
         argument_bytes=limit * elem_bytes, element_bytes=elem_bytes, program_id=(0, 0, 0), lanes=1,
         inside_allocation=False))

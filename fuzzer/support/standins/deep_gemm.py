@@ -4,7 +4,7 @@
 pretends to be (fuzzer/support/indexer_runtime.py). Plain torch, CPU or GPU tensors.
 
 Faithful to the SM90 kernels, uncleaned output and scheduling included: what the real kernel leaves unwritten holds
-`POISON`, what it reads or writes outside an argument is a `MemoryViolation` in `SANITIZER.violations` (one per
+`POISON`, what it reads or writes outside an argument is a `MemoryViolation` in `VIOLATIONS.violations` (one per
 argument and kind, `lanes` counting the elements) instead of a fault, and the host assertions it fails are raised as
 the RuntimeError DeepGEMM raises ("Assertion error (csrc/apis/attention.hpp): <condition>")."""
 
@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import torch
 
-from fuzzer.support.interp.sanitizer import SANITIZER, MemoryViolation
+from fuzzer.support.interp.sanitizer import VIOLATIONS, MemoryViolation
 
 DEEP_GEMM_SOURCE = (
     "DeepGEMM 2.8.1 as vendored in vLLM 0.33.0 (vllm/third_party/deep_gemm): op schemas in _C_extension.abi3.so and "
@@ -76,7 +76,7 @@ class _Faults:
 
     def record(self) -> None:
         for (argument, access, inside), ((index, limit, elem_bytes, program), count) in self.seen.items():
-            SANITIZER.violations.append(MemoryViolation(
+            VIOLATIONS.violations.append(MemoryViolation(
                 kernel=f"{self.kernel} (attnfuzz stand-in)", op=access, argument=argument,
                 byte_offset=index * elem_bytes, argument_bytes=limit * elem_bytes, element_bytes=elem_bytes,
                 program_id=(program, 0, 0), lanes=count, inside_allocation=inside))

@@ -26,13 +26,13 @@ from __future__ import annotations
 import torch
 
 from fuzzer.support.errors import StandInRefused
-from fuzzer.support.interp.sanitizer import SANITIZER, MemoryViolation
+from fuzzer.support.interp.sanitizer import VIOLATIONS, MemoryViolation
 
 OP = "flash_attn_varlen_func"
 
 
 def _violation(argument: str, index: int, limit: int, elem_bytes: int, kernel: str = f"{OP} (attnfuzz stand-in)") -> None:
-    SANITIZER.violations.append(MemoryViolation(
+    VIOLATIONS.violations.append(MemoryViolation(
         kernel=kernel, op="load", argument=argument, byte_offset=index * elem_bytes,
         argument_bytes=limit * elem_bytes, element_bytes=elem_bytes, program_id=(0, 0, 0), lanes=1,
         inside_allocation=False))

@@ -42,7 +42,7 @@ from __future__ import annotations
 import torch
 
 from fuzzer.support.errors import StandInRefused
-from fuzzer.support.interp.sanitizer import SANITIZER, MemoryViolation
+from fuzzer.support.interp.sanitizer import VIOLATIONS, MemoryViolation
 from fuzzer.support.standins.flashinfer_trtllm_mla import (
     LOG2E,
     _attend,
@@ -264,7 +264,7 @@ def _in_pool(pool: torch.Tensor, name: str, table: torch.Tensor, reads: torch.Te
     for e in entries[past].unique()[:4].tolist():
         _violation(KERNEL, name, e * stride, elements, pool.element_size())
     for e in entries[gap].unique()[:4].tolist():
-        SANITIZER.violations.append(GapRead(
+        VIOLATIONS.violations.append(GapRead(
             kernel=KERNEL, op="load", argument=name, byte_offset=e * stride * pool.element_size(),
             argument_bytes=elements * pool.element_size(), element_bytes=pool.element_size(), program_id=(0, 0, 0),
             lanes=1, inside_allocation=True))

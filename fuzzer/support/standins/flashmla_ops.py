@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from fuzzer.support.errors import StandInRefused
-from fuzzer.support.interp.sanitizer import SANITIZER, MemoryViolation
+from fuzzer.support.interp.sanitizer import VIOLATIONS, MemoryViolation
 from fuzzer.support.standins.cache_ops import concat_and_cache_mla as plain_concat_and_cache_mla
 from fuzzer.support.standins.cache_ops import refuse_empty_grid
 
@@ -34,7 +34,7 @@ E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3
 
 
 def _violation(op: str, argument: str, access: str, index: int, limit: int, elem_bytes: int) -> None:
-    SANITIZER.violations.append(MemoryViolation(
+    VIOLATIONS.violations.append(MemoryViolation(
         kernel=f"{op} (attnfuzz stand-in)", op=access, argument=argument, byte_offset=index * elem_bytes,
         argument_bytes=limit * elem_bytes, element_bytes=elem_bytes, program_id=(0, 0, 0), lanes=1,
         inside_allocation=False))

@@ -5,7 +5,7 @@
 Each follows its kernel's addressing, not the tensors' metadata: the kernels take raw data pointers and index them
 with the sizes and strides their launchers pass (often not the tensor's own strides), so a stand-in reads and
 writes through a flat view of each argument's storage at the kernel's offsets. An access outside an argument's
-view is recorded in `SANITIZER.violations` (inside_allocation when it still lands in the tensor's storage, which
+view is recorded in `VIOLATIONS.violations` (inside_allocation when it still lands in the tensor's storage, which
 the stand-in then reads or writes as the GPU would; outside it, nothing is written and a read is taken as -inf
 for a score, 0 for a length, or skips the element). Plain torch; CPU and CUDA tensors.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from fuzzer.support.interp.sanitizer import SANITIZER, MemoryViolation
+from fuzzer.support.interp.sanitizer import VIOLATIONS, MemoryViolation
 from fuzzer.support.standins.cache_ops import refuse_empty_grid
 
 INDEXER_OPS_SOURCE = (
@@ -38,7 +38,7 @@ _FP8_MAX = 448.0  # kFp8ScaleDivisor off gfx942
 
 def _violation(op: str, argument: str, index: int, limit: int, elem_bytes: int, access: str, lanes: int,
                inside: bool) -> None:
-    SANITIZER.violations.append(MemoryViolation(
+    VIOLATIONS.violations.append(MemoryViolation(
         kernel=f"{op} (attnfuzz stand-in)", op=access, argument=argument, byte_offset=index * elem_bytes,
         argument_bytes=limit * elem_bytes, element_bytes=elem_bytes, program_id=(0, 0, 0), lanes=lanes,
         inside_allocation=inside))
