@@ -14,6 +14,8 @@ otherwise (a fresh finding of `attnfuzz run` is open and needs no editing).
   absent       | 0              | fixed       | passes
   absent       | 1              | regressed   | FAILS
   either       | other, timeout | broken      | FAILS (an error: the reproducer itself broke)
+  On a release older than the one the finding was made on and not in its "releases", exit 2 (could not run its call:
+  what it calls may not exist yet) is skipped, not broken; everywhere else a moved call is broken.
 
 A finding of the gate's campaigns fails the gate, unless a reproducer expected to be present on this release
 has the same signature on the same target or one built over it (`<target>.layer`): a known open bug, reported, not
@@ -156,6 +158,15 @@ def find_repros(root: Path) -> list[FindingRecord]:
     return [read_finding(d) for d in sorted(root.iterdir()) if (d / "finding.json").is_file()]
 
 
+def predates(vllm_version: str, record: FindingRecord) -> bool:
+    """Is this release older than the one the finding was made on, and unrecorded in its `releases`?"""
+    def key(v: str) -> tuple[int, ...]:
+        return tuple(int(p) for p in release_of(v).split(".") if p.isdigit())
+
+    here, made_on = release_of(vllm_version), record.host.get("vllm")
+    return bool(made_on) and here not in record.releases and key(here) < key(made_on)
+
+
 def replay(record: FindingRecord, device: str, vllm_version: str, unavailable: dict[str, str | None],
            logs: Path, timeout_s: float) -> ReproResult:
     """Run the reproducer (repro.py, or `attnfuzz replay` where there is none) in a fresh process."""
@@ -184,6 +195,15 @@ def replay(record: FindingRecord, device: str, vllm_version: str, unavailable: d
             rc = None
     seconds = time.monotonic() - start
     outcome = replay_outcome(expects, rc)
+    if outcome == "broken" and rc == 2 and predates(vllm_version, record):
+        # Made on a newer release, with no record for this one: what it calls may not exist yet. Only a release
+        # the finding names, or a newer one (drift), makes a reproducer that cannot run its call broken.
+        output = log.read_text(errors="replace")
+        why = [ln for ln in output.splitlines() if ln.startswith("COULD NOT RUN")]
+        return ReproResult(**base, expected="-", outcome="skipped", returncode=rc, seconds=seconds,
+                           detail=f"made on vLLM {record.host.get('vllm', '?')}, no record for the older vLLM "
+                                  f"{vllm_version}, where it could not run its call" + (f"; {why[-1]}" if why else ""),
+                           log="\n".join(output.strip().splitlines()[-15:]))
     detail = {
         "known": f"known bug, still present on vLLM {vllm_version}: {record.title}",
         "now-passes": f"expected present on vLLM {vllm_version}, now passes: good news; record it in finding.json "

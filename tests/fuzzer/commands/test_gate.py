@@ -128,6 +128,17 @@ def test_replay_skips_what_this_host_cannot_run(tmp_path):
     assert r.outcome == "skipped" and "made on cuda" in r.detail
 
 
+def test_a_reproducer_that_cannot_run_on_an_older_unrecorded_release_is_skipped_not_broken(tmp_path):
+    # Made on 0.26.0, no record for 0.23.0: its call may not exist there yet.
+    rec = read_finding(_repro(tmp_path, rc=2))
+    r = replay(rec, "cpu", "0.23.0", {"vllm.index_remap": None}, tmp_path / "logs", 5)
+    assert r.outcome == "skipped" and "older vLLM 0.23.0" in r.detail
+    # On a release it names, or a newer one (drift), the same exit is broken.
+    for installed, releases in (("0.23.0", {"0.23.0": "present"}), ("0.33.0", {})):
+        rec = read_finding(_repro(tmp_path, f"r-{installed}", rc=2, releases=releases))
+        assert replay(rec, "cpu", installed, {"vllm.index_remap": None}, tmp_path / "logs", 5).outcome == "broken"
+
+
 # -- campaigns --------------------------------------------------------------------------------------------
 def test_gate_specs_one_campaign_per_dtype_and_skips():
     unavailable = {"vllm.index_remap": None, "vllm.flashmla_sparse": None, "vllm.dcp_filter": "not in 0.23.0",
