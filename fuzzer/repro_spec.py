@@ -9,7 +9,8 @@ the target's run() calls; the reproducer shows its source. Expressions may use t
 tensors, `T` (the tensors loaded from tensors.safetensors), `DEVICE`, what earlier calls assigned, and
 `found` (a list a call may add the problems its own checks saw to). An argument may also be a function of
 `fuzzer.support` itself, passed uncalled (repro.py imports it by name): a target whose path a choice decides
-(which backend) passes the function of its choice, so that the reproducer carries that path's code only.
+(which backend) passes the function of its choice (or a tuple of them), so that the reproducer carries that path's
+code only.
 
 Leaf module: the standard library only.
 """
@@ -41,7 +42,8 @@ class Call:
     dropped). `fn` is a module-level function of `fuzzer.support`; its source is copied into repro.py."""
 
     fn: Callable
-    args: Mapping[str, str | Callable] = field(default_factory=dict)  # parameter -> expression (or support function)
+    args: Mapping[str, str | Callable | tuple[Callable, ...]] = field(default_factory=dict)  # parameter -> expression
+    # (or support function, or a tuple of them)
     assign: str = ""
     note: str = ""  # a comment at the end of the line: why this call is here
 

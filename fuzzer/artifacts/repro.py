@@ -198,7 +198,10 @@ def _arguments(fn, given: Mapping[str, str], what: str) -> str:
 
 
 def _expression(value) -> str:
-    """A Call's argument as main() writes it: an expression, or a support function passed by its name."""
+    """A Call's argument as main() writes it: an expression, a support function passed by its name, or a tuple of
+    them."""
+    if isinstance(value, tuple):
+        return "(" + ", ".join(_expression(v) for v in value) + ("," if len(value) == 1 else "") + ")"
     return value if isinstance(value, str) else value.__name__
 
 
@@ -247,7 +250,8 @@ def _shown(spec: ReproSpec):
     the shown ones with their sources, the import lines repro.py needs, and the support roots its support file
     must carry."""
     fns = list(dict.fromkeys(c.fn for c in spec.call))  # the vLLM calls: shown
-    passed = [v for c in (*spec.prepare, *spec.setup, *spec.call) for v in c.args.values() if not isinstance(v, str)]
+    passed = [f for c in (*spec.prepare, *spec.setup, *spec.call) for v in c.args.values() if not isinstance(v, str)
+              for f in (v if isinstance(v, tuple) else (v,))]
     helpers = list(dict.fromkeys(f for f in (*(c.fn for c in (*spec.prepare, *spec.setup)), *passed)
                                  if f not in fns))  # imported
     names = {fn.__name__ for fn in (*fns, *helpers)}

@@ -43,3 +43,9 @@ class StandInRefused(NotImplementedError):
     reproducer's harness as "could not run" (`attnfuzz_refused`)."""
 
     attnfuzz_refused = True
+
+
+class OffPath(StandInRefused):
+    """vLLM called a compiled op its case's path never calls: a reproducer binds the stand-ins of the path it was
+    rendered for (decided from the case), and each other op refuses with this. attnfuzz's failure (exit 2), never
+    vLLM's answer (fuzzer/support/flashmla_runtime.py)."""

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import torch
 
+from fuzzer.support.errors import OffPath
 from fuzzer.support.standins import cache_ops, flashmla_ops
 from fuzzer.support.standins.flash_attn_ops import flash_attn_varlen_func
 from fuzzer.support.standins.importable import importable_as
@@ -64,40 +65,83 @@ def has_cache_op(name: str) -> bool:
     return _has_op("_C_cache_ops", name)
 
 
+# flashmla_sparse's compiled ops by the path of the backend that calls them, each path's stand-ins as {op: stand-in}
+# (`mod`: the backend module). A campaign binds every path's; a reproducer those of its case's path only, decided
+# from the case when it is rendered, and every other op refuses there (`off_path`).
+def bf16_kernel(mod) -> dict:
+    """A bf16 cache (_forward_bf16_kv): FlashMLA's sparse prefill kernel over the cache's rows."""
+    return dict(flash_mla_sparse_fwd=flashmla_ops.flash_mla_sparse_fwd)
+
+
+def fp8_decode(mod) -> dict:
+    """A quantized cache's decode (every token on the mixed-batch path): FlashMLA's sparse decode kernel, its
+    planner (the builder's get_mla_metadata) and its scheduler metadata."""
+    return dict(flash_mla_with_kvcache=flashmla_ops.flash_mla_with_kvcache, get_mla_metadata=flashmla_ops.get_mla_metadata,
+                FlashMLASchedMeta=flashmla_ops.FlashMLASchedMeta)
+
+
+def fp8_prefill(mod) -> dict:
+    """A quantized cache's prefill on the separate prefill/decode path: the upconverting gather into the bf16
+    workspace, then the bf16 kernel."""
+    gather = flashmla_ops.cp_gather_and_upconvert_fp8_kv_cache
+    if "seq_lens" in inspect.signature(mod.ops.cp_gather_and_upconvert_fp8_kv_cache).parameters:  # 0.23's form
+        gather = flashmla_ops.cp_gather_and_upconvert_fp8_kv_cache_seq_lens
+    return dict(cp_gather_and_upconvert_fp8_kv_cache=gather, **bf16_kernel(mod))
+
+
+def q_concat(mod) -> dict:
+    """forward_mqa handed the query as (ql_nope, q_pe), as MLAAttention hands it (every path): concatenated into the
+    padded buffer."""
+    return dict(concat_mla_q=flashmla_ops.concat_mla_q)
+
+
+KERNELS = ("flash_mla_sparse_fwd", "flash_mla_with_kvcache", "get_mla_metadata", "FlashMLASchedMeta")  # FlashMLA's
+CACHE_OPS = ("concat_mla_q", "cp_gather_and_upconvert_fp8_kv_cache")  # vLLM's _custom_ops
+
+
+def off_path(op: str, paths: tuple):
+    """What is bound for an op none of `paths` calls: it refuses (exit 2), so a path decided too narrowly stops the
+    reproducer instead of reaching vLLM's compiled op."""
+
+    def refuse(*args, **kwargs):
+        raise OffPath(f"{op}: not in this reproducer's path ({', '.join(p.__name__ for p in paths)}), so no stand-in "
+                      "was installed for it: the case took a path its reproducer was not rendered for")
+
+    return refuse
+
+
 @functools.cache
-def install_standins(device: str = "cuda") -> tuple[str, ...]:
-    """Bind torch stand-ins where flashmla_sparse looks the compiled ops up: for ops this host lacks, and for
-    every compiled op when the tensors live on the CPU (a CPU run on a GPU host: the CUDA kernels cannot
-    take them)."""
+def install_standins(device: str, paths: tuple) -> tuple[str, ...]:
+    """Bind torch stand-ins where flashmla_sparse looks the compiled ops up, those `paths` call: for ops this host
+    lacks, and for every compiled op when the tensors live on the CPU (a CPU run on a GPU host: the CUDA kernels
+    cannot take them). An op this host lacks that no path calls refuses."""
 
     mod, bound = importlib.import_module(BACKEND_MODULE), []
+    standins = {name: op for path in paths for name, op in path(mod).items()}
     if device == "cpu" or not _has_flashmla_kernels():
-        kernels = dict(flash_mla_sparse_fwd=flashmla_ops.flash_mla_sparse_fwd,
-                       flash_mla_with_kvcache=flashmla_ops.flash_mla_with_kvcache,
-                       get_mla_metadata=flashmla_ops.get_mla_metadata, FlashMLASchedMeta=flashmla_ops.FlashMLASchedMeta)
-        for name, standin in kernels.items():
-            setattr(mod, name, standin)
-        bound += ["flash_mla_sparse_fwd", "flash_mla_with_kvcache", "get_mla_metadata"]
-    cache_standins = dict(concat_mla_q=flashmla_ops.concat_mla_q,
-                          cp_gather_and_upconvert_fp8_kv_cache=flashmla_ops.cp_gather_and_upconvert_fp8_kv_cache)
-    standins = {n: op for n, op in cache_standins.items() if device == "cpu" or not has_cache_op(n)}
-    if standins:  # `ops` is vLLM's _custom_ops, bound by name: rebind it to a copy with the stand-ins
-        if "cp_gather_and_upconvert_fp8_kv_cache" in standins and "seq_lens" in inspect.signature(
-                mod.ops.cp_gather_and_upconvert_fp8_kv_cache).parameters:  # 0.23's form of the op
-            standins["cp_gather_and_upconvert_fp8_kv_cache"] = flashmla_ops.cp_gather_and_upconvert_fp8_kv_cache_seq_lens
-        mod.ops = SimpleNamespace(**{**vars(mod.ops), **standins})
-        bound += list(standins)
+        for name in KERNELS:
+            setattr(mod, name, standins.get(name) or off_path(name, paths))
+        bound += [n for n in KERNELS if n in standins and n != "FlashMLASchedMeta"]
+    missing = {n: standins.get(n) or off_path(n, paths) for n in CACHE_OPS if device == "cpu" or not has_cache_op(n)}
+    if missing:  # `ops` is vLLM's _custom_ops, bound by name: rebind it to a copy with the stand-ins
+        mod.ops = SimpleNamespace(**{**vars(mod.ops), **missing})
+        bound += [n for n in missing if n in standins]
     return tuple(bound)
+
+
+def flashmla_sparse_backend(device: str = "cuda"):
+    """(vLLM's FLASHMLA_SPARSE backend class, the stand-ins bound for it here: every path's, `install_standins`)."""
+    return flashmla_sparse_backend_for(device, (bf16_kernel, fp8_decode, fp8_prefill, q_concat))
+
+
+@functools.cache
+def flashmla_sparse_backend_for(device: str, paths: tuple):
+    """flashmla_sparse_backend with the stand-ins of `paths` only (a reproducer's: its case's path)."""
+    return importlib.import_module(BACKEND_MODULE).FlashMLASparseBackend, install_standins(device, paths)
 
 
 FLASH_ATTN_SPARSE_MODULE = "vllm.v1.attention.backends.mla.flashattn_mla_sparse"
 FLASH_ATTN_INTERFACE = "vllm.vllm_flash_attn.flash_attn_interface"
-
-
-@functools.cache
-def flashmla_sparse_backend(device: str = "cuda"):
-    """(vLLM's FLASHMLA_SPARSE backend class, the stand-ins bound for it here: `install_standins`)."""
-    return importlib.import_module(BACKEND_MODULE).FlashMLASparseBackend, install_standins(device)
 
 
 @functools.cache

@@ -65,17 +65,18 @@ def prepare_cpu_plumbing(device: str) -> list[str]:
     return shims
 
 
-def prepare_host(load_backend, device: str):
+def prepare_host(load_backend, device: str, paths: tuple = ()):
     """(vLLM's backend class, the ops attnfuzz's stand-ins replace on this host, the shims installed);
-    `load_backend`: the backend's loader in flashmla_runtime (flashmla_sparse_backend, flash_attn_sparse_backend)."""
+    `load_backend`: the backend's loader in flashmla_runtime (flashmla_sparse_backend, flash_attn_sparse_backend),
+    handed `paths` where given (flashmla_sparse_backend_for: the stand-ins of the case's path only)."""
     shims = prepare_cpu(device)
-    backend, emulated = load_backend(device)
+    backend, emulated = load_backend(device, paths) if paths else load_backend(device)
     return backend, emulated, shims
 
 
-def prepare_layer_host(load_backend, device: str):
+def prepare_layer_host(load_backend, device: str, paths: tuple = ()):
     """prepare_host, and stand-ins for the compiled ops of MLAAttention's dense-MHA path this host lacks."""
-    backend, emulated, shims = prepare_host(load_backend, device)
+    backend, emulated, shims = prepare_host(load_backend, device, paths)
     return backend, tuple(dict.fromkeys((*emulated, *install_layer_standins(device)))), shims
 
 

@@ -80,7 +80,7 @@ class FlashAttnMLASparseFA4(FlashInferMLASparseSM100):
             "(fuzzer.support.standins.flash_attn_fa4, flashinfer_trtllm_mla), vLLM's flash_attn_varlen_func its own, "
             "vLLM's platform check bypassed as that device's host would pass it."))
 
-    def repro_prepare(self, layer: bool) -> tuple[Call, ...]:
+    def repro_prepare(self, layer: bool, case=None) -> tuple[Call, ...]:
         return (Call(flashattn_fa4_runtime.prepare_host, dict(device="DEVICE"), assign="backend, emulated, shims"),)
 
     def repro_engine(self, case, layer: bool) -> Call:

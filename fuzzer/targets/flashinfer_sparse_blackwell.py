@@ -130,7 +130,7 @@ class FlashInferMLASparseBlackwell(FlashMLASparse):
             f"SM{self.MAJOR}0 device (flashinfer 0.7.2.post1's API and checks; fuzzer.support.standins."
             "flashinfer_trtllm_mla), vLLM's platform check bypassed as that device's host would pass it."))
 
-    def repro_prepare(self, layer: bool) -> tuple[Call, ...]:
+    def repro_prepare(self, layer: bool, case=None) -> tuple[Call, ...]:
         return (Call(flashinfer_sparse_runtime.prepare_host, dict(major=repr(self.MAJOR), device="DEVICE"),
                      assign="backend, emulated, shims"),)
 

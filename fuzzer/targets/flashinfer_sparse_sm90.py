@@ -158,7 +158,7 @@ class FlashInferMLASparseSM90(FlashMLASparse):
     def repro_spec(self, finding) -> ReproSpec:
         return sm90_repro(self, finding, layer=False)
 
-    def repro_prepare(self, layer: bool) -> tuple[Call, ...]:
+    def repro_prepare(self, layer: bool, case=None) -> tuple[Call, ...]:
         return (Call(flashinfer_runtime.prepare_sm90_host, dict(device="DEVICE"), assign="backend, emulated, shims"),)
 
     def repro_spec_call(self) -> Call:

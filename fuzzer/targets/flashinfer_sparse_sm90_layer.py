@@ -54,9 +54,9 @@ class FlashInferMLASparseSM90Layer(FlashMLASparseLayer, FlashInferMLASparseSM90)
     def repro_spec(self, finding):
         return sm90_repro(self, finding, layer=True)
 
-    def repro_prepare(self, layer: bool) -> tuple[Call, ...]:
+    def repro_prepare(self, layer: bool, case=None) -> tuple[Call, ...]:
         if not layer:
-            return super().repro_prepare(layer)
+            return super().repro_prepare(layer, case)
         return (Call(flashinfer_runtime.prepare_sm90_layer_host, dict(device="DEVICE"),
                      assign="backend, emulated, shims"),)
 

@@ -14,17 +14,22 @@ from dataclasses import dataclass, field
 import torch
 
 from fuzzer.env import STATE_DIR
-from fuzzer.repro_spec import Call, Judge, ReproSpec
+from fuzzer.repro_spec import Call, Judge, ReproSpec, unchecked_unless_memory
 from fuzzer.support.cudagraphs import EMULATED as EMULATED_GRAPHS
 from fuzzer.support.flashmla_runtime import (
     FP8_ENTRY_BYTES,
     MAX_MODEL_LEN,
     SPARSE_BACKENDS,
     _try_import,
+    bf16_kernel,
     configure,
+    flashmla_sparse_backend_for,
+    fp8_decode,
+    fp8_prefill,
     guard_index_group,
     has_cache_op,
     prefill_outputs_under_initcheck,
+    q_concat,
     vllm_runtime,
 )
 from fuzzer.support.sparse_mla_steps import (
@@ -321,15 +326,20 @@ class FlashMLASparse(Target):
 
 
     def repro_spec(self, finding) -> ReproSpec:
-        return flashmla_repro(self, finding, layer=False)
+        """The step's reproducer; a finding that is not a memory one runs vLLM's interpreted kernels without the bounds
+        checker (the layer's keeps it: its dense-MHA kernels' scalar masks need the checker's correction)."""
+        return unchecked_unless_memory(flashmla_repro(self, finding, layer=False), finding,
+                                       "the stand-ins check their own accesses")
 
     # The reproducer's calls that differ between the backends of this family (flashmla_repro makes the rest).
-    def repro_prepare(self, layer: bool) -> tuple[Call, ...]:
+    def repro_prepare(self, layer: bool, case=None) -> tuple[Call, ...]:
         """What prepare() ran: the host prepared for this backend (its loader passed: the reproducer carries this
-        backend's stand-ins only) and, in a GPU reproducer, FlashMLA's outputs prefilled under initcheck (a CPU
-        one's DEVICE never takes that path)."""
-        host = Call(prepare_layer_host if layer else prepare_host,
-                    dict(load_backend=SPARSE_BACKENDS[self.vllm_backend], device="DEVICE"),
+        backend's stand-ins only; FLASHMLA_SPARSE's, those of `case`'s path: `standin_paths`) and, in a GPU
+        reproducer, FlashMLA's outputs prefilled under initcheck (a CPU one's DEVICE never takes that path)."""
+        load = dict(load_backend=SPARSE_BACKENDS[self.vllm_backend])
+        if self.vllm_backend == "FLASHMLA_SPARSE" and case is not None:
+            load = dict(load_backend=flashmla_sparse_backend_for, paths=standin_paths(case))
+        host = Call(prepare_layer_host if layer else prepare_host, dict(load, device="DEVICE"),
                     assign="backend, emulated, shims")
         if self.device == "cpu":
             return (host,)
@@ -348,6 +358,16 @@ class FlashMLASparse(Target):
         return Call(sparse_mla_engine, dict(backend="backend", spec="spec", cfg="cfg", heads="HEADS",
                                             kv_cache_dtype="KV_CACHE_DTYPE", topk_indices_buffer="topk_indices_buffer",
                                             device="DEVICE"), assign="builder, impl")
+
+
+def standin_paths(case) -> tuple:
+    """The paths of flashmla_sparse that call compiled ops in `case` (flashmla_runtime's path functions), decided from
+    the case: the query's concatenation (forward_mqa is handed (ql_nope, q_pe), as MLAAttention hands it), then a bf16
+    cache's kernel, or a quantized cache's decode and, where a request has more than one new token (a prefill, the
+    separate path's), its upconverting gather and bf16 kernel."""
+    quantized = case.kv_cache_dtype != "bfloat16"
+    prefill = any(r.query_len > 1 for step in case.steps for r in step.requests)
+    return (q_concat, *((fp8_decode, *([fp8_prefill] * prefill)) if quantized else (bf16_kernel,)))
 
 
 def flashmla_repro(target, finding, layer: bool) -> ReproSpec:
@@ -435,7 +455,7 @@ def flashmla_repro(target, finding, layer: bool) -> ReproSpec:
                                TABLE_WIDTH=len(case.block_table[0])) if graphs else {}),
                        STEPS=constants, ATOL=atol, RTOL=rtol),
         tensors=tensors,
-        prepare=target.repro_prepare(layer),
+        prepare=target.repro_prepare(layer, case),
         setup=(Call(step_config, dict(device="DEVICE", heads="HEADS", topk_width="TOPK_WIDTH",
                                       kv_cache_dtype="KV_CACHE_DTYPE", block_size="BLOCK_SIZE",
                                       max_num_batched_tokens="TOPK_ROWS"), assign="cfg"),

@@ -24,7 +24,7 @@ from fuzzer.support.flashmla_sm100_runtime import SM100_SHIM, flashmla_sparse_sm
 from fuzzer.support.sparse_mla_steps import prepare_host
 from fuzzer.support.standins.flashmla_ops import NVFP4_ENTRY_BYTES, concat_and_cache_mla
 from fuzzer.targets.base import WHOLE, RunPlan
-from fuzzer.targets.flashmla_sparse import FlashMLASparse, flashmla_repro
+from fuzzer.targets.flashmla_sparse import FlashMLASparse
 from fuzzer.targets.harness import paged_cache
 from strategies.batches import AttentionFeatures, attention_space
 
@@ -93,10 +93,7 @@ class FlashMLASparseNvfp4(FlashMLASparse):
         obs.notes["not_public"] = NOT_PUBLIC
         return obs
 
-    def repro_spec(self, finding):
-        return flashmla_repro(self, finding, layer=False)
-
-    def repro_prepare(self, layer: bool) -> tuple[Call, ...]:
+    def repro_prepare(self, layer: bool, case=None) -> tuple[Call, ...]:
         return (Call(prepare_host, dict(load_backend=flashmla_sparse_sm100_backend, device="DEVICE"),
                      assign="backend, emulated, shims"),)
 

@@ -166,7 +166,7 @@ class RocmAiterMLASparse(FlashMLASparse):
             "would pass it."))
         return unchecked_unless_memory(spec, finding, "the stand-ins check their own accesses")
 
-    def repro_prepare(self, layer: bool) -> tuple[Call, ...]:
+    def repro_prepare(self, layer: bool, case=None) -> tuple[Call, ...]:
         return (Call(runtime.prepare_host, dict(device="DEVICE"), assign="backend, emulated, shims"),)
 
     def repro_spec_call(self) -> Call:

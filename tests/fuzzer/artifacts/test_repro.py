@@ -314,6 +314,64 @@ def test_a_flashinfer_sm90_reproducer_carries_only_what_its_path_reaches():
     assert (d / SUPPORT_FILE).read_text() == support.replace(finding.id, record.id)
 
 
+@pytest.mark.vllm
+def test_a_flashmla_reproducer_carries_the_stand_ins_of_its_case_path_only():
+    """The committed bf16 FLASHMLA_SPARSE output finding, rendered: the stand-ins of its path (the query concatenation,
+    the bf16 sparse kernel) and none of the fp8 decode, the upconverting gathers or the NVFP4/V4 record forms; every
+    other op bound to refuse (off_path); no interpreter bounds checker (not a memory finding). The committed files are
+    this rendering (but for the id they were saved under)."""
+    from fuzzer.observation import Observation
+    from fuzzer.records import Finding, read_finding
+    from fuzzer.support.flashmla_runtime import bf16_kernel, q_concat
+    from fuzzer.targets.flashmla_sparse import FlashMLASparse
+    from strategies.case import Case
+
+    d = ROOT / "repros" / "flashmla-sparse-80e429b9"
+    record = read_finding(d)
+    finding = Finding.from_record(record, Case.from_json((d / "case.json").read_text()))
+    finding.observation = Observation(record.target, "cpu")
+    spec = FlashMLASparse("cpu").repro_spec(finding)
+    assert spec.prepare[0].args["paths"] == (q_concat, bf16_kernel) and not spec.bounds_checked
+    files = render(finding, spec)
+    script, support = files["repro.py"], files[SUPPORT_FILE]
+    assert "paths=(q_concat, bf16_kernel))" in script and "with vllm_call(VIOLATIONS) as call:" in script
+    assert len(support.splitlines()) <= 900, len(support.splitlines())
+    modules = _support_sources(support)
+    ops = modules["fuzzer.support.standins.flashmla_ops"]
+    assert "def flash_mla_sparse_fwd(" in ops and "def concat_mla_q(" in ops
+    for absent in ("def flash_mla_with_kvcache(", "def cp_gather_and_upconvert", "def dequantize_", "_records(",
+                   "def get_mla_metadata("):
+        assert absent not in ops, absent
+    assert "def off_path(" in modules["fuzzer.support.flashmla_runtime"]
+    assert "class InterpreterSanitizer" not in support
+    assert (d / "repro.py").read_text() == script.replace(finding.id, record.id)
+    assert (d / SUPPORT_FILE).read_text() == support.replace(finding.id, record.id)
+
+
+def test_an_op_off_the_reproducers_path_refuses_so_the_reproducer_cannot_pass():
+    """A path decided from the case too narrowly never reaches vLLM's compiled op: the op refuses, and the harness
+    reads that as attnfuzz's failure (exit 2), never vLLM's answer."""
+    from fuzzer.artifacts.repro_harness import vllms_answer
+    from fuzzer.support.flashmla_runtime import bf16_kernel, off_path, q_concat
+
+    with pytest.raises(NotImplementedError, match="not in this reproducer's path .q_concat, bf16_kernel.") as e:
+        off_path("flash_mla_with_kvcache", (q_concat, bf16_kernel))(None, k_cache=None)
+    assert not vllms_answer(e.value)
+
+
+def test_a_flashmla_case_path_follows_its_cache_and_its_prefills():
+    from fuzzer.support.flashmla_runtime import bf16_kernel, fp8_decode, fp8_prefill, q_concat
+    from fuzzer.targets.flashmla_sparse import standin_paths
+
+    def case(dtype, *query_lens):
+        return SimpleNamespace(kv_cache_dtype=dtype, steps=[SimpleNamespace(
+            requests=[SimpleNamespace(query_len=q) for q in query_lens])])
+
+    assert standin_paths(case("bfloat16", 1, 5)) == (q_concat, bf16_kernel)
+    assert standin_paths(case("fp8_ds_mla", 1, 1, 0)) == (q_concat, fp8_decode)
+    assert standin_paths(case("fp8_ds_mla", 1, 3)) == (q_concat, fp8_decode, fp8_prefill)
+
+
 def test_the_dsv4_judge_takes_c128a_rows_at_the_width_vllm_chose_and_names_what_differs():
     import torch
 
