@@ -242,6 +242,7 @@ def _fleet(tmp_path, *argv: str, wait: bool = True):
 
 @pytest.mark.vllm
 @pytest.mark.slow
+@pytest.mark.nightly  # 58 s; CI keeps the merge, the directory index and the report's sums as unit tests
 def test_two_workers_dedup_and_a_second_run_replays_first(tmp_path):
     # Run 1: two workers on one database until both have found the bug, then SIGTERM: they still save it.
     proc = _fleet(tmp_path, "--workers", "2", "--time-budget", "10m", "--json", str(tmp_path / "s1.json"),

@@ -76,6 +76,7 @@ def test_a_hang_is_killed_by_the_watchdog_and_confirmed_on_a_fresh_worker(tmp_pa
     assert "- seen by: the watchdog: no result within 5 s, nor within 20 s on a fresh worker\n" in report
 
 
+@pytest.mark.nightly  # 29 s; CI keeps the watchdog's path in the two hang tests above
 def test_a_case_past_the_deadline_once_is_no_hang(tmp_path):
     """Once: `--case-timeout 5s` on a loaded 2-core host saved a working case as a hang (0 of 3 re-runs, after 5
     minutes of shrinking, exit 1). A case past the watchdog's deadline runs again on a fresh worker with a longer
