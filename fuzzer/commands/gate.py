@@ -195,15 +195,11 @@ def replay(record: FindingRecord, device: str, vllm_version: str, unavailable: d
             rc = None
     seconds = time.monotonic() - start
     outcome = replay_outcome(expects, rc)
-    if outcome == "broken" and rc == 2 and predates(vllm_version, record):
-        # Made on a newer release, with no record for this one: what it calls may not exist yet. Only a release
-        # the finding names, or a newer one (drift), makes a reproducer that cannot run its call broken.
-        output = log.read_text(errors="replace")
-        why = [ln for ln in output.splitlines() if ln.startswith("COULD NOT RUN")]
-        return ReproResult(**base, expected="-", outcome="skipped", returncode=rc, seconds=seconds,
-                           detail=f"made on vLLM {record.host.get('vllm', '?')}, no record for the older vLLM "
-                                  f"{vllm_version}, where it could not run its call" + (f"; {why[-1]}" if why else ""),
-                           log="\n".join(output.strip().splitlines()[-15:]))
+    # Made on a newer release, with no record for this one: what it calls may not exist yet. Only a release the
+    # finding names, or a newer one (drift), makes a reproducer that cannot run its call broken.
+    older = outcome == "broken" and rc == 2 and predates(vllm_version, record)
+    if older:
+        outcome = "skipped"
     detail = {
         "known": f"known bug, still present on vLLM {vllm_version}: {record.title}",
         "now-passes": f"expected present on vLLM {vllm_version}, now passes: good news; record it in finding.json "
@@ -212,17 +208,20 @@ def replay(record: FindingRecord, device: str, vllm_version: str, unavailable: d
         "regressed": f"REGRESSION: a fixed bug is back on vLLM {vllm_version}: {record.title}",
         "broken": f"BROKEN: the reproducer could not run its call ({'timed out' if rc is None else f'exit {rc}'}): "
                   "it says nothing about the bug",
+        "skipped": f"made on vLLM {record.host.get('vllm', '?')}, no record for the older vLLM {vllm_version}, where "
+                   "it could not run its call",
     }[outcome]
     if record.sanitizer and outcome == "now-passes":
         detail += f" (made under compute-sanitizer --tool {record.sanitizer}: run plainly it may not show)"
     output = log.read_text(errors="replace")
     tail = "\n".join(output.strip().splitlines()[-15:])
-    if outcome == "broken" and (why := [ln for ln in tail.splitlines() if ln.startswith("COULD NOT RUN")]):
+    if outcome in ("broken", "skipped") and (why := [ln for ln in tail.splitlines() if ln.startswith("COULD NOT RUN")]):
         detail += f"; {why[-1]}"
     emulated = reported_stand_ins(output)
     if emulated:
         detail += f" (stand-ins: {', '.join(emulated)})"
-    return ReproResult(**base, expected="present" if expects else "absent", outcome=outcome, returncode=rc,
+    return ReproResult(**base, expected="-" if older else "present" if expects else "absent", outcome=outcome,
+                       returncode=rc,
                        seconds=seconds, detail=detail, emulated=emulated, log=tail)
 
 

@@ -115,7 +115,7 @@ def install_standins(device: str, paths: tuple) -> tuple[str, ...]:
     """Bind torch stand-ins where flashmla_sparse looks the compiled ops up, those `paths` call: for ops this host
     lacks, and for every compiled op when the tensors live on the CPU (a CPU run on a GPU host: the CUDA kernels
     cannot take them). An op this host lacks that no path calls refuses."""
-
+    install_standins.cache_clear()  # the module holds one binding: after another, an earlier one must bind again
     mod, bound = importlib.import_module(BACKEND_MODULE), []
     standins = {name: op for path in paths for name, op in path(mod).items()}
     if device == "cpu" or not _has_flashmla_kernels():
@@ -134,7 +134,6 @@ def flashmla_sparse_backend(device: str = "cuda"):
     return flashmla_sparse_backend_for(device, (bf16_kernel, fp8_decode, fp8_prefill, q_concat))
 
 
-@functools.cache
 def flashmla_sparse_backend_for(device: str, paths: tuple):
     """flashmla_sparse_backend with the stand-ins of `paths` only (a reproducer's: its case's path)."""
     return importlib.import_module(BACKEND_MODULE).FlashMLASparseBackend, install_standins(device, paths)

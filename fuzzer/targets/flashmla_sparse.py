@@ -367,7 +367,9 @@ def standin_paths(case) -> tuple:
     separate path's), its upconverting gather and bf16 kernel."""
     quantized = case.kv_cache_dtype != "bfloat16"
     prefill = any(r.query_len > 1 for step in case.steps for r in step.requests)
-    return (q_concat, *((fp8_decode, *([fp8_prefill] * prefill)) if quantized else (bf16_kernel,)))
+    if not quantized:
+        return q_concat, bf16_kernel
+    return (q_concat, fp8_decode, fp8_prefill) if prefill else (q_concat, fp8_decode)
 
 
 def flashmla_repro(target, finding, layer: bool) -> ReproSpec:

@@ -359,6 +359,20 @@ def test_an_op_off_the_reproducers_path_refuses_so_the_reproducer_cannot_pass():
     assert not vllms_answer(e.value)
 
 
+def test_binding_every_path_again_after_a_narrow_binding_lifts_its_refusals():
+    """One process that bound a reproducer's narrow path and then every path (a campaign) gets every stand-in back."""
+    import importlib
+
+    from fuzzer.support.flashmla_runtime import BACKEND_MODULE, bf16_kernel, flashmla_sparse_backend, install_standins, q_concat
+
+    flashmla_sparse_backend("cpu")
+    mod = importlib.import_module(BACKEND_MODULE)
+    install_standins("cpu", (q_concat, bf16_kernel))
+    assert mod.flash_mla_with_kvcache.__name__ == "refuse"
+    flashmla_sparse_backend("cpu")
+    assert mod.flash_mla_with_kvcache.__name__ == "flash_mla_with_kvcache"
+
+
 def test_a_flashmla_case_path_follows_its_cache_and_its_prefills():
     from fuzzer.support.flashmla_runtime import bf16_kernel, fp8_decode, fp8_prefill, q_concat
     from fuzzer.targets.flashmla_sparse import standin_paths
