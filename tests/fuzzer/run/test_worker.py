@@ -135,6 +135,7 @@ def test_sigkill_of_the_campaign_loses_no_finding(tmp_path):
     assert not list((tmp_path / "state" / "pending" / "selftest.fault").glob("*/finding.json"))
 
 
+@pytest.mark.nightly  # ~70 s (three workers start); CI keeps the replace-a-dead-worker path in the crash tests above
 def test_a_lost_device_replaces_the_worker_and_a_recycled_worker_is_replaced_too(tmp_path, monkeypatch):
     from fuzzer.run.worker import WorkerExecutor, WorkerSpec
     from strategies.case import Case

@@ -129,9 +129,9 @@ def test_sparse_prefill_standin_masks_by_contract_and_reports_faults():
 
 def test_the_padded_heads_mutant_is_found_and_its_standalone_reproducer_shows_it(tmp_path):
     """flashmla-padded-heads-out (class J, the output keeps FlashMLA's padded heads) found by a campaign of single
-    fresh steps (the head envelope needs no earlier step, and a step shrinks faster); the saved repro.py (torch +
-    vLLM only, attnfuzz's support code in attnfuzz_support.py beside it, the mutant inlined) shows the bug and
-    exits 1."""
+    fresh steps (the head envelope needs no earlier step), unshrunk (test_run's seed-bug test shrinks); the saved
+    repro.py (torch + vLLM only, attnfuzz's support code in attnfuzz_support.py beside it, the mutant inlined) shows
+    the bug and exits 1."""
     import json
 
     from fuzzer.support.flashmla_runtime import _try_import
@@ -142,7 +142,7 @@ def test_the_padded_heads_mutant_is_found_and_its_standalone_reproducer_shows_it
     if _try_import("vllm.v1.attention.backends.mla.index_group") is None:
         pytest.skip("the mutant edits 0.33's head slicing; older releases slice differently")
     run = attnfuzz("--device", "cpu", "run", "--target", "vllm.flashmla_sparse", "--inject", "flashmla-padded-heads-out",
-                   "--max-examples", "20", "--max-findings", "1", "--reruns", "0", "--max-steps", "1", "--quiet",
+                   "--max-examples", "20", "--max-findings", "1", "--reruns", "0", "--max-steps", "1", "--no-shrink", "--quiet",
                    "--repros", str(tmp_path / "repros"), "--json", str(tmp_path / "run.json"), state=tmp_path / "state")
     if run.returncode == 2 and "not found in this vLLM" in run.stderr:
         pytest.skip("the mutant patches 0.33's padded-heads slice; this release has none to patch")
