@@ -80,9 +80,6 @@ class _SupportFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
                                       name=name)
         return None
 
-    def create_module(self, spec):
-        return None
-
     def exec_module(self, module):
         if module.__name__ in SUPPORT:
             source, filename = SUPPORT[module.__name__], f"<attnfuzz_support: {module.__name__}>"
@@ -101,10 +98,11 @@ def _harness() -> str:
 
 
 def judges_source(judge: str) -> str:
-    """fuzzer/artifacts/repro_judges.py cut to the judge a reproducer calls (with its helpers)."""
-    return ("# attnfuzz's fuzzer.artifacts.repro_judges: the check this reproducer runs.\n\n"
-            "from __future__ import annotations\n\nimport torch\n\n\n"
-            + "\n\n".join(inspect.getsource(fn) for fn in repro_judges.FUNCTIONS[judge]))
+    """fuzzer/artifacts/repro_judges.py cut to the judge a reproducer calls (with its helpers), without docstrings
+    as the slicer leaves them out (the heading names the file)."""
+    functions = [slicer.without_docstrings(inspect.getsource(fn)) for fn in repro_judges.FUNCTIONS[judge]]
+    return ("# fuzzer/artifacts/repro_judges.py: the check this reproducer runs (docstrings: see there)\n\n"
+            "from __future__ import annotations\n\nimport torch\n\n\n" + "\n\n".join(functions))
 
 
 def support_body(sources: dict[str, str]) -> str:
@@ -121,11 +119,10 @@ def support_body(sources: dict[str, str]) -> str:
 
 
 def support_file(sources: dict[str, str]) -> str:
-    listed = "".join(f"  {m}\n" for m in sources)
     return ('"""attnfuzz\'s support code for repro.py beside it, generated: the harness repro.py runs under (exit\n'
-            "codes), and of each module below the statements repro.py reaches, importable under the module's own name\n"
-            f"once this file is imported (as inside attnfuzz):\n{listed}"
-            'Needs torch, numpy, triton and vLLM only."""\n\n' + support_body(sources))
+            "codes), and of each module in SUPPORT the statements repro.py reaches, importable under the module's own\n"
+            'name once this file is imported (as inside attnfuzz). Needs torch, numpy, triton and vLLM only."""\n\n'
+            + support_body(sources))
 
 
 # -- the script -----------------------------------------------------------------------------------------------
@@ -310,7 +307,7 @@ def render(finding, spec: ReproSpec, standalone: bool = False) -> dict[str, str]
     fn = repro_judges.FUNCTIONS[judge][-1]
     if not standalone:  # served beside repro.py (standalone: the check's source closes the script)
         sources["fuzzer.artifacts.repro_judges"] = judges_source(judge)
-        support_imports.append(f"from attnfuzz_support import {fn.__name__}")
+        support_imports.append(f"from fuzzer.artifacts.repro_judges import {fn.__name__}")
     support_imports = _grouped(support_imports)
     body = [_line(c) for c in spec.prepare]
     if spec.bounds_checked:

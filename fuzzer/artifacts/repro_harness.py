@@ -5,7 +5,6 @@ verbatim into the reproducer's attnfuzz_support.py (standard library only: it gu
 """
 
 import contextlib
-import importlib
 import sys
 import traceback
 
@@ -31,19 +30,12 @@ def vllms_answer(e):  # judged, unless a name or signature this vLLM lacks (met 
                 or getattr(e, "attnfuzz_refused", False))  # an attnfuzz stand-in refused a form it does not model
 
 
-class stage:
-    """`with stage("the set-up"):` a step before vLLM's answer; an exception in it exits 2."""
-
-    def __init__(self, name):
-        self.name = name
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, e, tb):
-        if isinstance(e, Exception):
-            sys.exit(could_not_run(self.name, e))
-        return False
+@contextlib.contextmanager
+def stage(name):  # `with stage("the set-up"):` a step before vLLM's answer; an exception in it exits 2
+    try:
+        yield
+    except Exception as e:
+        sys.exit(could_not_run(name, e))
 
 
 class vllm_call:
@@ -65,15 +57,11 @@ class vllm_call:
             sys.exit(could_not_run("the call", e))
         self.problems = [v.describe() for v in self.seen]
         self.error = e if isinstance(e, Exception) else None
+        self.raised = f"raised {type(e).__name__}: {e}" if self.error is not None else None
         return self.error is not None
 
-    @property
-    def raised(self):
-        return f"raised {type(self.error).__name__}: {self.error}"
 
-
-def verdict(problems):
-    """Prints each problem and what they mean; the exit code: 1 with the bug present, 0 fixed."""
+def verdict(problems):  # prints each problem; the exit code: 1 with the bug present, 0 fixed
     for p in problems:
         print("BUG:", p)
     version = getattr(sys.modules.get("vllm"), "__version__", "(not imported)")
@@ -81,16 +69,9 @@ def verdict(problems):
     return 1 if problems else 0
 
 
-def run(main):
-    """Exits with `main()`'s code; 2 where the check itself failed."""
+def run(main):  # exits with main()'s code; 2 where the check itself failed
     try:
         code = main()
     except Exception as e:  # in the check itself
         code = could_not_run("the check", e)
     sys.exit(code)
-
-
-def __getattr__(name):  # the check, as attnfuzz_support.judge_<name>: imported (with torch) when asked for
-    if name.startswith(("judge_", "compare_to_reference")) and "fuzzer.artifacts.repro_judges" in SUPPORT:
-        return getattr(importlib.import_module("fuzzer.artifacts.repro_judges"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

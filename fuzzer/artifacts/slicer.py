@@ -6,7 +6,8 @@ definition those names need in `fuzzer.support.*` (module-level names, `alias.at
 modules, imports inside functions, `importlib.import_module("fuzzer.support...")`) and returns each module's
 source cut down to those statements, in their own order. A support module's top-level statement that defines
 nothing (a registration call) is always kept, with what it needs. A slice leaves out docstrings and comment-only
-lines (a heading names the file they are in): the reproducer's support file is read for what it runs.
+lines (a heading names the file they are in; a body that is a docstring only becomes `pass`): the reproducer's
+support file is read for what it runs.
 """
 
 from __future__ import annotations
@@ -228,20 +229,36 @@ def _docstring(node: ast.AST) -> ast.Expr | None:
     return None
 
 
-def _dropped_lines(mod: _Module, stmt: ast.stmt) -> set[int]:
-    """Line numbers (1-based) of `stmt`'s docstrings and comment-only lines, and the blank lines right after a
-    docstring: what a slice leaves out (a docstring that is a whole body stays: it is the body)."""
-    drop = {n for n in range(stmt.lineno, stmt.end_lineno + 1) if n in mod.comment_lines}
+def _docstring_lines(stmt: ast.AST, lines: list[str], comment_lines: set[int]) -> dict[int, str]:
+    """{line number (1-based): what it becomes ("" to leave it out)} for `stmt`'s docstrings and comment-only lines,
+    and the blank lines right after a docstring; a docstring that is a whole body (an exception class's) becomes
+    `pass`. A docstring on its definition's line stays."""
+    end = stmt.end_lineno
+    out = {n: "" for n in range(stmt.lineno, end + 1) if n in comment_lines}
     for node in ast.walk(stmt):
         doc = _docstring(node)
-        if doc is None or len(node.body) == 1 or doc.lineno == node.lineno:
+        if doc is None or doc.lineno == node.lineno:
             continue
-        drop |= set(range(doc.lineno, doc.end_lineno + 1))
+        out.update({n: "" for n in range(doc.lineno, doc.end_lineno + 1)})
+        if len(node.body) == 1:
+            out[doc.lineno] = " " * doc.col_offset + "pass\n"
         after = doc.end_lineno + 1
-        while after <= stmt.end_lineno and not mod.lines[after - 1].strip():
-            drop.add(after)
+        while after <= end and not lines[after - 1].strip():
+            out[after] = ""
             after += 1
-    return drop
+    return out
+
+
+def without_docstrings(source: str) -> str:
+    """`source` (one definition) without its docstrings and comment-only lines, as a slice leaves them out."""
+    lines = source.splitlines(keepends=True)
+    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+    comments = {t.start[0] for t in tokens if t.type == tokenize.COMMENT and not lines[t.start[0] - 1][: t.start[1]].strip()}
+    tree = ast.parse(source)
+    changed = {}
+    for stmt in tree.body:
+        changed.update(_docstring_lines(stmt, lines, comments))
+    return "".join(changed.get(n, line) for n, line in enumerate(lines, start=1))
 
 
 def _import_line(node: ast.ImportFrom, width: int = 120) -> str:
@@ -276,8 +293,8 @@ def _render(mod: _Module, keep: set[int], imported: dict[int, set[str]]) -> str:
             parts.append((True, _import_line(ast.ImportFrom(module=s.module, names=names, level=s.level))))
         elif i in keep:
             start = min([s.lineno, *(d.lineno for d in getattr(s, "decorator_list", []))])
-            drop = _dropped_lines(mod, s)
-            text = "".join(mod.lines[n - 1] for n in range(start, s.end_lineno + 1) if n not in drop)
+            changed = _docstring_lines(s, mod.lines, mod.comment_lines)
+            text = "".join(changed.get(n, mod.lines[n - 1]) for n in range(start, s.end_lineno + 1))
             parts.append((isinstance(s, _SIMPLE), text.rstrip("\n")))
     reached = f"{len(keep)} of its {len(mod.stmts)}" if len(keep) < len(mod.stmts) else "all its"
     out = [f"# {path}: {reached} top-level statements (docstrings, comment lines: see there)"]

@@ -47,15 +47,10 @@ class MemoryViolation:
 
     def describe(self) -> str:
         where = "inside its allocation" if self.inside_allocation else "outside every argument's allocation"
-        rel = (
-            f"{self.byte_offset - self.argument_bytes} bytes after the end of"
-            if self.byte_offset >= self.argument_bytes
-            else f"{-self.byte_offset} bytes before"
-        )
-        return (
-            f"out-of-bounds {self.op} of {self.element_bytes} bytes in {self.kernel} (program {self.program_id}): "
-            f"{self.lanes} lane(s), first {rel} `{self.argument}` ({self.argument_bytes} bytes; {where})"
-        )
+        past = self.byte_offset - self.argument_bytes
+        rel = f"{past} bytes after the end of" if past >= 0 else f"{-self.byte_offset} bytes before"
+        return (f"out-of-bounds {self.op} of {self.element_bytes} bytes in {self.kernel} (program {self.program_id}): "
+                f"{self.lanes} lane(s), first {rel} `{self.argument}` ({self.argument_bytes} bytes; {where})")
 
 
 @dataclass(frozen=True)
