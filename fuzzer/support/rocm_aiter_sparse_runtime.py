@@ -26,9 +26,11 @@ from types import SimpleNamespace
 
 import torch
 
+from fuzzer.support.cpu_host import interpreter_corrections
 from fuzzer.support.flashinfer_sparse_runtime import _has_c_op, kv_cache_spec, layer_quant_shim, mla_layer  # noqa: F401  (reproducers call them)
 from fuzzer.support.flashmla_runtime import LAYER
-from fuzzer.support.sparse_mla_steps import metadata_builder, prepare_cpu, sparse_mla_impl
+from fuzzer.support.interp.corrections import correct_index_scalar
+from fuzzer.support.sparse_mla_steps import metadata_builder, prepare_cpu_plumbing, sparse_mla_impl
 from fuzzer.support.standins import aiter_mla, flashmla_ops
 
 BACKEND_MODULE = "vllm.v1.attention.backends.mla.rocm_aiter_mla_sparse"
@@ -114,9 +116,17 @@ def _register_decode_op(device: str) -> None:
                               mutates_args=["o"], dispatch_key="CPU" if device == "cpu" else "CUDA")
 
 
-def prepare_host(device: str):
-    """(vLLM's backend class, the ops the stand-ins replace, the shims), as sparse_mla_steps.prepare_host."""
-    shims = prepare_cpu(device)
+# The interpreter corrections the route's Triton kernels need: they are integer ones (generate_sparse_seqlen_kernel, the
+# ragged remap), which no float correction touches; the query's fp8 quantization and AITER's stand-in are torch.
+CORRECTIONS = (correct_index_scalar,)
+
+
+def prepare_host(device: str, corrections: tuple = CORRECTIONS):
+    """(vLLM's backend class, the ops the stand-ins replace, the shims), as sparse_mla_steps.prepare_host; on a CPU,
+    Triton's interpreter corrected by `corrections` (a campaign: every correction, EVERY)."""
+    shims = prepare_cpu_plumbing(device)
+    if device == "cpu":
+        shims += interpreter_corrections(*corrections)
     backend_cls, emulated = backend(device)
     return backend_cls, emulated, [*shims, PLATFORM_NOTE]
 

@@ -42,7 +42,8 @@ from types import SimpleNamespace
 import torch
 
 from fuzzer.support import dsv4_runtime, dsv41_runtime
-from fuzzer.support.cpu_host import prepare_cpu_host
+from fuzzer.support.cpu_host import prepare_cpu_host_for
+from fuzzer.support.interp.corrections import correct_floats, correct_index_scalar
 from fuzzer.support.flashmla_runtime import define_missing_c_queries
 from fuzzer.support.rocm_aiter_sparse_runtime import _import_rocm_platform
 
@@ -115,15 +116,21 @@ def cpu_launchers() -> tuple[str, ...]:
     return (CPU_NOTE,)
 
 
-def prepare_host(device: str, version: str = "4") -> tuple[list[str], tuple[str, ...]]:
+# The interpreter corrections the route's Triton kernels need: fp8 records dequantized, bf16 arithmetic and casts, tl.dot
+# of bf16, scalar index ranges; no NVFP4 writer (its inline asm) is on the route.
+CORRECTIONS = (correct_floats, correct_index_scalar)
+
+
+def prepare_host(device: str, version: str = "4",
+                 corrections: tuple = CORRECTIONS) -> tuple[list[str], tuple[str, ...]]:
     """What this host needs before the layer's calls: (shims, ops stood in for: none). The capability queries
-    ModelConfig makes of a `_C` this build may lack; on a CPU, Triton's interpreter corrected, the accelerator
-    plumbing shimmed and the launchers' device asserts taken out; vLLM's ROCm modules imported as a gfx950 host
-    imports them."""
+    ModelConfig makes of a `_C` this build may lack; on a CPU, Triton's interpreter corrected by `corrections` (a
+    campaign: every correction, EVERY), the accelerator plumbing shimmed and the launchers' device
+    asserts taken out; vLLM's ROCm modules imported as a gfx950 host imports them."""
     layer_class(version)
     shims = list(define_missing_c_queries())
     if device == "cpu":
-        shims += [*prepare_cpu_host(), *dsv4_runtime.cpu_shims(), *cpu_launchers()]
+        shims += [*prepare_cpu_host_for(*corrections), *dsv4_runtime.cpu_shims(), *cpu_launchers()]
     return [*shims, PLATFORM_NOTE, ARCH_NOTE], ()
 
 

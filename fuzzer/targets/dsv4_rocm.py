@@ -31,6 +31,7 @@ from fuzzer.env import STATE_DIR
 from fuzzer.repro_spec import Call, ReproSpec, unchecked_unless_memory
 from fuzzer.support import dsv4_runtime, dsv41_runtime
 from fuzzer.support import rocm_dsv4_runtime as rocm
+from fuzzer.support.interp.corrections import EVERY
 from fuzzer.targets.base import WHOLE, RunPlan
 from fuzzer.targets.dsv4_flashmla import Dsv4FlashMLA
 from fuzzer.targets.dsv41_flashmla import Dsv41FlashMLA
@@ -67,7 +68,8 @@ class Dsv4Rocm(Dsv4FlashMLA):
         return super().unavailable()
 
     def prepare(self) -> None:
-        self.shims, standins = rocm.prepare_host(self.device, self.version)
+        # every interpreter correction, whatever the kernels reach (a reproducer installs those its route needs)
+        self.shims, standins = rocm.prepare_host(self.device, self.version, EVERY)
         self.shims.append(f"{rocm.LAYER_CLASSES[self.version]} ({self.model}) made without __init__ (it needs a TP "
                           "group, linears, CUDA events and AITER's GEMMs): the attributes forward_mqa reads set as "
                           "__init__ sets them (BF16 wo_a: forward_mqa owes the inverse RoPE)")

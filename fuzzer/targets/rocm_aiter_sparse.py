@@ -43,6 +43,7 @@ from fuzzer.env import STATE_DIR
 from fuzzer.repro_spec import Call, ReproSpec, unchecked_unless_memory
 from fuzzer.support import rocm_aiter_sparse_runtime as runtime
 from fuzzer.support.flashmla_runtime import HEAD_SIZE
+from fuzzer.support.interp.corrections import EVERY
 from fuzzer.support.sparse_mla_steps import forward_mqa
 from fuzzer.targets.base import WHOLE, RunPlan
 from fuzzer.targets.flashinfer_sparse_sm90 import FlashInferMLASparseSM90, per_tensor_fp8_writer
@@ -84,7 +85,8 @@ class RocmAiterMLASparse(FlashMLASparse):
         return None
 
     def prepare(self) -> None:
-        self.backend, self.emulated, shims = runtime.prepare_host(self.device)
+        # every interpreter correction, whatever the kernels reach (a reproducer installs those its route needs)
+        self.backend, self.emulated, shims = runtime.prepare_host(self.device, EVERY)
         self.shims = [*shims, *runtime.layer_quant_shim(None, self.device)]
         self.real_parts = type(self).real_parts
         self.cfg = self.runtime(str(STATE_DIR))

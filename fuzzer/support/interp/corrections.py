@@ -4,7 +4,9 @@ The interpreter (triton 3.9, `triton/runtime/interpreter.py`) keeps bf16 as raw 
 as raw uint8 bit patterns (`_get_np_dtype`), and several of its operations treat those containers wrongly
 (measured.md, Trap 2). `install_corrections()` replaces the affected `InterpreterBuilder` methods at class
 level, like the sanitizer does for loads and stores; each replacement handles only the cases it corrects and
-hands everything else to the original method.
+hands everything else to the original method. `install(*corrections)` installs some of them (`correct_floats`,
+`correct_e2m1x2_asm`, `correct_index_scalar`): a path whose kernels need fewer installs (and its reproducer carries)
+only those.
 
 Rounding is torch's `.to()` (round to nearest even, as the compiled `cvt.rn.*` casts on NVIDIA), with the
 two places where torch and the compiled Triton cast differ set to what the GPU does (measured: Triton 3.6
@@ -20,18 +22,19 @@ import re
 
 import numpy as np
 
-CORRECTIONS: tuple[str, ...] = (
-    "dot-bf16-fp16-fp8: tl.dot on the operands' true values, fp32 accumulation (triton#11584)",
-    "cast-to-fp8: float->fp8e4nv/fp8e5 rounded to nearest even, satfinite (triton#8322)",
-    "cast-from-fp8: fp8->float of NaN/inf codes",
-    "cast-bf16: float/int<->bf16 rounded to nearest even (the interpreter truncated)",
-    "inline-asm-e2m1x2: PTX `cvt.rn.satfinite.e2m1x2.f32` (NVFP4 writers) emulated; other inline asm still refused",
-    "arith-bf16: bf16 + - * / on the operands' values, rounded to nearest even (the interpreter used their uint16 bits)",
-    "index-scalar: a scalar used as an index is its one element (Triton 3.6 took int() of a 1-element array: NumPy 2 "
-    "refuses)",
-)
+DOT = "dot-bf16-fp16-fp8: tl.dot on the operands' true values, fp32 accumulation (triton#11584)"
+CAST_TO_FP8 = "cast-to-fp8: float->fp8e4nv/fp8e5 rounded to nearest even, satfinite (triton#8322)"
+CAST_FROM_FP8 = "cast-from-fp8: fp8->float of NaN/inf codes"
+CAST_BF16 = "cast-bf16: float/int<->bf16 rounded to nearest even (the interpreter truncated)"
+INLINE_ASM_E2M1X2 = ("inline-asm-e2m1x2: PTX `cvt.rn.satfinite.e2m1x2.f32` (NVFP4 writers) emulated; other inline asm "
+                     "still refused")
+ARITH_BF16 = ("arith-bf16: bf16 + - * / on the operands' values, rounded to nearest even (the interpreter used their "
+              "uint16 bits)")
+INDEX_SCALAR = ("index-scalar: a scalar used as an index is its one element (Triton 3.6 took int() of a 1-element "
+                "array: NumPy 2 refuses)")
+CORRECTIONS: tuple[str, ...] = (DOT, CAST_TO_FP8, CAST_FROM_FP8, CAST_BF16, ARITH_BF16, INLINE_ASM_E2M1X2, INDEX_SCALAR)
 
-_installed = False
+_INSTALLED: dict = {}  # correct_* -> the names it returned: the corrections in force in this process
 _TORCH: dict = {}  # triton dtype -> torch dtype, for the types corrected here
 _LUTS: dict = {}  # fp8 triton dtype -> float32[256] values of its codes
 _SATFINITE = {"fp8e4nv": 448.0, "fp8e5": 57344.0}
@@ -96,18 +99,29 @@ class _AsmCall:
 
 
 def install_corrections() -> tuple[str, ...]:
-    """Patch `InterpreterBuilder` (once per process); returns CORRECTIONS."""
-    global _installed
-    if _installed:
-        return CORRECTIONS
-    import torch
+    """Every correction (EVERY: a campaign's, whatever its kernels reach), once per process; returns CORRECTIONS."""
+    return install(*EVERY)
+
+
+def install(*corrections) -> tuple[str, ...]:
+    """`corrections` (the correct_* below: those a path's kernels need) installed, each once per process; the names
+    of those corrections."""
     import triton.language as tl
     from triton.runtime import interpreter as interp
+
+    for correct in corrections:
+        if correct not in _INSTALLED:
+            _INSTALLED[correct] = correct(tl, interp, interp.InterpreterBuilder)
+    return tuple(name for correct in corrections for name in _INSTALLED[correct])
+
+
+def correct_floats(tl, interp, B) -> tuple[str, ...]:
+    """bf16/fp8 kernels' arithmetic: tl.dot, fp8 and bf16 casts, bf16 + - * / (DOT, CAST_*, ARITH_BF16)."""
+    import torch
 
     _TORCH.update({tl.bfloat16: torch.bfloat16, tl.float8e4nv: torch.float8_e4m3fn, tl.float8e5: torch.float8_e5m2})
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     _LUTS.update({t: codes.view(_TORCH[t]).float().numpy() for t in (tl.float8e4nv, tl.float8e5)})
-    B, TensorHandle = interp.InterpreterBuilder, interp.TensorHandle
     dot, cast_impl, fp_to_fp = B.create_dot, B.cast_impl, B.create_fp_to_fp
     low = (tl.bfloat16, tl.float16, tl.float8e4nv, tl.float8e5)
     fp8 = (tl.float8e4nv, tl.float8e5)
@@ -121,7 +135,7 @@ def install_corrections() -> tuple[str, ...]:
         an fp32 accumulator. fp32/fp64/int8 dots and fp16 accumulators go to the original unchanged."""
         if a.dtype.scalar in low and c.dtype.scalar in low and np.asarray(d.data).dtype == np.float32:
             out = np.matmul(_values(a.data, a.dtype.scalar), _values(c.data, c.dtype.scalar)) + d.data
-            return TensorHandle(out.astype(np.float32), d.dtype.scalar)
+            return interp.TensorHandle(out.astype(np.float32), d.dtype.scalar)
         return dot(b, a, c, d, input_precision, max_num_imprecise_acc)
 
     def create_fp_to_fp(b, src, dst_type, rounding_mode):
@@ -135,7 +149,7 @@ def install_corrections() -> tuple[str, ...]:
         s, t = src.dtype.scalar, dst_type.scalar
         rtne = rounding_mode in (None, interp._ir.ROUNDING_MODE.RTNE)
         if (s in fp8 or t in fp8) and s in floats and t in floats and rtne:
-            return TensorHandle(_encode(_values(src.data, s), t), t)
+            return interp.TensorHandle(_encode(_values(src.data, s), t), t)
         return fp_to_fp(b, src, dst_type, rounding_mode)
 
     def cast_impl_(b, src, dst_type):
@@ -148,23 +162,10 @@ def install_corrections() -> tuple[str, ...]:
         if s == t or tl.bfloat16 not in (s, t):
             return cast_impl(b, src, dst_type)
         if s == tl.bfloat16:
-            vals = TensorHandle(_values(src.data, s), tl.float32)
+            vals = interp.TensorHandle(_values(src.data, s), tl.float32)
             return vals if t == tl.float32 else cast_impl(b, vals, dst_type)
         vals = np.asarray(src.data)
-        return TensorHandle(_encode(vals.astype(np.float32), t), t)
-
-    inline_asm = B.create_inline_asm
-
-    def create_inline_asm(b, inlineAsm, constraints, values, type, isPure, pack):
-        """Was: NotImplementedError for every inline asm. Now: the e2m1x2 conversion vLLM's NVFP4 cache writers
-        make (one output register, pack 1) computed as the PTX ISA defines it; any other asm still refused."""
-        one = pack == 1 and constraints.startswith("=r,") and len(type) == 1
-        out = _e2m1x2_asm(inlineAsm, values) if one else None
-        if out is None:
-            return inline_asm(b, inlineAsm, constraints, values, type, isPure, pack)
-        scalar = getattr(type[0], "scalar", type[0])
-        handle = TensorHandle(out.astype(np.int32 if scalar.name == "int32" else np.uint32), scalar)
-        return _AsmCall(handle)
+        return interp.TensorHandle(_encode(vals.astype(np.float32), t), t)
 
     def bf16_arith(stock, op):
         """Was: numpy's `op` on the two uint16 bit patterns (`binary_op`), e.g. 1.0 * 1.0 -> 0x3F80**2 cut to 16 bits.
@@ -178,15 +179,38 @@ def install_corrections() -> tuple[str, ...]:
                 return stock(b, lhs, rhs)
             with np.errstate(all="ignore"):  # inf/nan results are the answer, not a warning
                 out = op(_values(lhs.data, tl.bfloat16), _values(rhs.data, tl.bfloat16)).astype(np.float32)
-            return TensorHandle(_encode(out, tl.bfloat16), tl.bfloat16)
+            return interp.TensorHandle(_encode(out, tl.bfloat16), tl.bfloat16)
 
         return create
 
     for name, op in (("create_fadd", np.add), ("create_fsub", np.subtract), ("create_fmul", np.multiply),
                      ("create_fdiv", np.divide)):
         setattr(B, name, bf16_arith(getattr(B, name), op))
-    B.create_dot, B.create_fp_to_fp, B.cast_impl = create_dot, create_fp_to_fp, cast_impl_
+    B.cast_impl, B.create_dot, B.create_fp_to_fp = cast_impl_, create_dot, create_fp_to_fp
+    return DOT, CAST_TO_FP8, CAST_FROM_FP8, CAST_BF16, ARITH_BF16
+
+
+def correct_e2m1x2_asm(tl, interp, B) -> tuple[str, ...]:
+    """The inline asm of vLLM's NVFP4 cache writers emulated (INLINE_ASM_E2M1X2)."""
+    inline_asm = B.create_inline_asm
+
+    def create_inline_asm(b, inlineAsm, constraints, values, type, isPure, pack):
+        """Was: NotImplementedError for every inline asm. Now: the e2m1x2 conversion vLLM's NVFP4 cache writers
+        make (one output register, pack 1) computed as the PTX ISA defines it; any other asm still refused."""
+        one = pack == 1 and constraints.startswith("=r,") and len(type) == 1
+        out = _e2m1x2_asm(inlineAsm, values) if one else None
+        if out is None:
+            return inline_asm(b, inlineAsm, constraints, values, type, isPure, pack)
+        scalar = getattr(type[0], "scalar", type[0])
+        handle = interp.TensorHandle(out.astype(np.int32 if scalar.name == "int32" else np.uint32), scalar)
+        return _AsmCall(handle)
+
     B.create_inline_asm = create_inline_asm
+    return (INLINE_ASM_E2M1X2,)
+
+
+def correct_index_scalar(tl, interp, B) -> tuple[str, ...]:
+    """A scalar's `__index__` as Triton 3.9 takes it (INDEX_SCALAR)."""
     patch_lang_tensor = interp._patch_lang_tensor
 
     def _patch_lang_tensor(tensor, scope):
@@ -197,5 +221,7 @@ def install_corrections() -> tuple[str, ...]:
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
 
     interp._patch_lang_tensor = _patch_lang_tensor
-    _installed = True
-    return CORRECTIONS
+    return (INDEX_SCALAR,)
+
+
+EVERY = (correct_floats, correct_e2m1x2_asm, correct_index_scalar)  # CORRECTIONS' code

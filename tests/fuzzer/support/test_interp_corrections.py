@@ -243,3 +243,19 @@ def test_vllm_bf16_sparse_mla_matches_oracle():
     # corrected: 2.7e-3 / 5e-7; dot correction alone 5.3e-3; uncorrected ~8e8 / ~3e10
     assert (out.float() - ref_out).abs().max().item() < 1e-2
     assert (lse - ref_lse).abs().max().item() < 1e-4
+
+
+def test_each_correction_installs_alone_and_a_slice_carries_only_the_corrections_reached():
+    """install_corrections is install(*EVERY); a path that names fewer (ROCm's routes) reaches the code of those alone:
+    the NVFP4 inline asm and the float casts stay out of a slice that needs the scalar index only."""
+    from fuzzer.artifacts.slicer import slice_support
+    from fuzzer.support.interp import corrections as c
+
+    assert c.install(*c.EVERY) == CORRECTIONS == tuple(n for correct in c.EVERY for n in c.install(correct))
+    module = "fuzzer.support.interp.corrections"
+    narrow = slice_support({(module, "install"), (module, "correct_index_scalar")})[module]
+    assert "def correct_index_scalar(" in narrow
+    for absent in ("def correct_floats(", "def _e2m1", "def _encode(", "_AsmCall", "def install_corrections("):
+        assert absent not in narrow, absent
+    rocm = slice_support({("fuzzer.support.rocm_dsv4_runtime", "prepare_host")})[module]
+    assert "def correct_floats(" in rocm and "def _e2m1" not in rocm
