@@ -60,6 +60,7 @@ have (`vllm.utils.flashinfer.has_flashinfer` caches what it finds).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import struct
@@ -86,8 +87,12 @@ PLAN_INFO_FIELDS = ("num_blks_x", "num_blks_y", "q_indptr", "kv_indptr", "partia
 _FIELD = {name: i for i, name in enumerate(PLAN_INFO_FIELDS)}
 WORK_FIELDS = PLAN_INFO_FIELDS[2:5] + PLAN_INFO_FIELDS[10:15]  # the per-work arrays, in a work item's order
 MERGE_FIELDS = PLAN_INFO_FIELDS[5:10]  # the merge arrays (one entry per SM)
+CSR = ("qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr")  # plan()'s metadata, and the graph-mode reserved buffers
 _KV_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
 LOG2E = 1.0 / math.log(2.0)
+# Bytes of fp32 keys and scores emulated at once (works x positions x (width + the CTA rows' scores)): a CPU
+# campaign's workers share a small host's memory; on a GPU each chunk costs launches, so a 512-token step takes few.
+CHUNK_BYTES = {"cpu": 64 << 20, "cuda": 1 << 30}
 
 
 def _violation(argument: str, index: int, limit: int, elem_bytes: int, access: str = "load",
@@ -95,6 +100,15 @@ def _violation(argument: str, index: int, limit: int, elem_bytes: int, access: s
     VIOLATIONS.violations.append(MemoryViolation(
         kernel=OP, op=access, argument=argument, byte_offset=index * elem_bytes, argument_bytes=limit * elem_bytes,
         element_bytes=elem_bytes, program_id=(0, 0, 0), lanes=1, inside_allocation=inside))
+
+
+def _report(pending: list[tuple]) -> None:
+    """The launch's out-of-range accesses, (argument, bad, index, limit, element bytes, access) each, found on the
+    device as it runs: reported at its end, in the order the kernel reaches them, one host sync for all of them."""
+    hits = torch.stack([bad.any() for _, bad, *_ in pending]).tolist() if pending else []
+    for hit, (argument, bad, index, limit, elem_bytes, access) in zip(hits, pending):
+        for i in index[bad].flatten().tolist()[:4] if hit else ():  # the first few name the bug
+            _violation(argument, int(i), limit, elem_bytes, access)
 
 
 def _check(error: type, *checks: tuple[object, str]) -> None:
@@ -114,49 +128,29 @@ def _f32(x: float) -> float:
     return struct.unpack("f", struct.pack("f", x))[0]
 
 
-def num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return EMULATED_SMS
-
-
 # -- the planner: scheduler.cuh MLAPlan ---------------------------------------------------------------------------
+# flashinfer/attention/heap.h's MinHeap of (cluster, cost) over std::push_heap / std::pop_heap with `a.cost > b.cost`,
+# done as libstdc++ does (`__push_heap`, `__adjust_heap`), so that ties go to the cluster the C++ picks.
 
-class _MinHeap:
-    """flashinfer/attention/heap.h's MinHeap over std::push_heap / std::pop_heap with `a.cost > b.cost`, done as
-    libstdc++ does (`__adjust_heap`, `__push_heap`), so that ties go to the cluster the C++ picks."""
-
-    def __init__(self, capacity: int):
-        self.h = [(i, 0.0) for i in range(capacity)]  # (cluster, cost); a < b: a's cost > b's
-
-    def _push_up(self, hole: int, top: int, value) -> None:  # __push_heap
-        h = self.h
-        while hole > top and h[parent := (hole - 1) // 2][1] > value[1]:
-            h[hole], hole = h[parent], parent
-        h[hole] = value
-
-    def insert(self, element) -> None:
-        self.h.append(element)
-        self._push_up(len(self.h) - 1, 0, element)
-
-    def pop(self):
-        h = self.h
-        if len(h) > 1:
-            value, h[-1] = h[-1], h[0]
-            length, hole, child = len(h) - 1, 0, 0  # __adjust_heap over [0, length)
-            while child < (length - 1) // 2:
-                child = 2 * (child + 1)
-                child -= h[child][1] > h[child - 1][1]
-                h[hole], hole = h[child], child
-            if length % 2 == 0 and child == (length - 2) // 2:
-                child = 2 * (child + 1)
-                h[hole], hole = h[child - 1], child - 1
-            self._push_up(hole, 0, value)
-        return h.pop()
+def _heap_sift_up(h: list, hole: int, value: tuple) -> None:  # __push_heap, from `hole` up to the top
+    while hole > 0 and h[parent := (hole - 1) // 2][1] > value[1]:
+        h[hole], hole = h[parent], parent
+    h[hole] = value
 
 
-def _kv_len_limit(x: int) -> int:
-    return 32 if x <= 8 else 64 if x <= 16 else 128 if x <= 32 else 192 if x <= 64 else _ceil_div(x, 256) * 256
+def _heap_pop(h: list) -> tuple:  # std::pop_heap (__adjust_heap over [0, length)), then pop_back
+    if len(h) > 1:
+        value, h[-1] = h[-1], h[0]
+        length, hole, child = len(h) - 1, 0, 0
+        while child < (length - 1) // 2:
+            child = 2 * (child + 1)
+            child -= h[child][1] > h[child - 1][1]
+            h[hole], hole = h[child], child
+        if length % 2 == 0 and child == (length - 2) // 2:
+            child = 2 * (child + 1)
+            h[hole], hole = h[child - 1], child - 1
+        _heap_sift_up(h, hole, value)
+    return h.pop()
 
 
 def _schedule(q_lens: list[int], kv_lens: list[int], num_heads: int, num_sm: int, causal: bool):
@@ -169,132 +163,115 @@ def _schedule(q_lens: list[int], kv_lens: list[int], num_heads: int, num_sm: int
     tiles = [[kv if not causal or t + 1 == n else max(min(kv - q + _ceil_div((t + 1) * tile_q, num_heads), kv), 0)
               for t in range(n)] for q, kv in zip(q_lens, kv_lens) for n in [_ceil_div(q * num_heads, tile_q)]]
     clusters = num_sm // cluster
-    return cluster, clusters, tile_q, tiles, _kv_len_limit(max(_ceil_div(sum(map(sum, tiles)), clusters), 1))
+    x = max(_ceil_div(sum(map(sum, tiles)), clusters), 1)
+    limit = 32 if x <= 8 else 64 if x <= 16 else 128 if x <= 32 else 192 if x <= 64 else _ceil_div(x, 256) * 256
+    return cluster, clusters, tile_q, tiles, limit
 
 
-class _Allocator:
-    """flashinfer/allocator.h's AlignedAllocator, offsets only."""
-
-    def __init__(self, space: int):
-        self.used, self.space = 0, space
-
-    def alloc(self, size: int, alignment: int, name: str) -> int:
-        start = _ceil_div(self.used, alignment) * alignment
-        if start + size > self.space:
-            raise RuntimeError(f"Buffer overflow when allocating memory for {name} with size {size} and alignment "
-                               f"{alignment}, but only {self.space - self.used} bytes available in AlignedAllocator. "
-                               "Increase the workspace buffer size.")
-        self.used = start + size
-        return start
+def _aligned(sizes: dict[str, int], space: int) -> tuple[dict[str, int], int]:
+    """flashinfer/allocator.h's AlignedAllocator, 16-byte aligned, offsets only: ({name: offset}, bytes used)."""
+    offsets, used = {}, 0
+    for name, size in sizes.items():
+        offsets[name] = start = _ceil_div(used, 16) * 16
+        if start + size > space:
+            raise RuntimeError(f"Buffer overflow when allocating memory for mla_{name} with size {size} and alignment "
+                               f"16, but only {space - used} bytes available in AlignedAllocator. Increase the "
+                               "workspace buffer size.")
+        used = start + size
+    return offsets, used
 
 
-@dataclass
-class Plan:
-    """What MLAPlan returns and stages: the plan info, and the host copy of the int workspace's first bytes."""
-
-    info: list[int]
-    staged: torch.Tensor  # uint8 [staged bytes]
-    works: int
-    merge_ctas: int  # tiles split over KV chunks merge in this many CTAs (0: no split)
+# What MLAPlan returns and stages: the plan info, the host copy of the int workspace's first bytes (uint8), the work
+# items, and the CTAs that merge tiles split over KV chunks (0: no split).
+Plan = collections.namedtuple("Plan", "info staged works merge_ctas")
 
 
 def mla_plan(qo_indptr: list[int], kv_indptr: list[int], kv_len: list[int], num_heads: int, head_dim_o: int,
              causal: bool, num_sm: int, int_workspace_bytes: int, float_workspace_bytes: int) -> Plan:
+    """MLAPlan (its checks that no qo length is negative and that the works fit: the wrapper's, first)."""
     q_lens = [qo_indptr[i + 1] - qo_indptr[i] for i in range(len(kv_len))]
-    for i in (i for i, qo_len in enumerate(q_lens) if qo_len < 0):
-        raise RuntimeError(f"qo_indptr[{i + 1}]{qo_indptr[i + 1]} - qo_indptr[{i}]{qo_indptr[i]} should be "
-                           "non-negative")
     cluster_size, num_clusters, cluster_tile_q, row_tiles, limit = _schedule(q_lens, kv_len, num_heads, num_sm, causal)
-    heap = _MinHeap(num_clusters)
-    clusters: list[list[tuple]] = [[] for _ in range(num_clusters)]
-    merge = {name: [0] * num_sm for name in MERGE_FIELDS}
-    merge_ctas = partial_nnz = 0
+    heap, clusters = [(i, 0.0) for i in range(num_clusters)], [[] for _ in range(num_clusters)]
+    merges, partial_nnz = [], 0  # merges: a merge CTA's MERGE_FIELDS
     for i, (qo_len, kv, remainings) in enumerate(zip(q_lens, kv_len, row_tiles)):
         for tile in range(len(remainings) - 1, -1, -1):
-            remaining, kv_start = remainings[tile], 0
+            remaining = remainings[tile]
             split, row_tile = remaining > limit, min(cluster_tile_q, qo_len * num_heads - tile * cluster_tile_q)
             if split:
                 row_chunk = _ceil_div(row_tile, max(remaining * cluster_size // limit, 1))
+                base = qo_indptr[i] * num_heads + tile * cluster_tile_q
                 for offset in range(0, row_tile, row_chunk):
-                    if merge_ctas >= num_sm:  # the C++ writes past its vectors here, then its check fails
+                    if len(merges) >= num_sm:  # the C++ writes past its vectors here, then its check fails
                         raise RuntimeError("Internal Error: merge_cta_counter should be less than or equal to num_sm, "
                                            "please report this bug to the developers")
-                    base = qo_indptr[i] * num_heads + tile * cluster_tile_q
-                    values = (base + offset, base + min(offset + row_chunk, row_tile), partial_nnz + offset,
-                              partial_nnz + _ceil_div(remaining, limit) * row_tile, row_tile)
-                    for name, value in zip(MERGE_FIELDS, values):
-                        merge[name][merge_ctas] = value
-                    merge_ctas += 1
-            zero = remaining == 0
-            while remaining > 0 or zero:  # an empty tile: one work all the same
-                cluster, cost = heap.pop()
-                actual = min(remaining, limit)
-                heap.insert((cluster, _f32(cost + _f32(2.0 * cluster_tile_q + actual))))
+                    merges.append((base + offset, base + min(offset + row_chunk, row_tile), partial_nnz + offset,
+                                   partial_nnz + _ceil_div(remaining, limit) * row_tile, row_tile))
+            for kv_start in range(0, max(remaining, 1), limit):  # KV chunks of the tile (an empty tile: one work)
+                cluster, cost = _heap_pop(heap)
+                actual = min(remaining - kv_start, limit)
+                heap.append(value := (cluster, _f32(cost + _f32(2.0 * cluster_tile_q + actual))))
+                _heap_sift_up(heap, len(heap) - 1, value)
                 clusters[cluster].append((qo_indptr[i], kv_indptr[i], partial_nnz if split else -1, qo_len, kv,
                                           tile * cluster_tile_q, kv_start, kv_start + actual))
                 partial_nnz += row_tile if split else 0
-                remaining, kv_start, zero = remaining - actual, kv_start + actual, False
     works = [w for c in clusters for w in c]
-    if len(works) > MAX_WORKS:  # the C++ would write past its work arrays: the wrapper's preflight stops it first
-        raise _BackendPlanUnsupportedError(f"FA MLA needs {len(works)} work items including KV splits; native "
-                                           f"capacity is {MAX_WORKS}.")
-    ints = _Allocator(int_workspace_bytes)  # the arrays in MLAPlanInfo's order
-    offsets = {name: ints.alloc(4 * (num_sm if name in merge else MAX_WORKS), 16, "mla_" + name)
-               for name in PLAN_INFO_FIELDS[2:16]}
+    offsets, used = _aligned({name: 4 * (num_sm if name in MERGE_FIELDS else MAX_WORKS)
+                              for name in PLAN_INFO_FIELDS[2:16]}, int_workspace_bytes)  # MLAPlanInfo's order
     # The host staging buffer is a fresh allocation each plan (FlashInfer's pinned buffer of a new backend object):
     # what the plan leaves unwritten is undefined there, and copied to the device with the rest.
-    staged = torch.full((ints.used // 4,), -1, dtype=torch.int32)
-    arrays = {**{name: [w[k] for w in works] for k, name in enumerate(WORK_FIELDS)}, **merge,
+    staged = torch.full((used // 4,), -1, dtype=torch.int32)
+    merge_ctas, merges = len(merges), merges + [(0,) * len(MERGE_FIELDS)] * (num_sm - len(merges))
+    arrays = {**dict(zip(WORK_FIELDS, zip(*works))), **dict(zip(MERGE_FIELDS, zip(*merges))),
               "work_indptr": [sum(len(c) for c in clusters[:k]) for k in range(num_clusters + 1)]}
-    for name, values in ((name, values) for name, values in arrays.items() if values):
+    for name, values in arrays.items():
         staged[offsets[name] // 4: offsets[name] // 4 + len(values)] = torch.tensor(values, dtype=torch.int32)
-    floats, partial_rows = _Allocator(float_workspace_bytes), 2 * num_clusters * cluster_tile_q
-    offsets["partial_o"] = floats.alloc(partial_rows * 2 * head_dim_o, 16, "mla_partial_o")
-    offsets["partial_lse"] = floats.alloc(partial_rows * 4, 16, "mla_partial_lse")
-    info = [cluster_size, num_clusters] + [offsets[name] for name in PLAN_INFO_FIELDS[2:]]
+    partial_rows = 2 * num_clusters * cluster_tile_q
+    floats, _ = _aligned({"partial_o": partial_rows * 2 * head_dim_o, "partial_lse": partial_rows * 4},
+                         float_workspace_bytes)
+    info = [cluster_size, num_clusters] + [{**offsets, **floats}[name] for name in PLAN_INFO_FIELDS[2:]]
     return Plan(info, staged.view(torch.uint8), len(works), merge_ctas)
 
 
 # -- the wrapper's checks (_planning.py, _fa_common.py) -----------------------------------------------------------
 
-def _validate_csr(qo_indptr, kv_indptr, kv_indices, kv_len_arr, page_size: int, device: torch.device):
+def _validate_csr(csr: tuple, page_size: int, device: torch.device):
     """_planning.py's flat CSR checks (each tensor, then the indptrs, then their agreement); returns the host lists."""
-    for name, t in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices),
-                    ("kv_len_arr", kv_len_arr)):
+    for name, t in zip(CSR, csr):
         _check(ValueError, (not isinstance(t, torch.Tensor), f"{name} metadata must be a torch.Tensor."))
         _check(ValueError, (t.ndim != 1, f"{name} metadata must be rank-1, got shape {tuple(t.shape)}."),
                (t.dtype != torch.int32, f"{name} metadata must have dtype torch.int32, got {t.dtype}."),
                (t.device.type != "cpu" and t.device != device,
                 f"{name} metadata must be on CPU or wrapper device {device}, got {t.device}."),
                (not t.is_contiguous(), f"{name} metadata must be contiguous."))
-    indptrs = []
-    for name, t in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr)):
+    for name, t in zip(CSR, csr[:2]):
         _check(ValueError, (t.numel() == 0, f"{name} metadata must contain at least one element."))
         values = t.cpu().long()
         _check(ValueError, (int(values[0]) != 0, f"{name} metadata must start at zero."),
                (bool((values[1:] < values[:-1]).any()), f"{name} metadata must be nondecreasing."))
-        indptrs.append(values.tolist())
-    (qo, kv), lens = indptrs, kv_len_arr.cpu().long()
-    batch = len(qo) - 1
-    _check(ValueError, (len(kv) != batch + 1 or kv_len_arr.numel() != batch,
-                        (f"CSR metadata batch dimensions must agree: qo_indptr describes {batch}, kv_indptr describes "
-                        f"{len(kv) - 1}, and kv_len_arr has {kv_len_arr.numel()} entries.")),
-           (kv[-1] > kv_indices.numel(),
-            f"kv_indices metadata has {kv_indices.numel()} entries but kv_indptr[-1] is {kv[-1]}."),
-           (bool((lens < 0).any()), "kv_len_arr metadata must be nonnegative."),
-           ([_ceil_div(n, page_size) for n in lens.tolist()] != [kv[i + 1] - kv[i] for i in range(len(kv) - 1)],
+    qo, kv, lens, n_indices = csr[0].tolist(), csr[1].tolist(), csr[3].tolist(), csr[2].numel()
+    _check(ValueError, (len(kv) != len(qo) or len(lens) != len(qo) - 1,
+                        (f"CSR metadata batch dimensions must agree: qo_indptr describes {len(qo) - 1}, kv_indptr "
+                         f"describes {len(kv) - 1}, and kv_len_arr has {len(lens)} entries.")),
+           (kv[-1] > n_indices, f"kv_indices metadata has {n_indices} entries but kv_indptr[-1] is {kv[-1]}."),
+           (any(n < 0 for n in lens), "kv_len_arr metadata must be nonnegative."),
+           ([_ceil_div(n, page_size) for n in lens] != [kv[i + 1] - kv[i] for i in range(len(kv) - 1)],
             "CSR metadata page counts in kv_indptr must equal ceil(kv_len_arr / page_size)."))
-    return qo, kv, lens.tolist()
+    return qo, kv, lens
 
 
-def _storage_interval(t: torch.Tensor) -> tuple[int, int, int]:
+def _storage_span(t: torch.Tensor) -> tuple[int, int, int]:
     start = t.storage_offset() * t.element_size()
     return t.untyped_storage().data_ptr(), start, start + t.numel() * t.element_size()
 
 
+def _overlap(a: tuple[int, int, int], b: tuple[int, int, int]) -> bool:
+    return a[0] == b[0] and max(a[1], b[1]) < min(a[2], b[2])
+
+
 def _validate_graph_buffers(device, named) -> None:
-    """_fa_common.py `_validate_graph_metadata_buffers`: reserved buffers of the sources' shapes (kv_indices may be
-    larger), int32, contiguous, on the device, none overlapping another, no source overlapping another's target."""
+    """_fa_common.py `_validate_graph_metadata_buffers` over (name, reserved, source, may be larger): reserved buffers
+    of the sources' shapes, int32, contiguous, on the device, none overlapping another, no source overlapping
+    another's target."""
     for name, reserved, source, larger in ((n, r, s, a) for n, r, s, a in named if r is not None):
         _check(ValueError, *((failed, f"CUDA graph reserved {name} buffer {what}.") for failed, what in (
             (reserved.dtype != torch.int32, "must have dtype torch.int32"),
@@ -303,18 +280,17 @@ def _validate_graph_buffers(device, named) -> None:
             (name == "kv_indices" and reserved.ndim != 1, "must have rank 1"),
             (reserved.shape[:1] < source.shape[:1] if larger else reserved.shape != source.shape,
              "has insufficient or incompatible capacity"))))
-    intervals = [(name, _storage_interval(r)) for name, r, _, _ in named if r is not None]
-    for k, (a, (pa, sa, ea)) in enumerate(intervals):
-        for b, (pb, sb, eb) in intervals[k + 1:]:
-            _check(ValueError, (pa == pb and max(sa, sb) < min(ea, eb),
+    spans = [(name, _storage_span(r)) for name, r, _, _ in named if r is not None]
+    for k, (a, span_a) in enumerate(spans):
+        for b, span_b in spans[k + 1:]:
+            _check(ValueError, (_overlap(span_a, span_b),
                                 f"CUDA graph reserved metadata buffers must not overlap: {a} overlaps {b}."))
-    targets = {name: (r[: s.shape[0]] if larger else r) for name, r, s, larger in named if r is not None}
+    targets = {name: _storage_span(r[: s.shape[0]] if larger else r) for name, r, s, larger in named if r is not None}
     for (source_name, _, source, _), (target_name, target) in ((n, t) for n in named for t in targets.items()):
-        si, ti = _storage_interval(source), _storage_interval(target)
-        _check(ValueError, (si[0] == ti[0] and max(si[1], ti[1]) < min(si[2], ti[2])
-                            and not (source_name == target_name and si == ti),
+        span = _storage_span(source)
+        _check(ValueError, (_overlap(span, target) and not (source_name == target_name and span == target),
                             (f"CUDA graph {source_name} source overlaps reserved {target_name} target; only exact "
-                            "same-source/same-target reuse is allowed.")))
+                             "same-source/same-target reuse is allowed.")))
     _check(ValueError, (any(r is None for _, r, _, _ in named),
                         "CUDA graph mode requires reserved qo_indptr, kv_indptr, kv_indices, and kv_len_arr buffers."))
 
@@ -324,16 +300,14 @@ def _validate_fa3_plan(device, head_dim_ckv, head_dim_kpe, q_data_type, kv_data_
     fp8, unsupported = kv_data_type == torch.float8_e4m3fn, _BackendPlanUnsupportedError
     _check(unsupported, (q_data_type not in (torch.float16, torch.bfloat16),
                          f"MLA q_data_type {q_data_type} is not supported by the fa3 backend."),
-           (kv_data_type not in _KV_DTYPES,
-            (f"MLA kv_data_type {kv_data_type} is not supported by the fa3 backend. Supported dtypes: "
-            f"{list(_KV_DTYPES)}.")))
+           (kv_data_type not in _KV_DTYPES, (f"MLA kv_data_type {kv_data_type} is not supported by the fa3 backend. "
+                                             f"Supported dtypes: {list(_KV_DTYPES)}.")))
     _check(ValueError, (head_dim_kpe < 0, f"head_dim_kpe must be >= 0, got {head_dim_kpe}."))
-    _check(unsupported, (fp8 and q_data_type != torch.bfloat16,
-                         ("FP8 kv_data_type for MLA currently only supports q_data_type=torch.bfloat16, got "
-                         f"{q_data_type}.")),
+    _check(unsupported, (fp8 and q_data_type != torch.bfloat16, ("FP8 kv_data_type for MLA currently only supports "
+                                                                f"q_data_type=torch.bfloat16, got {q_data_type}.")),
            (fp8 and (head_dim_ckv != 512 or head_dim_kpe not in (0, 64)),
             ("FP8 kv_data_type for MLA currently only supports head_dim_ckv=512 and head_dim_kpe in (0, 64), got "
-            f"head_dim_ckv={head_dim_ckv}, head_dim_kpe={head_dim_kpe}.")),
+             f"head_dim_ckv={head_dim_ckv}, head_dim_kpe={head_dim_kpe}.")),
            (not fp8 and kv_data_type != q_data_type,
             f"fa3 non-FP8 KV dtype must match query dtype, got {kv_data_type} and {q_data_type}."),
            (head_dim_ckv % 128 or head_dim_kpe % 64, ("fa3 requires head_dim_ckv to be a multiple of 128 and "
@@ -369,24 +343,19 @@ class _Launch:
     kv_indices: torch.Tensor
     page_size: int
     sm_scale: float
-    causal: bool
     ckv_scale: float
     kpe_scale: float
 
 
 class _PlannedFa3Backend:
-    """`_BatchMLAPagedAttentionFa3Backend` after a plan: its workspaces (vLLM reads `_int_workspace_buffer`), the
-    staged metadata buffers and `_plan_info`."""
+    """`_BatchMLAPagedAttentionFa3Backend` after a plan (the wrapper's plan() sets its attributes): its workspaces
+    (vLLM reads `_int_workspace_buffer`), the reserved metadata buffers, `_plan_info` and what run() checks."""
 
     _backend = "fa3"
 
-    def __init__(self, float_workspace_buffer, use_cuda_graph, buffers, int_workspace_buffer=None):
-        self._float_workspace_buffer, self.device = float_workspace_buffer, float_workspace_buffer.device
-        if int_workspace_buffer is None:
-            int_workspace_buffer = torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        self._int_workspace_buffer, self._use_cuda_graph = int_workspace_buffer, use_cuda_graph
-        self._qo_indptr_buf, self._kv_indptr_buf, self._kv_indices_buf, self._kv_len_arr_buf = buffers
-        self._plan_info: list[int] | None = None
+
+def _refuse(what: str) -> StandInRefused:
+    return StandInRefused(f"attnfuzz's {OP} models the call vLLM's FLASHINFER_MLA_SPARSE_SM90 makes, not {what}")
 
 
 class BatchMLAPagedAttentionWrapper:
@@ -424,35 +393,35 @@ class BatchMLAPagedAttentionWrapper:
         required = dict(num_heads=num_heads, head_dim_ckv=head_dim_ckv, head_dim_kpe=head_dim_kpe, page_size=page_size,
                         causal=causal, sm_scale=sm_scale, q_data_type=q_data_type, kv_data_type=kv_data_type)
         missing = [name for name, value in required.items() if value is None]
+        csr = (qo_indptr, kv_indptr, kv_indices, kv_len_arr)
         _check(TypeError, (missing, "plan() missing required arguments: " + ", ".join(missing)))
-        _check(ValueError, (any(t is None for t in (qo_indptr, kv_indptr, kv_indices, kv_len_arr)),
-                            "CSR metadata form is partial."),
+        _check(ValueError, (any(t is None for t in csr), "CSR metadata form is partial."),
                (not isinstance(page_size, int) or isinstance(page_size, bool) or page_size <= 0,
                 f"page_size must be a positive int, got {page_size!r}."))
-        previous = self._planned_backend
-        qo, kv, lens = _validate_csr(qo_indptr, kv_indptr, kv_indices, kv_len_arr, page_size, self.device)
+        qo, kv, lens = _validate_csr(csr, page_size, self.device)
         scale_mode = _validate_fa3_plan(self.device, head_dim_ckv, head_dim_kpe, q_data_type, kv_data_type)
         reserved = (self._qo_indptr_buf, self._kv_indptr_buf, self._kv_indices_buf, self._kv_len_arr_buf)
-        _validate_graph_buffers(self.device, tuple(zip(("qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr"),
-                                                       reserved, (qo_indptr, kv_indptr, kv_indices, kv_len_arr),
-                                                       (False, False, True, False))))
-        sms = num_sms(self.device)
+        _validate_graph_buffers(self.device, tuple(zip(CSR, reserved, csr, (False, False, True, False))))
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" \
+            else EMULATED_SMS
         _fa_plan_work_count([qo[i + 1] - qo[i] for i in range(len(lens))], lens, num_heads, sms, causal)
         # A graph plan reuses the int workspace of the plan before (FlashInfer: its captured pointer must stay).
-        reuse = previous._int_workspace_buffer if previous is not None else None
-        backend = _PlannedFa3Backend(self._float_workspace_buffer, self._use_cuda_graph, reserved, reuse)
-        plan = mla_plan(qo, kv, lens, num_heads, head_dim_ckv, causal, sms, backend._int_workspace_buffer.numel(),
+        int_ws = self._planned_backend._int_workspace_buffer if self._planned_backend is not None else \
+            torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        plan = mla_plan(qo, kv, lens, num_heads, head_dim_ckv, causal, sms, int_ws.numel(),
                         self._float_workspace_buffer.numel() * self._float_workspace_buffer.element_size())
-        for target, source in ((backend._qo_indptr_buf, qo_indptr), (backend._kv_indptr_buf, kv_indptr),
-                               (backend._kv_indices_buf[: len(kv_indices)], kv_indices),
-                               (backend._kv_len_arr_buf, kv_len_arr)):  # the reserved buffers take it in place
-            target.copy_(source)
-        backend._int_workspace_buffer[: plan.staged.numel()].copy_(plan.staged)
-        vars(backend).update(_plan_info=plan.info, _page_size=page_size, _sm_scale=float(sm_scale),
-                             _causal=bool(causal), _head_dims=(head_dim_ckv, head_dim_kpe), _q_data_type=q_data_type,
+        for target, source in zip(reserved[:2] + (reserved[2][: len(kv_indices)], reserved[3]), csr):
+            target.copy_(source)  # the reserved buffers take the metadata in place
+        int_ws[: plan.staged.numel()].copy_(plan.staged)
+        backend = _PlannedFa3Backend()
+        vars(backend).update(_float_workspace_buffer=self._float_workspace_buffer, device=self.device,
+                             _int_workspace_buffer=int_ws, _use_cuda_graph=self._use_cuda_graph,
+                             **{f"_{name}_buf": buf for name, buf in zip(CSR, reserved)}, _plan_info=plan.info,
+                             _page_size=page_size, _sm_scale=float(sm_scale), _causal=bool(causal),
+                             _head_dims=(head_dim_ckv, head_dim_kpe), _q_data_type=q_data_type,
                              _kv_data_type=kv_data_type, _scale_mode=scale_mode, _num_heads=num_heads,
                              _works=plan.works)
-        vars(self).update(_planned_backend=backend, _backend="fa3", _int_workspace_buffer=backend._int_workspace_buffer,
+        vars(self).update(_planned_backend=backend, _backend="fa3", _int_workspace_buffer=int_ws,
                           _plan_info=plan.info, _sm_scale=float(sm_scale), _causal=bool(causal), _page_size=page_size,
                           _q_data_type=q_data_type, _kv_data_type=kv_data_type, _head_dim_ckv=head_dim_ckv)
 
@@ -473,18 +442,15 @@ class BatchMLAPagedAttentionWrapper:
         _check(TypeError, (q_nope is None or ckv_cache is None, "run() requires query= or q_nope and q_pe."))
         b = self._planned_backend
         _check(RuntimeError, (b is None, "BatchMLAPagedAttentionWrapper.run() called before plan()."))
-        widths = b._head_dims
-        for name, leaves, leaf_names, dtype, planned in (
-                ("query", (q_nope, q_pe), ("q_nope", "q_pe"), b._q_data_type, "q_data_type"),
-                ("KV cache", (ckv_cache, kpe_cache), ("ckv_cache", "kpe_cache"), b._kv_data_type, "kv_data_type")):
-            left, right = leaves
+        for name, (left, right), names, planned in (("query", (q_nope, q_pe), ("q_nope", "q_pe"), "q_data_type"), (
+                "KV cache", (ckv_cache, kpe_cache), ("ckv_cache", "kpe_cache"), "kv_data_type")):
+            dtype = getattr(b, "_" + planned)
             _check(ValueError, (left.ndim != 3 or right.ndim != 3, f"split {name} tensors must have rank 3."),
                    (left.shape[:-1] != right.shape[:-1],
                     f"split {name} tensor shapes must match before the last axis."),
-                   *((leaf.dtype != dtype,
-                      f"{leaf_name}.dtype={leaf.dtype} does not match the planned {planned}={dtype}.")
-                     for leaf, leaf_name in zip(leaves, leaf_names)),
-                   (left.shape[-1:] + right.shape[-1:] != widths,
+                   *((leaf.dtype != dtype, f"{leaf_name}.dtype={leaf.dtype} does not match the planned {planned}={dtype}.")
+                     for leaf, leaf_name in zip((left, right), names)),
+                   (left.shape[-1:] + right.shape[-1:] != b._head_dims,
                     f"split {name} last dimensions do not match planned widths."))
         fp8 = b._kv_data_type == torch.float8_e4m3fn
         if fp8:
@@ -492,10 +458,8 @@ class BatchMLAPagedAttentionWrapper:
                                 "Exactly one of ckv_scale or ckv_scale_arr is required when kv_data_type is FP8."),
                    (kpe_scale is None, "kpe_scale is required when kv_data_type is FP8."))
             ckv_f, kpe_f = float(ckv_scale), float(kpe_scale)
-            _check(ValueError, (not math.isfinite(ckv_f) or ckv_f <= 0.0,
-                                f"ckv_scale must be a finite positive value, got {ckv_scale}"),
-                   (not math.isfinite(kpe_f) or kpe_f <= 0.0,
-                    f"kpe_scale must be a finite positive value, got {kpe_scale}"))
+            _check(ValueError, *((not math.isfinite(f) or f <= 0.0, f"{name} must be a finite positive value, got {v}")
+                                 for name, v, f in (("ckv_scale", ckv_scale, ckv_f), ("kpe_scale", kpe_scale, kpe_f))))
         else:
             _check(ValueError, (ckv_scale is not None or kpe_scale is not None,
                                 "ckv_scale / ckv_scale_arr / kpe_scale are only valid when kv_data_type is FP8."))
@@ -504,38 +468,9 @@ class BatchMLAPagedAttentionWrapper:
         out = torch.full(q_nope.shape, float("nan"), dtype=q_nope.dtype, device=q_nope.device)
         launch = cudagraphs.launch_parameters(("flashinfer.mla", id(self)), _Launch(
             tuple(b._plan_info), b._int_workspace_buffer, b._float_workspace_buffer, b._kv_indices_buf, b._page_size,
-            b._sm_scale, b._causal, ckv_f, kpe_f))
+            b._sm_scale, ckv_f, kpe_f))
         _mla_kernel(launch, q_nope, q_pe, ckv_cache, kpe_cache, out, fp8)
         return out
-
-
-def _refuse(what: str) -> StandInRefused:
-    return StandInRefused(f"attnfuzz's {OP} models the call vLLM's FLASHINFER_MLA_SPARSE_SM90 makes, not {what}")
-
-
-# Bytes of fp32 keys and scores emulated at once (works x positions x (width + the CTA rows' scores)): a CPU
-# campaign's workers share a small host's memory; on a GPU each chunk costs launches, so a 512-token step takes few.
-CHUNK_BYTES = {"cpu": 64 << 20, "cuda": 1 << 30}
-
-
-class _Checks:
-    """The launch's out-of-range accesses, found on the device as it runs and reported (`_violation`, in the order
-    the kernel reaches them) at its end: one host sync for all of them, not one each."""
-
-    def __init__(self) -> None:
-        self.pending: list[tuple] = []
-
-    def add(self, argument: str, bad: torch.Tensor, index: torch.Tensor, limit: int, elem_bytes: int,
-            access: str = "load") -> None:
-        self.pending.append((argument, bad, index, limit, elem_bytes, access))
-
-    def report(self) -> None:
-        if self.pending:
-            hits = torch.stack([bad.any() for _, bad, *_ in self.pending]).tolist()
-            for hit, (argument, bad, index, limit, elem_bytes, access) in zip(hits, self.pending):
-                for i in index[bad].flatten().tolist()[:4] if hit else ():  # the first few name the bug
-                    _violation(argument, int(i), limit, elem_bytes, access)
-        self.pending.clear()
 
 
 def _ranges(starts: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -548,10 +483,8 @@ def _ranges(starts: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, t
 def _mla_kernel(launch: _Launch, q_nope, q_pe, ckv, kpe, out, fp8: bool) -> None:
     """BatchMLAPageAttentionHopperKernel (see the module docstring), then its merge stage: every work item's CTAs at
     once (in chunks of works), on the tensors' device, the plan read on the host in one copy."""
-    info = launch.plan_info
+    info, dev = launch.plan_info, q_nope.device
     bx, by = info[0], info[1]
-    dev = q_nope.device
-    heads, d_ckv, d_kpe = q_nope.shape[1], q_nope.shape[2], q_pe.shape[2]
     ws = launch.int_workspace.view(torch.int32)
     n_ws = ws.numel()
     # The plan's arrays as the kernel reads them (vLLM's clamp rewrote kv_end on the device): the span they occupy.
@@ -560,8 +493,8 @@ def _mla_kernel(launch: _Launch, q_nope, q_pe, ckv, kpe, out, fp8: bool) -> None
     host = (ws[: max(0, min(n_ws, max(at + count for at, count in spans)))] if min(at for at, _ in spans) >= 0
             else ws).cpu()
 
-    def array(name: str, count: int, start: int = 0) -> torch.Tensor:
-        at = info[_FIELD[name]] // 4 + start
+    def array(name: str, count: int) -> torch.Tensor:
+        at = info[_FIELD[name]] // 4
         if at + count > n_ws:
             _violation("int_workspace_buffer", at + count - 1, n_ws, 4)
             return torch.zeros(count, dtype=torch.int64)
@@ -574,41 +507,37 @@ def _mla_kernel(launch: _Launch, q_nope, q_pe, ckv, kpe, out, fp8: bool) -> None
         _violation("int_workspace_buffer (work arrays)", int(ids[past][0]), MAX_WORKS, 4, inside=True)
     ids = ids[~past]
     work = torch.stack([array(name, MAX_WORKS)[ids] for name in WORK_FIELDS])  # [8, works], host
-    num_pages, page_size = ckv.shape[0], launch.page_size
-    flat_idx = launch.kv_indices.reshape(-1)
-    ckv_rows = ckv.reshape(num_pages * ckv.shape[1], d_ckv)
-    kpe_rows = kpe.reshape(num_pages * kpe.shape[1], d_kpe)
     fw = launch.float_workspace.view(-1).view(torch.uint8)
-    partial_rows = 2 * bx * by * CTA_TILE_Q  # the plan's partial buffers: 2 x clusters x cluster tile rows
-    partial_o = fw[info[_FIELD["partial_o"]]: info[_FIELD["partial_o"]] + partial_rows * d_ckv * 2].view(
-        torch.bfloat16).view(partial_rows, d_ckv)
-    partial_lse = fw[info[_FIELD["partial_lse"]]: info[_FIELD["partial_lse"]] + partial_rows * 4].view(torch.float32)
-    checks = _Checks()
-    n_work = work.shape[1]
-    if n_work:
-        kv_start, kv_end = work[WORK_FIELDS.index("kv_start")], work[WORK_FIELDS.index("kv_end")]
+    partial_rows, d_ckv = 2 * bx * by * CTA_TILE_Q, ckv.shape[-1]  # partial buffers: 2 x clusters x cluster tile rows
+    partial_o = fw[info[16]: info[16] + partial_rows * d_ckv * 2].view(torch.bfloat16).view(partial_rows, d_ckv)
+    partial_lse = fw[info[17]: info[17] + partial_rows * 4].view(torch.float32)
+    checks: list[tuple] = []
+    if n_work := work.shape[1]:
+        kv_start, kv_end = work[-2], work[-1]  # WORK_FIELDS ends with them
         tiles = ((kv_end + CTA_TILE_KV - 1) // CTA_TILE_KV - kv_start // CTA_TILE_KV).clamp(min=0)
-        per_work = int(tiles.max()) * CTA_TILE_KV * 4 * (d_ckv + d_kpe + 3 * bx * CTA_TILE_Q)
+        per_work = int(tiles.max()) * CTA_TILE_KV * 4 * (d_ckv + q_pe.shape[2] + 3 * bx * CTA_TILE_Q)
         per = max(1, CHUNK_BYTES.get(dev.type, CHUNK_BYTES["cpu"]) // max(1, per_work))
         work_dev = torch.cat([work, tiles[None]]).to(dev)  # one copy to the device
         # repack_fp8_kv_to_bf16's scales, as bf16 (__hmul2: a bf16 product): ckv's, kpe's; None for a 16-bit cache
         scales = tuple(float(torch.tensor(s, dtype=torch.float32).to(torch.bfloat16))
-                       for s in (launch.ckv_scale, launch.kpe_scale)) if fp8 else None
+                       for s in (launch.ckv_scale, launch.kpe_scale)) if fp8 else (None, None)
         for c0 in range(0, n_work, per):
-            c1 = min(n_work, c0 + per)
-            _work_chunk(work_dev[:-1, c0:c1], work_dev[-1, c0:c1], int(tiles[c0:c1].max()) * CTA_TILE_KV, bx, heads,
-                        q_nope, q_pe, ckv_rows, kpe_rows, flat_idx, page_size, num_pages, launch.sm_scale, scales,
-                        out, partial_o, partial_lse, partial_rows, checks)
-    _merge(info, host, heads, bx * by, partial_o, partial_lse, partial_rows, out, checks)
-    checks.report()
+            _work_chunk(launch, work_dev[:, c0: c0 + per], int(tiles[c0: c0 + per].max()) * CTA_TILE_KV, q_nope, q_pe,
+                        ckv, kpe, scales, out, partial_o, partial_lse, checks)
+    _merge(info, host, bx * by, partial_o, partial_lse, out, checks)
+    _report(checks)
 
 
-def _work_chunk(work, tiles, span, bx, heads, q_nope, q_pe, ckv_rows, kpe_rows, flat_idx, page_size, num_pages,
-                sm_scale, scales, out, partial_o, partial_lse, partial_rows, checks: _Checks) -> None:
+def _work_chunk(launch: _Launch, work, span: int, q_nope, q_pe, ckv, kpe, scales, out, partial_o, partial_lse,
+                checks: list) -> None:
     """Works [W] of the launch, each with its cluster's bx CTAs of 64 query rows ([W, bx x 64] rows) over its KV
     positions kv_start + [0, span), every tensor on the device."""
-    dev = q_nope.device
-    q_indptr, kv_indptr, partial, q_len, kv_len, q_start, kv_start, kv_end = work
+    dev, heads, rows_per_work, page_size = q_nope.device, q_nope.shape[1], launch.plan_info[0] * CTA_TILE_Q, \
+        launch.page_size
+    q_indptr, kv_indptr, partial, q_len, kv_len, q_start, kv_start, kv_end, tiles = work
+    flat_idx, num_pages, partial_rows = launch.kv_indices.reshape(-1), ckv.shape[0], partial_o.shape[0]
+    ckv_rows = ckv.reshape(num_pages * ckv.shape[1], ckv.shape[2])
+    kpe_rows = kpe.reshape(num_pages * kpe.shape[1], kpe.shape[2])
     rel = torch.arange(span, device=dev)[None, :]
     pos = kv_start[:, None] + rel  # [W, span]
     in_tiles = rel < tiles[:, None] * CTA_TILE_KV
@@ -617,118 +546,94 @@ def _work_chunk(work, tiles, span, bx, heads, q_nope, q_pe, ckv_rows, kpe_rows, 
     at = kv_indptr[:, None] * page_size + pos  # the packed block iterator
     entry = at // page_size
     bad_entry = read & ((entry < 0) | (entry >= flat_idx.numel()))
-    checks.add("kv_indices", bad_entry, entry, flat_idx.numel(), 4)
+    checks.append(("kv_indices", bad_entry, entry, flat_idx.numel(), 4, "load"))
+    # Lower tiles past kv_len read page 0 (prefetch_offset's index 0); the highest loads zeros.
     page = torch.where(read & ~bad_entry, flat_idx[entry.clamp(0, max(flat_idx.numel() - 1, 0))].long(), 0)
     row = page * page_size + at % page_size
-    page_zero = in_tiles & ~read & ~highest  # lower tiles past kv_len: page 0 (prefetch_offset's index 0)
-    row = torch.where(page_zero, at % page_size, row)
-    loaded = (read & ~bad_entry) | page_zero
+    loaded = (read & ~bad_entry) | (in_tiles & ~read & ~highest)
     bad_page = loaded & ((page < 0) | (page >= num_pages))
-    checks.add("ckv_cache", bad_page, page, num_pages, ckv_rows.shape[-1] * ckv_rows.element_size() * page_size)
+    checks.append(("ckv_cache", bad_page, page, num_pages, ckv_rows.shape[-1] * ckv_rows.element_size() * page_size,
+                   "load"))
     loaded &= ~bad_page
-    mask = in_tiles & (pos < kv_end[:, None])  # scores past kv_end: -inf
-    mask &= loaded | (in_tiles & ~read & highest)  # zero-filled rows of the highest tile score 0, not -inf
+    # Scores past kv_end: -inf; zero-filled rows of the highest tile score 0, not -inf.
+    mask = in_tiles & (pos < kv_end[:, None]) & (loaded | (in_tiles & ~read & highest))
     rows = row.clamp(0, max(ckv_rows.shape[0] - 1, 0))
-    if scales is not None:  # fp8: bf16(bf16(x) * bf16(scale))
+    if scales[0] is not None:  # fp8: bf16(bf16(x) * bf16(scale))
         k_ckv = (ckv_rows[rows].float() * scales[0]).to(torch.bfloat16).float()
         k_kpe = (kpe_rows[rows].float() * scales[1]).to(torch.bfloat16).float()
     else:
         k_ckv = ckv_rows[rows].float() if ckv_rows.shape[0] else torch.zeros(*row.shape, ckv_rows.shape[-1], device=dev)
         k_kpe = kpe_rows[rows].float() if kpe_rows.shape[0] else torch.zeros(*row.shape, kpe_rows.shape[-1], device=dev)
-    zero = ~loaded[..., None]
-    k_ckv.masked_fill_(zero, 0.0), k_kpe.masked_fill_(zero, 0.0)  # never read (skipped) or zero-filled
+    k_ckv.masked_fill_(~loaded[..., None], 0.0), k_kpe.masked_fill_(~loaded[..., None], 0.0)  # skipped or zero-filled
     # The query rows of each work's CTAs: row x * 64 + j is CTA x's row j, packed row q_start + x * 64 + j.
-    packed = q_start[:, None] + torch.arange(bx * CTA_TILE_Q, device=dev)[None, :]  # [W, R]
+    packed = q_start[:, None] + torch.arange(rows_per_work, device=dev)[None, :]  # [W, R]
     q_local, head = packed // heads, packed % heads
     live = q_local < q_len[:, None]
     tok = q_indptr[:, None] + q_local
     bad_q = live & (tok >= q_nope.shape[0])
-    checks.add("q_nope", bad_q, tok * q_nope.shape[1] + head, q_nope.shape[0] * q_nope.shape[1],
-               q_nope.shape[-1] * q_nope.element_size())
-    readable = (live & ~bad_q)[..., None]  # a row past q: its read skipped (zeros), its write still attempted
+    checks.append(("q_nope", bad_q, tok * heads + head, q_nope.shape[0] * heads,
+                   q_nope.shape[-1] * q_nope.element_size(), "load"))
+    unread = ~(live & ~bad_q)[..., None]  # a row past q: its read skipped (zeros), its write still attempted
     t_idx = tok.clamp(0, max(q_nope.shape[0] - 1, 0))
-    qn = q_nope[t_idx, head].float().masked_fill_(~readable, 0.0)  # [W, R, d]
-    qp = q_pe[t_idx, head].float().masked_fill_(~readable, 0.0)
+    qn, qp = q_nope[t_idx, head].float().masked_fill_(unread, 0.0), q_pe[t_idx, head].float().masked_fill_(unread, 0.0)
     s = torch.einsum("wrd,wkd->wrk", qn, k_ckv).add_(torch.einsum("wrd,wkd->wrk", qp, k_kpe))
-    s.mul_(sm_scale).masked_fill_(~mask[:, None, :], float("-inf"))
+    s.mul_(launch.sm_scale).masked_fill_(~mask[:, None, :], float("-inf"))
     row_lse = torch.logsumexp(s, dim=-1)  # [W, R], natural log
     empty = torch.isinf(row_lse) & (row_lse < 0)
     p = s.sub_(torch.where(empty, 0.0, row_lse)[..., None]).exp_().masked_fill_(empty[..., None], 0.0)
     o = torch.einsum("wrk,wkd->wrd", p, k_ckv)  # a work with no key: 0 (normalize_d_: 1/d -> 0)
-    lse2 = row_lse * LOG2E  # the kernel's base-2 LSE, -inf for an empty row
-    final = (partial < 0)[:, None] & live
-    bad_o = final & (tok >= out.shape[0])
-    checks.add("o", bad_o, tok * out.shape[1] + head, out.shape[0] * out.shape[1], out.shape[-1] * out.element_size(),
-               "store")
-    at_rows = (final & ~bad_o).nonzero(as_tuple=True)
-    ft, fh = tok[at_rows], head[at_rows]
-    out[ft, fh] = o[at_rows].to(out.dtype)
-    split = (partial >= 0)[:, None] & live
-    prow = partial[:, None] + torch.arange(bx * CTA_TILE_Q, device=dev)[None, :]
-    bad_p = split & (prow >= partial_rows)
-    checks.add("float_workspace_buffer (partial_o)", bad_p, prow, partial_rows, partial_o.shape[-1] * 2, "store")
-    at_rows = (split & ~bad_p).nonzero(as_tuple=True)
-    pr = prow[at_rows]
-    partial_o[pr] = o[at_rows].to(torch.bfloat16)
-    partial_lse[pr] = lse2[at_rows]
+    # Unsplit works write out, split ones their partial rows (and base-2 LSEs, -inf for an empty row).
+    final, split = (partial < 0)[:, None] & live, (partial >= 0)[:, None] & live
+    prow = partial[:, None] + torch.arange(rows_per_work, device=dev)[None, :]
+    bad_o, bad_p = final & (tok >= out.shape[0]), split & (prow >= partial_rows)
+    checks.append(("o", bad_o, tok * heads + head, out.shape[0] * heads, out.shape[-1] * out.element_size(), "store"))
+    checks.append(("float_workspace_buffer (partial_o)", bad_p, prow, partial_rows, partial_o.shape[-1] * 2, "store"))
+    at = (final & ~bad_o).nonzero(as_tuple=True)
+    out[tok[at], head[at]] = o[at].to(out.dtype)
+    at = (split & ~bad_p).nonzero(as_tuple=True)
+    partial_o[prow[at]] = o[at].to(torch.bfloat16)
+    partial_lse[prow[at]] = (row_lse * LOG2E)[at]
 
 
-def _merge(info, host, heads, ctas, partial_o, partial_lse, partial_rows, out, checks: _Checks) -> None:
+def _merge(info, host, ctas, partial_o, partial_lse, out, checks: list) -> None:
     """DevicePersistentMergeStates: CTA c merges rows [start, end) of its packed range from partial rows
     pstart + local, + stride, ... < pend (state_t: m = -inf, d = 1, merged in fp32; an all-empty state gives 0).
     Every CTA's rows at once: the rows of one count of partials together, each sum over its own k terms (padding
     would regroup the reductions)."""
-    def array(name):
-        at = info[_FIELD[name]] // 4
-        return host[at: at + ctas].long()
-
-    starts, ends, pstarts, pends, strides = (array(n) for n in MERGE_FIELDS)
-    length = (ends - starts).clamp(min=0)
+    starts, ends, pstarts, pends, strides = (host[info[_FIELD[n]] // 4: info[_FIELD[n]] // 4 + ctas].long()
+                                             for n in MERGE_FIELDS)
     k = torch.where(strides > 0, (-(-(pends - pstarts) // strides.clamp(min=1))).clamp(min=0), 0).clamp(min=1)
-    cta, final = _ranges(starts, length)  # one entry per merged row, CTA by CTA
-    if not len(cta):
-        return
+    cta, final = _ranges(starts, (ends - starts).clamp(min=0))  # one entry per merged row, CTA by CTA
     order = torch.sort(k[cta], stable=True).indices  # by k, CTA order within
     cta, final = cta[order], final[order]
     kr = k[cta]
     # per row: first partial row, its end, stride, packed row; one copy to the device
     rows_dev = torch.stack([pstarts[cta] + final - starts[cta], pends[cta], strides[cta], final]).to(out.device)
-    width = partial_o.shape[-1]
-    bounds = torch.searchsorted(kr, torch.unique(kr), right=True).tolist()
-    begin = 0
-    for end in bounds:
-        cols = int(kr[begin])
-        per = max(1, CHUNK_BYTES.get(out.device.type, CHUNK_BYTES["cpu"]) // (cols * (width + 4) * 4))
+    dev, width, heads, partial_rows, begin = out.device, partial_o.shape[-1], out.shape[1], partial_o.shape[0], 0
+    for end in torch.searchsorted(kr, torch.unique(kr), right=True).tolist():
+        cols = int(kr[begin])  # the partials each of these rows merges
+        per = max(1, CHUNK_BYTES.get(dev.type, CHUNK_BYTES["cpu"]) // (cols * (width + 4) * 4))
         for n0 in range(begin, end, per):
-            _merge_rows(rows_dev[:, n0: min(end, n0 + per)], cols, heads, partial_o, partial_lse, partial_rows, out,
-                        checks)
+            first, pend, stride, f = rows_dev[:, n0: min(end, n0 + per)]
+            rows = first[:, None] + stride[:, None] * torch.arange(cols, device=dev)[None, :]
+            use = rows < pend[:, None]
+            bad = use & ((rows >= partial_rows) | (rows < 0))
+            checks.append(("float_workspace_buffer (partial_o)", bad, rows, partial_rows, width * 2, "load"))
+            use &= ~bad
+            rr = rows.clamp(0, partial_rows - 1)
+            po, pl = partial_o[rr].float(), torch.where(use, partial_lse[rr], float("-inf"))
+            m = pl.max(dim=1).values
+            weight = torch.exp2(pl - torch.where(torch.isinf(m) & (m < 0), 0.0, m)[:, None])
+            weight = torch.where(use, weight, 0.0).nan_to_num(0.0)
+            d = weight.sum(dim=1)
+            merged = (po * weight[..., None]).masked_fill(~use[..., None], 0.0).sum(dim=1)
+            merged = merged * torch.where(d > 0, 1.0 / d, 0.0)[:, None]
+            q, r = f // heads, f % heads
+            bad_o = q >= out.shape[0]
+            checks.append(("o", bad_o, q * heads + r, out.shape[0] * heads, out.shape[-1] * out.element_size(),
+                           "store"))
+            out[q[~bad_o], r[~bad_o]] = merged[~bad_o].to(out.dtype)
         begin = end
-
-
-def _merge_rows(rows_of, cols, heads, partial_o, partial_lse, partial_rows, out, checks: _Checks) -> None:
-    """Merged rows [first partial row, its end, stride, packed row] x N, each over `cols` partials."""
-    dev, width = out.device, partial_o.shape[-1]
-    first, pend, stride, f = rows_of
-    col = torch.arange(cols, device=dev)[None, :]
-    rows = first[:, None] + stride[:, None] * col
-    use = rows < pend[:, None]
-    bad = use & ((rows >= partial_rows) | (rows < 0))
-    checks.add("float_workspace_buffer (partial_o)", bad, rows, partial_rows, width * 2)
-    use &= ~bad
-    rr = rows.clamp(0, partial_rows - 1)
-    po, pl = partial_o[rr].float(), partial_lse[rr]
-    pl = torch.where(use, pl, float("-inf"))
-    m = pl.max(dim=1).values
-    weight = torch.exp2(pl - torch.where(torch.isinf(m) & (m < 0), 0.0, m)[:, None])
-    weight = torch.where(use, weight, 0.0).nan_to_num(0.0)
-    d = weight.sum(dim=1)
-    merged = (po * weight[..., None]).masked_fill(~use[..., None], 0.0).sum(dim=1)
-    merged = merged * torch.where(d > 0, 1.0 / d, 0.0)[:, None]
-    q, r = f // heads, f % heads
-    bad_o = q >= out.shape[0]
-    checks.add("o", bad_o, q * heads + r, out.shape[0] * heads, out.shape[-1] * out.element_size(), "store")
-    ok = (~bad_o).nonzero(as_tuple=True)
-    out[q[ok], r[ok]] = merged[ok].to(out.dtype)
 
 
 # -- import as `flashinfer.mla` ------------------------------------------------------------------------------------
