@@ -274,7 +274,8 @@ def _misuse_scenarios() -> list[tuple[str, dict]]:
     out += [(f"reserved {name} {what}", dict(reserved={name: what})) for name in (
         "qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr") for what in (
         "int64", "rank2", "strided", "short", "long", "overlap", "source")]
-    out += [("empty rows", dict(lens=[])), ("no rows", dict(lens=[], max_tokens=0)), ("tiles past capacity", dict(lens=[0] * 16385, max_tokens=16400)),
+    out += [("empty rows", dict(lens=[])), ("no rows", dict(lens=[], max_tokens=0)),
+            ("tiles past capacity", dict(lens=[0] * 16385, max_tokens=16400)),
             ("works past capacity", dict(lens=[0] * 16300 + [40000] * 3, max_tokens=16400))]
     out += [(f"run {k}", dict(run={k: v})) for k, v in (
         ("out", torch.empty(1)), ("lse", torch.empty(1)), ("return_lse", True), ("return_lse", False),
@@ -321,7 +322,7 @@ def _misuse(mod, name: str, c: dict):
                    "short": lambda: t[:-1], "long": lambda: torch.cat([t, t[:1]]),
                    "overlap": lambda: bufs["kv_indices"][: t.numel()] if k != "kv_indices" else bufs["qo_indptr"],
                    "source": lambda: t}[what]()
-        if what == "source":  # the source of this buffer's plan argument lies in the reserved kv_indices' (or qo_indptr's)
+        if what == "source":  # this buffer's plan argument lies in the reserved kv_indices (or qo_indptr)
             other = bufs["kv_indices"] if k != "kv_indices" else bufs["qo_indptr"]
             view = other[: csr[k].numel()] if k != "kv_indices" else other[:0]
             view.copy_(csr[k][: view.numel()])
@@ -345,7 +346,8 @@ def _misuse(mod, name: str, c: dict):
     qn, qp, ckv, kpe = q[..., :512], q[..., 512:], cache[..., :512], cache[..., 512:]
     for k, f in (("q_rank", lambda: (qn[0], qp[0], ckv, kpe)), ("q_heads", lambda: (qn, qp[:, :3], ckv, kpe)),
                  ("q_dtype", lambda: (qn.half(), qp, ckv, kpe)), ("kpe_dtype", lambda: (qn, qp, ckv, kpe.half())),
-                 ("q_width", lambda: (qn[..., :256], qp, ckv, kpe)), ("kpe_width", lambda: (qn, qp, ckv, kpe[..., :32])),
+                 ("q_width", lambda: (qn[..., :256], qp, ckv, kpe)),
+                 ("kpe_width", lambda: (qn, qp, ckv, kpe[..., :32])),
                  ("cache_rank", lambda: (qn, qp, ckv[:, 0], kpe[:, 0])),
                  ("ckv_dtype", lambda: (qn, qp, ckv.bfloat16(), kpe))):
         if k in r:

@@ -95,8 +95,7 @@ LOG2E = 1.0 / math.log(2.0)
 CHUNK_BYTES = {"cpu": 64 << 20, "cuda": 1 << 30}
 
 
-def _violation(argument: str, index: int, limit: int, elem_bytes: int, access: str = "load",
-               inside: bool = False) -> None:
+def _violation(argument: str, index: int, limit: int, elem_bytes: int, access: str = "load", inside: bool = False):
     VIOLATIONS.violations.append(MemoryViolation(
         kernel=OP, op=access, argument=argument, byte_offset=index * elem_bytes, argument_bytes=limit * elem_bytes,
         element_bytes=elem_bytes, program_id=(0, 0, 0), lanes=1, inside_allocation=inside))
@@ -335,7 +334,7 @@ def _fa_plan_work_count(q_lens: list[int], kv_lens: list[int], num_heads: int, n
 
 @dataclass(frozen=True, eq=False)
 class _Launch:
-    """A kernel launch's host parameters (what a captured CUDA graph keeps): the plan info and the tensors it points at."""
+    """A kernel launch's host parameters (what a captured CUDA graph keeps): the plan info, the tensors it points at."""
 
     plan_info: tuple[int, ...]
     int_workspace: torch.Tensor
@@ -362,18 +361,15 @@ class BatchMLAPagedAttentionWrapper:
     """FlashInfer's wrapper, `backend="fa3"` (or "auto", which picks fa3 on SM90), in the graph-mode flat-CSR form vLLM
     calls; other forms are refused (`_refuse`)."""
 
-    def __init__(self, float_workspace_buffer: torch.Tensor, use_cuda_graph: bool = False,
-                 qo_indptr: torch.Tensor | None = None, kv_indptr: torch.Tensor | None = None,
-                 kv_indices: torch.Tensor | None = None, kv_len_arr: torch.Tensor | None = None,
-                 backend: str = "auto") -> None:
+    def __init__(self, float_workspace_buffer, use_cuda_graph=False, qo_indptr=None, kv_indptr=None, kv_indices=None,
+                 kv_len_arr=None, backend="auto") -> None:
         if backend not in ("auto", "fa3") or not use_cuda_graph:
             raise _refuse(f"backend={backend!r}" if backend not in ("auto", "fa3") else "use_cuda_graph=False")
         self._float_workspace_buffer, self.device = float_workspace_buffer, float_workspace_buffer.device
         self._use_cuda_graph, self._backend = use_cuda_graph, backend
         self._qo_indptr_buf, self._kv_indptr_buf = qo_indptr, kv_indptr
         self._kv_indices_buf, self._kv_len_arr_buf = kv_indices, kv_len_arr
-        self._planned_backend: _PlannedFa3Backend | None = None
-        self._plan_info: list[int] | None = None
+        self._planned_backend = self._plan_info = None  # a _PlannedFa3Backend and its plan info, once planned
         self._warned_positional = False
 
     def _warn_positional(self) -> None:
@@ -425,10 +421,8 @@ class BatchMLAPagedAttentionWrapper:
                           _plan_info=plan.info, _sm_scale=float(sm_scale), _causal=bool(causal), _page_size=page_size,
                           _q_data_type=q_data_type, _kv_data_type=kv_data_type, _head_dim_ckv=head_dim_ckv)
 
-    def run(self, q_nope: torch.Tensor | None = None, q_pe: torch.Tensor | None = None,
-            ckv_cache: torch.Tensor | None = None, kpe_cache: torch.Tensor | None = None, *options,
-            ckv_scale: float | None = None, ckv_scale_arr: torch.Tensor | None = None, kpe_scale: float | None = None,
-            **keywords):
+    def run(self, q_nope=None, q_pe=None, ckv_cache=None, kpe_cache=None, *options, ckv_scale=None, ckv_scale_arr=None,
+            kpe_scale=None, **keywords):
         """vLLM's form: the split query and cache, positional; ckv_scale and kpe_scale for an fp8 cache. The rest of
         FlashInfer's run() (out=, lse and its base, profiler_buffer, kv_len, page_table, o_scale, the query=/kv_cache=
         form, sinks, BMM scales, per-token ckv_scale_arr, kept keyword-only: vLLM's gate looks for it) is refused."""
@@ -448,8 +442,8 @@ class BatchMLAPagedAttentionWrapper:
             _check(ValueError, (left.ndim != 3 or right.ndim != 3, f"split {name} tensors must have rank 3."),
                    (left.shape[:-1] != right.shape[:-1],
                     f"split {name} tensor shapes must match before the last axis."),
-                   *((leaf.dtype != dtype, f"{leaf_name}.dtype={leaf.dtype} does not match the planned {planned}={dtype}.")
-                     for leaf, leaf_name in zip((left, right), names)),
+                   *((t.dtype != dtype, f"{t_name}.dtype={t.dtype} does not match the planned {planned}={dtype}.")
+                     for t, t_name in zip((left, right), names)),
                    (left.shape[-1:] + right.shape[-1:] != b._head_dims,
                     f"split {name} last dimensions do not match planned widths."))
         fp8 = b._kv_data_type == torch.float8_e4m3fn
@@ -532,10 +526,9 @@ def _work_chunk(launch: _Launch, work, span: int, q_nope, q_pe, ckv, kpe, scales
                 checks: list) -> None:
     """Works [W] of the launch, each with its cluster's bx CTAs of 64 query rows ([W, bx x 64] rows) over its KV
     positions kv_start + [0, span), every tensor on the device."""
-    dev, heads, rows_per_work, page_size = q_nope.device, q_nope.shape[1], launch.plan_info[0] * CTA_TILE_Q, \
-        launch.page_size
+    dev, heads, page_size, flat_idx = q_nope.device, q_nope.shape[1], launch.page_size, launch.kv_indices.reshape(-1)
     q_indptr, kv_indptr, partial, q_len, kv_len, q_start, kv_start, kv_end, tiles = work
-    flat_idx, num_pages, partial_rows = launch.kv_indices.reshape(-1), ckv.shape[0], partial_o.shape[0]
+    num_pages, partial_rows, rows_per_work = ckv.shape[0], partial_o.shape[0], launch.plan_info[0] * CTA_TILE_Q
     ckv_rows = ckv.reshape(num_pages * ckv.shape[1], ckv.shape[2])
     kpe_rows = kpe.reshape(num_pages * kpe.shape[1], kpe.shape[2])
     rel = torch.arange(span, device=dev)[None, :]
