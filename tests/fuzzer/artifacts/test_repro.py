@@ -297,17 +297,17 @@ def test_a_flashinfer_sm90_reproducer_carries_only_what_its_path_reaches():
     files = render(finding, FlashInferMLASparseSM90("cpu").repro_spec(finding))
     script, support = files["repro.py"], files[SUPPORT_FILE]
     assert len(script.splitlines()) <= 150, len(script.splitlines())
-    # Issue 34 asked for ~600; the path reaches 1,264 lines: the stand-in 591, its violation record 42, vLLM-side
-    # set-up and CPU emulation ~470, harness, loader, judges and errors ~150 (bench/support_coverage.py: what its run
-    # executes). An output finding: no interpreter bounds checker (a memory finding's reproducer carries it).
-    assert len(support.splitlines()) <= 1264, len(support.splitlines())
+    # The path reaches about 1,160 lines: the stand-in 490, its violation record 41, vLLM-side set-up and CPU emulation
+    # ~470, harness, loader, judges and errors ~150 (bench/support_coverage.py: what its run executes). An output
+    # finding: no interpreter bounds checker (a memory finding's reproducer carries it).
+    assert len(support.splitlines()) <= 1225, len(support.splitlines())
     assert "class InterpreterSanitizer" not in support and "SANITIZER.install()" not in script
     assert "with vllm_call(VIOLATIONS) as call:" in script  # the stand-in's own checks still report
     modules = _support_sources(support)
     assert not {"fuzzer.support.interp.corrections", "fuzzer.support.standins.flashmla_ops",
                 "fuzzer.support.dcp_group"} & set(modules)
     standin = modules["fuzzer.support.standins.flashinfer_mla"]
-    assert "def mla_plan(" in standin and "def _merge_rows(" in standin
+    assert "def mla_plan(" in standin and "def _merge(" in standin
     assert "lse_base_e" not in standin and "ckv_scale_arr[" not in standin
     assert "def prefill_outputs_under_initcheck(" not in modules["fuzzer.support.flashmla_runtime"]
     assert (d / "repro.py").read_text() == script.replace(finding.id, record.id)
