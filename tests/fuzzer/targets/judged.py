@@ -70,7 +70,11 @@ print("EXIT", [runpy.run_path(f"{sys.argv[1]}/{name}")["main"]() for name in ("f
 """
 
 
-def run_fixed_and_saved(d: Path, support: tuple[str, ...] = ("from fuzzer.support.",)):
+# The imports of attnfuzz a repro.py may make: its support modules and its judge, which attnfuzz_support.py serves.
+SERVED = ("from fuzzer.support.", "import fuzzer.support.", "from fuzzer.artifacts.repro_judges import ")
+
+
+def run_fixed_and_saved(d: Path, support: tuple[str, ...] = SERVED):
     """A saved finding's repro.py in D: attnfuzz's own code only as its support modules (imports starting with one of
     SUPPORT), which attnfuzz_support.py serves; run with the injected bug left out (fixed.py) it exits 0, as saved 1.
     Returns the run."""

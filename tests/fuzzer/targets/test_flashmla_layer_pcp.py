@@ -115,5 +115,5 @@ def test_a_finding_gets_a_reproducer_that_emulates_every_rank_and_shows_it(tmp_p
     script = (d / "repro.py").read_text()
     assert (d / SUPPORT_FILE).is_file() and "pcp_runtime.rank_batch(" in script and "def replay_pcp_ranks(" in script
     assert "on_pcp_ranks(cfg, ranks, groups, pcp, tp, write, rank_step)" in script
-    run = run_fixed_and_saved(d, ("from fuzzer.support.", "import fuzzer.support."))
+    run = run_fixed_and_saved(d)
     assert "merged output off by" in run.stdout and "PCP 2 x TP 1 ranks" in run.stdout, run.stdout

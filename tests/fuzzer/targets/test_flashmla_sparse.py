@@ -12,6 +12,7 @@ from fuzzer.targets.flashmla_sparse import FlashMLASparse
 from strategies.case import Case, Request, TopkSpec
 from strategies.profiles import PROFILES
 from tests.conftest import run_repro
+from tests.fuzzer.targets.judged import SERVED
 
 pytestmark = pytest.mark.vllm
 
@@ -159,4 +160,4 @@ def test_the_padded_heads_mutant_is_found_and_its_standalone_reproducer_shows_it
     script = (d / "repro.py").read_text()
     assert (d / "attnfuzz_support.py").is_file() and "def apply(" in script
     assert not [ln for ln in script.splitlines() if ln.strip().startswith(("import fuzzer", "from fuzzer", "from oracles"))
-                and not ln.strip().startswith("from fuzzer.support.")]  # served by attnfuzz_support.py
+                and not ln.strip().startswith(SERVED)]
