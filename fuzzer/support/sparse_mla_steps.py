@@ -2,8 +2,8 @@
 
 Each function is one vLLM call sequence, written once: the targets' run() calls them on the case's tensors,
 and a reproducer shows the same functions (their source, copied into repro.py) on the tensors it saved.
-`replay_steps` / `replay_draft_steps` / `replay_graph_steps` are the reproducers' loops over saved steps; the calls
-inside them are the ones run() makes.
+`replay_steps` / `replay_graph_steps` are the reproducers' loops over saved steps; the calls inside them are
+the ones run() makes.
 """
 
 from __future__ import annotations
@@ -255,24 +255,8 @@ def step_metadata(S, step: dict):
 def replay_steps(builder, impl, cfg, steps: list, T, rows, cache, topk_indices_buffer, block_size: int,
                  block_stride_rows: int, device: str, found: list, layer=None):
     """The trace's steps through impl.forward_mqa (handed `layer`) on the engine's builder, one cache and one
-    top-k buffer, as vLLM's runner keeps them. Returns (the last step's output, the cache before its call)."""
-    from vllm.config import set_current_vllm_config
-
-    with set_current_vllm_config(cfg), torch.inference_mode():
-        for k, step in enumerate(steps, start=1):
-            S = saved_step(T, k, rows, topk_indices_buffer, block_size, block_stride_rows)
-            before = cache.clone()
-            metadata = builder.build(0, step_metadata(S, step))
-            check_overrun = guard_index_group(impl, poison=k == 1)
-            out, _lse = forward_mqa(impl, S["q"], cache, metadata, layer)
-            found += [f"step {k}: {m}" for m in check_overrun(step["NUM_TOKENS"])]
-    return out, before
-
-
-def replay_draft_steps(builder, impl, cfg, steps: list, T, rows, cache, topk_indices_buffer, block_size: int,
-                       block_stride_rows: int, device: str, found: list, layer=None):
-    """replay_steps for a trace with MTP draft steps: a step marked DRAFT runs on the step before's metadata updated
-    in place, and again on metadata built for it."""
+    top-k buffer, as vLLM's runner keeps them; a step marked DRAFT runs on the step before's metadata updated in
+    place, and again on metadata built for it. Returns (the last step's output, the cache before its call)."""
     from vllm.config import set_current_vllm_config
 
     cam = metadata = None  # the step before's (a DRAFT step's start)

@@ -39,7 +39,6 @@ from fuzzer.support.sparse_mla_steps import (
     poisoned_cache,
     prepare_host,
     prepare_layer_host,
-    replay_draft_steps,
     replay_graph_steps,
     replay_layer_steps,
     replay_steps,
@@ -436,8 +435,7 @@ def flashmla_repro(target, finding, layer: bool) -> ReproSpec:
                                              table_width="TABLE_WIDTH", **forward_layer),
                     assign="out, before, cuda_graphs")
     else:
-        call = Call(replay_draft_steps if drafts else replay_steps, dict(replay, impl="impl", **forward_layer),
-                    assign="out, before")
+        call = Call(replay_steps, dict(replay, impl="impl", **forward_layer), assign="out, before")
     return ReproSpec(
         about=(f"Shrunk trace of {len(case.steps)} steps, run here up to step {failing}, whose output is judged: "
                if len(case.steps) > 1 else "Shrunk case: ")
