@@ -137,6 +137,21 @@ def undivided_trace(case, heads: bool):
     return dataclasses.replace(one(case), earlier=tuple(one(e) for e in case.earlier))
 
 
+def _other_rank_rows(whole, obs) -> str:
+    """The differing rows as the other rank holds them, judged as the indexer's: whether both ranks picked a top-k,
+    so that they chose differently only among scores equal within the kernels' rounding (a choice the top-k kernels
+    leave unspecified, which ranks that each run the top-k cannot rely on)."""
+    if "dcp_topk_other" not in obs.outputs:
+        return ""
+    outputs = {**obs.outputs, "topk_indices_buffer": obs.outputs["dcp_topk_other"]}
+    found = [v for v in judge_indexer(whole, SimpleNamespace(outputs=outputs, error_type=None))
+             if v.check == "topk"]
+    if found and found[0].ok:
+        return ("; both ranks' rows are a top-k of the same scores: they chose differently among scores tied within "
+                "the kernels' rounding, which the top-k kernels leave unspecified")
+    return f"; the other rank's rows, judged alone: {found[0].detail if found else 'not judged'}"
+
+
 def judge_dsv32_dcp(case, obs) -> list[Verdict]:
     """A step of the module under DCP, every rank's: judged as the undivided module would be (`judge_dsv32`'s
     checks over the whole context). The indexer's merged top-k (rank 0's buffer) from the index cache's bytes as
@@ -154,7 +169,8 @@ def judge_dsv32_dcp(case, obs) -> list[Verdict]:
     if (differ := o.get("dcp_topk_rows_differ")) is not None and len(differ):
         verdicts.append(Verdict("dcp_topk", False, f"{len(differ)} of the step's {whole.num_actual_tokens} top-k rows "
                                 f"differ between ranks after the global merge (first row {int(differ[0])}): the ranks "
-                                "attend over different selections", "G", where="dcp_topk"))
+                                f"attend over different selections{_other_rank_rows(whole, obs)}", "G",
+                                where="dcp_topk"))
     unscored = bool((o["topk_indices_buffer"][:n] == -1).all()) if n else False
     verdicts += judge_indexer(whole, obs, rows_scored=not (mha == n and unscored))
     for layer, name in enumerate(LAYER_OUTPUTS):

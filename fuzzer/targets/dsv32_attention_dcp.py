@@ -247,10 +247,13 @@ class Dsv32AttentionDcp(Dsv32Attention):
                "index_cache": undivided_index_cache(case, [res["index_kv"] for res in results])}
         rows, width = case.num_actual_tokens, case.topk_width
         differ = torch.zeros(rows, dtype=torch.bool, device=results[0]["topk"].device)
+        other = results[0]["topk"].clone()  # rank 0's buffer, each differing row as the first rank that differs has it
         for res in results[1:]:  # as sets: the top-k kernels promise no order within a row
-            differ |= (res["topk"][:rows, :width].sort(dim=1).values !=
-                       results[0]["topk"][:rows, :width].sort(dim=1).values).any(dim=1)
-        out["dcp_topk_rows_differ"] = differ.nonzero().flatten()
+            these = (res["topk"][:rows, :width].sort(dim=1).values !=
+                     results[0]["topk"][:rows, :width].sort(dim=1).values).any(dim=1)
+            other[:rows][these & ~differ] = res["topk"][:rows][these & ~differ]
+            differ |= these
+        out["dcp_topk_rows_differ"], out["dcp_topk_other"] = differ.nonzero().flatten(), other
         for i, (ls, li) in enumerate(zip(s.layer_steps, s.layer_inputs)):
             name = "out" if i == 0 else "out_skip_topk"
             o = torch.cat([res["outs"][i] for res in results], dim=1)  # [rows, ranks x heads x 128]

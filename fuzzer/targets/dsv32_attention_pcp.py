@@ -246,20 +246,23 @@ class Dsv32AttentionPcp(Dsv32AttentionDcp):
         topk, before = results[0]["topk"].clone(), results[0]["topk_before"].clone()
         seen = torch.zeros(rows, dtype=torch.bool, device=topk.device)
         differ = torch.zeros(rows, dtype=torch.bool, device=topk.device)
+        other = topk.clone()  # the same, each differing row as the first rank that differs has it
         for res in results:
             tok = res["rows"].to(topk.device)
             mine = res["topk"][:len(tok)]
             first, again = tok[~seen[tok]], tok[seen[tok]]
             # as sets: the top-k kernels promise no order within a row
-            differ[again] |= (topk[again, :width].sort(dim=1).values !=
-                              mine[seen[tok]][:, :width].sort(dim=1).values).any(dim=1)
-            topk[first] = mine[~seen[tok]]
+            these = (topk[again, :width].sort(dim=1).values != mine[seen[tok]][:, :width].sort(dim=1).values).any(dim=1)
+            other[again[these & ~differ[again]]] = mine[seen[tok]][these & ~differ[again]]
+            differ[again] |= these
+            topk[first] = other[first] = mine[~seen[tok]]
             before[first] = res["topk_before"][:len(tok)][~seen[tok]]
             seen[tok] = True
         first_of = {}
         for w in range(len(results)):
             first_of.setdefault(groups["_DCP"]._group_of[w].index(w), w)
         out = {"topk_indices_buffer": topk, "topk_before": before, "dcp_topk_rows_differ": differ.nonzero().flatten(),
+               "dcp_topk_other": other,
                "index_cache": undivided_index_cache(case, [results[first_of[r]]["index_kv"] for r in range(d.size)])}
         mha_rows, own_from = torch.zeros(n, dtype=torch.bool), torch.zeros(n, dtype=torch.long)
         for res in results:  # each batch token's dense-MHA route, from the ranks that ran it

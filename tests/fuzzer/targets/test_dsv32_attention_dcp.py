@@ -82,8 +82,14 @@ def test_ranks_that_disagree_or_merge_wrong_are_class_g():
     out = obs.outputs["out"].clone()
     out[:, 8 * 128:] = 0  # rank 1's heads
     obs.outputs["out"] = out
-    bad = {v.check: v.bug_class for v in t.oracle(case, obs) if not v.ok}
-    assert bad == {"dcp_topk": "G", "output": "G"}, bad
+    bad = {v.check: v for v in t.oracle(case, obs) if not v.ok}
+    assert {c: v.bug_class for c, v in bad.items()} == {"dcp_topk": "G", "output": "G"}, bad
+    # the other rank's rows judged too: a top-k as well (a tie chosen otherwise), or wrong on their own
+    assert "both ranks' rows are a top-k of the same scores" in bad["dcp_topk"].detail, bad["dcp_topk"].detail
+    obs.outputs["dcp_topk_other"] = obs.outputs["dcp_topk_other"].clone()
+    obs.outputs["dcp_topk_other"][1, :4] = -1
+    detail = next(v.detail for v in t.oracle(case, obs) if v.check == "dcp_topk")
+    assert "the other rank's rows, judged alone: 1 token rows wrong; first: request 1" in detail, detail
 
 
 def test_cases_are_configurations_vllm_runs():
