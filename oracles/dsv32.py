@@ -95,19 +95,34 @@ def layer_verdicts(case, obs, layer: int, name: str, mha: int, view=None) -> lis
     # A dense-MHA token's unscored row: the causal window it attends (the sparse result where it fits the top-k).
     col = torch.arange(width, device=dev)
     window = torch.where(col[None, :] <= pos[:, None], col[None, :], -1).to(rows.dtype)
-    take_window = took & (rows == -1).all(dim=1)
-    rows = torch.where(take_window[:, None], window, rows)
+
+    def attending(rows):  # the layer's inputs with these top-k rows
+        rows = torch.where((took & (rows == -1).all(dim=1))[:, None], window, rows)
+        index = dataclasses.replace(li.attention.index, topk_indices=rows)
+        return dataclasses.replace(li, attention=dataclasses.replace(li.attention, index=index))
+
     li = materialize_layer_inputs(view, dev)
-    index = dataclasses.replace(li.attention.index, topk_indices=rows)
-    li = dataclasses.replace(li, attention=dataclasses.replace(li.attention, index=index))
+    li = attending(rows)
     slot_values = None
     if f"{name}.cache_entries" in obs.outputs:
         slot_values, wrong = judge_cache_entries(view, li.attention, obs.outputs[f"{name}.cache_slots"],
                                                  obs.outputs[f"{name}.cache_entries"])
         if wrong is not None:
             verdicts.append(dataclasses.replace(wrong, detail=label + wrong.detail) if layer else wrong)
-    out_ref, valid_rows = (layer_reference_for(view, li, dev, slot_values, mha) if mha_rows is None else
-                           layer_reference_for(view, li, dev, slot_values, mha_rows=took, own_from=own_from))
+    def reference(li):
+        return (layer_reference_for(view, li, dev, slot_values, mha) if mha_rows is None else
+                layer_reference_for(view, li, dev, slot_values, mha_rows=took, own_from=own_from))
+
+    out_ref, valid_rows = reference(li)
+    # Under PCP the TP ranks of a token run its top-k each (over the whole gathered context, for their own heads): a
+    # tie chosen otherwise is theirs to choose, so each rank's heads are judged with the rows that rank picked.
+    by_tp = obs.outputs.get("topk_by_tp")  # [TP, rows, width]
+    for t, picked in enumerate(() if by_tp is None else by_tp):
+        picked = picked[:n].to(dev)
+        if not torch.equal(picked, obs.outputs["topk_indices_buffer"][:n].to(dev)):
+            heads = slice(t * out_ref.shape[1] // len(by_tp), (t + 1) * out_ref.shape[1] // len(by_tp))
+            out_t, valid_t = reference(attending(picked))
+            out_ref[:, heads], valid_rows = out_t[:, heads], valid_rows & valid_t
     atol, rtol = layer_tolerance(view, li)
     out = obs.outputs[name].to(dev).float()
     if out.numel() != out_ref.numel():
@@ -157,7 +172,7 @@ def judge_dsv32_dcp(case, obs) -> list[Verdict]:
     checks over the whole context). The indexer's merged top-k (rank 0's buffer) from the index cache's bytes as
     the ranks wrote them, put back in undivided slots; each layer's output, every rank's heads in rank order,
     against the reference over the undivided context with every rank's heads, from the fp8_ds_mla entries the
-    ranks wrote; `dcp_topk` (G): every rank's buffer holds the same merged rows (the merge is global). A wrong
+    ranks wrote; `dcp_topk` (G): every rank of a DCP group holds the same rows (they attend over shards of one selection). A wrong
     output under DCP points at the split and merge (class G) unless another check names a class."""
     whole = undivided_trace(case, heads=False)
     verdicts, go_on = _call_verdicts(obs)

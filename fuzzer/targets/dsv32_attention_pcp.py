@@ -238,7 +238,7 @@ class Dsv32AttentionPcp(Dsv32AttentionDcp):
     def pcp_merged(self, s: dict, results: list[dict], groups):
         """What every rank left, as the undivided step's observation: each layer's restored output (the TP ranks'
         heads side by side), the top-k rows of the batch's tokens (each from the first rank holding it; rows two
-        ranks hold differently named), the index cache and the MLA entries read back from each DCP rank's first
+        ranks of one DCP group hold differently named), the index cache and the MLA entries read back from each DCP rank's first
         world rank. Returns (outputs, overruns, cache changes)."""
         case, n = s["case"], s["case"].num_tokens
         d = case.dcp
@@ -246,15 +246,28 @@ class Dsv32AttentionPcp(Dsv32AttentionDcp):
         topk, before = results[0]["topk"].clone(), results[0]["topk_before"].clone()
         seen = torch.zeros(rows, dtype=torch.bool, device=topk.device)
         differ = torch.zeros(rows, dtype=torch.bool, device=topk.device)
-        other = topk.clone()  # the same, each differing row as the first rank that differs has it
-        for res in results:
+        other = topk.clone()  # the same, each differing row as the rank that differs has it
+        # Ranks must agree on a token's row only within its DCP group, whose ranks attend over shards of one context
+        # (TP ranks of other DCP groups attend with their own heads over a whole copy: a tie chosen otherwise is fine).
+        group_seen, group_rows = {}, {}
+        by_tp = [(torch.zeros(rows, dtype=torch.bool, device=topk.device), topk.clone()) for _ in range(d.tp)]
+        for w, res in enumerate(results):
             tok = res["rows"].to(topk.device)
             mine = res["topk"][:len(tok)]
-            first, again = tok[~seen[tok]], tok[seen[tok]]
+            g = tuple(groups["_DCP"]._group_of[w])
+            held = group_seen.setdefault(g, torch.zeros(rows, dtype=torch.bool, device=topk.device))
+            ref = group_rows.setdefault(g, torch.empty_like(topk))
+            again = tok[held[tok]]
             # as sets: the top-k kernels promise no order within a row
-            these = (topk[again, :width].sort(dim=1).values != mine[seen[tok]][:, :width].sort(dim=1).values).any(dim=1)
-            other[again[these & ~differ[again]]] = mine[seen[tok]][these & ~differ[again]]
+            these = (ref[again, :width].sort(dim=1).values != mine[held[tok]][:, :width].sort(dim=1).values).any(dim=1)
+            other[again[these & ~differ[again]]] = mine[held[tok]][these & ~differ[again]]
             differ[again] |= these
+            ref[tok[~held[tok]]] = mine[~held[tok]]
+            held[tok] = True
+            tp_held, tp_rows = by_tp[w % d.tp]  # world rank = PCP rank x TP + TP rank
+            tp_rows[tok[~tp_held[tok]]] = mine[~tp_held[tok]]
+            tp_held[tok] = True
+            first = tok[~seen[tok]]
             topk[first] = other[first] = mine[~seen[tok]]
             before[first] = res["topk_before"][:len(tok)][~seen[tok]]
             seen[tok] = True
@@ -262,7 +275,7 @@ class Dsv32AttentionPcp(Dsv32AttentionDcp):
         for w in range(len(results)):
             first_of.setdefault(groups["_DCP"]._group_of[w].index(w), w)
         out = {"topk_indices_buffer": topk, "topk_before": before, "dcp_topk_rows_differ": differ.nonzero().flatten(),
-               "dcp_topk_other": other,
+               "dcp_topk_other": other, "topk_by_tp": torch.stack([r for _, r in by_tp]),
                "index_cache": undivided_index_cache(case, [results[first_of[r]]["index_kv"] for r in range(d.size)])}
         mha_rows, own_from = torch.zeros(n, dtype=torch.bool), torch.zeros(n, dtype=torch.long)
         for res in results:  # each batch token's dense-MHA route, from the ranks that ran it

@@ -12,6 +12,8 @@ for a score, 0 for a length, or skips the element). Plain torch; CPU and CUDA te
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from fuzzer.support.interp.sanitizer import VIOLATIONS, MemoryViolation
@@ -231,11 +233,16 @@ def _order_keys(x: torch.Tensor) -> torch.Tensor:
     return torch.where(bits >= 0x80000000, bits, (~bits) & 0x7FFFFFFF)
 
 
+_SELECT_CALLS = itertools.count()
+
+
 def _select(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Positions of the k highest scores in the kernels' order, highest first; among equal scores the lowest
-    position (the kernels' choice among equal keys is arrival order of atomics: unspecified)."""
-    pos = torch.arange(scores.numel(), device=scores.device)
-    composite = (_order_keys(scores) << 31) | pos
+    """Positions of the k highest scores in the kernels' order, highest first. Which of the scores equal to the k-th
+    are taken is, in the kernels, the arrival order of shared-memory atomics (sampler.cu's processHistogramStep): it
+    changes between calls on the same input. The stand-in takes them in an order drawn afresh for every call (from a
+    count of calls, so a process repeats its choices), so code that needs two calls to agree on ties shows it."""
+    order = torch.randperm(scores.numel(), generator=torch.Generator().manual_seed(next(_SELECT_CALLS)))
+    composite = (_order_keys(scores) << 31) | order.to(scores.device)
     return torch.topk(composite, k, largest=False, sorted=True).indices
 
 
@@ -279,7 +286,7 @@ def top_k_per_row_prefill(logits: torch.Tensor, rowStarts: torch.Tensor, rowEnds
     rowEnds[r]) (the strides as passed; the row's width is not checked); indices[r*topK + j] (rows topK apart from
     the tensor's first element, whatever its stride) get the best topK as i - rowStarts[r], i.e. relative to the
     row's start. A row of at most topK positions gets 0..len-1 in order then -1; a longer one its topK best in no
-    promised order (the stand-in writes them by descending score; ties: lowest position). rowEnd < rowStart writes
+    promised order (the stand-in writes them by descending score; ties: see _select). rowEnd < rowStart writes
     -1 from rowLen (< 0): into the previous row's tail (or before indices), recorded. 0 rows: an empty grid.
     NaN: ranked by bits (+NaN above +inf, -NaN below -inf), as the radix keys do."""
     op = "top_k_per_row_prefill"
@@ -298,7 +305,7 @@ def top_k_per_row_decode(logits: torch.Tensor, next_n: int, seq_lens: torch.Tens
     seq_lens[r], a 1-D one seq_lens[r // next_n] - next_n + r % next_n + 1, floored at 0; scores at
     logits[r*stride0 + i*stride1]; indices written as positions in the row (rowStart 0) at indices[r*topK + j];
     short rows 0..end-1 then -1; longer ones their topK
-    best in no promised order (stand-in: descending score, ties lowest position). end past logits.size(1): the
+    best in no promised order (stand-in: descending score, ties: see _select). end past logits.size(1): the
     kernel reads past the row (the next row's scores, or past the tensor), recorded. The split-row path for
     >= 200,000 columns selects the same set. 0 rows: an empty grid."""
     op = "top_k_per_row_decode"
@@ -344,7 +351,7 @@ def persistent_topk(logits: torch.Tensor, lengths: torch.Tensor, output: torch.T
     """`persistent_topk`: row r of logits (fp32, read at r*logits.stride(0) + i, unit column stride assumed) covers
     [0, lengths.flatten()[r]) -- per-row lengths, no next_n (vLLM expands draft rows itself); output[r*k + j] gets
     0..len-1 then -1 for a row of at most k, else its k best as positions in the row in no promised order
-    (stand-in: descending score, ties lowest position). Lengths past the width read the next row, recorded.
+    (stand-in: descending score, ties: see _select). Lengths past the width read the next row, recorded.
 
     Not determined: persistent_topk.cuh's tie and NaN handling (modelled as top_k_per_row's radix keys), and whether
     max_seq_len clamps a row's length (vLLM's Python says it does; the FilteredTopK path taken above 32 rows never

@@ -72,6 +72,24 @@ def test_a_step_on_every_rank_is_judged_as_the_undivided_module(name):
         assert not obs.outputs["mha_rows"].any()
 
 
+def test_tp_ranks_may_choose_among_tied_scores_each_their_own_way():
+    """Under PCP + DCP every TP rank runs a prefill token's top-k itself, over the whole gathered context, and the
+    top-k kernels take tied scores in atomics' arrival order (the stand-in: an order drawn afresh each call). TP peers
+    of one PCP rank sit in different DCP groups (DCP spans PCP first), so rows they pick differently are no DCP
+    disagreement: each rank's heads are judged with the rows that rank picked (an H100 gate once took them for one)."""
+    import dataclasses
+
+    case = dataclasses.replace(step([Request(24, 560)], 0, [tuple(range(1, 10)) + (0,)], Dcp(2, 0, 4, 2, 2)),
+                               values="zero_tiles").validate()  # zero key tiles: many index scores exactly 0
+    t = target()
+    obs = t.run(case)
+    verdicts = t.oracle(case, obs)
+    assert obs.error is None and all(v.ok for v in verdicts), [v for v in verdicts if not v.ok]
+    by_tp = obs.outputs["topk_by_tp"][:, :case.num_tokens].sort(dim=2).values
+    assert bool((by_tp[0] != by_tp[1]).any()), "no tied row chosen differently: the case no longer tests this"
+    assert not len(obs.outputs["dcp_topk_rows_differ"])
+
+
 def test_decodes_are_sharded_over_pcp_ranks_without_dcp_only():
     """The runner's PCPManager shards decodes (one owner each) exactly where ParallelConfig says: PCP without DCP."""
     from fuzzer.support import pcp_runtime
