@@ -152,15 +152,19 @@ def undivided_trace(case, heads: bool):
     return dataclasses.replace(one(case), earlier=tuple(one(e) for e in case.earlier))
 
 
+def _topk_verdict(whole, obs, rows: torch.Tensor) -> list[Verdict]:
+    """The indexer's `topk` verdict on these rows in place of the buffer's."""
+    outputs = {**obs.outputs, "topk_indices_buffer": rows}
+    return [v for v in judge_indexer(whole, SimpleNamespace(outputs=outputs, error_type=None)) if v.check == "topk"]
+
+
 def _other_rank_rows(whole, obs) -> str:
     """The differing rows as the other rank holds them, judged as the indexer's: whether both ranks picked a top-k,
     so that they chose differently only among scores equal within the kernels' rounding (a choice the top-k kernels
     leave unspecified, which ranks that each run the top-k cannot rely on)."""
     if "dcp_topk_other" not in obs.outputs:
         return ""
-    outputs = {**obs.outputs, "topk_indices_buffer": obs.outputs["dcp_topk_other"]}
-    found = [v for v in judge_indexer(whole, SimpleNamespace(outputs=outputs, error_type=None))
-             if v.check == "topk"]
+    found = _topk_verdict(whole, obs, obs.outputs["dcp_topk_other"])
     if found and found[0].ok:
         return ("; both ranks' rows are a top-k of the same scores: they chose differently among scores tied within "
                 "the kernels' rounding, which the top-k kernels leave unspecified")
@@ -172,8 +176,8 @@ def judge_dsv32_dcp(case, obs) -> list[Verdict]:
     checks over the whole context). The indexer's merged top-k (rank 0's buffer) from the index cache's bytes as
     the ranks wrote them, put back in undivided slots; each layer's output, every rank's heads in rank order,
     against the reference over the undivided context with every rank's heads, from the fp8_ds_mla entries the
-    ranks wrote; `dcp_topk` (G): every rank of a DCP group holds the same rows (they attend over shards of one selection). A wrong
-    output under DCP points at the split and merge (class G) unless another check names a class."""
+    ranks wrote; `dcp_topk` (G): every rank of a DCP group holds the same rows (they attend over shards of one
+    selection); under PCP each TP rank's own rows (`topk_by_tp`) judged as a top-k too. A wrong output under DCP points at the split and merge (class G) unless another check names a class."""
     whole = undivided_trace(case, heads=False)
     verdicts, go_on = _call_verdicts(obs)
     n, mha = whole.num_tokens, int(obs.notes.get("route", {}).get("mha_tokens", 0))
@@ -188,6 +192,10 @@ def judge_dsv32_dcp(case, obs) -> list[Verdict]:
                                 where="dcp_topk"))
     unscored = bool((o["topk_indices_buffer"][:n] == -1).all()) if n else False
     verdicts += judge_indexer(whole, obs, rows_scored=not (mha == n and unscored))
+    for t, rows in enumerate(() if o.get("topk_by_tp") is None else o["topk_by_tp"]):  # TP peers' own rows (PCP)
+        if not torch.equal(rows[:n], o["topk_indices_buffer"][:n]):
+            verdicts += [dataclasses.replace(v, detail=f"TP rank {t}'s rows: {v.detail}", where=f"tp{t}.topk")
+                         for v in _topk_verdict(whole, obs, rows) if not v.ok]
     for layer, name in enumerate(LAYER_OUTPUTS):
         if (differ := o.get(f"{name}.replica_slots_differ")) is not None and len(differ):
             label = "skip_topk layer: " if layer else ""

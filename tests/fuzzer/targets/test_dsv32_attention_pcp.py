@@ -88,6 +88,11 @@ def test_tp_ranks_may_choose_among_tied_scores_each_their_own_way():
     by_tp = obs.outputs["topk_by_tp"][:, :case.num_tokens].sort(dim=2).values
     assert bool((by_tp[0] != by_tp[1]).any()), "no tied row chosen differently: the case no longer tests this"
     assert not len(obs.outputs["dcp_topk_rows_differ"])
+    # a TP peer's rows are judged as a top-k too
+    row = int((by_tp[0] != by_tp[1]).any(dim=1).nonzero()[0])
+    obs.outputs["topk_by_tp"][1, row, :8] = -1
+    bad = [v for v in t.oracle(case, obs) if not v.ok]
+    assert [v.where for v in bad if v.check == "topk"] == ["tp1.topk"], bad
 
 
 def test_decodes_are_sharded_over_pcp_ranks_without_dcp_only():
