@@ -247,8 +247,12 @@ class Dsv32AttentionPcp(Dsv32AttentionDcp):
         seen = torch.zeros(rows, dtype=torch.bool, device=topk.device)
         differ = torch.zeros(rows, dtype=torch.bool, device=topk.device)
         other = topk.clone()  # the same, each differing row as the rank that differs has it
-        # Ranks must agree on a token's row only within its DCP group, whose ranks attend over shards of one context
-        # (TP ranks of other DCP groups attend with their own heads over a whole copy: a tie chosen otherwise is fine).
+        # Ranks must agree on a decode token's row within its DCP group: they attend over shards of one context and
+        # merge by LSE, and the indexer merges their top-k (`_merge_dcp_topk_global`) so that they do. A prefill row
+        # under PCP + DCP each rank ranks over the whole gathered context and attends over the DCP-gathered KV with
+        # it (flashmla_sparse: `pcp_dcp_kv_gather`), and TP peers sit in other DCP groups (DCP spans PCP first): a
+        # tie taken otherwise there is the rank's own, and its heads are judged with its own rows (`topk_by_tp`).
+        merged = torch.arange(rows, device=topk.device) < case.num_decode_tokens
         group_seen, group_rows = {}, {}
         by_tp = [(torch.zeros(rows, dtype=torch.bool, device=topk.device), topk.clone()) for _ in range(d.tp)]
         for w, res in enumerate(results):
@@ -260,6 +264,7 @@ class Dsv32AttentionPcp(Dsv32AttentionDcp):
             again = tok[held[tok]]
             # as sets: the top-k kernels promise no order within a row
             these = (ref[again, :width].sort(dim=1).values != mine[held[tok]][:, :width].sort(dim=1).values).any(dim=1)
+            these &= merged[again]
             other[again[these & ~differ[again]]] = mine[held[tok]][these & ~differ[again]]
             differ[again] |= these
             ref[tok[~held[tok]]] = mine[~held[tok]]
