@@ -88,7 +88,9 @@ def main(args, device: str) -> int:
                           host_info(device, obs.emulated), record.inject, record.examples_to_find,
                           record.seconds_to_find)
         if args.save_repro:
-            print(f"reproducer for this host: {repro.write_repro(finding, target, args.save_repro)}/repro.py")
+            saved = repro.write_repro(finding, target, args.save_repro)
+            print(f"reproducer for this host: {saved / 'repro.py'}" if (saved / "repro.py").exists() else
+                  f"finding saved: {saved} (this target renders no repro.py; `attnfuzz replay {saved}` re-runs it)")
         if args.standalone:
             print(f"standalone reproducer: {repro.write_standalone(finding, target, args.standalone)}")
     return ExitCode.FOUND if failed else ExitCode.CLEAN
