@@ -48,6 +48,44 @@ def owner_and_local(case: Case, position: torch.Tensor) -> tuple[torch.Tensor, t
     return (position // inter) % n, (position // (n * inter)) * inter + position % inter
 
 
+def local_length(length: int, dcp: Dcp, rank: int) -> int:
+    """Of a request's first `length` tokens, how many DCP rank `rank` holds (vLLM's get_dcp_local_seq_lens)."""
+    whole, rest = divmod(length, dcp.size * dcp.interleave)
+    return whole * dcp.interleave + min(max(rest - rank * dcp.interleave, 0), dcp.interleave)
+
+
+# SM90's paged MQA logits take 1, 2 or 4 query rows per request; vLLM flattens other MTP widths to a row per token
+# (vllm.utils.deep_gemm.native_next_n_supported).
+SM90_NATIVE_NEXT_N = (1, 2, 4)
+
+
+def after_zero_length_entry(case: Case, row: int) -> bool:
+    """Whether decode token row `row` is scored in the indexer's paged logits right after an entry (a request, or a
+    token where vLLM flattens MTP) that holds no keys on a DCP rank where this row's entry holds some: the pattern of
+    DeepGEMM's SM90 paged logits scoring the entry after a zero-length one with that one's query
+    (docs/bug-reports/vllm-0.33.0-deepgemm-sm90-paged-logits-zero-length-request.md)."""
+    if case.dcp.size < 2 or row >= case.num_decode_tokens:
+        return False
+    next_n = 1 + (case.indexer.num_speculative_tokens if case.indexer else 0)
+    lengths, entry = [], None  # each entry's causal length (native rows: the request's last token's), row's entry
+    first = 0
+    for r in case.requests[: case.num_decodes]:
+        if next_n in SM90_NATIVE_NEXT_N:
+            if first <= row < first + r.query_len:
+                entry = len(lengths)
+            lengths.append(r.seq_len)
+        else:
+            for t in range(r.query_len):
+                if first + t == row:
+                    entry = len(lengths)
+                lengths.append(r.context_len + t + 1)
+        first += r.query_len
+    if not entry:
+        return False
+    return any(local_length(lengths[entry - 1], case.dcp, k) == 0 < local_length(lengths[entry], case.dcp, k)
+               for k in range(case.dcp.size))
+
+
 def rank_slots(case: Case, undivided_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(rank, the slot on that rank's cache) of each undivided slot."""
     virtual = case.block_size * case.dcp.size

@@ -28,7 +28,7 @@ from oracles.attention_judge import (
     layer_tolerance,
     padded_row_verdicts,
 )
-from oracles.dcp import undivided
+from oracles.dcp import after_zero_length_entry, undivided
 from oracles.indexer import judge_indexer
 from oracles.verdict import Verdict, passed
 from strategies.indexer_tensors import attention_view
@@ -152,10 +152,24 @@ def undivided_trace(case, heads: bool):
     return dataclasses.replace(one(case), earlier=tuple(one(e) for e in case.earlier))
 
 
-def _topk_verdict(whole, obs, rows: torch.Tensor) -> list[Verdict]:
+def _topk_verdict(whole, obs, rows: torch.Tensor, wrong_rows: list[int] | None = None) -> list[Verdict]:
     """The indexer's `topk` verdict on these rows in place of the buffer's."""
     outputs = {**obs.outputs, "topk_indices_buffer": rows}
-    return [v for v in judge_indexer(whole, SimpleNamespace(outputs=outputs, error_type=None)) if v.check == "topk"]
+    return [v for v in judge_indexer(whole, SimpleNamespace(outputs=outputs, error_type=None), wrong_rows=wrong_rows)
+            if v.check == "topk"]
+
+
+def known_pattern(case, verdicts: list[Verdict], wrong_rows: list[int]) -> list[Verdict]:
+    """A failed `topk` whose every wrong row comes right after an entry with no keys on some DCP rank, named as that
+    vLLM 0.33.0 bug (`topk:topk:after_zero_length`): a signature of its own, so that knowing it masks no other
+    top-k finding."""
+    if not wrong_rows or not all(after_zero_length_entry(case, r) for r in wrong_rows):
+        return verdicts
+    return [dataclasses.replace(v, where="topk:after_zero_length", detail=v.detail + "; every wrong row is the first "
+                                "after a request with no keys on some DCP rank (DeepGEMM's SM90 paged logits score "
+                                "it with that request's query: docs/bug-reports/vllm-0.33.0-deepgemm-sm90-paged-"
+                                "logits-zero-length-request.md)")
+            if v.check == "topk" and not v.ok else v for v in verdicts]
 
 
 def _other_rank_rows(whole, obs) -> str:
@@ -191,11 +205,13 @@ def judge_dsv32_dcp(case, obs) -> list[Verdict]:
                                 f"attend over different selections{_other_rank_rows(whole, obs)}", "G",
                                 where="dcp_topk"))
     unscored = bool((o["topk_indices_buffer"][:n] == -1).all()) if n else False
-    verdicts += judge_indexer(whole, obs, rows_scored=not (mha == n and unscored))
+    wrong: list[int] = []
+    verdicts += known_pattern(case, judge_indexer(whole, obs, not (mha == n and unscored), wrong), wrong)
     for t, rows in enumerate(() if o.get("topk_by_tp") is None else o["topk_by_tp"]):  # TP peers' own rows (PCP)
         if not torch.equal(rows[:n], o["topk_indices_buffer"][:n]):
-            verdicts += [dataclasses.replace(v, detail=f"TP rank {t}'s rows: {v.detail}", where=f"tp{t}.topk")
-                         for v in _topk_verdict(whole, obs, rows) if not v.ok]
+            wrong = []
+            verdicts += [dataclasses.replace(v, detail=f"TP rank {t}'s rows: {v.detail}", where=f"tp{t}.{v.where}")
+                         for v in known_pattern(case, _topk_verdict(whole, obs, rows, wrong), wrong) if not v.ok]
     for layer, name in enumerate(LAYER_OUTPUTS):
         if (differ := o.get(f"{name}.replica_slots_differ")) is not None and len(differ):
             label = "skip_topk layer: " if layer else ""

@@ -127,9 +127,10 @@ def _row_problem(got: torch.Tensor, pos: int, want: int, s: torch.Tensor | None,
 
 
 def judge_topk_rows(step_case: Case, buffer: torch.Tensor, cache: torch.Tensor, q_fp8: torch.Tensor,
-                    weights: torch.Tensor) -> list[Verdict]:
+                    weights: torch.Tensor, wrong_rows: list[int] | None = None) -> list[Verdict]:
     """Every real token's row, a request's rows at a time on the tensors' device: counts, -1 placement, the causal
-    window and repeats for every row at once; the scores (fp64) of the selected ids against the k-th best."""
+    window and repeats for every row at once; the scores (fp64) of the selected ids against the k-th best.
+    `wrong_rows`, where given, gets the rows found wrong (for a caller that diagnoses them)."""
     dev = buffer.device
     values, scales = decode_index_cache(cache)
     keys = values * scales[:, None]
@@ -169,6 +170,8 @@ def judge_topk_rows(step_case: Case, buffer: torch.Tensor, cache: torch.Tensor, 
                                                     0.0 if s is None else float(tol[i]))
                 if not issue:
                     continue
+                if wrong_rows is not None:
+                    wrong_rows.append(row0 + lo + i)
                 kind = "decode" if r < step_case.num_decodes else "prefill"
                 problems.append(f"request {r} ({kind}) position {p}, row {row0 + lo + i}: {issue}"
                                 + (" (the row's window ends early: a length short)" if short else ""))
@@ -203,7 +206,7 @@ def judge_padding_and_buffer(step_case: Case, buffer: torch.Tensor, before: torc
     return out
 
 
-def judge_indexer(case: Case, obs, rows_scored: bool = True) -> list[Verdict]:
+def judge_indexer(case: Case, obs, rows_scored: bool = True, wrong_rows: list[int] | None = None) -> list[Verdict]:
     """One step (with its history: `case.steps`), from what `vllm.indexer` recorded of it: the top-k buffer after
     and before the call, and the index cache after it. `rows_scored` False: the op was entitled to leave the step's
     rows as it found them (DeepSeek-V3.2's attention module, every token on dense MHA), so they are not judged."""
@@ -220,7 +223,7 @@ def judge_indexer(case: Case, obs, rows_scored: bool = True) -> list[Verdict]:
         written[inp.slots[inp.slots >= 0]] = True
     slots = written.nonzero().flatten()
     cache = o["index_cache"][: pool.shape[0] // case.block_size]  # the trace's blocks (its pool may be larger)
-    rows = (judge_topk_rows(case, o["topk_indices_buffer"], cache, inp.q_fp8, inp.weights) if rows_scored else
+    rows = (judge_topk_rows(case, o["topk_indices_buffer"], cache, inp.q_fp8, inp.weights, wrong_rows) if rows_scored else
             [passed("topk", "not judged: every token took dense MHA, whose rows the indexer leaves unscored")])
     return (judge_index_cache(cache, slots, pool[slots], (~written).nonzero().flatten()) + rows
             + judge_padding_and_buffer(case, o["topk_indices_buffer"], o["topk_before"]))

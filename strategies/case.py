@@ -226,6 +226,10 @@ class IndexerStep:
     # indexer alone), and whether a second layer with no indexer of its own (skip_topk) attends with the first's top-k
     attention_heads: int = 0
     skip_topk_layer: bool = False
+    # The SMs DeepGEMM's paged logits are scheduled over (the builder's num_compute_units and DeepGEMM's
+    # set_num_sms): 0 the device's (an H100/H200's 132; the CPU's stand-ins model one). Fewer give each SM's share
+    # several requests at steps a CPU affords, so its traversal crosses request boundaries there too.
+    num_sms: int = 0
 
 
 # Step5's DSA (Case.step5, vLLM's STEP5_DSA backend): query heads per KV group its kernels take, indexer heads per
@@ -379,7 +383,8 @@ class Case:
                          + (f" mtp={x.num_speculative_tokens}" if x.num_speculative_tokens else "")
                          + (f" max_logits_mb={x.max_logits_mb}" if x.max_logits_mb != 512 else "")
                          + (f" attention_heads={x.attention_heads}" if x.attention_heads else "")
-                         + (" skip_topk_layer" if x.skip_topk_layer else ""))
+                         + (" skip_topk_layer" if x.skip_topk_layer else "")
+                         + (f" sms={x.num_sms}" if x.num_sms else ""))
         if self.step5 is not None:
             x = self.step5
             extra.append(f"step5: groups={x.groups} heads/group={self.heads // x.groups} index_heads={x.index_heads} "
@@ -479,6 +484,10 @@ class Case:
             _check(0 <= x.num_speculative_tokens <= INDEXER_MAX_SPECULATIVE, "indexer.num_speculative_tokens",
                    f"must be in [0, {INDEXER_MAX_SPECULATIVE}], got {x.num_speculative_tokens}")
             _check(x.max_logits_mb >= 0, "indexer.max_logits_mb", f"must be >= 0, got {x.max_logits_mb}")
+            _check(0 <= x.num_sms <= INDEXER_MAX_SMS, "indexer.num_sms",
+                   f"must be in [0, {INDEXER_MAX_SMS}] (0: the device's), got {x.num_sms}")
+            _check(x.num_sms != 1 or x.num_speculative_tokens != 3, "indexer.num_sms",
+                   "SM90 runs next_n 4 (3 draft tokens) on clusters of 2 SMs: 1 SM schedules none")
             rows = self.num_decode_tokens + self.padded_tokens
             _check(x.topk_backend != "cooperative" or rows <= COOPERATIVE_MAX_ROWS, "indexer.topk_backend",
                    f"'cooperative' takes at most {COOPERATIVE_MAX_ROWS} decode rows (vLLM refuses more), got {rows}")
@@ -675,6 +684,8 @@ def _validate_step5(case: "Case") -> None:
     used = [b for row in case.block_table for b in row if b]
     _check(len(used) == len(set(used)), "block_table", "a block id used twice (requests share no block here)")
 
+
+INDEXER_MAX_SMS = 132  # an H100/H200 SXM's SMs: DeepGEMM schedules over at most the device's
 
 ENGINE_FIELDS = ("block_size", "block_stride_rows", "topk_width", "heads", "kv_cache_dtype", "fp8_scale", "values",
                  "dcp", "call", "cudagraph", "indexer")

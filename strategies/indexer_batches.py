@@ -39,6 +39,7 @@ from strategies.case import (
     Case,
     Dcp,
     IndexerStep,
+    Request,
     TopkSpec,
 )
 from strategies.profiles import Profile
@@ -86,6 +87,7 @@ def indexer_cases(draw, p: Profile, topk_backends: tuple[str, ...] = INDEXER_TOP
     reqs, num_decodes = draw(requests(sizes, topk_width, 1 + num_spec, vllm_order=True, swarm=swarm,
                                       decode_only=steady))
     reqs = _at_block_edges(draw, reqs, num_decodes, INDEXER_BLOCK_SIZE, x.max_context, swarm)
+    reqs = _short_decodes(draw, reqs, num_decodes, dcp)
     virtual = INDEXER_BLOCK_SIZE * dcp.size  # under DCP a block id names one block on every rank
     table, _ = draw(block_tables([_cdiv(r.seq_len, virtual) for r in reqs], False,
                                  shareable=[r.context_len // virtual for r in reqs], swarm=swarm))
@@ -96,7 +98,8 @@ def indexer_cases(draw, p: Profile, topk_backends: tuple[str, ...] = INDEXER_TOP
     rows = sum(r.query_len for r in reqs[:num_decodes]) + padded_tokens
     backends = tuple(b for b in backends if b != "cooperative" or rows <= COOPERATIVE_MAX_ROWS)
     indexer = IndexerStep(topk_backend=_sampled(draw, swarm, "topk_backend", backends or topk_backends),
-                          num_speculative_tokens=num_spec, max_logits_mb=x.tight_logits_mb if budget == "tight" else 512)
+                          num_speculative_tokens=num_spec, max_logits_mb=x.tight_logits_mb if budget == "tight" else 512,
+                          num_sms=_sms(draw(st.sampled_from(x.sms)), num_spec))
     case = Case(requests=reqs, num_decodes=num_decodes, block_size=INDEXER_BLOCK_SIZE, block_table=table,
                 topk_width=topk_width, topk=(), heads=heads, kv_cache_dtype=kv_cache_dtype, dcp=dcp,
                 values=_sampled(draw, swarm, "values", VALUE_KINDS), seed=draw(st.integers(0, 2**16)),
@@ -116,6 +119,25 @@ def indexer_cases(draw, p: Profile, topk_backends: tuple[str, ...] = INDEXER_TOP
         case = dataclasses.replace(case, indexer=auto)
         earlier = tuple(dataclasses.replace(e, indexer=auto) for e in earlier)
     return dataclasses.replace(case, earlier=earlier).validate() if earlier else case
+
+
+def _sms(num_sms: int, num_spec: int) -> int:
+    """SM90 runs next_n 4 (3 draft tokens) on clusters of 2 SMs: 1 SM becomes 2 there."""
+    return 2 if num_sms == 1 and num_spec == 3 else num_sms
+
+
+def _short_decodes(draw, reqs: tuple[Request, ...], num_decodes: int, dcp: Dcp) -> tuple[Request, ...]:
+    """Under DCP, half the time, a decode between two others of a request too short to reach the last rank (at most
+    (size - 1) x interleave tokens: a short prompt's first tokens): its DCP-local length there is 0 between two
+    requests that have keys, as the indexer then hands DeepGEMM's paged logits. Shrinking undoes it."""
+    room = (dcp.size - 1) * dcp.interleave
+    if dcp.size < 2 or num_decodes < 3 or not draw(st.booleans()):
+        return reqs
+    i = draw(st.integers(1, num_decodes - 2))
+    r = reqs[i]
+    if not 0 < r.query_len <= room:  # a graph's padding request stays as it is
+        return reqs
+    return (*reqs[:i], Request(r.query_len, draw(st.integers(0, room - r.query_len))), *reqs[i + 1:])
 
 
 def attention_module_space(p: Profile, attention_heads: tuple[int, ...]) -> CaseSpace:

@@ -37,6 +37,9 @@ class IndexerSizes:
     topk_widths: tuple[int, ...]  # index_topk; the first is where shrinking goes
     heads: tuple[int, ...]  # index_n_heads: DeepSeek-V3.2's 64, GLM-5's 32
     tight_logits_mb: int = 0
+    # Case.indexer.num_sms: the device's SMs (0) where shrinking goes, then fewer, so that a step of a dozen
+    # requests already gives an SM several of them (as 132 SMs do only past ~132 segments of 256 keys)
+    sms: tuple[int, ...] = (0, 1, 8)
 
 
 @dataclass(frozen=True)

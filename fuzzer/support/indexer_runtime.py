@@ -109,6 +109,8 @@ def prepare_indexer_host(device: str, force_standins: bool = False) -> tuple[tup
                       f"num_compute_units: {H200_SMS} (an H200's SMs)"]
         deep_gemm.mqa_logits_use_mx_scales.cache_clear()
     if force_standins or device == "cpu" or not _has_real_deep_gemm():
+        global _DEEP_GEMM_EMULATED
+        _DEEP_GEMM_EMULATED = True
         standin = deep_gemm_standin.standin_module()
         deep_gemm._fp8_fp4_mqa_logits_impl = standin.fp8_fp4_mqa_logits
         deep_gemm._fp8_fp4_paged_mqa_logits_impl = standin.fp8_fp4_paged_mqa_logits
@@ -204,6 +206,29 @@ def indexer_layer(cfg, topk_indices_buffer: torch.Tensor, kv_cache: torch.Tensor
                                              Q_LORA_RANK, None, cfg.cache_config, topk_indices_buffer, prefix=PREFIX)
     layer.k_cache.bind_kv_cache(kv_cache.unsqueeze(1))
     return layer
+
+
+_DEEP_GEMM_EMULATED = False  # prepare_indexer_host bound the stand-ins in place of vLLM's DeepGEMM
+
+
+@contextlib.contextmanager
+def scheduled_sms(num_sms: int):
+    """Case.indexer.num_sms for what runs inside: the builder's `num_compute_units` (read when vLLM makes a builder:
+    the schedule's rows) and DeepGEMM's `set_num_sms` (its paged logits launch one task per SM and assert the
+    schedule has as many), restored after. 0: the device's, as they are."""
+    if not num_sms:
+        yield
+        return
+    builder = importlib.import_module(BUILDER_MODULE)
+    deep_gemm = deep_gemm_standin if _DEEP_GEMM_EMULATED else importlib.import_module(DEEP_GEMM_MODULE)
+    units, sms = builder.num_compute_units, deep_gemm.get_num_sms()
+    builder.num_compute_units = lambda device_id=0: num_sms
+    deep_gemm.set_num_sms(num_sms)
+    try:
+        yield
+    finally:
+        builder.num_compute_units = units
+        deep_gemm.set_num_sms(sms)
 
 
 def indexer_builder(cfg, layer, device: str, block_table_width: int):

@@ -29,6 +29,7 @@ from fuzzer.support.indexer_runtime import (
     indexer_layer,
     logits_budget,
     prepare_indexer_host,
+    scheduled_sms,
     write_index_keys,
 )
 from fuzzer.support.sparse_mla_steps import (
@@ -101,6 +102,10 @@ class Dsv32Attention(FlashMLASparseLayer):
         return torch.device(self.device).type == "cuda"
 
     def run(self, case):
+        with scheduled_sms(case.indexer.num_sms):  # the SMs DeepGEMM's paged logits are scheduled over
+            return self.run_trace(case)
+
+    def run_trace(self, case):
         dev = self.device
         steps = case.steps
         x = case.indexer

@@ -27,6 +27,7 @@ from fuzzer.support.indexer_runtime import (
     indexer_step,
     logits_budget,
     prepare_indexer_host,
+    scheduled_sms,
     write_index_keys,
 )
 from fuzzer.support.flashmla_runtime import standins_forced
@@ -92,6 +93,10 @@ class Indexer(Target):
         return indexer_space(profile)
 
     def run(self, case):
+        with scheduled_sms(case.indexer.num_sms):  # the SMs DeepGEMM's paged logits are scheduled over
+            return self.run_trace(case)
+
+    def run_trace(self, case):
         dev = self.device
         steps = case.steps
         pool, cache, topk_buffer, cfg = engine_buffers(case, dev)

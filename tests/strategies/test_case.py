@@ -113,6 +113,9 @@ def test_an_explicit_cooperative_top_k_takes_at_most_64_decode_rows():
     case.validate()
     with pytest.raises(CaseError, match="indexer.topk_backend"):
         dataclasses.replace(case, indexer=IndexerStep(topk_backend="cooperative")).validate()
+    with pytest.raises(CaseError, match=r"indexer.num_sms: must be in \[0, 132\]"):  # no more SMs than an H200
+        dataclasses.replace(case, indexer=IndexerStep(num_sms=133)).validate()
+    assert "sms=8" in dataclasses.replace(case, indexer=IndexerStep(num_sms=8)).validate().summary()
 
     @settings(max_examples=60, deadline=None, database=None)
     @given(indexer_cases(PROFILES["gpu"]))

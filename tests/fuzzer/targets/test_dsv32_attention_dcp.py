@@ -3,6 +3,7 @@ in one process (each rank's indexer scoring its shard and merging the global top
 heads, attending over its shard and merging by LSE), judged as the undivided module (oracles/dsv32.py
 `judge_dsv32_dcp`); its cases, a short clean campaign and PR 50005's attention half reverted found through the CLI."""
 
+import dataclasses
 import functools
 
 import pytest
@@ -90,6 +91,21 @@ def test_ranks_that_disagree_or_merge_wrong_are_class_g():
     obs.outputs["dcp_topk_other"][1, :4] = -1
     detail = next(v.detail for v in t.oracle(case, obs) if v.check == "dcp_topk")
     assert "the other rank's rows, judged alone: 1 token rows wrong; first: request 1" in detail, detail
+
+
+def test_a_request_without_keys_on_a_rank_hands_its_query_to_the_next_where_an_sm_crosses_it():
+    """vLLM 0.33.0's DeepGEMM (docs/bug-reports/vllm-0.33.0-deepgemm-sm90-paged-logits-zero-length-request.md; the
+    stand-in models the kernel): a one-token request has no keys on rank 1, and when one SM's share of the paged
+    logits runs from the request before it to the one after (2 SMs here; 132 need ~40 requests), the one after is
+    scored with its query. Named by its own signature; on 132 SMs the same step is clean."""
+    table = [tuple(range(1, 13)), (13,) + (0,) * 11, tuple(range(14, 25)) + (0,), tuple(range(25, 33)) + (0,) * 4]
+    case = step([Request(1, 1500), Request(1, 0), Request(1, 1400), Request(1, 900)], 4, table, Dcp(2))
+    run_judged(target(), case)
+    case = dataclasses.replace(case, indexer=dataclasses.replace(case.indexer, num_sms=2)).validate()
+    obs = target().run(case)
+    failed = [v for v in target().oracle(case, obs) if not v.ok]
+    assert [v.signature for v in failed] == ["topk:topk:after_zero_length"], failed
+    assert "request 2 (decode)" in failed[0].detail
 
 
 def test_cases_are_configurations_vllm_runs():
