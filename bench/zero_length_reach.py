@@ -16,21 +16,11 @@ import dataclasses
 from hypothesis import HealthCheck, given, settings
 
 from fuzzer.support.standins import deep_gemm as dg
-from oracles.dcp import SM90_NATIVE_NEXT_N, local_length
+from oracles.dcp import local_length, paged_logits_entries
 from strategies.indexer_batches import attention_module_dcp_space
 from strategies.profiles import PROFILES
 
 DEVICE_SMS = 132
-
-
-def entries(case) -> list[int]:
-    """The paged logits' entries of the step's decodes, each its causal length (per request, or per token where SM90
-    flattens MTP)."""
-    next_n = 1 + case.indexer.num_speculative_tokens
-    out = []
-    for r in case.requests[: case.num_decodes]:
-        out += [r.seq_len] if next_n in SM90_NATIVE_NEXT_N else [r.context_len + t + 1 for t in range(r.query_len)]
-    return out
 
 
 def crossed(lengths: list[int], sms: int) -> list[int]:
@@ -52,7 +42,7 @@ def crossed(lengths: list[int], sms: int) -> list[int]:
 
 
 def meets_bug(case) -> bool:
-    lengths = entries(case)
+    lengths, _ = paged_logits_entries(case)
     if not lengths:
         return False
     sms = case.indexer.num_sms or DEVICE_SMS

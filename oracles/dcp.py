@@ -59,31 +59,35 @@ def local_length(length: int, dcp: Dcp, rank: int) -> int:
 SM90_NATIVE_NEXT_N = (1, 2, 4)
 
 
+def paged_logits_entries(case: Case) -> tuple[list[int], list[int]]:
+    """The entries the indexer hands DeepGEMM's paged logits for the step's decodes: each entry's causal length (a
+    request's, its last token's, where SM90 takes the request's rows natively; a token's where vLLM flattens MTP),
+    and each decode token row's entry."""
+    next_n = 1 + (case.indexer.num_speculative_tokens if case.indexer else 0)
+    lengths: list[int] = []
+    entry_of_row: list[int] = []
+    for r in case.requests[: case.num_decodes]:
+        for t in range(r.query_len):
+            if next_n not in SM90_NATIVE_NEXT_N:
+                lengths.append(r.context_len + t + 1)
+            elif t == 0:
+                lengths.append(r.seq_len)
+            entry_of_row.append(len(lengths) - 1)
+    return lengths, entry_of_row
+
+
 def after_zero_length_entry(case: Case, row: int) -> bool:
-    """Whether decode token row `row` is scored in the indexer's paged logits right after an entry (a request, or a
-    token where vLLM flattens MTP) that holds no keys on a DCP rank where this row's entry holds some: the pattern of
-    DeepGEMM's SM90 paged logits scoring the entry after a zero-length one with that one's query
+    """Whether decode token row `row` is scored in the indexer's paged logits right after an entry that holds no keys
+    on a DCP rank where this row's entry holds some: the pattern of DeepGEMM's SM90 paged logits scoring the entry
+    after a zero-length one with that one's query
     (docs/bug-reports/vllm-0.33.0-deepgemm-sm90-paged-logits-zero-length-request.md)."""
     if case.dcp.size < 2 or row >= case.num_decode_tokens:
         return False
-    next_n = 1 + (case.indexer.num_speculative_tokens if case.indexer else 0)
-    lengths, entry = [], None  # each entry's causal length (native rows: the request's last token's), row's entry
-    first = 0
-    for r in case.requests[: case.num_decodes]:
-        if next_n in SM90_NATIVE_NEXT_N:
-            if first <= row < first + r.query_len:
-                entry = len(lengths)
-            lengths.append(r.seq_len)
-        else:
-            for t in range(r.query_len):
-                if first + t == row:
-                    entry = len(lengths)
-                lengths.append(r.context_len + t + 1)
-        first += r.query_len
-    if not entry:
-        return False
-    return any(local_length(lengths[entry - 1], case.dcp, k) == 0 < local_length(lengths[entry], case.dcp, k)
-               for k in range(case.dcp.size))
+    lengths, entry_of_row = paged_logits_entries(case)
+    entry = entry_of_row[row]
+    return entry > 0 and any(
+        local_length(lengths[entry - 1], case.dcp, k) == 0 < local_length(lengths[entry], case.dcp, k)
+        for k in range(case.dcp.size))
 
 
 def rank_slots(case: Case, undivided_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,6 +31,7 @@ HEAD_DIM, QUANT_BLOCK = 128, 128  # index_head_dim; one fp32 scale per 128 value
 ENTRY_BYTES = HEAD_DIM + HEAD_DIM // QUANT_BLOCK * 4  # an index-cache entry: 128 fp8 values, then its scale
 Q_LORA_RANK = 64  # wq_b's input width: its weights exist but the step hands the layer q already projected
 H200_SMS = 132
+_DEEP_GEMM_EMULATED = False  # prepare_indexer_host bound the stand-ins in place of vLLM's DeepGEMM
 
 
 class Sm90View:
@@ -96,6 +97,7 @@ def prepare_indexer_host(device: str, force_standins: bool = False) -> tuple[tup
     own wrappers (schedule slots, the block-table clone) still run; the compiled ops through a copy of vLLM's
     `ops` namespace in each module that calls them (and torch.ops._C's top-k kernels, which indexer_topk calls
     directly, through a copy of that module's `torch`). On a CPU the modules' `current_platform` is `Sm90View`."""
+    global _DEEP_GEMM_EMULATED
     indexer, builder, topk = (importlib.import_module(m) for m in (INDEXER_MODULE, BUILDER_MODULE, TOPK_MODULE))
     deep_gemm = importlib.import_module(DEEP_GEMM_MODULE)
     emulated, overrides = [], []
@@ -109,7 +111,6 @@ def prepare_indexer_host(device: str, force_standins: bool = False) -> tuple[tup
                       f"num_compute_units: {H200_SMS} (an H200's SMs)"]
         deep_gemm.mqa_logits_use_mx_scales.cache_clear()
     if force_standins or device == "cpu" or not _has_real_deep_gemm():
-        global _DEEP_GEMM_EMULATED
         _DEEP_GEMM_EMULATED = True
         standin = deep_gemm_standin.standin_module()
         deep_gemm._fp8_fp4_mqa_logits_impl = standin.fp8_fp4_mqa_logits
@@ -206,9 +207,6 @@ def indexer_layer(cfg, topk_indices_buffer: torch.Tensor, kv_cache: torch.Tensor
                                              Q_LORA_RANK, None, cfg.cache_config, topk_indices_buffer, prefix=PREFIX)
     layer.k_cache.bind_kv_cache(kv_cache.unsqueeze(1))
     return layer
-
-
-_DEEP_GEMM_EMULATED = False  # prepare_indexer_host bound the stand-ins in place of vLLM's DeepGEMM
 
 
 @contextlib.contextmanager

@@ -48,7 +48,6 @@ from fuzzer.support.indexer_runtime import (
     indexer_layer,
     logits_budget,
     prepare_dcp_merge,
-    scheduled_sms,
     write_index_keys,
 )
 from fuzzer.support.sparse_mla_steps import uninitialized_memory_as_nan
@@ -112,11 +111,7 @@ class Dsv32AttentionDcp(Dsv32Attention):
         return attention_module_dcp_space(profile, profile.attn_heads,
                                           combine_rows=INTERPRETED_COMBINE_ROWS if self.device == "cpu" else None)
 
-    def run(self, case):
-        with scheduled_sms(case.indexer.num_sms):  # the SMs DeepGEMM's paged logits are scheduled over
-            return self.run_trace(case)
-
-    def run_trace(self, case):
+    def run_trace(self, case):  # run by Dsv32Attention.run, under the case's scheduled SMs
         dev, x = self.device, case.indexer
         size, heads = case.dcp.size, x.attention_heads
         steps = case.steps

@@ -43,7 +43,6 @@ from fuzzer.support.indexer_runtime import (
     index_cache,
     indexer_config,
     logits_budget,
-    scheduled_sms,
     write_index_keys,
 )
 from fuzzer.support.sparse_mla_steps import mla_spec, uninitialized_memory_as_nan
@@ -111,11 +110,7 @@ class Dsv32AttentionPcp(Dsv32AttentionDcp):
         return attention_module_pcp_space(profile, profile.attn_heads,
                                           combine_rows=INTERPRETED_COMBINE_ROWS if self.device == "cpu" else None)
 
-    def run(self, case):
-        with scheduled_sms(case.indexer.num_sms):  # the SMs DeepGEMM's paged logits are scheduled over
-            return self.run_trace(case)
-
-    def run_trace(self, case):
+    def run_trace(self, case):  # run by Dsv32Attention.run, under the case's scheduled SMs
         dev, x, d = self.device, case.indexer, case.dcp
         heads, world = x.attention_heads, d.pcp * d.tp
         whole = undivided_trace(case, heads=False)
