@@ -30,6 +30,10 @@ if [ -n "$VER" ]; then
     # That release's own FlashMLA extensions, where the bundle carries them (old/so-VER, from its wheel).
     if [ -d "$ROOT/.gpu-bundle/old/so-$VER" ]; then cp "$ROOT/.gpu-bundle/old/so-$VER"/*.so "$SRC/vllm/"; fi
   fi
+  # That release's vendored DeepGEMM (scripts/bundle-old-release.sh VER --deep-gemm), in place of its Python-only copy.
+  if [ -f "$ROOT/.gpu-bundle/old/deep_gemm-$VER.tar.xz" ] && ! ls "$SRC/vllm/third_party/deep_gemm/"_C*.so >/dev/null 2>&1; then
+    rm -rf "$SRC/vllm/third_party/deep_gemm" && tar xJf "$ROOT/.gpu-bundle/old/deep_gemm-$VER.tar.xz" -C "$SRC/vllm/third_party"
+  fi
   # Compiled extensions too large to travel with the bundle (0.23.0's vllm._C, 43 MB) come in a call of their
   # own, in .gpu-extra/so-VER/, while the machine still holds the bundle from the call before.
   if [ -d "$ROOT/.gpu-extra/so-$VER" ]; then cp -u "$ROOT/.gpu-extra/so-$VER"/*.so "$SRC/vllm/"; fi

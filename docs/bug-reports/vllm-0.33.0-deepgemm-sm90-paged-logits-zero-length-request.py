@@ -12,6 +12,7 @@ import sys
 
 import torch
 
+import vllm
 from vllm.utils.deep_gemm import fp8_fp4_paged_mqa_logits, get_num_sms, get_paged_mqa_logits_metadata
 
 HEAD_DIM, HEADS, BLOCK = 128, 64, 64
@@ -62,7 +63,7 @@ def run(lens, seed=0, clamp=False):
 
 
 def main():
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, {get_num_sms()} SMs")
+    print(f"vLLM {vllm.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}, {get_num_sms()} SMs")
     found = 0
     # A request of length 0 among requests of 1,000 keys (4 of the kernel's 256-key segments each): more segments
     # than SMs, so some SM's share runs from the request before it to the request after it.

@@ -1,7 +1,9 @@
 """Stand-ins for the DeepGEMM attention functions vLLM's sparse-attention indexer calls (`fp8_fp4_mqa_logits`,
 `get_paged_mqa_logits_metadata`, `fp8_fp4_paged_mqa_logits`), as vLLM 0.33.0 vendors DeepGEMM 2.8.1
 (`vllm/third_party/deep_gemm`) and as they behave on an SM90 device (H100/H200), the one the indexer's CPU route
-pretends to be (fuzzer/support/indexer_runtime.py). Plain torch, CPU or GPU tensors.
+pretends to be (fuzzer/support/indexer_runtime.py). Plain torch, CPU or GPU tensors. One thing follows the installed
+release: whether the paged kernel skips requests without KV and prefetches request q + 1 after one (`q_prefetch`,
+read from the vendored headers: the hazard of vLLM 0.30.0 on).
 
 Faithful to the SM90 kernels, uncleaned output and scheduling included: what the real kernel leaves unwritten holds
 `POISON`, what it reads or writes outside an argument is a `MemoryViolation` in `VIOLATIONS.violations` (one per
@@ -10,6 +12,9 @@ the RuntimeError DeepGEMM raises ("Assertion error (csrc/apis/attention.hpp): <c
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -270,14 +275,41 @@ def get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms, indices=None)
     return ((out + 2**31) % 2**32 - 2**31).to(torch.int32).to(context_lens.device)
 
 
+def q_prefetch_of(include: Path | None) -> str:
+    """How an SM90 paged kernel pairs its scheduler's skip of requests without KV with the TMA warp's Q prefetch, read
+    from the DeepGEMM headers under `include` (.../include/deep_gemm): "q+1" (the scheduler skips them, the prefetch
+    loads request q + 1: the request after a skipped one is scored with its Q; vLLM 0.30.0 on), "next task" (it skips
+    them, the prefetch loads the task the scheduler hands out next: 0.28.0, 0.29.0), "no skip" (a request without KV
+    is a task of its own: up to 0.27). Without the headers, "q+1", as the DeepGEMM 2.8.1 this stand-in models."""
+    kernel = include / "impls" / "sm90_fp8_paged_mqa_logits.cuh" if include else None
+    if kernel is None or not kernel.is_file():
+        return "q+1"
+    scheduler = include / "scheduler" / "sm90_paged_mqa_logits.cuh"
+    if not (scheduler.is_file() and "while (current_num_kv == 0" in scheduler.read_text()):
+        return "no skip"
+    return "q+1" if "issue_tma_q(q_stage_idx, q_idx + 1)" in kernel.read_text() else "next task"
+
+
+@functools.cache
+def q_prefetch() -> str:
+    """`q_prefetch_of` the DeepGEMM the installed vLLM vendors (the headers its JIT compiles; a Python-only copy of
+    vLLM has none)."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return q_prefetch_of(None)
+    return q_prefetch_of(Path(next(iter(spec.submodule_search_locations))) / "third_party/deep_gemm/include/deep_gemm")
+
+
 def _hang(cluster: int, why: str) -> RuntimeError:
     return RuntimeError(f"attnfuzz stand-in of sm90_fp8_paged_mqa_logits: cluster {cluster} {why}: the real kernel "
                         "hangs there (or faults first reading past context_lens, block_table and logits)")
 
 
-def _walk(cluster: int, start, end, batch_size: int, num_kv_of, faults: _Faults) -> list[tuple[int, int, int]]:
+def _walk(cluster: int, start, end, batch_size: int, num_kv_of, faults: _Faults,
+          skip: bool = True) -> list[tuple[int, int, int]]:
     """SM90PagedMQALogitsScheduler's tasks for one cluster, as runs (q, first kv, number of tasks): each task is 4
-    compute blocks of 64 tokens from kv. num_kv_of(q) is ceil(context_lens[q, -1] / 64), None past the batch."""
+    compute blocks of 64 tokens from kv. num_kv_of(q) is ceil(context_lens[q, -1] / 64), None past the batch.
+    `skip`: requests without KV are skipped (else each is one task, its compute blocks read block 0)."""
     per_split = SM90_SPLIT_KV // SM90_COMPUTE_BLOCK_KV
     q, kv = start[0] & _U32, (start[1] * per_split) & _U32
     eq, ekv = end[0] & _U32, (end[1] * per_split) & _U32
@@ -296,7 +328,7 @@ def _walk(cluster: int, start, end, batch_size: int, num_kv_of, faults: _Faults)
     num_kv = refresh(q) if exist(q) else 0
     runs = []
     while True:
-        while num_kv == 0 and not (q == eq and kv == ekv):  # requests without KV are skipped
+        while skip and num_kv == 0 and not (q == eq and kv == ekv):  # requests without KV are skipped
             kv, q = 0, q + 1
             if q > eq:  # past its end: no refresh, num_kv stays 0, the loop runs until q wraps around
                 raise _hang(cluster, f"never meets the end ({eq}, {end[1]}) of its schedule_meta range")
@@ -337,7 +369,8 @@ def fp8_fp4_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, sc
 
     Q and weights are loaded one request ahead (the TMA warp prefetches request q + 1 when it starts request q):
     when a cluster skips a request without KV between two it processes, the later one is scored with the skipped
-    request's Q and weights, as the kernel does.
+    request's Q and weights, as the kernel does, where the installed vLLM's DeepGEMM pairs that skip with that
+    prefetch (`q_prefetch`).
 
     Out of bounds, each recorded: pages past block_table's width (read from whatever follows the row), table entries
     that are negative or >= num_blocks (TMA zero-fills them: scores 0), writes past a logits row (L beyond the row
@@ -396,10 +429,12 @@ def fp8_fp4_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, sc
 
     meta = schedule_meta.tolist()
     runs = []  # [cluster, q, Q source, first kv, tasks]
+    prefetch = q_prefetch()
     for c in range(num_clusters):
         prev = None
-        for b, kv0, count in _walk(c, meta[c], meta[c + 1], batch_size, num_kv_of, faults):
-            src = b if prev is None or prev == b else prev + 1  # the Q the TMA warp prefetched
+        for b, kv0, count in _walk(c, meta[c], meta[c + 1], batch_size, num_kv_of, faults, prefetch != "no skip"):
+            ahead = prefetch == "q+1" and prev is not None and prev != b
+            src = prev + 1 if ahead else b  # the Q the TMA warp prefetched
             if runs and runs[-1][1:3] == [b, src] and runs[-1][3] + 4 * runs[-1][4] == kv0:  # one range, one matmul
                 runs[-1][4] += count
             else:

@@ -155,6 +155,12 @@ def test_a_request_without_context_gets_nothing():
     assert (out[:2] == dg.POISON).all() and close(out[2, :11], paged_ref_row(q, values, scales, w, table, 1, 0, 11, 2))
 
 
+@pytest.fixture(autouse=True)
+def _deep_gemm_2_8(monkeypatch):
+    """The DeepGEMM the stand-in models (2.8.1: skip and q + 1 prefetch), whatever vLLM this host has installed."""
+    monkeypatch.setattr(dg, "q_prefetch", lambda: "q+1")
+
+
 def test_a_skipped_request_between_two_on_one_sm_hands_its_q_to_the_next(monkeypatch):
     """The TMA warp prefetches request q + 1's Q and weights when it starts q; the scheduler skips requests without
     KV, so the next request a cluster processes after a skipped one is scored with the skipped one's Q."""
@@ -168,6 +174,32 @@ def test_a_skipped_request_between_two_on_one_sm_hands_its_q_to_the_next(monkeyp
     monkeypatch.setattr(dg, "NUM_SMS", 132)  # one request per SM: each loads its own Q
     assert close(paged(q, cache, w, ctx, table, max_len=256)[2, :60],
                  paged_ref_row(q, values, scales, w, table, 2, 0, 60, 1))
+
+
+@pytest.mark.parametrize("prefetch", ["next task", "no skip"])
+def test_releases_whose_prefetch_follows_the_scheduler_score_each_request_with_its_own_q(monkeypatch, prefetch):
+    """vLLM 0.28.0-0.29.0 prefetch the scheduler's next task; up to 0.27 a request without KV is a task of its own."""
+    monkeypatch.setattr(dg, "NUM_SMS", 1)
+    monkeypatch.setattr(dg, "q_prefetch", lambda: prefetch)
+    q, cache, values, scales, w, ctx, table = paged_setup(1, [[50], [0], [60]])
+    out = paged(q, cache, w, ctx, table, max_len=256)
+    assert close(out[2, :60], paged_ref_row(q, values, scales, w, table, 2, 0, 60, 1))
+    assert (out[1] == dg.POISON).all() == (prefetch == "next task")  # a task of its own writes its row (block 0)
+
+
+@pytest.mark.parametrize("scheduler, kernel, want", [
+    (None, None, "q+1"),  # no headers (a Python-only vLLM): the DeepGEMM modelled
+    ("fetch_next_task() { ... }", "issue_tma_q(q_stage_idx, q_idx + 1);", "no skip"),  # 0.23.0-0.27.0
+    ("while (current_num_kv == 0 and", "issue_tma_q(q_stage_idx, next_q_idx);", "next task"),  # 0.28.0, 0.29.0
+    ("while (current_num_kv == 0 and", "issue_tma_q(q_stage_idx, q_idx + 1);", "q+1"),  # 0.30.0 on
+])
+def test_the_prefetch_is_read_from_the_vendored_headers(tmp_path, scheduler, kernel, want):
+    if kernel is not None:
+        (tmp_path / "scheduler").mkdir()
+        (tmp_path / "impls").mkdir()
+        (tmp_path / "scheduler" / "sm90_paged_mqa_logits.cuh").write_text(scheduler)
+        (tmp_path / "impls" / "sm90_fp8_paged_mqa_logits.cuh").write_text(kernel)
+    assert dg.q_prefetch_of(tmp_path) == want
 
 
 def test_out_of_range_block_table_entries_are_recorded_and_read_as_zeros():
