@@ -226,3 +226,28 @@ def test_a_call_form_a_stand_in_does_not_model_is_could_not_test_not_vllm_s_answ
         raise NotImplementedError("vLLM refuses")
     except NotImplementedError as e:
         assert vllms_answer(e)
+
+
+def test_a_method_a_layer_lacks_in_this_release_is_could_not_test_in_a_campaign_and_a_reproducer():
+    """torch.nn.Module.__getattr__ raises a layer's missing attribute: the support frame that asked for it is the one
+    that raised (a method this release's layer lacks), not vLLM; a layer of vLLM's asking for its own is vLLM's."""
+    import torch
+
+    from fuzzer.artifacts.repro_harness import vllms_answer
+    from fuzzer.errors import VllmCallMoved
+    from fuzzer.targets.vllm_api import _ROOT
+
+    asks = {}
+    source = "def step(layer):\n    return ask(layer)\ndef ask(layer):\n    return layer._should_prepare_mqa_query\n"
+    exec(compile(source, str(_ROOT / "fuzzer/support/probe.py"), "exec"), asks)
+    layer = torch.nn.Linear(1, 1)
+    with pytest.raises(VllmCallMoved, match="fuzzer/support/probe.py:4 .* has no attribute '_should_prepare_mqa_"):
+        _Calls(lambda: asks["step"](layer)).run(None)
+    exec(compile("def ask(layer):\n    return layer._should_prepare_mqa_query\n", "<attnfuzz_support: probe>", "exec"),
+         asks)
+    try:
+        asks["ask"](layer)
+    except AttributeError as e:
+        assert not vllms_answer(e)
+    obs = _Calls(lambda: layer.forward_of_vllm_s_own()).run(None)  # asked in this file: not attnfuzz's support code
+    assert obs.error_type == "AttributeError"

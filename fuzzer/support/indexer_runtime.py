@@ -109,7 +109,8 @@ def prepare_indexer_host(device: str, force_standins: bool = False) -> tuple[tup
         overrides += [f"current_platform of {', '.join(m.__name__ for m in (indexer, builder, topk, deep_gemm))}: "
                       "an SM90 CUDA platform (Sm90View; the host is a CPU)",
                       f"num_compute_units: {H200_SMS} (an H200's SMs)"]
-        deep_gemm.mqa_logits_use_mx_scales.cache_clear()
+        if hasattr(deep_gemm, "mqa_logits_use_mx_scales"):  # cached what the platform answered (0.33; 0.30 lacks it)
+            deep_gemm.mqa_logits_use_mx_scales.cache_clear()
     if force_standins or device == "cpu" or not _has_real_deep_gemm():
         _DEEP_GEMM_EMULATED = True
         standin = deep_gemm_standin.standin_module()

@@ -20,6 +20,7 @@ from fuzzer.support.attn_metadata import attn_metadata
 from fuzzer.support.indexer_runtime import (
     BUILDER_MODULE,
     INDEXER_MODULE,
+    TOPK_MODULE,
     index_cache,
     indexer_builder,
     indexer_config,
@@ -77,7 +78,7 @@ class Indexer(Target):
         import importlib
 
         try:
-            for module in (INDEXER_MODULE, BUILDER_MODULE, "vllm.models.deepseek_v32.attention"):
+            for module in (INDEXER_MODULE, BUILDER_MODULE, TOPK_MODULE, "vllm.models.deepseek_v32.attention"):
                 importlib.import_module(module)
         except Exception as e:
             return f"cannot import vLLM's indexer: {type(e).__name__}: {e}"

@@ -180,6 +180,8 @@ def moved_call(e: BaseException) -> str | None:
         if not t.tb_frame.f_code.co_filename.startswith("<frozen importlib"):  # an import's: the import statement's
             frames.append(t)
         t = t.tb_next
+    if isinstance(e, AttributeError) and len(frames) > 1 and _module_getattr(frames[-1]):
+        frames.pop()  # torch.nn.Module's attribute lookup: the frame that asked for the attribute raised it
     if not frames or not _ours(frames[-1]) or len(frames) > 1 and not _attnfuzz(frames[-2]):
         return None
     last = frames[-1]
@@ -192,6 +194,13 @@ def moved_call(e: BaseException) -> str | None:
     shown = [f for f in frames[-2:] if _ours(f) and f.tb_frame.f_code.co_filename not in _NOT_SHOWN] or [last]
     return (" > ".join(f"{_where(f)} `{linecache.getline(f.tb_frame.f_code.co_filename, f.tb_lineno).strip()}`"
                        for f in shown) + f": {type(e).__name__}: {str(e).strip()[:400]}")
+
+
+def _module_getattr(tb) -> bool:
+    """torch.nn.Module.__getattr__'s frame (a layer's attribute it does not have: a method this release lacks)."""
+    import torch
+
+    return tb.tb_frame.f_code is torch.nn.Module.__getattr__.__code__
 
 
 def _ours(tb) -> bool:
