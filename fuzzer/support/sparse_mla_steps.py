@@ -70,8 +70,19 @@ def prepare_host(load_backend, device: str, paths: tuple = ()):
     `load_backend`: the backend's loader in flashmla_runtime (flashmla_sparse_backend, flash_attn_sparse_backend),
     handed `paths` where given (flashmla_sparse_backend_for: the stand-ins of the case's path only)."""
     shims = prepare_cpu(device)
-    backend, emulated = load_backend(device, paths) if paths else load_backend(device)
-    return backend, emulated, shims
+    return (*load(load_backend, device, paths), shims)
+
+
+def prepare_host_for_integer_kernels(load_backend, device: str, paths: tuple = ()):
+    """prepare_host without the interpreter's corrections, for a path whose Triton kernels are all integer ones
+    (FLASHMLA_SPARSE's: the index remap and the DCP filter; its attention is FlashMLA's), which they do not touch."""
+    shims = prepare_cpu_plumbing(device)
+    return (*load(load_backend, device, paths), shims)
+
+
+def load(load_backend, device: str, paths: tuple = ()):
+    """(the backend class, the ops its stand-ins replace here) from `load_backend`, handed `paths` where given."""
+    return load_backend(device, paths) if paths else load_backend(device)
 
 
 def prepare_layer_host(load_backend, device: str, paths: tuple = ()):

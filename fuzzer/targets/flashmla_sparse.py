@@ -38,6 +38,7 @@ from fuzzer.support.sparse_mla_steps import (
     mla_spec,
     poisoned_cache,
     prepare_host,
+    prepare_host_for_integer_kernels,
     prepare_layer_host,
     replay_graph_steps,
     replay_layer_steps,
@@ -336,11 +337,11 @@ class FlashMLASparse(Target):
         """What prepare() ran: the host prepared for this backend (its loader passed: the reproducer carries this
         backend's stand-ins only; FLASHMLA_SPARSE's, those of `case`'s path: `standin_paths`) and, in a GPU
         reproducer, FlashMLA's outputs prefilled under initcheck (a CPU one's DEVICE never takes that path)."""
-        load = dict(load_backend=SPARSE_BACKENDS[self.vllm_backend])
+        load, prepare = dict(load_backend=SPARSE_BACKENDS[self.vllm_backend]), prepare_layer_host if layer else prepare_host
         if self.vllm_backend == "FLASHMLA_SPARSE" and case is not None:
             load = dict(load_backend=flashmla_sparse_backend_for, paths=standin_paths(case))
-        host = Call(prepare_layer_host if layer else prepare_host, dict(load, device="DEVICE"),
-                    assign="backend, emulated, shims")
+            prepare = prepare_layer_host if layer else prepare_host_for_integer_kernels  # its Triton kernels: the remap's
+        host = Call(prepare, dict(load, device="DEVICE"), assign="backend, emulated, shims")
         if self.device == "cpu":
             return (host,)
         return host, Call(prefill_outputs_under_initcheck, dict(device="DEVICE"),
