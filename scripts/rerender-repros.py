@@ -39,6 +39,9 @@ def rerender(d: Path) -> None:
     finding.observation = Observation(record.target, finding.host.device, memory=list(record.raw.get("memory", [])))
     target = make_target(record.target, finding.host.device)
     spec = target.repro_spec(finding)
+    if spec is None:
+        print(f"{d}: {record.target} renders no reproducer (replay it: attnfuzz replay {d})")
+        return
     files = render(finding, spec)
     files["repro.py"] = files["repro.py"].replace(finding.id, record.id)
     for name, text in files.items():

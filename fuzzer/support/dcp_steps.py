@@ -17,16 +17,8 @@ import torch
 
 from fuzzer.support import pcp_runtime
 from fuzzer.support.dcp_group import EmulatedDcpGroup, LockstepRanks, installed_dcp_group, installed_groups
-from fuzzer.support.flashmla_runtime import (
-    HEAD_SIZE,
-    KV_LORA_RANK,
-    LAYER,
-    QK_NOPE,
-    V_HEAD,
-    guard_index_group,
-    has_cache_op,
-    record_routes,
-)
+from fuzzer.support.flashmla_runtime import record_routes
+from fuzzer.support.vllm_setup import HEAD_SIZE, KV_LORA_RANK, LAYER, QK_NOPE, V_HEAD, guard_index_group, has_cache_op
 from fuzzer.support.sparse_mla_steps import (
     TOPK_POISON,
     layer_forward,

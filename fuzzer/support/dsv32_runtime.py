@@ -22,16 +22,8 @@ import importlib
 
 import torch
 
-from fuzzer.support.flashmla_runtime import (
-    BACKEND_MODULE,
-    CPU_SDPA_PREFILL_MODULE,
-    KV_LORA_RANK,
-    LAYER,
-    QK_NOPE,
-    ROPE_DIM,
-    SM_SCALE,
-    V_HEAD,
-)
+from fuzzer.support.flashmla_runtime import BACKEND_MODULE, CPU_SDPA_PREFILL_MODULE
+from fuzzer.support.vllm_setup import KV_LORA_RANK, LAYER, QK_NOPE, ROPE_DIM, SM_SCALE, V_HEAD
 
 V32_ATTENTION = "vllm.models.deepseek_v32.attention"
 INDEX_GROUP_MODULE = "vllm.v1.attention.backends.mla.index_group"

@@ -32,7 +32,7 @@ from fuzzer.support.dsv4_runtime import (  # noqa: F401  the pieces V4.1 shares 
     guard_buffers,
     metadata_outputs,
 )
-from fuzzer.support.flashmla_runtime import model_config
+from fuzzer.support.vllm_setup import model_config
 
 FLASHMLA_LAYER_MODULE = "vllm.models.deepseek_v41.nvidia.flashmla"
 SWA_MODULE = "vllm.v1.attention.backends.mla.sparse_swa"

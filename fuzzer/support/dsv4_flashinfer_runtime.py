@@ -31,7 +31,7 @@ import torch
 
 from fuzzer.support import dsv4_runtime, dsv41_runtime
 from fuzzer.support.cpu_host import prepare_cpu_host
-from fuzzer.support.flashmla_runtime import define_missing_c_queries
+from fuzzer.support.vllm_setup import define_missing_c_queries
 from fuzzer.support.standins import flashinfer_dsv4_mla, flashinfer_trtllm_mla
 
 LAYER_MODULES = {"4": "vllm.models.deepseek_v4.nvidia.flashinfer_sparse",

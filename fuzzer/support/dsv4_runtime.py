@@ -23,7 +23,8 @@ from types import SimpleNamespace
 import torch
 
 from fuzzer.support.cpu_host import prepare_cpu_host
-from fuzzer.support.flashmla_runtime import _has_flashmla_kernels, define_missing_c_queries, model_config
+from fuzzer.support.flashmla_runtime import _has_flashmla_kernels
+from fuzzer.support.vllm_setup import define_missing_c_queries, model_config
 from fuzzer.support.standins import flashmla_ops
 
 FLASHMLA_LAYER_MODULE = "vllm.models.deepseek_v4.nvidia.flashmla"

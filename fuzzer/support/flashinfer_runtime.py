@@ -21,18 +21,8 @@ from types import SimpleNamespace
 
 import torch
 
-from fuzzer.support.flashmla_runtime import (
-    HEAD_SIZE,
-    KV_LORA_RANK,
-    LAYER,
-    QK_NOPE,
-    ROPE_DIM,
-    SM_SCALE,
-    impl_topk_kwargs,
-    install_layer_standins,
-    mla_layer,
-    record_routes,
-)
+from fuzzer.support.flashmla_runtime import install_layer_standins, mla_layer, record_routes
+from fuzzer.support.vllm_setup import HEAD_SIZE, KV_LORA_RANK, LAYER, QK_NOPE, ROPE_DIM, SM_SCALE, impl_topk_kwargs
 from fuzzer.support.sparse_mla_steps import metadata_builder, prepare_cpu, prepare_cpu_plumbing
 from fuzzer.support.standins import flashinfer_mla
 from fuzzer.support.vllm_calls import named_keywords

@@ -26,7 +26,7 @@ from types import SimpleNamespace
 
 import torch
 
-from fuzzer.support.flashmla_runtime import HEAD_SIZE, LAYER
+from fuzzer.support.vllm_setup import HEAD_SIZE, LAYER
 from fuzzer.support.sparse_mla_steps import metadata_builder, prepare_cpu, sparse_mla_impl
 from fuzzer.support.standins import flashinfer_trtllm_mla
 from fuzzer.support.vllm_calls import implemented

@@ -1,7 +1,7 @@
-"""Setting vLLM up to run the FlashMLA sparse backend without a model, shared by the FlashMLA targets and
-their reproducers (whose attnfuzz_support.py carries this file): the stand-ins bound where the host lacks
-compiled ops, the CPU shims, one real VllmConfig, and MLAAttention layers built like a DeepSeek-V3.2 layer.
-torch and vLLM only (plus attnfuzz's stand-in modules)."""
+"""The FlashMLA sparse backend (and FLASH_ATTN_MLA_SPARSE) set up on a host, shared by their targets and reproducers
+(whose attnfuzz_support.py carries what their path reaches): the stand-ins bound where the host lacks compiled ops, the
+backend module's CPU shims, and MLAAttention layers built like a DeepSeek-V3.2 layer; vLLM itself is set up by
+vllm_setup. torch and vLLM only (plus attnfuzz's stand-in modules)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import contextlib
 import functools
 import importlib
 import inspect
-import json
 import os
 import weakref
 from pathlib import Path
@@ -21,48 +20,18 @@ from fuzzer.support.errors import OffPath
 from fuzzer.support.standins import cache_ops, flashmla_ops
 from fuzzer.support.standins.flash_attn_ops import flash_attn_varlen_func
 from fuzzer.support.standins.importable import importable_as
+from fuzzer.support.vllm_setup import (KV_LORA_RANK, LAYER, QK_NOPE, ROPE_DIM, SM_SCALE, V_HEAD, NoStream, has_cache_op,
+                                       has_op, standins_forced, try_import)
 
-# DeepSeek-V3.2's MLA dims
-KV_LORA_RANK, ROPE_DIM, QK_NOPE, V_HEAD = 512, 64, 128, 128
-HEAD_SIZE, SM_SCALE = KV_LORA_RANK + ROPE_DIM, (QK_NOPE + ROPE_DIM) ** -0.5
 
 BACKEND_MODULE = "vllm.v1.attention.backends.mla.flashmla_sparse"
-LAYER = "attnfuzz.layer"
 FP8_ENTRY_BYTES = 656
-MAX_MODEL_LEN = 8192  # fp8 reserves max_model_len x sparse_mla_prefill_workspace_factor rows of 576 bf16
-# A small DeepSeek-V3.2-shaped HF config: ModelConfig needs one on disk (no hub); only the MLA dims matter.
-HF_CONFIG = dict(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", hidden_size=1024,
-                 num_attention_heads=128, num_key_value_heads=128, kv_lora_rank=KV_LORA_RANK, q_lora_rank=None,
-                 qk_nope_head_dim=128, qk_rope_head_dim=ROPE_DIM, v_head_dim=128, index_topk=2048, index_n_heads=8,
-                 index_head_dim=128, num_hidden_layers=1, vocab_size=1000, intermediate_size=256,
-                 moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2,
-                 max_position_embeddings=MAX_MODEL_LEN, torch_dtype="bfloat16")
-
-
-def standins_forced() -> bool:
-    """ATTNFUZZ_STANDIN_OPS=1: attnfuzz's stand-ins in place of every compiled op even where the host has the op
-    (triage: does a GPU-only finding follow vLLM's kernel or its Python?). Every result lists them as emulated."""
-    return os.environ.get("ATTNFUZZ_STANDIN_OPS", "0") == "1"
 
 
 def _has_flashmla_kernels() -> bool:
     if standins_forced():
         return False
     return importlib.import_module("vllm.v1.attention.ops.flashmla")._is_flashmla_available()[0]
-
-
-def _has_op(namespace: str, name: str) -> bool:
-    try:
-        getattr(getattr(torch.ops, namespace), name)
-        return True
-    except (AttributeError, RuntimeError):
-        return False
-
-
-def has_cache_op(name: str) -> bool:
-    if standins_forced():
-        return False
-    return _has_op("_C_cache_ops", name)
 
 
 # flashmla_sparse's compiled ops by the path of the backend that calls them, each path's stand-ins as {op: stand-in}
@@ -213,168 +182,19 @@ def prefill_outputs_under_initcheck(device: str) -> tuple[str, ...]:
                  f"which initcheck does not see)" for name in done)
 
 
-def _try_import(name: str):
-    try:
-        return importlib.import_module(name)
-    except ImportError:
-        return None
-
-
 @functools.cache
-def cpu_shims() -> tuple[str, ...]:
-    """CPU-only stand-ins for accelerator plumbing: they change no computation (streams are no-ops there)."""
-    import vllm.v1.attention.backends.utils as backend_utils
-    import vllm.v1.worker.workspace as workspace
-
+def flashmla_cpu_shims() -> tuple[str, ...]:
+    """The FlashMLA backend module's CPU-only stand-ins (vllm_setup.cpu_shims has vLLM's own): its SM count, stream
+    and pinned allocation, which change no computation."""
     mod = importlib.import_module(BACKEND_MODULE)
-    # Modules that bound PIN_MEMORY by name at import (0.33; older releases lack some of them).
-    optional = [_try_import(m) for m in ("vllm.model_executor.layers.attention.mla_attention",
-                                         "vllm.model_executor.layers.attention.sparse_mla_attention",
-                                         "vllm.v1.attention.backends.mla.index_group")]
-    index_group = optional[2]
-    for m in (*[m for m in optional[:2] if m is not None], backend_utils, mod):
-        if hasattr(m, "PIN_MEMORY"):
-            m.PIN_MEMORY = False
-
-    class _NoStream:  # CPU work is synchronous: waits, records and stream scopes order nothing
-        def __init__(self, *a, **k): ...
-        def wait_event(self, *a): ...
-        def wait_stream(self, *a): ...
-        def record(self, *a): ...
-        def synchronize(self): ...
-        def __enter__(self): return self
-        def __exit__(self, *a): return False
-
+    if hasattr(mod, "PIN_MEMORY"):
+        mod.PIN_MEMORY = False
     mod.num_compute_units = lambda device_id=0: 132  # CPU platform raises NotImplementedError; SM90's count
-    if index_group is not None:
-        index_group._create_side_stream = lambda device: _NoStream()
-        index_group._create_event = lambda: _NoStream()
-        index_group.current_stream = lambda: _NoStream()
-    mod.current_stream = lambda: _NoStream()
-    workspace.torch = SimpleNamespace(**{**vars(torch), "accelerator": SimpleNamespace(empty_cache=lambda: None)})
-    _zeros, _empty = torch.zeros, torch.empty
+    mod.current_stream = lambda: NoStream()
+    _zeros = torch.zeros
     mod.torch = SimpleNamespace(**{**vars(torch), "zeros": lambda *a, pin_memory=False, **k: _zeros(*a, **k)})
-    mla = optional[0]
-    pinned_mla = mla is not None and "pin_memory=True" in inspect.getsource(mla)
-    if pinned_mla:  # 0.26 allocates the chunked-context metadata pinned, literally (0.33 through PIN_MEMORY)
-        mla.torch = SimpleNamespace(**{**vars(torch), "zeros": lambda *a, pin_memory=False, **k: _zeros(*a, **k),
-                                       "empty": lambda *a, pin_memory=False, **k: _empty(*a, **k)})
-    return (*(("mla_attention: torch.empty/zeros(pin_memory=True) unpinned (chunked-context metadata)",)
-              if pinned_mla else ()),
-            "PIN_MEMORY=False where (sparse_)mla_attention and backends.utils bound it",
-            "flashmla_sparse.num_compute_units=132 (CPU platform raises)",
-            "index group side stream / events / current_stream: no-ops (CPU has no streams)",
-            "workspace manager: torch.accelerator.empty_cache no-op",
+    return ("flashmla_sparse.num_compute_units=132 (CPU platform raises)",
             "flashmla_sparse: torch.zeros(pin_memory=True) unpinned (fp8 separate path)")
-
-
-# Capability queries some constructors make of vLLM's compiled `_C` (CUTLASS fp8 GEMMs: ModelConfig's
-# architecture inspection, the layer's fp8 quant ops). A build without `_C` (the GPU bundle) answers as a
-# build without those kernels would: False. Attention computes nothing with them.
-_C_QUERIES = ("cutlass_scaled_mm_supports_block_fp8", "cutlass_scaled_mm_supports_fp8")
-
-
-@functools.cache  # a library that cannot load here is tried once a process (a failed dlopen costs tenths of a second)
-def _load_vllm_libraries() -> None:
-    for library in ("vllm._C", "vllm._C_stable_libtorch"):
-        with contextlib.suppress(Exception):  # not built for this host (no CUDA driver: ImportError)
-            importlib.import_module(library)
-
-
-def define_missing_c_queries() -> tuple[str, ...]:
-    """Define the `_C` capability queries no compiled library of vLLM's registers here, answering False. vLLM's
-    libraries are loaded first: a query defined in Python before the library that registers it is loaded makes
-    that library's registration a duplicate when vLLM loads it later (the likely cause of the SIGABRT reproducers that
-    asked first met on the GPU host with the real ops; not yet confirmed there: bench/scenarios/gpu-repros-real-ops)."""
-    _load_vllm_libraries()
-    missing = []
-    for name in _C_QUERIES:
-        try:
-            getattr(torch.ops._C, name)
-        except (AttributeError, RuntimeError):
-            missing.append(name)
-    if missing:
-        if not _LIBS:
-            _LIBS.append(torch.library.Library("_C", "FRAGMENT"))
-        for name in missing:
-            _LIBS[0].define(f"{name}(int cuda_device_capability) -> bool")
-            _LIBS[0].impl(name, lambda cap: False, "CompositeExplicitAutograd")
-    return tuple(f"torch.ops._C.{name} -> False (not in this build)" for name in missing)
-
-
-@contextlib.contextmanager
-def _inspect_in_process():
-    """ModelConfig inspects the architecture by importing DeepSeek's model module in a subprocess, whose
-    quantization utils ask vLLM's compiled `_C` whether CUTLASS block-fp8 GEMMs exist. Where `_C` is missing
-    (the GPU bundle), inspect in this process, where `define_missing_c_queries` answers."""
-    from vllm.model_executor.models import registry
-
-    define_missing_c_queries()
-    run_in_subprocess = registry._run_in_subprocess
-    registry._run_in_subprocess = lambda fn: fn()
-    try:
-        yield
-    finally:
-        registry._run_in_subprocess = run_in_subprocess
-
-
-_LIBS: list = []
-
-
-def model_config(state_dir: str, name: str, hf_config: dict, max_model_len: int):
-    """A real ModelConfig of the model whose config.json (`hf_config`) is written under `state_dir`/`name` (no hub)."""
-    from vllm.config import ModelConfig
-
-    model_dir = (Path(state_dir) / name).resolve()
-    model_dir.mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.json").write_text(json.dumps(hf_config))
-    with _inspect_in_process():
-        return ModelConfig(model=str(model_dir), tokenizer=None, skip_tokenizer_init=True, dtype="bfloat16",
-                           max_model_len=max_model_len)
-
-
-@functools.cache
-def vllm_runtime(device: str, state_dir: str, world_size: int = 1, rank: int = 0, init_method: str | None = None):
-    """Process-wide: one real VllmConfig (per-case fields are set by `configure`), vLLM's process groups
-    (the impl asks for the TP group; by default a world of one, on gloo), and the workspace manager.
-    `state_dir` holds the model's config.json and the process group's init file. With `world_size` > 1 this
-    process is `rank` of a real group (NCCL on GPUs, gloo on CPUs) whose TP and DCP groups span every rank,
-    as DCP reuses the TP ranks."""
-    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed import parallel_state
-    from vllm.v1.worker.workspace import init_workspace_manager, is_workspace_manager_initialized
-
-    model = model_config(state_dir, "flashmla-model", HF_CONFIG, MAX_MODEL_LEN)
-    cfg = VllmConfig(model_config=model, device_config=DeviceConfig(device=device))
-    with set_current_vllm_config(cfg):
-        if parallel_state._TP is None:
-            if init_method is None:
-                init_file = (Path(state_dir) / "flashmla-dist-init").resolve()
-                init_file.unlink(missing_ok=True)
-                init_method = f"file://{init_file}"
-            backend = "nccl" if world_size > 1 and device == "cuda" else "gloo"
-            parallel_state.init_distributed_environment(world_size, rank, init_method, rank, backend)
-            parallel_state.initialize_model_parallel(world_size, 1, 1, world_size)
-    if not is_workspace_manager_initialized():
-        init_workspace_manager(torch.device(device))
-    return cfg
-
-
-def configure(cfg, case, max_num_batched_tokens: int):
-    """The case's model/cache/scheduler fields on the shared config, as vLLM's tests patch theirs."""
-    cfg.model_config.hf_text_config.index_topk = case.topk_width
-    cfg.model_config.get_num_attention_heads = lambda parallel_config=None: case.heads  # TP = 128 / heads
-    cfg.cache_config.cache_dtype = case.kv_cache_dtype
-    cfg.cache_config.block_size = case.block_size
-    cfg.scheduler_config.max_num_batched_tokens = max_num_batched_tokens
-    # DCP: every case sets it (the config is shared by every case of the process, DCP or not).
-    cfg.parallel_config.decode_context_parallel_size = case.dcp.size
-    cfg.parallel_config.cp_kv_cache_interleave_size = case.dcp.interleave
-    # A placeholder layer with no prefill backend: every token takes forward_mqa.
-    cfg.compilation_config.static_forward_context[LAYER] = SimpleNamespace(prefill_backend=None)
-    return cfg
-
-
 
 
 @functools.cache
@@ -388,7 +208,7 @@ def install_layer_standins(device: str) -> tuple[str, ...]:
     if missing:  # mla_attention binds vLLM's _custom_ops as `ops`: rebind it to a copy carrying the stand-ins
         mla.ops = SimpleNamespace(**{**vars(mla.ops), **missing})
         bound += list(missing)
-    if device != "cpu" and not _has_op("_C", "merge_attn_states"):
+    if device != "cpu" and not has_op("_C", "merge_attn_states"):
         # On CUDA vLLM merges with its compiled kernel; vLLM's own Triton merge (what other platforms use) runs
         # in its place. (A CPU host already takes the Triton merge.)
         import vllm._custom_ops as custom_ops
@@ -449,7 +269,7 @@ def layer_api() -> SimpleNamespace:
 
     params = inspect.signature(MLAAttention.__init__).parameters
     dense_mha = "topk_tokens" in inspect.getsource(MLAAttention.forward_impl)  # the short-prefill test
-    chosen = "prefill_backend_cls" in params and _try_import(CPU_SDPA_PREFILL_MODULE) is not None
+    chosen = "prefill_backend_cls" in params and try_import(CPU_SDPA_PREFILL_MODULE) is not None
     return SimpleNamespace(
         prefill_backend="CPU_SDPA_MLA" if chosen else "FLASH_ATTN",  # FLASH_ATTN: the layer's own pick on a CPU
         pass_prefill_backend=chosen,
@@ -516,32 +336,6 @@ def record_routes(impl, route: dict) -> None:
         impl.forward_mha = mha
 
 
-INDEX_GROUP_POISON = 0  # slot 0 of the null block: never a converted index (tables hold blocks >= 1)
-
-
-def guard_index_group(impl, poison: bool = True):
-    """Poison the index group's persistent physical top-k buffer; returns check(rows_converted) -> messages
-    naming rows past the conversion's own that a call wrote (an overrun that stays inside vLLM's
-    allocation, invisible to any memory checker). poison=False (a later step of a trace, on the buffer as
-    earlier steps left it): rows past the conversion's that the call changed."""
-    group = getattr(impl, "index_group", None)
-    buffer = getattr(group, "physical_topk_indices", None)
-    if buffer is None:
-        return lambda rows: []
-    if poison:
-        buffer.fill_(INDEX_GROUP_POISON)
-    before = buffer.clone()
-
-    def check(rows: int) -> list[str]:
-        written = (buffer[rows:] != before[rows:]).any(dim=-1).nonzero()
-        if not len(written):
-            return []
-        return [f"index group physical_topk_indices: rows {rows + int(written[0])}..{rows + int(written[-1])} written by a "
-                f"conversion of {rows} rows ({buffer.shape[0]} allocated): the index remap wrote past its output"]
-
-    return check
-
-
 # Context gathers of the dense-MHA path, recorded so the oracle can compare what they produced with the
 # dequantization of the very cache bytes they read (class E). Recording wraps whatever op is bound (vLLM's
 # compiled one or attnfuzz's stand-in) and reads the rows it wrote afterwards.
@@ -595,11 +389,3 @@ def record_gathers() -> None:
     mla.ops = SimpleNamespace(**{**vars(mla.ops), **wrapped})
 
 
-def impl_topk_kwargs(impl_cls, topk_indices_buffer: torch.Tensor) -> dict:
-    """How this release's FlashMLASparseImpl takes the indexer's top-k buffer. With an index group (0.33):
-    `topk_indices_buffer=` and no indexer, so the group orders its conversion on the compute stream (an indexer
-    would make it wait for an event only a real indexer records). Without one (0.23, 0.26): through `indexer=`,
-    which 0.23 requires."""
-    if _try_import("vllm.v1.attention.backends.mla.index_group") is not None:
-        return {"topk_indices_buffer": topk_indices_buffer, "indexer": None}
-    return {"indexer": SimpleNamespace(topk_indices_buffer=topk_indices_buffer)}

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import torch
 
-from fuzzer.support.flashmla_runtime import _has_op, configure, vllm_runtime
+from fuzzer.support.vllm_setup import configure, has_op, vllm_runtime
 from fuzzer.support.standins import dcp_indexer as dcp_indexer_standin
 from fuzzer.support.standins import deep_gemm as deep_gemm_standin
 from fuzzer.support.standins import indexer_ops
@@ -121,8 +121,8 @@ def prepare_indexer_host(device: str, force_standins: bool = False) -> tuple[tup
             mod.has_deep_gemm = lambda: True
         emulated += ["deep_gemm.fp8_fp4_mqa_logits", "deep_gemm.fp8_fp4_paged_mqa_logits",
                      "deep_gemm.get_paged_mqa_logits_metadata"]
-    missing = [n for n in CACHE_OPS if force_standins or device == "cpu" or not _has_op("_C_cache_ops", n)]
-    missing += [n for n in TOPK_OPS if force_standins or device == "cpu" or not _has_op("_C", n)]
+    missing = [n for n in CACHE_OPS if force_standins or device == "cpu" or not has_op("_C_cache_ops", n)]
+    missing += [n for n in TOPK_OPS if force_standins or device == "cpu" or not has_op("_C", n)]
     if missing:
         ops = {n: getattr(indexer_ops, n) for n in missing}
         for mod in (indexer, topk):  # vLLM's _custom_ops wrappers, bound by name in each module

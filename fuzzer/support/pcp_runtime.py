@@ -32,7 +32,8 @@ import torch
 
 from fuzzer.support import dcp_group
 from fuzzer.support.dsv32_runtime import V32_ATTENTION, dsv32_layer, forward_context_maps
-from fuzzer.support.flashmla_runtime import BACKEND_MODULE, LAYER, QK_NOPE
+from fuzzer.support.flashmla_runtime import BACKEND_MODULE
+from fuzzer.support.vllm_setup import LAYER, QK_NOPE
 
 PCP_MANAGER = "vllm.v1.worker.gpu.pcp_manager"
 

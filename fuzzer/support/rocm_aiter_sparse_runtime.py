@@ -28,7 +28,7 @@ import torch
 
 from fuzzer.support.cpu_host import interpreter_corrections
 from fuzzer.support.flashinfer_sparse_runtime import _has_c_op, kv_cache_spec, layer_quant_shim, mla_layer  # noqa: F401  (reproducers call them)
-from fuzzer.support.flashmla_runtime import LAYER
+from fuzzer.support.vllm_setup import LAYER
 from fuzzer.support.interp.corrections import correct_index_scalar
 from fuzzer.support.sparse_mla_steps import metadata_builder, prepare_cpu_plumbing, sparse_mla_impl
 from fuzzer.support.standins import aiter_mla, flashmla_ops

@@ -44,7 +44,7 @@ import torch
 from fuzzer.support import dsv4_runtime, dsv41_runtime
 from fuzzer.support.cpu_host import prepare_cpu_host_for
 from fuzzer.support.interp.corrections import correct_floats, correct_index_scalar
-from fuzzer.support.flashmla_runtime import define_missing_c_queries
+from fuzzer.support.vllm_setup import define_missing_c_queries
 from fuzzer.support.rocm_aiter_sparse_runtime import _import_rocm_platform
 
 LAYER_MODULES = {"4": "vllm.models.deepseek_v4.amd.rocm", "4.1": "vllm.models.deepseek_v41.amd.rocm"}

@@ -17,7 +17,8 @@ from types import SimpleNamespace
 import torch
 
 from fuzzer.support import cudagraphs
-from fuzzer.support.flashmla_runtime import (
+from fuzzer.support.flashmla_runtime import flashmla_cpu_shims, install_layer_standins, mla_layer, record_routes
+from fuzzer.support.vllm_setup import (
     HEAD_SIZE,
     KV_LORA_RANK,
     LAYER,
@@ -31,9 +32,6 @@ from fuzzer.support.flashmla_runtime import (
     define_missing_c_queries,
     guard_index_group,
     impl_topk_kwargs,
-    install_layer_standins,
-    mla_layer,
-    record_routes,
     vllm_runtime,
 )
 from fuzzer.support.attn_metadata import attn_metadata
@@ -47,18 +45,19 @@ TOPK_POISON = 2**30 - 1  # rows of the indexer's top-k buffer past a step's toke
 def prepare_cpu(device: str) -> list[str]:
     """The shims a host needs before vLLM's backends are imported (they bind PIN_MEMORY by name): the C queries
     this build lacks; on a CPU Triton's interpreter corrected (its bf16 dot and float casts) and the
-    accelerator-only calls (pinned memory, streams) shimmed."""
+    accelerator-only calls (pinned memory, streams) shimmed, FlashMLA's backend module's too."""
     shims = prepare_cpu_plumbing(device)
     if device == "cpu":
+        shims += flashmla_cpu_shims()
         install_corrections()
         shims += [f"interpreter correction: {c}" for c in CORRECTIONS]
     return shims
 
 
 def prepare_cpu_plumbing(device: str) -> list[str]:
-    """prepare_cpu but for the interpreter's corrections: for a path whose Triton kernels are all integer ones (no
-    dot, no float cast; FLASHINFER_MLA_SPARSE_SM90's index remap, page packing and kv_end clamp), which the
-    corrections do not touch."""
+    """prepare_cpu but for the interpreter's corrections and FlashMLA's module: for a backend other than FlashMLA whose
+    Triton kernels are all integer ones (no dot, no float cast; FLASHINFER_MLA_SPARSE_SM90's index remap, page packing
+    and kv_end clamp), which the corrections do not touch."""
     shims = list(define_missing_c_queries())
     if device == "cpu":
         shims += [*install_cpu_shims(), *cpu_shims()]
@@ -76,7 +75,7 @@ def prepare_host(load_backend, device: str, paths: tuple = ()):
 def prepare_host_for_integer_kernels(load_backend, device: str, paths: tuple = ()):
     """prepare_host without the interpreter's corrections, for a path whose Triton kernels are all integer ones
     (FLASHMLA_SPARSE's: the index remap and the DCP filter; its attention is FlashMLA's), which they do not touch."""
-    shims = prepare_cpu_plumbing(device)
+    shims = prepare_cpu_plumbing(device) + (list(flashmla_cpu_shims()) if device == "cpu" else [])
     return (*load(load_backend, device, paths), shims)
 
 

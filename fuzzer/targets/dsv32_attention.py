@@ -22,7 +22,8 @@ import torch
 
 from fuzzer.support import cudagraphs, dsv32_runtime
 from fuzzer.support.dsv32_runtime import SKIP_TOPK_LAYER, clear_topk_rows, dsv32_layer, index_group_builder, module_step
-from fuzzer.support.flashmla_runtime import LAYER, guard_index_group, record_routes, standins_forced
+from fuzzer.support.flashmla_runtime import record_routes
+from fuzzer.support.vllm_setup import LAYER, guard_index_group, standins_forced
 from fuzzer.support.indexer_runtime import (
     Sm90View,
     indexer_builder,

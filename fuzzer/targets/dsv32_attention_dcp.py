@@ -38,7 +38,8 @@ from fuzzer.support import pcp_runtime
 from fuzzer.support.dcp_group import installed_groups
 from fuzzer.support.dcp_steps import direct_dcp_off, rank_heads, rank_kv_b_weight
 from fuzzer.support.dsv32_runtime import SKIP_TOPK_LAYER, clear_topk_rows, dsv32_layer, index_group_builder, module_step
-from fuzzer.support.flashmla_runtime import LAYER, guard_index_group, record_routes, standins_forced
+from fuzzer.support.flashmla_runtime import record_routes
+from fuzzer.support.vllm_setup import LAYER, guard_index_group, standins_forced
 from fuzzer.support.indexer_runtime import (
     ENTRY_BYTES,
     HEAD_DIM,

@@ -36,7 +36,7 @@ from fuzzer.env import STATE_DIR
 from fuzzer.support import dcp_group, pcp_runtime
 from fuzzer.support.dcp_steps import direct_dcp_off, layer_cache_writer, on_pcp_ranks, rank_heads
 from fuzzer.support.dsv32_runtime import clear_topk_rows
-from fuzzer.support.flashmla_runtime import guard_index_group
+from fuzzer.support.vllm_setup import guard_index_group
 from fuzzer.support.indexer_runtime import (
     BUILDER_MODULE,
     INDEXER_MODULE,

@@ -23,7 +23,7 @@ from dataclasses import replace
 
 from fuzzer.repro_spec import Call
 from fuzzer.support import dsv41_mega_runtime as mega
-from fuzzer.support.flashmla_runtime import _try_import
+from fuzzer.support.vllm_setup import try_import
 from fuzzer.support.standins.flashmla_mega import NOT_PUBLIC
 from fuzzer.targets.base import WHOLE, RunPlan
 from fuzzer.targets.dsv41_flashmla import Dsv41FlashMLA
@@ -53,7 +53,7 @@ class Dsv41FlashMLAMega(Dsv41FlashMLA):
     @staticmethod
     def _missing(module: str) -> str | None:
         try:
-            return None if _try_import(module) is not None else f"this vLLM has no {module}"
+            return None if try_import(module) is not None else f"this vLLM has no {module}"
         except Exception as e:
             return f"cannot import {module}: {type(e).__name__}: {e}"
 

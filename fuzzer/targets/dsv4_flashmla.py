@@ -25,7 +25,7 @@ from fuzzer.env import STATE_DIR
 from fuzzer.repro_spec import Call, Judge, ReproSpec
 from fuzzer.support import dsv4_runtime as runtime
 from fuzzer.support import vllm_cpu_ops
-from fuzzer.support.flashmla_runtime import _try_import
+from fuzzer.support.vllm_setup import try_import
 from fuzzer.targets.base import WHOLE, RunPlan, Target
 from fuzzer.targets.probes import observe_paths
 from oracles.dsv4 import c128a_visible, expected_metadata, judge_dsv4, reference_for
@@ -67,7 +67,7 @@ class Dsv4FlashMLA(Target):
         rt = self.runtime
         for module in (rt.FLASHMLA_LAYER_MODULE, rt.SPARSE_MLA_MODULE, rt.SWA_MODULE):
             try:
-                if _try_import(module) is None:
+                if try_import(module) is None:
                     return f"this vLLM has no {module} ({self.model} attention)"
             except Exception as e:  # a module that is there but cannot import here
                 return f"cannot import {module}: {type(e).__name__}: {e}"

@@ -38,7 +38,7 @@ import torch
 from fuzzer.errors import HarnessError
 from fuzzer.repro_spec import Call, ReproSpec, unchecked_unless_memory
 from fuzzer.support import flashinfer_runtime
-from fuzzer.support.flashmla_runtime import has_cache_op
+from fuzzer.support.vllm_setup import has_cache_op
 from fuzzer.support.standins.cache_ops import concat_and_cache_mla
 from fuzzer.targets.base import WHOLE, RunPlan
 from fuzzer.targets.flashmla_sparse import FlashMLASparse, StepContext, flashmla_repro

@@ -31,7 +31,8 @@ from fuzzer.support.dcp_steps import (
     rank_metadata,
     replay_dcp_ranks,
 )
-from fuzzer.support.flashmla_runtime import BACKEND_MODULE, configure, guard_index_group
+from fuzzer.support.flashmla_runtime import BACKEND_MODULE
+from fuzzer.support.vllm_setup import configure, guard_index_group
 from fuzzer.support.sparse_mla_steps import mla_spec, step_config
 from fuzzer.targets.base import WHOLE, RunPlan
 from fuzzer.targets.flashmla_sparse import FlashMLASparse

@@ -27,7 +27,7 @@ import torch
 from fuzzer.env import die_with_parent, prepare_process
 from fuzzer.errors import CollectivesBroken, RankError
 from fuzzer.mutants import APPLIED, inject
-from fuzzer.support.flashmla_runtime import vllm_runtime
+from fuzzer.support.vllm_setup import vllm_runtime
 from fuzzer.targets.base import WHOLE, RunPlan, lost_device
 from fuzzer.targets.flashmla_dcp import DcpStep, FlashMLASparseDcp, RankResult
 from fuzzer.targets.probes import observe_paths

@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 
 from fuzzer.support import flashmla_runtime
-from fuzzer.support.flashmla_runtime import guard_index_group, install_layer_standins, layer_api
+from fuzzer.support.flashmla_runtime import install_layer_standins, layer_api
+from fuzzer.support.vllm_setup import guard_index_group
 from fuzzer.support.sparse_mla_steps import layer_forward, mla_attention_engine
 from fuzzer.targets.base import WHOLE, RunPlan
 from fuzzer.targets.flashmla_sparse import FlashMLASparse, StepContext, flashmla_repro

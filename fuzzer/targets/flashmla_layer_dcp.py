@@ -26,7 +26,7 @@ from fuzzer.support.dcp_steps import (
     rank_kv_b_weight,
     replay_layer_dcp_ranks,
 )
-from fuzzer.support.flashmla_runtime import guard_index_group
+from fuzzer.support.vllm_setup import guard_index_group
 from fuzzer.support.sparse_mla_steps import layer_forward
 from fuzzer.targets.base import WHOLE, RunPlan
 from fuzzer.targets.flashmla_dcp import (

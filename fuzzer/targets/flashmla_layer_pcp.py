@@ -36,7 +36,7 @@ from fuzzer.support.dcp_steps import (
     rank_kv_b_weight,
     replay_pcp_ranks,
 )
-from fuzzer.support.flashmla_runtime import configure, guard_index_group
+from fuzzer.support.vllm_setup import configure, guard_index_group
 from fuzzer.support.sparse_mla_steps import mla_spec
 from fuzzer.targets.base import WHOLE, RunPlan
 from fuzzer.targets.flashmla_dcp import FlashMLASparseDcp, dcp_cache_args, dcp_setup

@@ -18,18 +18,20 @@ from fuzzer.repro_spec import Call, Judge, ReproSpec, unchecked_unless_memory
 from fuzzer.support.cudagraphs import EMULATED as EMULATED_GRAPHS
 from fuzzer.support.flashmla_runtime import (
     FP8_ENTRY_BYTES,
-    MAX_MODEL_LEN,
     SPARSE_BACKENDS,
-    _try_import,
     bf16_kernel,
-    configure,
     flashmla_sparse_backend_for,
     fp8_decode,
     fp8_prefill,
-    guard_index_group,
-    has_cache_op,
     prefill_outputs_under_initcheck,
     q_concat,
+)
+from fuzzer.support.vllm_setup import (
+    MAX_MODEL_LEN,
+    configure,
+    guard_index_group,
+    has_cache_op,
+    try_import,
     vllm_runtime,
 )
 from fuzzer.support.sparse_mla_steps import (
@@ -139,7 +141,7 @@ class FlashMLASparse(Target):
         """What of vLLM really ran, as this release and host have it (every result lists it)."""
 
         parts = [p for p in type(self).real_parts if p != "SparseMLAIndexGroup"
-                 or _try_import("vllm.v1.attention.backends.mla.index_group") is not None]
+                 or try_import("vllm.v1.attention.backends.mla.index_group") is not None]
         if self.device == "cuda":  # the compiled FlashMLA extension; on a CPU its kernels are stand-ins (emulated)
             parts.append("FlashMLA's CUDA kernels (vllm._flashmla_C)")
         return tuple(parts)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from fuzzer.repro_spec import Call
-from fuzzer.support.flashmla_runtime import has_cache_op
+from fuzzer.support.vllm_setup import has_cache_op
 from fuzzer.support.flashmla_sm100_runtime import SM100_SHIM, flashmla_sparse_sm100_backend, sparse_mla_engine_sm100
 from fuzzer.support.sparse_mla_steps import prepare_host
 from fuzzer.support.standins.flashmla_ops import NVFP4_ENTRY_BYTES, concat_and_cache_mla

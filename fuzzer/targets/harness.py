@@ -13,7 +13,7 @@ import torch
 
 from fuzzer.support.attn_metadata import attn_metadata
 from fuzzer.support.cudagraphs import FullGraph, RunnerBuffers
-from fuzzer.support.flashmla_runtime import has_cache_op
+from fuzzer.support.vllm_setup import has_cache_op
 from fuzzer.support.sparse_mla_steps import TOPK_POISON
 from fuzzer.support.standins.cache_ops import concat_and_cache_mla
 from strategies.tensors import HEAD_SIZE, materialize_attention_inputs

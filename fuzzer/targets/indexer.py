@@ -31,7 +31,7 @@ from fuzzer.support.indexer_runtime import (
     scheduled_sms,
     write_index_keys,
 )
-from fuzzer.support.flashmla_runtime import standins_forced
+from fuzzer.support.vllm_setup import standins_forced
 from fuzzer.support.sparse_mla_steps import prepare_cpu
 from fuzzer.targets.base import WHOLE, RunPlan, Target
 from fuzzer.targets.harness import index_trace_step, max_batched_tokens, topk_buffer_for, trace_observation

@@ -42,7 +42,7 @@ import dataclasses
 from fuzzer.env import STATE_DIR
 from fuzzer.repro_spec import Call, ReproSpec, unchecked_unless_memory
 from fuzzer.support import rocm_aiter_sparse_runtime as runtime
-from fuzzer.support.flashmla_runtime import HEAD_SIZE
+from fuzzer.support.vllm_setup import HEAD_SIZE
 from fuzzer.support.interp.corrections import EVERY
 from fuzzer.support.sparse_mla_steps import forward_mqa
 from fuzzer.targets.base import WHOLE, RunPlan

@@ -30,7 +30,7 @@ import torch
 from fuzzer.env import STATE_DIR
 from fuzzer.support import step5_runtime as runtime
 from fuzzer.support.cpu_host import prepare_cpu_host
-from fuzzer.support.flashmla_runtime import vllm_runtime
+from fuzzer.support.vllm_setup import vllm_runtime
 from fuzzer.targets.base import WHOLE, RunPlan, Target
 from fuzzer.targets.probes import observe_paths
 from oracles.step5 import judge_step5

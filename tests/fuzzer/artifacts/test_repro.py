@@ -67,10 +67,10 @@ def test_a_slice_carries_what_its_roots_reach_and_imports_nothing_else_of_attnfu
                 assert node.module in whole or all(f"{node.module}.{a.name}" in whole for a in node.names), name
     assert set(slice_support([("fuzzer.support.interp.sanitizer", "SANITIZER")])) == {
         "fuzzer.support.interp.sanitizer", "fuzzer.support.errors"}  # CheckerBroke
-    one = slice_support([("fuzzer.support.flashmla_runtime", "guard_index_group")])
-    assert set(one) == {"fuzzer.support.flashmla_runtime"}
-    assert "def guard_index_group(" in one["fuzzer.support.flashmla_runtime"]
-    assert "def mla_layer(" not in one["fuzzer.support.flashmla_runtime"]
+    one = slice_support([("fuzzer.support.vllm_setup", "guard_index_group")])
+    assert set(one) == {"fuzzer.support.vllm_setup"}
+    assert "def guard_index_group(" in one["fuzzer.support.vllm_setup"]
+    assert "def vllm_runtime(" not in one["fuzzer.support.vllm_setup"]
     # A backend's loader reaches that backend's stand-ins only, and of a stand-in module only the ops it binds.
     flashmla = slice_support([("fuzzer.support.flashmla_runtime", "flashmla_sparse_backend")])
     assert not {"fuzzer.support.dcp_group", "fuzzer.support.standins.flash_attn_ops",
@@ -82,7 +82,7 @@ def test_a_slice_carries_what_its_roots_reach_and_imports_nothing_else_of_attnfu
     assert "fuzzer.support.standins.flashmla_ops" not in flash_attn
     # FlashInfer's host set-up: no FlashMLA initcheck prefill (FlashMLA's kernels are not on its path).
     sm90 = slice_support([("fuzzer.support.flashinfer_runtime", "prepare_sm90_host")])
-    assert "def prefill_outputs_under_initcheck(" not in sm90["fuzzer.support.flashmla_runtime"]
+    assert "fuzzer.support.flashmla_runtime" not in sm90
     for name, source in whole.items():  # without docstrings and comment lines, the heading naming the file
         tree = ast.parse(source)
         assert source.startswith(f"# {name.replace('.', '/')}.py: "), name
@@ -305,11 +305,10 @@ def test_a_flashinfer_sm90_reproducer_carries_only_what_its_path_reaches():
     assert "with vllm_call(VIOLATIONS) as call:" in script  # the stand-in's own checks still report
     modules = _support_sources(support)
     assert not {"fuzzer.support.interp.corrections", "fuzzer.support.standins.flashmla_ops",
-                "fuzzer.support.dcp_group"} & set(modules)
+                "fuzzer.support.dcp_group", "fuzzer.support.flashmla_runtime"} & set(modules)  # FlashMLA's: not its path
     standin = modules["fuzzer.support.standins.flashinfer_mla"]
     assert "def mla_plan(" in standin and "def _merge(" in standin
     assert "lse_base_e" not in standin and "ckv_scale_arr[" not in standin
-    assert "def prefill_outputs_under_initcheck(" not in modules["fuzzer.support.flashmla_runtime"]
     assert (d / "repro.py").read_text() == script.replace(finding.id, record.id)
     assert (d / SUPPORT_FILE).read_text() == support.replace(finding.id, record.id)
 

@@ -109,9 +109,9 @@ def test_mutant_is_found_by_a_default_campaign(target, mutant, bug_class, seed, 
 @pytest.mark.nightly  # 26 s on the CI host; a mutant found with its standalone reproducer stays in CI (test_flashmla_sparse)
 def test_topk_length_mutant_is_found_on_the_flashmla_layer(tmp_path):
     """Class B at backend level: stale entries past the valid count, read because topk_length is dropped."""
-    from fuzzer.support.flashmla_runtime import _try_import
+    from fuzzer.support.vllm_setup import try_import
 
-    if _try_import("vllm.v1.attention.backends.mla.index_group") is None:
+    if try_import("vllm.v1.attention.backends.mla.index_group") is None:
         pytest.skip("the layer target and this mutant are written against 0.33 (no index group here)")
     r = attnfuzz("run", "--target", "vllm.flashmla_sparse.layer", "--inject", "flashmla-topk-length-dropped",
                  "--kv-cache-dtype", "bfloat16", "--max-examples", "10", "--reruns", "0", "--max-steps", "1",

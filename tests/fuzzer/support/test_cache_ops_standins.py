@@ -3,7 +3,7 @@ the GPU host) draws valid cases: here its cases run through the stand-ins on bot
 ATTNFUZZ_STANDIN_OPS=1 makes a host with the compiled ops report them missing, so the stand-ins take their place."""
 
 
-from fuzzer.support import flashmla_runtime
+from fuzzer.support import flashmla_runtime, vllm_setup
 from tests.conftest import ROOT, python
 
 
@@ -15,10 +15,10 @@ def test_the_check_s_cases_run_in_bounds_through_the_standins():
 
 
 def test_forcing_the_standins_hides_the_compiled_ops(monkeypatch):
-    monkeypatch.setattr(flashmla_runtime, "_has_op", lambda namespace, name: True)  # a host that has them all
-    assert flashmla_runtime.has_cache_op("concat_mla_q")
+    monkeypatch.setattr(vllm_setup, "has_op", lambda namespace, name: True)  # a host that has them all
+    assert vllm_setup.has_cache_op("concat_mla_q")
     monkeypatch.setenv("ATTNFUZZ_STANDIN_OPS", "1")
-    assert not flashmla_runtime.has_cache_op("concat_mla_q") and not flashmla_runtime._has_flashmla_kernels()
+    assert not vllm_setup.has_cache_op("concat_mla_q") and not flashmla_runtime._has_flashmla_kernels()
 
 
 def test_the_per_tensor_fp8_write_is_e4m3_of_x_over_the_scale_saturated_for_both_parts():

@@ -135,12 +135,12 @@ def test_the_padded_heads_mutant_is_found_and_its_standalone_reproducer_shows_it
     the bug and exits 1."""
     import json
 
-    from fuzzer.support.flashmla_runtime import _try_import
+    from fuzzer.support.vllm_setup import try_import
     from tests.conftest import attnfuzz
 
     if FlashMLASparse("cpu").unavailable():
         pytest.skip(FlashMLASparse("cpu").unavailable())
-    if _try_import("vllm.v1.attention.backends.mla.index_group") is None:
+    if try_import("vllm.v1.attention.backends.mla.index_group") is None:
         pytest.skip("the mutant edits 0.33's head slicing; older releases slice differently")
     run = attnfuzz("--device", "cpu", "run", "--target", "vllm.flashmla_sparse", "--inject", "flashmla-padded-heads-out",
                    "--max-examples", "20", "--max-findings", "1", "--reruns", "0", "--max-steps", "1", "--no-shrink", "--quiet",

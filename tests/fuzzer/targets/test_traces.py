@@ -14,9 +14,9 @@ def _findings(path):
 
 
 def test_a_stale_persistent_buffer_is_found_by_traces_and_not_by_single_steps(tmp_path):
-    from fuzzer.support.flashmla_runtime import _try_import
+    from fuzzer.support.vllm_setup import try_import
 
-    if _try_import("vllm.v1.attention.backends.mla.index_group") is None:
+    if try_import("vllm.v1.attention.backends.mla.index_group") is None:
         pytest.skip("the mutant patches 0.33's sparse-MLA builder")
     run = ("run", "--target", "vllm.flashmla_sparse", "--inject", "flashmla-req-id-buffer-grow-only", "--seed", "1",
            "--no-shrink", "--reruns", "0")
@@ -46,9 +46,9 @@ def test_metadata_rebuilt_out_of_place_is_found_by_graph_replay(tmp_path):
     """A builder that copies the block table each step is right eagerly; a full-graph engine replays the copy
     its capture made. Found as class M (replay against the same step run eagerly); the reproducer captures and
     replays. On a CPU the replay is emulated, and every result says so."""
-    from fuzzer.support.flashmla_runtime import _try_import
+    from fuzzer.support.vllm_setup import try_import
 
-    if _try_import("vllm.model_executor.layers.attention.sparse_mla_attention") is None:
+    if try_import("vllm.model_executor.layers.attention.sparse_mla_attention") is None:
         pytest.skip("the mutant patches 0.33's sparse-MLA builder")
     run = ("run", "--target", "vllm.flashmla_sparse", "--inject", "flashmla-graph-block-table-copied", "--seed", "0",
            "--no-shrink", "--reruns", "0", "--max-steps", "1", "--max-findings", "1")
