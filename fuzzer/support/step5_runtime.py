@@ -194,8 +194,10 @@ def prepare_host(device: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
 def vllm_config(cfg, max_num_batched_tokens: int, block_size: int, heads: int):
     """The shared VllmConfig's fields a Step5 step sets: the scheduler's token budget (the ring builder's buffers),
     the cache's block size, the rank's query heads (FlashAttention's builder sizes its scheduler metadata by them),
-    no speculative decoding, an empty forward context for this engine's layers."""
+    vLLM's default indexer top-k backend (an indexer case before it in the process may have left cooperative or
+    persistent, which Step5 refuses), no speculative decoding, an empty forward context for this engine's layers."""
     cfg.scheduler_config.max_num_batched_tokens = max_num_batched_tokens
+    cfg.kernel_config.sparse_indexer_topk_backend = "auto"
     cfg.model_config.get_num_attention_heads = lambda parallel_config=None: heads
     cfg.cache_config.block_size = block_size
     cfg.speculative_config = None

@@ -60,6 +60,16 @@ def test_a_step_matches_the_reference(name):
     assert obs.outputs["out.0"].shape == (len(case.requests) + case.padded_tokens, case.heads, 192)
 
 
+def test_a_step_after_an_indexer_case_on_another_top_k_backend_runs_on_vllm_s_default(monkeypatch):
+    """The process's one VllmConfig: an indexer case before this one (the same worker) may have left its top-k
+    backend on cooperative or persistent, which Step5 refuses; a Step5 step sets vLLM's default again."""
+    case, _ = CASES["ties_bf16"]
+    t = target()
+    monkeypatch.setattr(t.cfg.kernel_config, "sparse_indexer_topk_backend", "persistent")
+    obs = t.run(case)
+    assert obs.error is None and "selected.0" in obs.outputs, (obs.error_type, obs.error)
+
+
 def test_the_oracle_rejects_an_uncleared_padding_row():
     case, _ = CASES["ties_bf16"]
     t = target()
