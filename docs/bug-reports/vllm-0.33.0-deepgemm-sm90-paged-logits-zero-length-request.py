@@ -4,7 +4,7 @@ request's query and weights, wherever one SM's share of the work crosses it. vLL
 batches under decode context parallelism: its DCP-local `seq_lens` are 0 on every rank that holds none of a short
 request's tokens. See vllm-0.33.0-deepgemm-sm90-paged-logits-zero-length-request.md.
 
-Needs an H100 or H200 (SM90) and vLLM 0.33.0; nothing else. Exit 1 when rows are wrong, 0 when every row is right.
+Needs an H100 or H200 (SM90) and vLLM 0.30.0 or later (run on 0.33.0 and 0.34.0); nothing else. Exit 1 when rows are wrong, 0 when every row is right.
     python vllm-0.33.0-deepgemm-sm90-paged-logits-zero-length-request.py
 """
 
