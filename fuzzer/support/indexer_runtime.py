@@ -181,7 +181,7 @@ def prepare_dcp_merge(device: str, force_standins: bool = False) -> tuple[tuple[
 
 
 def indexer_config(device: str, state_dir: str, step, max_num_batched_tokens: int):
-    """vLLM's config for the step: the shared VllmConfig (flashmla_runtime) with the indexer's fields: index_topk,
+    """vLLM's config for the step: the shared VllmConfig (vllm_setup) with the indexer's fields: index_topk,
     index_n_heads, the cache's block size, MTP's draft tokens (speculative_config) and the top-k backend."""
     cfg = configure(vllm_runtime(device, state_dir), step, max_num_batched_tokens)
     hf = cfg.model_config.hf_text_config

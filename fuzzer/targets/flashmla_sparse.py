@@ -339,10 +339,12 @@ class FlashMLASparse(Target):
         """What prepare() ran: the host prepared for this backend (its loader passed: the reproducer carries this
         backend's stand-ins only; FLASHMLA_SPARSE's, those of `case`'s path: `standin_paths`) and, in a GPU
         reproducer, FlashMLA's outputs prefilled under initcheck (a CPU one's DEVICE never takes that path)."""
-        load, prepare = dict(load_backend=SPARSE_BACKENDS[self.vllm_backend]), prepare_layer_host if layer else prepare_host
+        load = dict(load_backend=SPARSE_BACKENDS[self.vllm_backend])
+        prepare = prepare_layer_host if layer else prepare_host
         if self.vllm_backend == "FLASHMLA_SPARSE" and case is not None:
             load = dict(load_backend=flashmla_sparse_backend_for, paths=standin_paths(case))
-            prepare = prepare_layer_host if layer else prepare_host_for_integer_kernels  # its Triton kernels: the remap's
+            if not layer:  # its Triton kernels are the index remap's: no interpreter correction reaches them
+                prepare = prepare_host_for_integer_kernels
         host = Call(prepare, dict(load, device="DEVICE"), assign="backend, emulated, shims")
         if self.device == "cpu":
             return (host,)

@@ -2,7 +2,7 @@
 (../shared/docs/vllm-sparse-mla.md section 4), for any release 0.23-0.33.
 
 The config passed to builders is `fuzzer.support.builder_config.model_namespace` (or, for the FlashMLA
-targets, a real VllmConfig: `fuzzer.support.flashmla_runtime`); the builder, metadata, impl and kernels are
+targets, a real VllmConfig: `fuzzer.support.vllm_setup`); the builder, metadata, impl and kernels are
 vLLM's own.
 """
 

@@ -111,12 +111,12 @@ def kernels(device: str) -> list[Kernel]:
     """What of the compiled code the targets reach runs for real on `device`, asked as the targets ask when they bind
     their stand-ins (fuzzer/support: the same functions). On a CPU every one is a stand-in: the CUDA kernels cannot
     take CPU tensors."""
-    from fuzzer.support import flashinfer_runtime, flashmla_runtime, indexer_runtime  # deferred: torch (not in `list`)
+    from fuzzer.support import flashinfer_runtime, flashmla_runtime, indexer_runtime, vllm_setup  # deferred: torch
 
     if device != "cuda":
         why = "tensors on the CPU: the CUDA kernels cannot take them"
         return [Kernel(name, False, why) for name, _ in KERNELS]
-    if flashmla_runtime.standins_forced():
+    if vllm_setup.standins_forced():
         return [Kernel(name, False, "ATTNFUZZ_STANDIN_OPS=1") for name, _ in KERNELS]
     found = []
     for name, probe in KERNELS:
