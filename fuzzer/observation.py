@@ -46,7 +46,7 @@ class Notes(TypedDict, total=False):
     sanitizer_log: str  # compute-sanitizer's log for the case
     sanitizer_reports: list[dict]  # the log's reports, parsed (fuzzer/run/compute_sanitizer.py)
     sanitizer_worker_retired: str  # the sanitized worker neared its print limit (why)
-    memcheck_rerun: str  # why `--sanitizer auto` re-ran the case under memcheck
+    memcheck_rerun: str  # why `--sanitizer auto` re-ran the case under memcheck (or skipped it: a graph case)
     resumed: bool  # rebuilt from a saved finding.json (a resumed or replayed finding)
     stage_seconds: dict[str, float]  # where the case ran: "target" (target.run whole) and "oracle" seconds
 

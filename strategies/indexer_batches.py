@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from hypothesis import assume
 from hypothesis import strategies as st
 
 from strategies.batches import (
@@ -33,6 +34,7 @@ from strategies.batches import (
 )
 from strategies.case import (
     COOPERATIVE_MAX_ROWS,
+    CUDAGRAPH_MODES,
     INDEXER_MAX_SPECULATIVE,
     INDEXER_TOPK_BACKENDS,
     VALUE_KINDS,
@@ -59,16 +61,20 @@ def indexer_knobs(p: Profile, topk_backends: tuple[str, ...] = INDEXER_TOPK_BACK
                     topk_backend=topk_backends)
 
 
-def indexer_space(p: Profile, topk_backends: tuple[str, ...] = INDEXER_TOPK_BACKENDS) -> CaseSpace:
-    return CaseSpace(lambda swarm: indexer_cases(p, topk_backends, swarm), indexer_knobs(p, topk_backends))
+def indexer_space(p: Profile, topk_backends: tuple[str, ...] = INDEXER_TOPK_BACKENDS,
+                  graph_modes: tuple[str, ...] = CUDAGRAPH_MODES) -> CaseSpace:
+    return CaseSpace(lambda swarm: indexer_cases(p, topk_backends, swarm, graph_modes=graph_modes),
+                     indexer_knobs(p, topk_backends))
 
 
 @st.composite
 def indexer_cases(draw, p: Profile, topk_backends: tuple[str, ...] = INDEXER_TOPK_BACKENDS,
-                  swarm: Swarm | None = None, dcp: Dcp | None = None, kv_cache_dtype: str = "bfloat16") -> Case:
+                  swarm: Swarm | None = None, dcp: Dcp | None = None, kv_cache_dtype: str = "bfloat16",
+                  graph_modes: tuple[str, ...] = CUDAGRAPH_MODES) -> Case:
     """`dcp`: the steps under decode context parallelism (every rank runs them): block ids name a block on every
     rank (the table covers virtual blocks of block_size x dcp.size tokens), top-k widths the DCP merge takes, and
-    MTP decodes only with interleave 1 (vLLM's supports_dcp_with_varlen)."""
+    MTP decodes only with interleave 1 (vLLM's supports_dcp_with_varlen). `graph_modes`: the engines drawn, eager
+    ("none": no graph padding), full-graph (a padded steady-state decode) or both."""
     x, dcp = p.indexer, dcp or Dcp()
     sizes = dataclasses.replace(p, max_decodes=x.max_decodes, max_prefills=x.max_prefills, max_tokens=x.max_tokens,
                                 max_context=x.max_context)
@@ -83,7 +89,7 @@ def indexer_cases(draw, p: Profile, topk_backends: tuple[str, ...] = INDEXER_TOP
         num_spec = 0
     # A full-graph engine replays a steady-state decode step, padded: drawn half the time without a swarm.
     padded = category(draw, swarm, "padding_rows")
-    steady = padded == "some" or (padded is None and draw(st.booleans()))
+    steady = "none" not in graph_modes or padded == "some" or (padded is None and draw(st.booleans()))
     reqs, num_decodes = draw(requests(sizes, topk_width, 1 + num_spec, vllm_order=True, swarm=swarm,
                                       decode_only=steady))
     reqs = _at_block_edges(draw, reqs, num_decodes, INDEXER_BLOCK_SIZE, x.max_context, swarm)
@@ -91,7 +97,8 @@ def indexer_cases(draw, p: Profile, topk_backends: tuple[str, ...] = INDEXER_TOP
     virtual = INDEXER_BLOCK_SIZE * dcp.size  # under DCP a block id names one block on every rank
     table, _ = draw(block_tables([_cdiv(r.seq_len, virtual) for r in reqs], False,
                                  shareable=[r.context_len // virtual for r in reqs], swarm=swarm))
-    padded_tokens = _graph_padding(reqs, num_decodes)
+    padded_tokens = _graph_padding(reqs, num_decodes) if "full" in graph_modes else 0
+    assume(padded_tokens or "none" in graph_modes)
     budget = category(draw, swarm, "logits_budget") or draw(st.sampled_from(("default", "tight")))
     # cooperative and persistent refuse other widths (vLLM raises: a configuration error, not a bug to find)
     backends = tuple(b for b in topk_backends if topk_width in (512, 1024, 2048) or b in ("auto", "per_row", "torch"))
@@ -140,15 +147,17 @@ def _short_decodes(draw, reqs: tuple[Request, ...], num_decodes: int, dcp: Dcp) 
     return (*reqs[:i], Request(r.query_len, draw(st.integers(0, room - r.query_len))), *reqs[i + 1:])
 
 
-def attention_module_space(p: Profile, attention_heads: tuple[int, ...]) -> CaseSpace:
+def attention_module_space(p: Profile, attention_heads: tuple[int, ...],
+                           graph_modes: tuple[str, ...] = CUDAGRAPH_MODES) -> CaseSpace:
     """DeepSeek-V3.2's attention module around its indexer (`vllm.dsv32.attention`): the indexer's steps (same knobs),
     each engine with the module's MLA heads per rank and, half the time, a second layer that reuses the first's top-k."""
-    return CaseSpace(lambda swarm: attention_module_cases(p, attention_heads, swarm), indexer_knobs(p))
+    return CaseSpace(lambda swarm: attention_module_cases(p, attention_heads, swarm, graph_modes), indexer_knobs(p))
 
 
 @st.composite
-def attention_module_cases(draw, p: Profile, attention_heads: tuple[int, ...], swarm: Swarm | None = None) -> Case:
-    case = draw(indexer_cases(p, INDEXER_TOPK_BACKENDS, swarm))
+def attention_module_cases(draw, p: Profile, attention_heads: tuple[int, ...], swarm: Swarm | None = None,
+                           graph_modes: tuple[str, ...] = CUDAGRAPH_MODES) -> Case:
+    case = draw(indexer_cases(p, INDEXER_TOPK_BACKENDS, swarm, graph_modes=graph_modes))
     # Drawn after the steps (the engine's fields: every step of a trace holds them): shrinking keeps them.
     x = dataclasses.replace(case.indexer, attention_heads=draw(st.sampled_from(attention_heads)),
                             skip_topk_layer=draw(st.booleans()))
@@ -172,8 +181,8 @@ def _merge_topk_widths(p: Profile) -> Profile:
     return dataclasses.replace(p, indexer=dataclasses.replace(x, topk_widths=widths))
 
 
-def attention_module_dcp_space(p: Profile, attention_heads: tuple[int, ...],
-                               combine_rows: int | None = None) -> CaseSpace:
+def attention_module_dcp_space(p: Profile, attention_heads: tuple[int, ...], combine_rows: int | None = None,
+                               graph_modes: tuple[str, ...] = CUDAGRAPH_MODES) -> CaseSpace:
     """DeepSeek-V3.2's attention module under DCP (`vllm.dsv32.attention.dcp`): a DCP group of 2-8 ranks (heads per
     rank whose TP it divides and whose gathered heads stay within FlashMLA's fp8 envelope), its interleave, then the
     indexer's steps over virtual blocks, an fp8_ds_mla MLA cache (vLLM runs FlashMLA sparse under DCP on no other),
@@ -181,13 +190,13 @@ def attention_module_dcp_space(p: Profile, attention_heads: tuple[int, ...],
     combine runs per layer (None: none), each step's tokens cut to fit it (at least 2): where the combine's kernel is
     interpreted it costs a program per token and gathered head on every rank."""
     p = _merge_topk_widths(p)  # the knobs' top-k widths too
-    return CaseSpace(lambda swarm: attention_module_dcp_cases(p, attention_heads, combine_rows, swarm),
+    return CaseSpace(lambda swarm: attention_module_dcp_cases(p, attention_heads, combine_rows, swarm, graph_modes),
                      indexer_knobs(p))
 
 
 @st.composite
 def attention_module_dcp_cases(draw, p: Profile, attention_heads: tuple[int, ...], combine_rows: int | None = None,
-                               swarm: Swarm | None = None) -> Case:
+                               swarm: Swarm | None = None, graph_modes: tuple[str, ...] = CUDAGRAPH_MODES) -> Case:
     fits = [(h, n) for n in DCP_SIZES for h in attention_heads
             if h < 32 and h * n <= DCP_MAX_GATHERED_HEADS and (TOTAL_HEADS // h) % n == 0]
     size = draw(st.sampled_from(sorted({n for _, n in fits})))
@@ -199,7 +208,7 @@ def attention_module_dcp_cases(draw, p: Profile, attention_heads: tuple[int, ...
         p = dataclasses.replace(p, indexer=dataclasses.replace(
             x, max_tokens=min(x.max_tokens, max(2, combine_rows // (heads * size * size)))))
     case = draw(indexer_cases(p, INDEXER_TOPK_BACKENDS, swarm, dcp=Dcp(size, 0, interleave),
-                              kv_cache_dtype="fp8_ds_mla"))
+                              kv_cache_dtype="fp8_ds_mla", graph_modes=graph_modes))
     x = dataclasses.replace(case.indexer, attention_heads=heads, skip_topk_layer=draw(st.booleans()))
     earlier = tuple(dataclasses.replace(e, indexer=x) for e in case.earlier)
     return dataclasses.replace(case, indexer=x, earlier=earlier).validate()

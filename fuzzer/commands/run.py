@@ -20,7 +20,7 @@ from fuzzer.mutants import MUTANTS, MutantError, inject
 from fuzzer.mutants import load as load_mutant
 from fuzzer.records import RunSummary
 from fuzzer.run import fleet
-from fuzzer.run.compute_sanitizer import SanitizerUnavailable, check_driver, find_compute_sanitizer
+from fuzzer.run.compute_sanitizer import EAGER_ONLY, SanitizerUnavailable, check_driver, find_compute_sanitizer
 from fuzzer.run.executors import AutoSanitizedExecutor, InProcessExecutor
 from fuzzer.run.host import import_vllm, make_target
 from fuzzer.run.worker import SANITIZED_RECYCLE_AFTER, WorkerExecutor, WorkerSpec
@@ -127,6 +127,9 @@ def validate(args, device: str) -> None:
         raise UsageError("--mps: for --workers on a GPU (--device cuda); it shares a GPU between worker processes")
     if args.sanitizer and device != "cuda":
         raise UsageError("--sanitizer needs a GPU (on CPU every interpreted load and store is bounds-checked)")
+    if args.cudagraph not in (None, "none") and args.sanitizer not in (None, "auto"):
+        raise UsageError(f"--cudagraph {args.cudagraph} with --sanitizer {args.sanitizer}: {EAGER_ONLY}; fuzz full "
+                         f"graphs natively or with --sanitizer auto (its memcheck re-runs skip graph cases)")
     if args.inject:
         if args.inject in MUTANTS:
             meant_for = load_mutant(args.inject).TARGETS
@@ -274,9 +277,11 @@ def host_after_interrupt(device: str):
 
 
 def run_plan(args) -> RunPlan:
-    """What this run narrows the target's cases to: an argument of the campaign, never set on the target."""
+    """What this run narrows the target's cases to: an argument of the campaign, never set on the target. Under a
+    compute-sanitizer tool, eager engines only (EAGER_ONLY says why)."""
+    eager = args.sanitizer not in (None, "auto")
     return RunPlan(kv_cache_dtypes=(args.kv_cache_dtype,) if args.kv_cache_dtype else None,
-                   cudagraph_modes=(args.cudagraph,) if args.cudagraph else None)
+                   cudagraph_modes=(args.cudagraph,) if args.cudagraph else ("none",) if eager else None)
 
 
 def worker_failure(e: WorkerError) -> str:

@@ -23,6 +23,11 @@ TOOLS = ("memcheck", "initcheck", "racecheck", "synccheck")
 # What a worker under compute-sanitizer must have in its environment, and must not.
 SANITIZED_ENV = {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}
 SANITIZED_ENV_REMOVE = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # expandable_segments lives there
+# Without the caching allocator every allocation is a cudaMalloc, which a stream capture refuses
+# (cudaErrorStreamCaptureUnsupported): a full-graph case fails in its capture, whatever vLLM does. Sanitized cases
+# run eagerly; full graphs are fuzzed natively (guard regions, poisoned buffers).
+EAGER_ONLY = ("a sanitized worker runs without PyTorch's caching allocator (PYTORCH_NO_CUDA_MEMORY_CACHING=1), and a "
+              "CUDA-graph capture cannot allocate without it")
 
 
 def find_compute_sanitizer() -> str:

@@ -5,6 +5,7 @@ isolation, compute-sanitizer), or natively with memcheck re-runs (`--sanitizer a
 from __future__ import annotations
 
 from fuzzer.observation import Observation
+from fuzzer.run.compute_sanitizer import EAGER_ONLY
 from fuzzer.run.worker import WorkerExecutor, run_and_judge
 from oracles.verdict import Verdict
 from strategies.case import Case
@@ -13,7 +14,7 @@ from strategies.case import Case
 class AutoSanitizedExecutor:
     """`--sanitizer auto`: cases run natively; a memcheck worker re-runs every failing case, every case that
     took a path not seen before (vLLM's route, the cache dtype, the fp8 path) and a sampled fraction, and its
-    memory reports join that case's verdicts."""
+    memory reports join that case's verdicts. A full-graph case is not re-run (EAGER_ONLY), and says so."""
 
     def __init__(self, native: WorkerExecutor, sanitized: WorkerExecutor, sample: float = 0.05, seed: int = 0):
         import random
@@ -43,6 +44,9 @@ class AutoSanitizedExecutor:
                else "sampled" if self.rng.random() < self.sample else None)
         self.paths.add(path)
         if why is None:
+            return obs, verdicts
+        if case.cudagraph != "none":  # its capture would fail under memcheck, in attnfuzz's set-up
+            obs.notes["memcheck_rerun"] = f"skipped ({why}, a full-graph case: {EAGER_ONLY})"
             return obs, verdicts
         self.rechecked += 1
         s_obs, s_verdicts = self.sanitized.check(case)

@@ -95,7 +95,7 @@ class Dsv32Attention(FlashMLASparseLayer):
         self.shims = (*self.shims, *overrides)
 
     def cases(self, profile, plan: RunPlan = WHOLE):
-        return attention_module_space(profile, profile.attn_heads)
+        return attention_module_space(profile, profile.attn_heads, plan.graph_modes(self))
 
     def captures_graphs(self) -> bool:
         """Whether a full-graph engine captures and replays CUDA graphs: on a CUDA device (a CPU runs FULL steps

@@ -110,7 +110,8 @@ class Dsv32AttentionDcp(Dsv32Attention):
         # head on every rank, a few ms each. Steps there are cut to 768 such rows a layer (24 tokens at 8 heads a
         # rank x 2 ranks, 2 at 8 x 8 ranks).
         return attention_module_dcp_space(profile, profile.attn_heads,
-                                          combine_rows=INTERPRETED_COMBINE_ROWS if self.device == "cpu" else None)
+                                          combine_rows=INTERPRETED_COMBINE_ROWS if self.device == "cpu" else None,
+                                          graph_modes=plan.graph_modes(self))
 
     def run_trace(self, case):  # run by Dsv32Attention.run, under the case's scheduled SMs
         dev, x = self.device, case.indexer

@@ -91,7 +91,7 @@ class Indexer(Target):
         self.real_parts = (*type(self).real_parts, *real)
 
     def cases(self, profile, plan: RunPlan = WHOLE):
-        return indexer_space(profile)
+        return indexer_space(profile, graph_modes=plan.graph_modes(self))
 
     def run(self, case):
         with scheduled_sms(case.indexer.num_sms):  # the SMs DeepGEMM's paged logits are scheduled over

@@ -1,7 +1,7 @@
 import json
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 
 from strategies.batches import IndexFeatures, index_cases
 from strategies.case import Case, CaseError, Dcp, IndexCall, Request, TopkSpec, rank_owned_positions
@@ -124,3 +124,18 @@ def test_an_explicit_cooperative_top_k_takes_at_most_64_decode_rows():
             assert all(s.num_decode_tokens + s.padded_tokens <= COOPERATIVE_MAX_ROWS for s in c.steps)
 
     drawn()
+
+
+def test_indexer_cases_draw_the_graph_modes_asked():
+    """A run narrowed to eager engines (a sanitized one, `--cudagraph none`) draws no graph padding; one narrowed to
+    full graphs draws padded steady-state decodes only."""
+    from strategies.indexer_batches import indexer_cases
+    from strategies.profiles import PROFILES
+
+    for modes in (("none",), ("full",)):
+        @settings(max_examples=25, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        @given(indexer_cases(PROFILES["gpu"], graph_modes=modes))
+        def drawn(c):
+            assert {s.cudagraph for s in c.steps} == set(modes) and bool(c.padded_tokens) == (modes == ("full",))
+
+        drawn()

@@ -209,3 +209,31 @@ def test_flashmla_outputs_are_prefilled_with_nan_under_initcheck():
     mine = torch.zeros(3, 2, 4, dtype=torch.bfloat16)
     assert wrapped(torch.zeros(3, 2, 8, dtype=torch.bfloat16), None, d_v=4, out=mine) is mine and mine[2].isnan().all()
     assert prefill_outputs_under_initcheck("cpu") == ()  # natively and on CPU, vLLM's calls are untouched
+
+
+def test_sanitized_runs_draw_eager_engines_only():
+    """A sanitized worker has no caching allocator, so a CUDA-graph capture fails in attnfuzz's set-up (the H100's
+    initcheck and memcheck campaigns of 9711931 reported it as a crash): the run narrows to eager engines, says why
+    where `--cudagraph full` asks for graphs, and `--sanitizer auto` keeps its memcheck re-runs off graph cases."""
+    import pytest
+
+    from fuzzer.cli import parser
+    from fuzzer.commands.run import run_plan, validate
+    from fuzzer.errors import UsageError
+    from fuzzer.run.executors import AutoSanitizedExecutor
+
+    def args(*argv):
+        return parser().parse_args(["run", "--target", "vllm.flashmla_sparse", *argv])
+
+    assert run_plan(args("--sanitizer", "initcheck")).cudagraph_modes == ("none",)
+    assert run_plan(args("--sanitizer", "auto")).cudagraph_modes is None
+    assert run_plan(args("--cudagraph", "full")).cudagraph_modes == ("full",)
+    with pytest.raises(UsageError, match="caching allocator"):
+        validate(args("--sanitizer", "memcheck", "--cudagraph", "full"), "cuda")
+
+    case = Case(requests=(Request(1, 3), Request(0, 0)), num_decodes=2, block_size=64, block_table=((1,), (0,)),
+                topk_width=128, topk=(TopkSpec(4), TopkSpec(0)), padded_tokens=1, cudagraph="full")
+    native, memcheck = _Fake([Verdict("output", False, "off", "B")]), _Fake([])
+    obs, verdicts = AutoSanitizedExecutor(native, memcheck, sample=0.0).check(case.validate())
+    assert memcheck.calls == 0 and [v.check for v in verdicts] == ["output"]
+    assert obs.notes["memcheck_rerun"].startswith("skipped (failed, a full-graph case")
