@@ -10,11 +10,20 @@ from types import SimpleNamespace
 import torch
 
 from fuzzer.support.builder_config import model_namespace
+from fuzzer.support.cpu_host import prepare_cpu_host_for
+from fuzzer.support.interp.corrections import correct_floats, correct_index_scalar
 from fuzzer.support.vllm_calls import named_keywords, returned
 
 BACKEND_MODULE = "vllm.v1.attention.backends.mla.xpu_mla_sparse"
 KV_LORA_RANK, HEAD_SIZE = 512, 576  # DeepSeek-V3.2's MLA: the latent, then 64 RoPE dims, a cached token's row
 LAYER = "attnfuzz.layer"
+
+
+def prepare_triton_host() -> list[str]:
+    """A CPU host for the backend's Triton kernels: the interpreter's float corrections (bf16 dot, casts, fp8 codes)
+    and scalar indices, no pinned memory; what was installed, in words. Its kernels hold no inline asm (NVFP4's
+    writers do: that correction is not theirs)."""
+    return prepare_cpu_host_for(correct_floats, correct_index_scalar)
 
 
 def backend_config(heads: int, topk_width: int, kv_cache_dtype: str, block_size: int, max_num_batched_tokens: int):

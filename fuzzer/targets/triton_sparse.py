@@ -14,8 +14,8 @@ import torch
 
 from fuzzer.repro_spec import Call, Judge, ReproSpec
 from fuzzer.support.attn_metadata import attn_metadata
-from fuzzer.support.cpu_host import prepare_cpu_host
-from fuzzer.support.triton_sparse_steps import BACKEND_MODULE, backend_config, paged_cache_view, sparse_attention
+from fuzzer.support.triton_sparse_steps import (BACKEND_MODULE, backend_config, paged_cache_view, prepare_triton_host,
+                                               sparse_attention)
 from fuzzer.targets import harness
 from fuzzer.targets.base import WHOLE, RunPlan, Target
 from fuzzer.targets.guards import Guards
@@ -52,7 +52,7 @@ class TritonSparse(Target):
 
     def prepare(self) -> None:
         self.block_stride_rows = remap_api().has_block_stride_rows
-        self.shims: list[str] = prepare_cpu_host() if self.device == "cpu" else []
+        self.shims: list[str] = prepare_triton_host() if self.device == "cpu" else []
 
     def cases(self, profile, plan: RunPlan = WHOLE):
         stride_rows = self.block_stride_rows if self.block_stride_rows is not None else remap_api().has_block_stride_rows
@@ -112,7 +112,7 @@ class TritonSparse(Target):
             about=f"Shrunk case: {case.summary()}; {case.heads} heads, values {case.values}.\n"
                   "Inputs in tensors.safetensors beside this file: q, the paged KV cache as written before attention,\n"
                   "the top-k buffer, the step's metadata and the fp32 reference output (attnfuzz's oracle).",
-            prepare=(Call(prepare_cpu_host, note="Triton's interpreter corrected; no pinned memory"),) if dev == "cpu" else (),
+            prepare=(Call(prepare_triton_host, note="Triton's interpreter corrected; no pinned memory"),) if dev == "cpu" else (),
             setup=(Call(attn_metadata, dict(
                        query_start_loc='T["query_start_loc"]', seq_lens='T["seq_lens"]',
                        num_computed_tokens='T["num_computed_tokens"]', block_table='T["block_table"]',
