@@ -69,6 +69,14 @@ class Finding:
         return self.reruns is not None and self.reruns[0] < self.reruns[1]
 
     @property
+    def host_out_of_memory(self) -> bool:
+        """The CUDA context lost to "out of memory", and none of its re-runs on a fresh worker lost it again: the
+        device was short (other processes on it), not the case. A case that runs out of memory every time stays a
+        finding."""
+        return (self.reruns is not None and self.reruns[0] == 0 and self.reruns[1] > 0
+                and all(v.where == "device_lost" and "out of memory" in v.detail for v in self.verdicts))
+
+    @property
     def id(self) -> str:
         digest = hashlib.sha1(f"{self.signature}|{self.case.to_json(None)}".encode()).hexdigest()[:8]
         return f"{self.target.split('.')[-1].replace('_', '-')}-{digest}"
@@ -244,6 +252,8 @@ class RunSummary:
     stage_seconds: dict = field(default_factory=dict)
     # `run --known`: cases per known open bug's signature, each a case that failed as that bug (not saved)
     known_hits: dict[str, int] = field(default_factory=dict)
+    # cases not tested for the host's fault (Finding.host_out_of_memory): the run exits 2
+    host_faults: list[str] = field(default_factory=list)
     # a fleet's merge only (None elsewhere, and left out of the file):
     database: str | None = None
     workers: list[dict] | None = None  # per worker: seed, GPU, exit, cases, seconds, log

@@ -229,7 +229,7 @@ def main(args, device: str) -> int:
         result.startup_seconds = max(0.0, campaign.started_at - getattr(args, "started", campaign.started_at))
     saved, unsaved = save_findings(result.findings, target, args.repros)
     if campaign is not None:
-        campaign.clear_pending([f for f, _ in saved])
+        campaign.clear_pending([f for f, _ in saved] + result.host_faults)
     result.interrupted = result.interrupted or interrupt.received()  # one after the search, before the outputs
     print_summary(result, saved, unsaved, host, campaign)
     findings = [f for f, _ in saved]
@@ -241,6 +241,8 @@ def main(args, device: str) -> int:
         return ExitCode.FOUND
     if result.interrupted:
         return ExitCode.INTERRUPTED
+    if result.host_faults:  # cases left untested: never a clean run
+        return ExitCode.USAGE
     if result.examples == 0:
         print("attnfuzz: no case ran: nothing was tested", file=sys.stderr)
         return ExitCode.USAGE
@@ -360,7 +362,8 @@ def summary_of(args, result, saved, host, label, profile_name, target) -> RunSum
         rerun_cases=result.rerun_cases, startup_seconds=round(result.startup_seconds, 2), search=args.search,
         coverage=_coverage(result),
         stage_seconds={k: round(v, 3) for k, v in result.cases.stage_seconds.items()},
-        known_hits={sig: n for sig, n in result.repeats.items() if sig in args.known})
+        known_hits={sig: n for sig, n in result.repeats.items() if sig in args.known},
+        host_faults=[f"{f.title}: {f.case.summary()}" for f in result.host_faults])
 
 
 def _coverage(result) -> dict:
@@ -399,6 +402,10 @@ def print_summary(result, saved, unsaved, host, campaign) -> None:
     for f in unsaved:
         console.print(f"[bold red]FOUND, NOT SAVED[/] {f.id}: kept in {campaign.pending.dir} (the next run of "
                       f"{result.target} takes it back)\n  {f.title}", highlight=False)
+    for f in result.host_faults:
+        console.print(f"[bold yellow]NOT TESTED[/] (exit 2): {f.title}, and none of its {f.reruns[1]} re-run(s) on a "
+                      f"fresh worker: the device was short of memory (other processes on it?), not the case; run "
+                      f"fewer campaigns on this GPU\n  case: {f.case.summary()}", highlight=False)
 
 
 def write_campaign_dir(args, result, saved: list, host, inject: str | None, profile: str, target,

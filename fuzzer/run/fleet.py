@@ -378,7 +378,8 @@ def _report(args, plans, procs, merged: Merged, db: str, seconds: float, interru
                    interrupted=interrupted, database=db, workers=workers, duplicates_merged=merged.duplicates,
                    known=merged.known, pending=merged.pending, mps=mps_daemon,
                    stage_seconds={k: round(v, 3) for k, v in counts["stage_seconds"].items()},
-                   known_hits=counts["known_hits"]).write(args.json)
+                   known_hits=counts["known_hits"],
+                   host_faults=[x for s in summaries for x in (s or {}).get("host_faults", [])]).write(args.json)
     if merged.saved or merged.known or merged.pending:
         return ExitCode.FOUND
     if failed:

@@ -60,6 +60,7 @@ class CampaignResult:
     interrupted: str | None = None  # the signal that cut the campaign short (SIGINT, SIGTERM)
     startup_seconds: float = 0.0  # the command's start-up before the campaign (set by the command)
     findings: list[Finding] = field(default_factory=list)
+    host_faults: list[Finding] = field(default_factory=list)  # not tested: the host's fault (host_out_of_memory)
     checks: dict[str, int] = field(default_factory=dict)
     workers_started: int = 0
     repeats: dict[str, int] = field(default_factory=dict)  # later hits of an already-shrunk signature
@@ -365,6 +366,8 @@ class Campaign:
                 self._isolate(finding)
                 if self.reruns:
                     self._rerun(finding)
+            self.result.host_faults = [f for f in self.result.findings if f.host_out_of_memory]
+            self.result.findings = [f for f in self.result.findings if not f.host_out_of_memory]
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
