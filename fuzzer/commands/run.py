@@ -154,6 +154,8 @@ def main(args, device: str) -> int:
     if args.repros is None:  # a newcomer's findings stay out of repros/, the corpus the gate replays
         args.repros = STATE_DIR / "findings"
     validate(args, device)
+    if args.sanitizer not in (None, "auto") and "full" in declared(args.target).cudagraph_modes and not args.quiet:
+        print(f"{args.target}: eager engines only under --sanitizer {args.sanitizer} ({EAGER_ONLY})", file=sys.stderr)
     if args.workers is not None:  # a fleet: this process runs none of the cases
         return fleet.run_fleet(args, device)
     profile_name = args.profile or ("gpu" if device == "cuda" else "cpu")
