@@ -92,12 +92,15 @@ def indexer_cases(draw, p: Profile, topk_backends: tuple[str, ...] = INDEXER_TOP
     steady = "none" not in graph_modes or padded == "some" or (padded is None and draw(st.booleans()))
     reqs, num_decodes = draw(requests(sizes, topk_width, 1 + num_spec, vllm_order=True, swarm=swarm,
                                       decode_only=steady))
+    if "full" not in graph_modes:  # padding rows come with a full graph's padding: an eager batch has none
+        pads = sum(1 for r in reqs if not r.query_len)
+        reqs, num_decodes = tuple(r for r in reqs if r.query_len), num_decodes - pads
     reqs = _at_block_edges(draw, reqs, num_decodes, INDEXER_BLOCK_SIZE, x.max_context, swarm)
     reqs = _short_decodes(draw, reqs, num_decodes, dcp)
     virtual = INDEXER_BLOCK_SIZE * dcp.size  # under DCP a block id names one block on every rank
     table, _ = draw(block_tables([_cdiv(r.seq_len, virtual) for r in reqs], False,
                                  shareable=[r.context_len // virtual for r in reqs], swarm=swarm))
-    padded_tokens = _graph_padding(reqs, num_decodes) if "full" in graph_modes else 0
+    padded_tokens = _graph_padding(reqs, num_decodes)
     assume(padded_tokens or "none" in graph_modes)
     budget = category(draw, swarm, "logits_budget") or draw(st.sampled_from(("default", "tight")))
     # cooperative and persistent refuse other widths (vLLM raises: a configuration error, not a bug to find)

@@ -137,5 +137,7 @@ def test_indexer_cases_draw_the_graph_modes_asked():
         @given(indexer_cases(PROFILES["gpu"], graph_modes=modes))
         def drawn(c):
             assert {s.cudagraph for s in c.steps} == set(modes) and bool(c.padded_tokens) == (modes == ("full",))
+            if modes == ("none",):  # no padding rows either: they come only with a graph's padding
+                assert all(r.query_len for s in c.steps for r in s.requests)
 
         drawn()
