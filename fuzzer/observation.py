@@ -41,6 +41,7 @@ class Notes(TypedDict, total=False):
     watchdog_retry: str  # the case passed the watchdog's deadline and gave its result on a fresh worker (no hang)
     shrink_cut_short: bool  # a signal stopped the finding's shrink: its case is the smallest failing one so far
     device_lost: bool  # the case lost the CUDA context, told by the exception's type (a worker is replaced)
+    out_of_memory: bool  # it lost it to the device running out of memory (targets/base.py out_of_device_memory)
     worker_recycled: str  # the worker was replaced after this case (why)
     sanitizer: str  # the compute-sanitizer tool the case ran under
     sanitizer_log: str  # compute-sanitizer's log for the case

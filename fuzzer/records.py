@@ -74,7 +74,7 @@ class Finding:
         device was short (other processes on it), not the case. A case that runs out of memory every time stays a
         finding."""
         return (self.reruns is not None and self.reruns[0] == 0 and self.reruns[1] > 0
-                and all(v.where == "device_lost" and "out of memory" in v.detail for v in self.verdicts))
+                and bool(self.observation.notes.get("out_of_memory")))
 
     @property
     def id(self) -> str:

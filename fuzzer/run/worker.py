@@ -33,7 +33,7 @@ from fuzzer.errors import (HarnessFailure, MutantError, VllmCallMoved, WorkerErr
 from fuzzer.mutants import inject
 from fuzzer.observation import Observation
 from fuzzer.run.compute_sanitizer import dedupe, limit_reached, parse_log, sanitized_env, sanitizer_command
-from fuzzer.targets.base import as_moved, lost_device
+from fuzzer.targets.base import as_moved, lost_device, out_of_device_memory
 from fuzzer.targets.registry import TARGETS
 from fuzzer.targets.vllm_api import import_vllm
 from oracles.verdict import Verdict
@@ -79,11 +79,12 @@ def _device_lost(obs: Observation) -> bool:
     return bool(obs.notes.get("device_lost"))
 
 
-def _lost(spec: WorkerSpec, conn, error: str) -> None:
+def _lost(spec: WorkerSpec, conn, e: BaseException) -> None:
     """The CUDA context died (an illegal access here, or memory an earlier case corrupted): report it as this
     case's crash and exit, so that a fresh worker takes the next case."""
+    error = _first_line(e)
     obs = Observation(spec.target, spec.device, error_type="AcceleratorError", error=error[:500],
-                      notes={"device_lost": True})
+                      notes={"device_lost": True, **({"out_of_memory": True} if out_of_device_memory(e) else {})})
     conn.send(("result", obs, [Verdict("crash", False, f"CUDA context lost: {error[:300]}", where="device_lost")]))
     os._exit(3)
 
@@ -150,14 +151,15 @@ def serve(fd: int, spec: WorkerSpec) -> None:
         except Exception as e:
             late = _sync(spec.device)
             print(f"{END} {n}", flush=True)
-            if spec.device == "cuda" and (lost_device(e) or late):  # by its type, or a device that fails every call
-                _lost(spec, conn, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+            # lost: told by the exception's type, or by a device that fails every call now
+            if spec.device == "cuda" and (lost_device(e) or late is not None):
+                _lost(spec, conn, e)
             moved = as_moved(spec.target, e)  # a call into vLLM that does not fit this release: nothing was judged
             conn.send(("moved", str(moved)) if moved is not None else ("harness", traceback.format_exc()))
             continue
         late = _sync(spec.device)  # an asynchronous error from this case's kernels (the oracle's included)
         print(f"{END} {n}", flush=True)
-        if late and not obs.notes.get("device_lost"):
+        if late is not None and not obs.notes.get("device_lost"):
             _lost(spec, conn, late)
         for o in (obs, *obs.steps, *obs.parts.values(), *(s for p in obs.parts.values() for s in p.steps)):
             o.outputs = {}  # tensors stay here: findings keep verdicts and notes
@@ -201,7 +203,7 @@ def _run_delays(pid: int) -> dict[tuple[int, int], float]:
     return delays
 
 
-def _sync(device: str) -> str | None:
+def _sync(device: str) -> BaseException | None:
     """Wait for the device; the asynchronous error it reports, if any."""
     if device == "cuda":
         try:
@@ -209,8 +211,12 @@ def _sync(device: str) -> str | None:
 
             torch.cuda.synchronize()
         except Exception as e:
-            return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            return e
     return None
+
+
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
 
 
 # -- the campaign side --------------------------------------------------------------------------------------

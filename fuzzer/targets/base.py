@@ -109,7 +109,7 @@ class Target(ABC):
                 call_fault(self.name, e)  # raises, when attnfuzz's call looked up what this vLLM does not have
                 obs.error_type, obs.error = type(e).__name__, str(e)[:500]
                 obs.notes["traceback"] = traceback.format_exc(limit=-8)
-                lost = lost_device(e)
+                lost, error = lost_device(e), e
             except Exception as e:  # the code under test raised: an observation, not our failure
                 if getattr(type(e), "attnfuzz_refused", False):  # fuzzer.support.errors.StandInRefused (told by its
                     # class, whose module imports torch): a call form a stand-in does not model, so not tested
@@ -117,9 +117,9 @@ class Target(ABC):
                 call_fault(self.name, e)  # raises, when attnfuzz's call into vLLM does not fit this release
                 obs.error_type, obs.error = type(e).__name__, str(e).strip().splitlines()[0][:500] if str(e).strip() else ""
                 obs.notes["traceback"] = traceback.format_exc(limit=-8)  # where vLLM raised, for the report
-                lost = lost_device(e)
+                lost, error = lost_device(e), e
             else:
-                lost = False
+                lost, error = False, None
             if self.device == "cuda":  # asynchronous CUDA errors surface here; the context may be gone after one
                 import torch
 
@@ -127,10 +127,13 @@ class Target(ABC):
                     torch.cuda.synchronize()
                 except Exception as e:
                     lost = True  # the device fails every call now (after a launcher's plain RuntimeError too: Triton's)
+                    error = error or e
                     if obs.error_type is None:
                         obs.error_type, obs.error = type(e).__name__, str(e).strip().splitlines()[0][:500]
             if lost:  # the case cost the process its CUDA context: a worker is replaced (fuzzer/run/worker.py)
                 obs.notes["device_lost"] = True
+                if out_of_device_memory(error):
+                    obs.notes["out_of_memory"] = True
         obs.memory = list(violations)
         obs.seconds = time.perf_counter() - start
         return obs
@@ -200,6 +203,16 @@ def lost_device(e: BaseException, device: str | None = None) -> bool:
         except Exception:
             return True
     return False
+
+
+def out_of_device_memory(e: BaseException | None) -> bool:
+    """Whether `e` is the device running out of memory: PyTorch's allocator says so by type (OutOfMemoryError); a CUDA
+    call's cudaErrorMemoryAllocation reaches Python only as an AcceleratorError whose text is that code's
+    cudaGetErrorString (torch keeps no error code on it)."""
+    import torch
+
+    return isinstance(e, torch.OutOfMemoryError) or (
+        isinstance(e, getattr(torch, "AcceleratorError", ())) and "CUDA error: out of memory" in str(e))
 
 
 @contextmanager
