@@ -127,7 +127,7 @@ def validate(args, device: str) -> None:
         raise UsageError("--mps: for --workers on a GPU (--device cuda); it shares a GPU between worker processes")
     if args.sanitizer and device != "cuda":
         raise UsageError("--sanitizer needs a GPU (on CPU every interpreted load and store is bounds-checked)")
-    if args.cudagraph not in (None, "none") and args.sanitizer not in (None, "auto"):
+    if args.cudagraph not in (None, "none") and every_case_sanitized(args):
         raise UsageError(f"--cudagraph {args.cudagraph} with --sanitizer {args.sanitizer}: {EAGER_ONLY}; fuzz full "
                          f"graphs natively or with --sanitizer auto (its memcheck re-runs skip graph cases)")
     if args.inject:
@@ -154,7 +154,7 @@ def main(args, device: str) -> int:
     if args.repros is None:  # a newcomer's findings stay out of repros/, the corpus the gate replays
         args.repros = STATE_DIR / "findings"
     validate(args, device)
-    if args.sanitizer not in (None, "auto") and "full" in declared(args.target).cudagraph_modes and not args.quiet:
+    if every_case_sanitized(args) and "full" in declared(args.target).cudagraph_modes and not args.quiet:
         print(f"{args.target}: eager engines only under --sanitizer {args.sanitizer} ({EAGER_ONLY})", file=sys.stderr)
     if args.workers is not None:  # a fleet: this process runs none of the cases
         return fleet.run_fleet(args, device)
@@ -283,9 +283,13 @@ def host_after_interrupt(device: str):
 def run_plan(args) -> RunPlan:
     """What this run narrows the target's cases to: an argument of the campaign, never set on the target. Under a
     compute-sanitizer tool, eager engines only (EAGER_ONLY says why)."""
-    eager = args.sanitizer not in (None, "auto")
-    return RunPlan(kv_cache_dtypes=(args.kv_cache_dtype,) if args.kv_cache_dtype else None,
-                   cudagraph_modes=(args.cudagraph,) if args.cudagraph else ("none",) if eager else None)
+    graphs = (args.cudagraph,) if args.cudagraph else ("none",) if every_case_sanitized(args) else None
+    return RunPlan(kv_cache_dtypes=(args.kv_cache_dtype,) if args.kv_cache_dtype else None, cudagraph_modes=graphs)
+
+
+def every_case_sanitized(args) -> bool:
+    """Every case runs under a compute-sanitizer tool (`--sanitizer auto` runs them natively)."""
+    return args.sanitizer not in (None, "auto")
 
 
 def worker_failure(e: WorkerError) -> str:
@@ -338,7 +342,7 @@ def executor_for(args, target, device: str):
         return InProcessExecutor(target)
     spec = WorkerSpec(name, device, inject=args.inject,
                       sanitizer=None if args.sanitizer == "auto" else args.sanitizer, case_timeout=args.case_timeout,
-                      recycle_after=SANITIZED_RECYCLE_AFTER if args.sanitizer not in (None, "auto") else 0)
+                      recycle_after=SANITIZED_RECYCLE_AFTER if every_case_sanitized(args) else 0)
     logs = STATE_DIR / "workers" / name
     if args.sanitizer == "auto":
         return AutoSanitizedExecutor(WorkerExecutor(spec, logs / "native"),
