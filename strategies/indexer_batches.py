@@ -221,8 +221,8 @@ def attention_module_pcp_space(p: Profile, attention_heads: tuple[int, ...],
                                combine_rows: int | None = None) -> CaseSpace:
     """DeepSeek-V3.2's attention module under PCP x DCP (`vllm.dsv32.attention.pcp_dcp`): a PCP x DCP (x TP) layout
     of PCP_LAYOUTS, or of PCP_ONLY_LAYOUTS (PCP without DCP: decodes sharded over the PCP ranks), that the heads per
-    rank fit, then the steps of `attention_module_dcp_space` under it, eager (the PCP runner pads no graph: the
-    steps' graph padding dropped). `combine_rows` as there, over the layout's world."""
+    rank fit, then the steps of `attention_module_dcp_space` under it, eager (the PCP runner pads no graph).
+    `combine_rows` as there, over the layout's world."""
     p = _merge_topk_widths(p)
     return CaseSpace(lambda swarm: attention_module_pcp_cases(p, attention_heads, combine_rows, swarm),
                      indexer_knobs(p))
@@ -241,9 +241,9 @@ def attention_module_pcp_cases(draw, p: Profile, attention_heads: tuple[int, ...
         x = p.indexer
         p = dataclasses.replace(p, indexer=dataclasses.replace(
             x, max_tokens=min(x.max_tokens, max(2, combine_rows // (heads * tp * size * pcp)))))
+    # eager: the PCP runner pads no graph, so its batches hold no padding rows either
     case = draw(indexer_cases(p, INDEXER_TOPK_BACKENDS, swarm, dcp=Dcp(size, 0, interleave, pcp, tp),
-                              kv_cache_dtype="fp8_ds_mla"))
+                              kv_cache_dtype="fp8_ds_mla", graph_modes=("none",)))
     x = dataclasses.replace(case.indexer, attention_heads=heads, skip_topk_layer=draw(st.booleans()))
-    eager = {"indexer": x, "padded_tokens": 0, "cudagraph": "none"}
-    earlier = tuple(dataclasses.replace(e, **eager) for e in case.earlier)
-    return dataclasses.replace(case, earlier=earlier, **eager).validate()
+    earlier = tuple(dataclasses.replace(e, indexer=x) for e in case.earlier)
+    return dataclasses.replace(case, indexer=x, earlier=earlier).validate()

@@ -144,6 +144,7 @@ def test_cases_are_pcp_layouts_vllm_runs_eagerly():
         assert _pcp_layout_fits(name, h) and case.kv_cache_dtype == "fp8_ds_mla" and case.dcp.layout == name
         assert d.interleave == 1 or (case.indexer.num_speculative_tokens == 0 and d.size > 1)
         assert all(s.cudagraph == "none" and not s.padded_tokens for s in case.steps)
+        assert all(r.query_len for s in case.steps for r in s.requests)  # no padding rows: they come with a graph's
 
     check()
     assert len(seen & set(PCP_LAYOUTS)) >= 2 and seen & set(PCP_ONLY_LAYOUTS), seen
