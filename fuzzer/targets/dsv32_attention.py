@@ -30,7 +30,6 @@ from fuzzer.support.indexer_runtime import (
     indexer_layer,
     logits_budget,
     prepare_indexer_host,
-    scheduled_sms,
     write_index_keys,
 )
 from fuzzer.support.sparse_mla_steps import (
@@ -102,9 +101,7 @@ class Dsv32Attention(FlashMLASparseLayer):
         eagerly; tests call the emulated capture of `cudagraphs.FullGraph` by answering True there)."""
         return torch.device(self.device).type == "cuda"
 
-    def run(self, case):
-        with scheduled_sms(case.indexer.num_sms):  # the SMs DeepGEMM's paged logits are scheduled over
-            return self.run_trace(case)
+    run = Indexer.run  # the trace under the SMs its case schedules for DeepGEMM's paged logits
 
     def run_trace(self, case):
         dev = self.device
