@@ -43,6 +43,7 @@ class Notes(TypedDict, total=False):
     device_lost: bool  # the case lost the CUDA context, told by the exception's type (a worker is replaced)
     out_of_memory: bool  # it lost it to the device running out of memory (targets/base.py out_of_device_memory)
     worker_recycled: str  # the worker was replaced after this case (why)
+    device_memory_low: str  # the device's free memory fell below what the worker may leave (worker.recycle_below_free)
     sanitizer: str  # the compute-sanitizer tool the case ran under
     sanitizer_log: str  # compute-sanitizer's log for the case
     sanitizer_reports: list[dict]  # the log's reports, parsed (fuzzer/run/compute_sanitizer.py)

@@ -71,8 +71,8 @@ class Finding:
     @property
     def host_out_of_memory(self) -> bool:
         """The CUDA context lost to "out of memory", and none of its re-runs on a fresh worker lost it again: the
-        device was short (other processes on it), not the case. A case that runs out of memory every time stays a
-        finding."""
+        device was short (other processes on it, or what a sanitized worker had left), not the case. A case that runs
+        out of memory every time stays a finding."""
         return (self.reruns is not None and self.reruns[0] == 0 and self.reruns[1] > 0
                 and bool(self.observation.notes.get("out_of_memory")))
 

@@ -23,7 +23,7 @@ from fuzzer.run import fleet
 from fuzzer.run.compute_sanitizer import EAGER_ONLY, SanitizerUnavailable, check_driver, find_compute_sanitizer
 from fuzzer.run.executors import AutoSanitizedExecutor, InProcessExecutor
 from fuzzer.run.host import import_vllm, make_target
-from fuzzer.run.worker import SANITIZED_RECYCLE_AFTER, WorkerExecutor, WorkerSpec
+from fuzzer.run.worker import SANITIZED_RECYCLING, WorkerExecutor, WorkerSpec
 from fuzzer.search.campaign import SEARCHES, Campaign, CampaignResult
 from fuzzer.search.database import example_database, is_redis
 from fuzzer.search.progress import Progress
@@ -342,12 +342,12 @@ def executor_for(args, target, device: str):
         return InProcessExecutor(target)
     spec = WorkerSpec(name, device, inject=args.inject,
                       sanitizer=None if args.sanitizer == "auto" else args.sanitizer, case_timeout=args.case_timeout,
-                      recycle_after=SANITIZED_RECYCLE_AFTER if every_case_sanitized(args) else 0)
+                      **(SANITIZED_RECYCLING if every_case_sanitized(args) else {}))
     logs = STATE_DIR / "workers" / name
     if args.sanitizer == "auto":
         return AutoSanitizedExecutor(WorkerExecutor(spec, logs / "native"),
                                      WorkerExecutor(replace(spec, sanitizer="memcheck", case_timeout=args.case_timeout * 10,
-                                                            recycle_after=SANITIZED_RECYCLE_AFTER),
+                                                            **SANITIZED_RECYCLING),
                                                     logs / "memcheck"), seed=args.seed)
     return WorkerExecutor(spec, logs)
 
@@ -410,8 +410,9 @@ def print_summary(result, saved, unsaved, host, campaign) -> None:
                       f"{result.target} takes it back)\n  {f.title}", highlight=False)
     for f in result.host_faults:
         console.print(f"[bold yellow]NOT TESTED[/] (exit 2): {f.title}, and none of its {f.reruns[1]} re-run(s) on a "
-                      f"fresh worker: the device was short of memory (other processes on it?), not the case; run "
-                      f"fewer campaigns on this GPU\n  case: {f.case.summary()}", highlight=False)
+                      f"fresh worker: the device was short of memory (other campaigns on it, or what a sanitized "
+                      f"worker had left), not the case; run fewer campaigns on this GPU\n  case: {f.case.summary()}",
+                      highlight=False)
 
 
 def write_campaign_dir(args, result, saved: list, host, inject: str | None, profile: str, target,

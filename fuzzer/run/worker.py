@@ -55,9 +55,15 @@ class WorkerSpec:
     # PyTorch holds nothing between cases (initcheck workers run out of it after some hundreds of cases): a fresh
     # process frees whatever the tool or the CUDA context held.
     recycle_after: int = 0
+    # ...or sooner, once the device's free memory has fallen below this fraction of what was free when the worker
+    # started (0: never): the growth per case depends on the cases and the device (an H100's 80 GB ran out after
+    # ~120 fp8_ds_mla cases under initcheck), a fraction of the worker's start does not.
+    recycle_below_free: float = 0.0
 
 
 SANITIZED_RECYCLE_AFTER = 150  # cases per sanitized worker; each fresh one restarts the tool and imports vLLM
+SANITIZED_RECYCLE_BELOW_FREE = 0.5  # a fresh sanitized worker once half of the memory free at its start is gone
+SANITIZED_RECYCLING = {"recycle_after": SANITIZED_RECYCLE_AFTER, "recycle_below_free": SANITIZED_RECYCLE_BELOW_FREE}
 MEMORY_EVERY = 25  # cases between the device-memory lines a CUDA worker logs (a leak shows as a trend)
 MEMORY = "ATTNFUZZ-DEVICE-MEMORY"
 # The watchdog's deadline learns from the cases' own times: HANG_FACTOR times the slowest of the last RECENT_CASES
@@ -130,6 +136,7 @@ def serve(fd: int, spec: WorkerSpec) -> None:
         return
     # What the parent needs to plan the campaign without importing vLLM itself: the release and the target's plan.
     conn.send(("ready", os.getpid(), {"vllm": vllm_version, "plan": target.plan_state()}))
+    free_at_start = _free_device_memory(spec) if spec.recycle_below_free else None
     while True:
         try:
             msg = conn.recv()
@@ -165,9 +172,32 @@ def serve(fd: int, spec: WorkerSpec) -> None:
             o.outputs = {}  # tensors stay here: findings keep verdicts and notes
         if spec.device == "cuda" and n % MEMORY_EVERY == 0:
             _log_device_memory(n)
+        low = device_memory_low(_free_device_memory(spec), free_at_start, spec.recycle_below_free)
+        if low:
+            obs.notes["device_memory_low"] = low
         conn.send(("result", obs, verdicts))
         if obs.notes.get("device_lost"):
             os._exit(3)  # a fresh worker takes the next case
+
+
+def _free_device_memory(spec: WorkerSpec) -> int | None:
+    """The device's free memory in bytes (None: not a CUDA worker, not asked, or the context is gone)."""
+    if spec.device != "cuda" or not spec.recycle_below_free:
+        return None
+    try:
+        import torch
+
+        return torch.cuda.mem_get_info()[0]
+    except Exception:  # the context may be gone: the case's own verdict says so
+        return None
+
+
+def device_memory_low(free: int | None, free_at_start: int | None, fraction: float) -> str | None:
+    """Why the worker should be replaced for memory (None: it need not): free device memory below `fraction` of
+    what was free at its start."""
+    if free is None or not free_at_start or free >= fraction * free_at_start:
+        return None
+    return f"free device memory {free >> 20} MiB, {free_at_start >> 20} MiB at the worker's start"
 
 
 def _log_device_memory(n: int) -> None:
@@ -391,10 +421,18 @@ class WorkerExecutor:
         if self.spec.sanitizer:
             verdicts = self._sanitizer_verdicts(log, obs) + verdicts
         self._cases_this_worker += 1
-        if self.spec.recycle_after and self._cases_this_worker >= self.spec.recycle_after and self.proc is not None:
+        why = self._recycle_why(obs)
+        if why and self.proc is not None:
             self.close()  # asked to stop, so compute-sanitizer writes its summary; the next case starts a fresh one
-            obs.notes["worker_recycled"] = f"after {self._cases_this_worker} cases"
+            obs.notes["worker_recycled"] = why
         return obs, verdicts
+
+    def _recycle_why(self, obs: Observation) -> str | None:
+        """Why the worker is replaced after this case (None: it is not): its case count, or the memory it left."""
+        n, low = self._cases_this_worker, obs.notes.get("device_memory_low")
+        if self.spec.recycle_after and n >= self.spec.recycle_after:
+            return f"after {n} cases"
+        return f"after {n} cases: {low}" if low else None
 
     def _attempt(self, case: Case, deadline: float) -> tuple[Observation, list[Verdict], str]:
         """One run of `case` with the watchdog at `deadline` seconds: its observation, verdicts and the worker's

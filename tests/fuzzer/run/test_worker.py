@@ -197,3 +197,23 @@ def test_an_out_of_memory_that_no_rerun_repeats_is_the_hosts_not_a_finding(tmp_p
     assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
     s = json.loads((again / "summary.json").read_text())
     assert len(s["findings"]) == 1 and s["host_faults"] == []
+
+
+def test_a_sanitized_worker_is_replaced_once_half_the_memory_free_at_its_start_is_gone(tmp_path):
+    """Under initcheck a worker's device memory grows outside PyTorch's allocator (an H100 ran out after ~120 cases,
+    before the 150-case recycle): the worker reports low memory, and the executor replaces it after that case."""
+    from fuzzer.observation import Observation
+    from fuzzer.run.worker import SANITIZED_RECYCLING, WorkerExecutor, WorkerSpec, device_memory_low
+
+    gib = 1 << 30
+    assert device_memory_low(41 * gib, 80 * gib, 0.5) is None
+    assert device_memory_low(39 * gib, 80 * gib, 0.5) == "free device memory 39936 MiB, 81920 MiB at the worker's start"
+    assert device_memory_low(None, 80 * gib, 0.5) is None and device_memory_low(1, None, 0.5) is None  # not CUDA
+    executor = WorkerExecutor(WorkerSpec("selftest.fault", "cuda", sanitizer="initcheck", **SANITIZED_RECYCLING),
+                              tmp_path / "logs")
+    executor._cases_this_worker = 7
+    assert executor._recycle_why(Observation("selftest.fault", "cuda")) is None
+    low = Observation("selftest.fault", "cuda", notes={"device_memory_low": "free device memory 39936 MiB, ..."})
+    assert executor._recycle_why(low) == "after 7 cases: free device memory 39936 MiB, ..."
+    executor._cases_this_worker = SANITIZED_RECYCLING["recycle_after"]
+    assert executor._recycle_why(Observation("selftest.fault", "cuda")) == "after 150 cases"
