@@ -1,11 +1,12 @@
-"""How often the DeepSeek-V3.2 module's DCP cases (`vllm.dsv32.attention.dcp`'s strategy) meet DeepGEMM's SM90
+"""How often the DeepSeek-V3.2 module's DCP cases (`vllm.dsv32.attention.dcp`'s strategy, or with `--space pcp`
+`vllm.dsv32.attention.pcp_dcp`'s: its DCP ranks, the PCP split not modelled) meet DeepGEMM's SM90
 zero-length-request bug (docs/bug-reports/vllm-0.33.0-deepgemm-sm90-paged-logits-zero-length-request.md): a decode
 entry with more keys than the top-k, scored right after an entry with none on some DCP rank, by an SM whose share of
 the paged-logits schedule crosses from the entry before. The schedule is the DeepGEMM stand-in's (checked equal to
 the real metadata kernel, bench/deep_gemm_check.py); nothing runs vLLM. `--sms 0` keeps every case on the device's
 132 SMs (what the strategy drew before IndexerStep.num_sms).
 
-  python bench/zero_length_reach.py [--profile cpu|gpu] [--cases 600] [--sms 0]
+  python bench/zero_length_reach.py [--profile cpu|gpu] [--cases 600] [--sms 0] [--space dcp|pcp]
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 
 from fuzzer.support.standins import deep_gemm as dg
 from oracles.dcp import local_length, paged_logits_entries
-from strategies.indexer_batches import attention_module_dcp_space
+from strategies.indexer_batches import attention_module_dcp_space, attention_module_pcp_space
 from strategies.profiles import PROFILES
 
 DEVICE_SMS = 132
@@ -60,22 +61,24 @@ def main() -> None:
     ap.add_argument("--profile", default="cpu", choices=sorted(PROFILES))
     ap.add_argument("--cases", type=int, default=600)
     ap.add_argument("--sms", type=int, nargs="*", help="the SM counts drawn (default: the profile's)")
+    ap.add_argument("--space", default="dcp", choices=("dcp", "pcp"), help="the target's strategy: .dcp or .pcp_dcp")
     args = ap.parse_args()
     p = PROFILES[args.profile]
     if args.sms is not None:
         p = dataclasses.replace(p, indexer=dataclasses.replace(p.indexer, sms=tuple(args.sms)))
     seen = {"cases": 0, "meet": 0}
+    space = attention_module_dcp_space if args.space == "dcp" else attention_module_pcp_space
 
     @settings(max_examples=args.cases, database=None, suppress_health_check=list(HealthCheck), deadline=None,
               derandomize=True)
-    @given(attention_module_dcp_space(p, p.attn_heads, combine_rows=768).strategy())
+    @given(space(p, p.attn_heads, combine_rows=768).strategy())
     def draw(case):
         seen["cases"] += 1
         seen["meet"] += meets_bug(case)
 
     draw()
-    print(f"{args.profile} profile, SMs drawn from {p.indexer.sms}: {seen['meet']} of {seen['cases']} drawn cases "
-          "meet DeepGEMM's zero-length-request bug")
+    print(f"{args.space} strategy, {args.profile} profile, SMs drawn from {p.indexer.sms}: {seen['meet']} of "
+          f"{seen['cases']} drawn cases meet DeepGEMM's zero-length-request bug")
 
 
 if __name__ == "__main__":
