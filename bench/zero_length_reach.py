@@ -6,7 +6,10 @@ the paged-logits schedule crosses from the entry before. The schedule is the Dee
 the real metadata kernel, bench/deep_gemm_check.py); nothing runs vLLM. `--sms 0` keeps every case on the device's
 132 SMs (what the strategy drew before IndexerStep.num_sms).
 
-  python bench/zero_length_reach.py [--profile cpu|gpu] [--cases 600] [--sms 0] [--space dcp|pcp]
+  python bench/zero_length_reach.py [--profile cpu|gpu] [--cases 600] [--sms 0] [--space dcp|pcp] [--seed N]
+
+Hypothesis's draws are not independent samples (it mutates what it drew before): read one run's count as one
+sample, and compare strategies over several `--seed`s (default: derandomized, the same draws every run).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, seed, settings
 
 from fuzzer.support.standins import deep_gemm as dg
 from oracles.dcp import local_length, paged_logits_entries
@@ -62,6 +65,7 @@ def main() -> None:
     ap.add_argument("--cases", type=int, default=600)
     ap.add_argument("--sms", type=int, nargs="*", help="the SM counts drawn (default: the profile's)")
     ap.add_argument("--space", default="dcp", choices=("dcp", "pcp"), help="the target's strategy: .dcp or .pcp_dcp")
+    ap.add_argument("--seed", type=int, help="Hypothesis's seed (default: derandomized)")
     args = ap.parse_args()
     p = PROFILES[args.profile]
     if args.sms is not None:
@@ -70,15 +74,15 @@ def main() -> None:
     space = attention_module_dcp_space if args.space == "dcp" else attention_module_pcp_space
 
     @settings(max_examples=args.cases, database=None, suppress_health_check=list(HealthCheck), deadline=None,
-              derandomize=True)
+              derandomize=args.seed is None)
     @given(space(p, p.attn_heads, combine_rows=768).strategy())
     def draw(case):
         seen["cases"] += 1
         seen["meet"] += meets_bug(case)
 
-    draw()
-    print(f"{args.space} strategy, {args.profile} profile, SMs drawn from {p.indexer.sms}: {seen['meet']} of "
-          f"{seen['cases']} drawn cases meet DeepGEMM's zero-length-request bug")
+    (draw if args.seed is None else seed(args.seed)(draw))()
+    print(f"{args.space} strategy, {args.profile} profile, seed {args.seed}, SMs drawn from {p.indexer.sms}: "
+          f"{seen['meet']} of {seen['cases']} drawn cases meet DeepGEMM's zero-length-request bug")
 
 
 if __name__ == "__main__":

@@ -83,9 +83,10 @@ def _cdiv(a: int, b: int) -> int:
 @st.composite
 def requests(draw, p: Profile, topk_width: int, max_decode_query_len: int = MAX_DECODE_QUERY_LEN,
              vllm_order: bool = False, swarm: Swarm | None = None,
-             decode_only: bool = False) -> tuple[tuple[Request, ...], int]:
+             decode_only: bool = False, padding_rows: bool = True) -> tuple[tuple[Request, ...], int]:
     """Requests in vLLM's batch order (decodes, padding rows, extends/prefills) and the decode count.
     `decode_only`: no prefills after decodes (a steady-state decode step, what full CUDA graphs replay).
+    `padding_rows`: whether zero-length padding rows may follow the decodes (False: an eager engine's batch).
 
     `vllm_order`: exactly as vLLM's model runner leaves a batch: `reorder_batch_to_split_decodes_and_prefills`
     puts prefills with cached context (extends, prefix-cache hits) before fresh ones, and zero-length padding
@@ -107,8 +108,9 @@ def requests(draw, p: Profile, topk_width: int, max_decode_query_len: int = MAX_
         reqs.append(Request(q_dec, draw(st.integers(lo, hi))))
         budget -= q_dec
     pads = c("padding_rows")
-    reqs += [Request(0, 0)] * draw(st.integers(0 if pads != "some" or not reqs else 1,
-                                               2 if reqs and pads != "none" else 0))  # padded decode batch (C/D)
+    if padding_rows:
+        reqs += [Request(0, 0)] * draw(st.integers(0 if pads != "some" or not reqs else 1,
+                                                   2 if reqs and pads != "none" else 0))  # padded decode batch (C/D)
     num_decodes = len(reqs)
     many = c("prefills")
     if decode_only and reqs:

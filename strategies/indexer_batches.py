@@ -90,11 +90,9 @@ def indexer_cases(draw, p: Profile, topk_backends: tuple[str, ...] = INDEXER_TOP
     # A full-graph engine replays a steady-state decode step, padded: drawn half the time without a swarm.
     padded = category(draw, swarm, "padding_rows")
     steady = "none" not in graph_modes or padded == "some" or (padded is None and draw(st.booleans()))
+    # padding rows come with a full graph's padding: an eager batch has none
     reqs, num_decodes = draw(requests(sizes, topk_width, 1 + num_spec, vllm_order=True, swarm=swarm,
-                                      decode_only=steady))
-    if "full" not in graph_modes:  # padding rows come with a full graph's padding: an eager batch has none
-        pads = sum(1 for r in reqs if not r.query_len)
-        reqs, num_decodes = tuple(r for r in reqs if r.query_len), num_decodes - pads
+                                      decode_only=steady, padding_rows="full" in graph_modes))
     reqs = _at_block_edges(draw, reqs, num_decodes, INDEXER_BLOCK_SIZE, x.max_context, swarm)
     reqs = _short_decodes(draw, reqs, num_decodes, dcp)
     virtual = INDEXER_BLOCK_SIZE * dcp.size  # under DCP a block id names one block on every rank
