@@ -17,6 +17,12 @@ from enum import IntEnum
 from strategies.errors import CaseError  # noqa: F401 (re-exported: one place to import every error from)
 
 
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message ("" for an empty one): what a one-line report of it shows."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
+
+
 class ExitCode(IntEnum):
     CLEAN = 0
     FOUND = 1

@@ -251,3 +251,10 @@ def test_a_method_a_layer_lacks_in_this_release_is_could_not_test_in_a_campaign_
         assert not vllms_answer(e)
     obs = _Calls(lambda: layer.forward_of_vllm_s_own()).run(None)  # asked in this file: not attnfuzz's support code
     assert obs.error_type == "AttributeError"
+
+
+def test_first_line_of_an_exception_is_empty_for_an_empty_message():
+    from fuzzer.errors import first_line
+
+    assert first_line(RuntimeError("\n  CUDA error: out of memory\nmore")) == "CUDA error: out of memory"
+    assert first_line(RuntimeError()) == "" and first_line(RuntimeError("  \n")) == ""

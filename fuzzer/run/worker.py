@@ -29,7 +29,7 @@ from pathlib import Path
 
 from fuzzer.env import die_with_parent, prepare_process
 from fuzzer.errors import (HarnessFailure, MutantError, VllmCallMoved, WorkerError, WorkerInjectError,
-                           WorkerUnavailable)
+                           WorkerUnavailable, first_line)
 from fuzzer.mutants import inject
 from fuzzer.observation import Observation
 from fuzzer.run.compute_sanitizer import dedupe, limit_reached, parse_log, sanitized_env, sanitizer_command
@@ -88,7 +88,7 @@ def _device_lost(obs: Observation) -> bool:
 def _lost(spec: WorkerSpec, conn, e: BaseException) -> None:
     """The CUDA context died (an illegal access here, or memory an earlier case corrupted): report it as this
     case's crash and exit, so that a fresh worker takes the next case."""
-    error = _first_line(e)
+    error = f"{type(e).__name__}: {first_line(e)}"
     obs = Observation(spec.target, spec.device, error_type="AcceleratorError", error=error[:500],
                       notes={"device_lost": True, **({"out_of_memory": True} if out_of_device_memory(e) else {})})
     conn.send(("result", obs, [Verdict("crash", False, f"CUDA context lost: {error[:300]}", where="device_lost")]))
@@ -136,7 +136,7 @@ def serve(fd: int, spec: WorkerSpec) -> None:
         return
     # What the parent needs to plan the campaign without importing vLLM itself: the release and the target's plan.
     conn.send(("ready", os.getpid(), {"vllm": vllm_version, "plan": target.plan_state()}))
-    free_at_start = _free_device_memory(spec) if spec.recycle_below_free else None
+    free_at_start = _free_device_memory(spec)  # None unless a CUDA worker recycled for memory
     while True:
         try:
             msg = conn.recv()
@@ -243,10 +243,6 @@ def _sync(device: str) -> BaseException | None:
         except Exception as e:
             return e
     return None
-
-
-def _first_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
 
 
 # -- the campaign side --------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Callable, ClassVar
 
-from fuzzer.errors import HarnessConfigError, RankError, StandInUnmodelled, VllmCallMoved
+from fuzzer.errors import HarnessConfigError, RankError, StandInUnmodelled, VllmCallMoved, first_line
 from fuzzer.observation import Observation
 from fuzzer.repro_spec import ReproSpec
 from fuzzer.support.interp.sanitizer import SANITIZER, speed_up_interpreter
@@ -115,7 +115,7 @@ class Target(ABC):
                     # class, whose module imports torch): a call form a stand-in does not model, so not tested
                     raise StandInUnmodelled(f"{self.name}: {e}") from e
                 call_fault(self.name, e)  # raises, when attnfuzz's call into vLLM does not fit this release
-                obs.error_type, obs.error = type(e).__name__, str(e).strip().splitlines()[0][:500] if str(e).strip() else ""
+                obs.error_type, obs.error = type(e).__name__, first_line(e)[:500]
                 obs.notes["traceback"] = traceback.format_exc(limit=-8)  # where vLLM raised, for the report
                 lost, error = lost_device(e), e
             else:
@@ -129,7 +129,7 @@ class Target(ABC):
                     lost = True  # the device fails every call now (after a launcher's plain RuntimeError too: Triton's)
                     error = error or e
                     if obs.error_type is None:
-                        obs.error_type, obs.error = type(e).__name__, str(e).strip().splitlines()[0][:500]
+                        obs.error_type, obs.error = type(e).__name__, first_line(e)[:500]
             if lost:  # the case cost the process its CUDA context: a worker is replaced (fuzzer/run/worker.py)
                 obs.notes["device_lost"] = True
                 if out_of_device_memory(error):

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from fuzzer.env import die_with_parent, prepare_process
-from fuzzer.errors import CollectivesBroken, RankError
+from fuzzer.errors import CollectivesBroken, RankError, first_line
 from fuzzer.mutants import APPLIED, inject
 from fuzzer.support.vllm_setup import vllm_runtime
 from fuzzer.targets.base import WHOLE, RunPlan, lost_device
@@ -220,7 +220,7 @@ def run_rank(step: DcpStep, rank: int) -> RankResult:
         return step.run_rank(rank)
     except Exception as e:  # the code under test raised on this rank: reported by rank 0
         res = RankResult()
-        res.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+        res.error = f"{type(e).__name__}: {first_line(e)[:300]}"
         res.device_lost = lost_device(e, step.target.device)  # told here, where the exception is: rank 0 gets text
         res.problems["traceback"] = [traceback.format_exc(limit=-6)]
         return res
