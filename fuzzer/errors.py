@@ -70,6 +70,12 @@ class VllmCallMoved(HarnessError):
     naming the call: never a finding, never clean."""
 
 
+class DeviceQueryUnanswered(VllmCallMoved):
+    """On a CPU host, vLLM asked torch for a device (`torch.accelerator`, `torch.cuda`) where attnfuzz has no CPU
+    answer for the query (told by fuzzer/targets/vllm_api.py `unanswerable_device_query`): a release asking
+    something new of the device, as a moved call is one: could not test, naming the query and vLLM's line."""
+
+
 class StandInUnmodelled(HarnessError):
     """A stand-in refused a call form it does not model (fuzzer/support/errors.py StandInRefused): the case could
     not be tested here (exit 2), which says nothing about the code under test."""

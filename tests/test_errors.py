@@ -228,6 +228,34 @@ def test_a_call_form_a_stand_in_does_not_model_is_could_not_test_not_vllm_s_answ
         assert vllms_answer(e)
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a CPU host's torch refusing a device query")
+def test_a_device_query_a_cpu_host_cannot_answer_is_could_not_test_not_vllm_s_answer():
+    """0.34's FlashMLASparseImpl asks torch.accelerator for its device index: on a CPU host torch raises a plain
+    RuntimeError from inside torch.accelerator, which a campaign reports as DeviceQueryUnanswered (exit 2, naming the
+    query) and a reproducer's harness as "could not run"; told by the raising frame, so the same words raised
+    elsewhere stay vLLM's answer."""
+    import torch
+
+    from fuzzer.artifacts.repro_harness import vllms_answer
+    from fuzzer.errors import DeviceQueryUnanswered, VllmCallMoved
+
+    def asks():
+        return {"x": torch.zeros(torch.accelerator.current_device_index())}
+
+    with pytest.raises(DeviceQueryUnanswered, match="torch.accelerator.current_device_index") as raised:
+        _Calls(asks).run(None)
+    assert isinstance(raised.value, VllmCallMoved)  # printed and counted as COULD NOT TEST
+    with pytest.raises(RuntimeError) as asked:
+        asks()
+    assert not vllms_answer(asked.value)
+    worded = RuntimeError(str(asked.value))
+    assert _Calls(_raises(worded)).run(None).error_type == "RuntimeError"
+    try:
+        raise worded
+    except RuntimeError as e:
+        assert vllms_answer(e)
+
+
 def test_a_method_a_layer_lacks_in_this_release_is_could_not_test_in_a_campaign_and_a_reproducer():
     """torch.nn.Module.__getattr__ raises a layer's missing attribute: the support frame that asked for it is the one
     that raised (a method this release's layer lacks), not vLLM; a layer of vLLM's asking for its own is vLLM's."""

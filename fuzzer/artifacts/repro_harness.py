@@ -1,6 +1,6 @@
 """The harness every reproducer runs its vLLM calls under: exit 2 where vLLM gave no answer (an import or the
 set-up failed, a name or signature this vLLM lacks, attnfuzz's bounds checker broke, a stand-in refused a call form it
-does not model), else 1 while the bug is present and 0 once fixed. `fuzzer.artifacts.repro` copies this module
+does not model, a CPU host's torch refused a device query vLLM made), else 1 while the bug is present and 0 once fixed. `fuzzer.artifacts.repro` copies this module
 verbatim into the reproducer's attnfuzz_support.py (standard library only: it guards the imports of torch and vLLM).
 """
 
@@ -26,8 +26,11 @@ def vllms_answer(e):  # judged, unless a name or signature this vLLM lacks (met 
         chain.append(cause)
         cause = cause.__cause__ or cause.__context__
     chain = [f.filename for c in chain for f in traceback.extract_tb(c.__traceback__)]
+    torch = sys.modules.get("torch")  # a CPU host's torch refusing a device query vLLM made: the host's, not vLLM's
+    asked_device = torch is not None and not torch.cuda.is_available() and not isinstance(
+        e, getattr(torch, "AcceleratorError", ())) and any(f"/torch/{p}/" in frames[-1] for p in ("accelerator", "cuda"))
     return not (isinstance(e, (ImportError, NameError)) or isinstance(e, (TypeError, AttributeError)) and ours
-                or any("fuzzer.support.interp.sanitizer" in f for f in chain)
+                or any("fuzzer.support.interp.sanitizer" in f for f in chain) or asked_device
                 or getattr(e, "attnfuzz_refused", False))  # an attnfuzz stand-in refused a form it does not model
 
 

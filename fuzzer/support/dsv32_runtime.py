@@ -22,7 +22,7 @@ import importlib
 
 import torch
 
-from fuzzer.support.flashmla_runtime import BACKEND_MODULE, CPU_SDPA_PREFILL_MODULE
+from fuzzer.support.flashmla_runtime import BACKEND_MODULE, CPU_SDPA_PREFILL_MODULE, after_loading
 from fuzzer.support.vllm_setup import KV_LORA_RANK, LAYER, QK_NOPE, ROPE_DIM, SM_SCALE, V_HEAD
 
 V32_ATTENTION = "vllm.models.deepseek_v32.attention"
@@ -53,6 +53,7 @@ def dsv32_layer(cfg, heads: int, kv_b_weight: torch.Tensor, topk_indices_buffer:
     Call inside `set_current_vllm_config(cfg)`."""
     from vllm.model_executor.layers.attention.mla_attention import MLAAttention
     from vllm.model_executor.layers.linear import ColumnParallelLinear
+    from vllm.utils.torch_utils import set_default_torch_dtype
     from vllm.v1.kv_cache_interface import is_quantized_kv_cache
 
     attention = importlib.import_module(V32_ATTENTION)
@@ -63,7 +64,7 @@ def dsv32_layer(cfg, heads: int, kv_b_weight: torch.Tensor, topk_indices_buffer:
                                      prefix=f"{prefix}.kv_b_proj", **outside_tp).to(device)
     kv_b_proj.weight.data.copy_(kv_b_weight)
     layer = layer_cls.__new__(layer_cls)
-    with torch.device(device):
+    with torch.device(device), set_default_torch_dtype(torch.bfloat16):  # as the model loader builds layers
         MLAAttention.__init__(
             layer, num_heads=heads, scale=SM_SCALE, qk_nope_head_dim=QK_NOPE, qk_rope_head_dim=ROPE_DIM,
             v_head_dim=V_HEAD, q_lora_rank=None, kv_lora_rank=KV_LORA_RANK, kv_b_proj=kv_b_proj,
@@ -71,7 +72,7 @@ def dsv32_layer(cfg, heads: int, kv_b_weight: torch.Tensor, topk_indices_buffer:
             attn_backend=backend or importlib.import_module(BACKEND_MODULE).FlashMLASparseBackend, use_sparse=True,
             indexer=indexer, topk_indices_buffer=topk_indices_buffer, index_group_builder=group_builder,
             prefill_backend_cls=importlib.import_module(CPU_SDPA_PREFILL_MODULE).CPUSDPAMLAPrefillBackend)
-    layer.process_weights_after_loading(torch.bfloat16)
+    after_loading(layer)
     # What DeepseekV32Attention.__init__ sets after MLAAttention.__init__, as it computes it (no MTP layer here).
     layer.num_local_heads, layer.qk_head_dim = heads, QK_NOPE + ROPE_DIM
     layer.indexer, layer.topk_indices_buffer, layer.skip_topk = indexer, topk_indices_buffer, False

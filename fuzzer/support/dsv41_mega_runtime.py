@@ -74,7 +74,7 @@ def step_layer(cfg, compress_ratio: int, kv_source: str, window_size: int, swa_b
     (DeepseekV4SWACache of 528-byte records), the kv source's compressed cache of `compressed_record`-byte records,
     and DeepseekV4MegaAttnAttention made without __init__, with what its forward_mqa reads as __init__ sets it
     (`n_wv_group` = padded heads // 8, `rotary_emb.cos_sin_cache`, `kv_cache_dtype`). Returns (layer, the compressed
-    cache's spec or None, its KV-cache group's prefix)."""
+    cache's spec or None, its KV-cache group's prefix). The runner's dummy run has reserved its workspace."""
     layer_id, source_id = v41.layer_ids(compress_ratio, kv_source)
     swa_layer = dsv4_runtime.swa_cache_layer(
         cfg, window_size, swa_block_size, prefix=f"{v41.layer_prefix(layer_id)}.swa_cache",
@@ -94,7 +94,25 @@ def step_layer(cfg, compress_ratio: int, kv_source: str, window_size: int, swa_b
     # on the step's device, as the layer's rotary embedding keeps it (the kernel indexes it with the positions)
     layer.rotary_emb = SimpleNamespace(
         cos_sin_cache=rope_cos_sin(cfg.model_config.max_model_len + 1).to(topk_indices_buffer.device))
+    module = importlib.import_module(MEGA_LAYER_MODULE)
+    if hasattr(module, "_swapab_decode_supported"):  # 0.34: small decodes' swap-AB kernel, decided as __init__ does
+        layer._use_swapab = module._swapab_decode_supported(layer)  # (SM100 with the CuTe DSL only: not here)
+    dummy_run(cfg, layer, topk_indices_buffer.device)
     return layer, spec, None if source_id is None else v41.layer_prefix(source_id)
+
+
+def dummy_run(cfg, layer, device) -> None:
+    """The runner's dummy run before any step: forward_mqa without attention metadata, which reserves the prefill
+    workspace (the KV chunk and the index scratch side by side). 0.34's prefill keeps the KV chunk in a span at the
+    workspace's tail (`get_retained`) that only this reservation keeps clear of the index scratch at its head."""
+    from vllm.config import set_current_vllm_config
+    from vllm.forward_context import set_forward_context
+
+    module = importlib.import_module(MEGA_LAYER_MODULE)
+    with set_current_vllm_config(cfg), torch.inference_mode(), set_forward_context(None, cfg):
+        out = module.alloc_mega_attn_output(1, layer.n_wv_group, device)
+        q = torch.zeros(1, layer.n_wv_group * GROUP, HEAD_DIM, dtype=torch.bfloat16, device=device)
+        layer.forward_mqa(q, None, torch.zeros(1, dtype=torch.int64, device=device), out)
 
 
 def read_mxfp8_output(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

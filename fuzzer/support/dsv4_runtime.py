@@ -24,7 +24,7 @@ import torch
 
 from fuzzer.support.cpu_host import prepare_cpu_host
 from fuzzer.support.flashmla_runtime import _has_flashmla_kernels
-from fuzzer.support.vllm_setup import define_missing_c_queries, model_config
+from fuzzer.support.vllm_setup import define_missing_c_queries, model_config, mtp_speculative_config
 from fuzzer.support.standins import flashmla_ops
 
 FLASHMLA_LAYER_MODULE = "vllm.models.deepseek_v4.nvidia.flashmla"
@@ -122,16 +122,15 @@ def dsv4_config(device: str, state_dir: str | None = None):
 def configure(cfg, *, window_size: int, index_topk: int, num_speculative_tokens: int, max_num_batched_tokens: int,
               max_model_len: int = 0, cache_dtype: str = "fp8_ds_mla"):
     """The case's fields on the shared config, before its builders are made (they read them at construction).
-    MTP (num_speculative_tokens > 0): the two fields of vLLM's speculative config the builders read (the decode
-    threshold 1 + k; no DSpark, no parallel drafting). max_model_len 0: MAX_MODEL_LEN. `cache_dtype`: the engine's
+    MTP (num_speculative_tokens > 0): vLLM's speculative config as the builders read it (the decode threshold 1 + k;
+    `vllm_setup.mtp_speculative_config`). max_model_len 0: MAX_MODEL_LEN. `cache_dtype`: the engine's
     --kv-cache-dtype (FlashMLA's layer: fp8_ds_mla; FlashInfer's: a plain-row dtype)."""
     cfg.cache_config.cache_dtype = cache_dtype
     hf = cfg.model_config.hf_config
     hf.sliding_window, hf.index_topk = window_size, index_topk
     cfg.model_config.max_model_len = cfg.scheduler_config.max_model_len = max_model_len or MAX_MODEL_LEN
     cfg.scheduler_config.max_num_batched_tokens = max_num_batched_tokens
-    cfg.speculative_config = (SimpleNamespace(num_speculative_tokens=num_speculative_tokens, parallel_drafting=False,
-                                              use_dspark=lambda: False) if num_speculative_tokens else None)
+    cfg.speculative_config = mtp_speculative_config(num_speculative_tokens)
     return cfg
 
 

@@ -184,17 +184,20 @@ def prefill_outputs_under_initcheck(device: str) -> tuple[str, ...]:
 
 @functools.cache
 def flashmla_cpu_shims() -> tuple[str, ...]:
-    """The FlashMLA backend module's CPU-only stand-ins (vllm_setup.cpu_shims has vLLM's own): its SM count, stream
-    and pinned allocation, which change no computation."""
+    """The FlashMLA backend module's CPU-only stand-ins (vllm_setup.cpu_shims has vLLM's own): its SM count, device
+    index, stream and pinned allocation, which change no computation."""
     mod = importlib.import_module(BACKEND_MODULE)
     if hasattr(mod, "PIN_MEMORY"):
         mod.PIN_MEMORY = False
     mod.num_compute_units = lambda device_id=0: 132  # CPU platform raises NotImplementedError; SM90's count
     mod.current_stream = lambda: NoStream()
     _zeros = torch.zeros
-    mod.torch = SimpleNamespace(**{**vars(torch), "zeros": lambda *a, pin_memory=False, **k: _zeros(*a, **k)})
+    accelerator = SimpleNamespace(**{**vars(torch.accelerator), "current_device_index": lambda: 0})
+    mod.torch = SimpleNamespace(**{**vars(torch), "zeros": lambda *a, pin_memory=False, **k: _zeros(*a, **k),
+                                   "accelerator": accelerator})  # 0.34's impl asks for its SM count by device index
     return ("flashmla_sparse.num_compute_units=132 (CPU platform raises)",
-            "flashmla_sparse: torch.zeros(pin_memory=True) unpinned (fp8 separate path)")
+            "flashmla_sparse: torch.zeros(pin_memory=True) unpinned (fp8 separate path)",
+            "flashmla_sparse: torch.accelerator.current_device_index() -> 0 (a CPU build of torch raises)")
 
 
 @functools.cache
@@ -291,6 +294,7 @@ def mla_layer(cfg, heads: int, kv_b_weight: torch.Tensor, topk_indices_buffer: t
     Call inside `set_current_vllm_config(cfg)`."""
     from vllm.model_executor.layers.attention.mla_attention import MLAAttention
     from vllm.model_executor.layers.linear import ColumnParallelLinear
+    from vllm.utils.torch_utils import set_default_torch_dtype
 
     cfg.compilation_config.static_forward_context.pop(LAYER, None)
     kv_b_proj = ColumnParallelLinear(KV_LORA_RANK, heads * (QK_NOPE + V_HEAD), bias=False, params_dtype=torch.bfloat16,
@@ -301,16 +305,23 @@ def mla_layer(cfg, heads: int, kv_b_weight: torch.Tensor, topk_indices_buffer: t
         "indexer": SimpleNamespace(topk_indices_buffer=topk_indices_buffer)}
     if api.pass_prefill_backend:
         extra["prefill_backend_cls"] = importlib.import_module(CPU_SDPA_PREFILL_MODULE).CPUSDPAMLAPrefillBackend
-    # Under the device, as vLLM's model loader builds its layers: their scales (`_k_scale`, read by the compiled
-    # cache ops) live on the GPU there, not in host memory.
-    with torch.device(device):
+    # Under the device and the model's dtype, as vLLM's model loader builds its layers: their scales (`_k_scale`,
+    # read by the compiled cache ops) live on the GPU there, and 0.34 takes the layer's act_dtype from the default.
+    with torch.device(device), set_default_torch_dtype(torch.bfloat16):
         layer = MLAAttention(
             num_heads=heads, scale=SM_SCALE, qk_nope_head_dim=QK_NOPE, qk_rope_head_dim=ROPE_DIM, v_head_dim=V_HEAD,
             q_lora_rank=None, kv_lora_rank=KV_LORA_RANK, kv_b_proj=kv_b_proj, cache_config=cfg.cache_config, prefix=LAYER,
             attn_backend=backend or importlib.import_module(BACKEND_MODULE).FlashMLASparseBackend, use_sparse=True,
             **extra)
-    layer.process_weights_after_loading(torch.bfloat16)  # W_UK_T / W_UV from kv_b_proj, as after loading
+    after_loading(layer)
     return layer
+
+
+def after_loading(layer) -> None:
+    """MLAAttention.process_weights_after_loading (W_UK_T / W_UV from kv_b_proj), as the model loader calls it: with
+    the activation dtype up to 0.33, without it from 0.34 (the layer keeps the dtype it was built under)."""
+    takes_dtype = "act_dtype" in inspect.signature(layer.process_weights_after_loading).parameters
+    layer.process_weights_after_loading(*((torch.bfloat16,) if takes_dtype else ()))
 
 
 def _weakly(method):

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import torch
 
-from fuzzer.support.vllm_setup import configure, has_op, vllm_runtime
+from fuzzer.support.vllm_setup import configure, has_op, mtp_speculative_config, vllm_runtime
 from fuzzer.support.standins import dcp_indexer as dcp_indexer_standin
 from fuzzer.support.standins import deep_gemm as deep_gemm_standin
 from fuzzer.support.standins import indexer_ops
@@ -187,11 +187,7 @@ def indexer_config(device: str, state_dir: str, step, max_num_batched_tokens: in
     hf = cfg.model_config.hf_text_config
     hf.index_n_heads, hf.index_head_dim = step.heads, HEAD_DIM
     cfg.kernel_config.sparse_indexer_topk_backend = step.indexer.topk_backend
-    n = step.indexer.num_speculative_tokens
-    cfg.speculative_config = (SimpleNamespace(num_speculative_tokens=n, enable_adaptive_verification=False,
-                                              parallel_drafting=False,
-                                              method="mtp", use_eagle=lambda: False)
-                              if n else None)
+    cfg.speculative_config = mtp_speculative_config(step.indexer.num_speculative_tokens)
     return cfg
 
 

@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib
+import importlib.util
 import os
 import pathlib
 import sys
@@ -40,8 +41,9 @@ from fuzzer.support.vllm_calls import implemented, named_keywords
 PACKAGE = "vllm.models.step5"
 SPARSE_MODULE = "vllm.models.step5.nvidia.sparse_attention"
 ADAPTER_MODULE = "vllm.models.step5.nvidia.flashinfer_sparse"
-RING_MODULE = "vllm.models.step5.nvidia.csa_tail_ring"
-SUMMARY_MODULE = "vllm.models.step5.nvidia.sparse_summary_cache"
+# 0.34 moved the tail ring and the summary cache from nvidia/ to common/: the first that imports is this release's
+RING_MODULES = ("vllm.models.step5.nvidia.csa_tail_ring", "vllm.models.step5.common.csa_tail_ring")
+SUMMARY_MODULES = ("vllm.models.step5.nvidia.sparse_summary_cache", "vllm.models.step5.common.sparse_summary_cache")
 TOPK_MODULE = "vllm.model_executor.layers.indexer_topk"
 LAYER = "model.layers.0.self_attn.attn"
 RING = LAYER + ".csa_tail_ring"
@@ -69,6 +71,14 @@ def import_package() -> list[str]:
         package._attnfuzz_bare = True
         sys.modules[PACKAGE] = package
         return [_bare_note(e)]
+
+
+def import_moved(names: tuple[str, ...]):
+    """The first of `names` (one module where releases keep it) that this release has."""
+    for name in names[:-1]:
+        if importlib.util.find_spec(name) is not None:
+            return importlib.import_module(name)
+    return importlib.import_module(names[-1])
 
 
 def _bare_note(e: Exception) -> str:
@@ -124,20 +134,23 @@ def _cpu_torch() -> SimpleNamespace:
 
 
 def _interpreted_libdevice() -> str:
-    """Triton's interpreter implements `tl.math` but not `tl.extra.cuda.libdevice` (its calls raise "Did you forget
-    to add @triton.jit?"): its `exp` (fp32 `__nv_expf`, what Step5's summary update and headwise gate call) becomes
-    `tl.exp`, numpy's fp32 exp under the interpreter."""
+    """Triton's interpreter implements `tl.math` but not libdevice (`tl.extra.cuda.libdevice`, which 0.33's kernels
+    call, and the backend-neutral `tl.extra.libdevice`, vLLM's `tldevice` in 0.34; their calls raise or return
+    None): their `exp` (fp32 `__nv_expf`, what Step5's summary update and headwise gate call) becomes `tl.exp`,
+    numpy's fp32 exp under the interpreter."""
     import triton.language as tl
+    from triton.language.extra import libdevice as neutral
     from triton.language.extra.cuda import libdevice
 
-    if not getattr(libdevice.exp, "_attnfuzz", False):
-        def exp(arg0, _semantic=None):
-            return tl.exp(arg0)
+    def exp(arg0, _semantic=None):
+        return tl.exp(arg0)
 
-        exp._attnfuzz = True
-        libdevice.exp = exp
-    return ("triton interpreter: tl.extra.cuda.libdevice.exp as tl.exp (numpy's fp32 exp; the interpreter has no "
-            "libdevice)")
+    exp._attnfuzz = True
+    for module in (libdevice, neutral):
+        if not getattr(module.exp, "_attnfuzz", False):
+            module.exp = exp
+    return ("triton interpreter: libdevice's exp (tl.extra.cuda.libdevice, tl.extra.libdevice) as tl.exp (numpy's "
+            "fp32 exp; the interpreter has no libdevice)")
 
 
 def _has_op(namespace: str, name: str) -> bool:
@@ -170,8 +183,8 @@ def prepare_host(device: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     sparse = importlib.import_module(SPARSE_MODULE)
     adapter = importlib.import_module(ADAPTER_MODULE)
     topk = importlib.import_module(TOPK_MODULE)
-    for name in (RING_MODULE, SUMMARY_MODULE):  # imported before any case (path probes wrap what is imported)
-        importlib.import_module(name)
+    for names in (RING_MODULES, SUMMARY_MODULES):  # imported before any case (path probes wrap what is imported)
+        import_moved(names)
     emulated: list[str] = []
     if device == "cpu":
         sparse.current_platform = Sm90Platform(sparse.current_platform)
@@ -231,7 +244,7 @@ def engine(cfg, spec, heads: int, groups: int, kv_cache_dtype: str, topk: int, i
     from vllm.config import set_current_vllm_config
 
     sparse = importlib.import_module(SPARSE_MODULE)
-    ring_mod, summary_mod = importlib.import_module(RING_MODULE), importlib.import_module(SUMMARY_MODULE)
+    ring_mod, summary_mod = import_moved(RING_MODULES), import_moved(SUMMARY_MODULES)
     context = cfg.compilation_config.static_forward_context
     sparse_config = SimpleNamespace(topk=topk, sparse_indexer_num_heads=index_heads * groups, index_tp_size=groups)
     dtype = torch.get_default_dtype()

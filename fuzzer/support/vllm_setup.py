@@ -79,6 +79,9 @@ def cpu_shims() -> tuple[str, ...]:
         index_group._create_side_stream = lambda device: NoStream()
         index_group._create_event = lambda: NoStream()
         index_group.current_stream = lambda: NoStream()
+        # 0.34 makes them with torch.Stream, torch.Event and torch.accelerator.current_stream directly
+        index_group.torch = SimpleNamespace(**{**vars(torch), "Stream": NoStream, "Event": NoStream, "accelerator":
+                                               SimpleNamespace(**{**vars(torch.accelerator), "current_stream": NoStream})})
     workspace.torch = SimpleNamespace(**{**vars(torch), "accelerator": SimpleNamespace(empty_cache=lambda: None)})
     _zeros, _empty = torch.zeros, torch.empty
     mla = optional[0]
@@ -193,6 +196,17 @@ def vllm_runtime(device: str, state_dir: str, world_size: int = 1, rank: int = 0
     if not is_workspace_manager_initialized():
         init_workspace_manager(torch.device(device))
     return cfg
+
+
+def mtp_speculative_config(num_speculative_tokens: int):
+    """vLLM's speculative config as its builders and the indexer read it under MTP (None without draft tokens): k draft
+    tokens, no parallel drafting, DSpark, EAGLE or adaptive verification, and no drafting slots appended to the target
+    batch (MTP's `max_num_new_slots_for_drafting`, which 0.34's decode threshold adds)."""
+    if not num_speculative_tokens:
+        return None
+    return SimpleNamespace(num_speculative_tokens=num_speculative_tokens, method="mtp", parallel_drafting=False,
+                           enable_adaptive_verification=False, max_num_new_slots_for_drafting=0,
+                           use_eagle=lambda: False, use_dspark=lambda: False)
 
 
 def configure(cfg, case, max_num_batched_tokens: int):

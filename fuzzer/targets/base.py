@@ -15,12 +15,13 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Callable, ClassVar
 
-from fuzzer.errors import HarnessConfigError, RankError, StandInUnmodelled, VllmCallMoved, first_line
+from fuzzer.errors import (DeviceQueryUnanswered, HarnessConfigError, RankError, StandInUnmodelled, VllmCallMoved,
+                           first_line)
 from fuzzer.observation import Observation
 from fuzzer.repro_spec import ReproSpec
 from fuzzer.support.interp.sanitizer import SANITIZER, speed_up_interpreter
 from fuzzer.targets.guards import poison_free_memory
-from fuzzer.targets.vllm_api import moved_call, vllm_version
+from fuzzer.targets.vllm_api import moved_call, unanswerable_device_query, vllm_version
 from oracles.verdict import Verdict
 from strategies.batches import CaseSpace
 from strategies.case import Case
@@ -115,6 +116,7 @@ class Target(ABC):
                     # class, whose module imports torch): a call form a stand-in does not model, so not tested
                     raise StandInUnmodelled(f"{self.name}: {e}") from e
                 call_fault(self.name, e)  # raises, when attnfuzz's call into vLLM does not fit this release
+                host_fault(self.name, e, self.device)  # raises, when vLLM asked a CPU host for a device
                 obs.error_type, obs.error = type(e).__name__, first_line(e)[:500]
                 obs.notes["traceback"] = traceback.format_exc(limit=-8)  # where vLLM raised, for the report
                 lost, error = lost_device(e), e
@@ -176,6 +178,14 @@ def call_fault(target: str, e: BaseException) -> None:
     campaign could not test. Anything else is the code under test's answer: an observation."""
     if (moved := as_moved(target, e)) is not None:
         raise moved from e
+
+
+def host_fault(target: str, e: BaseException, device: str) -> None:
+    """Raise a DeviceQueryUnanswered when, on a CPU host, `e` is torch refusing a device query vLLM made
+    (`vllm_api.unanswerable_device_query`): attnfuzz lacks the CPU shim that answers it, so the case was not tested."""
+    if device == "cpu" and (why := unanswerable_device_query(e)) is not None:
+        raise DeviceQueryUnanswered(f"{target} on vLLM {vllm_version()}: vLLM asked this CPU host for a device and "
+                                 f"attnfuzz has no CPU answer for it (a shim in the backend's runtime): {why}") from e
 
 
 def as_moved(target: str, e: BaseException) -> VllmCallMoved | None:

@@ -229,6 +229,7 @@ class RankResult:
     problems: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # buffer_overrun, guard
     error: str | None = None  # what the code under test raised on this rank (real ranks)
     device_lost: bool = False  # that error loses the CUDA context (fuzzer.targets.base.lost_device)
+    memory: list = dataclasses.field(default_factory=list)  # the bounds checker's records on a rank's own process
 
 
 class DcpStep:
@@ -338,6 +339,7 @@ class DcpStep:
         for key in ("buffer_overrun", "guard"):
             if found := [m for res in results for m in res.problems.get(key, [])]:
                 obs.notes[key] = found
+        obs.memory += [v for res in results for v in res.memory]  # real ranks' own (rank 0's: observe's)
         t = self.target
         obs.emulated = tuple(dict.fromkeys(x for x in (*t.emulated, self.write_emulated, collectives) if x))
         obs.notes["shims"] = t.shims

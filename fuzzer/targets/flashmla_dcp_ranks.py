@@ -16,6 +16,7 @@ the worker (with its ranks, which die with it) is replaced.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import subprocess
 import sys
@@ -28,7 +29,7 @@ from fuzzer.env import die_with_parent, prepare_process
 from fuzzer.errors import CollectivesBroken, RankError, first_line
 from fuzzer.mutants import APPLIED, inject
 from fuzzer.support.vllm_setup import vllm_runtime
-from fuzzer.targets.base import WHOLE, RunPlan, lost_device
+from fuzzer.targets.base import WHOLE, RunPlan, lost_device, memory_checked
 from fuzzer.targets.flashmla_dcp import DcpStep, FlashMLASparseDcp, RankResult
 from fuzzer.targets.probes import observe_paths
 from strategies.batches import AttentionFeatures, attention_space
@@ -145,7 +146,10 @@ class FlashMLASparseDcpRanks(FlashMLASparseDcp):
             for name in msg["inject"][len(self._applied):]:  # the mutants rank 0 runs, here too
                 inject(name)
                 self._applied.append(name)
-            gather(run_rank(DcpStep(self, Case.from_json(msg["case"])), self.rank))
+            with memory_checked(self.device) as found:  # this rank's kernels bounds-checked, as rank 0's are
+                res = run_rank(DcpStep(self, Case.from_json(msg["case"])), self.rank)
+            res.memory = [dataclasses.replace(v, kernel=f"{v.kernel} (rank {self.rank})") for v in found]
+            gather(res)
 
 
 # Symbols vLLM's NCCL binding loads but calls only behind `has_symbol()` (sleep mode); it already skips them on
@@ -223,6 +227,8 @@ def run_rank(step: DcpStep, rank: int) -> RankResult:
         res.error = f"{type(e).__name__}: {first_line(e)[:300]}"
         res.device_lost = lost_device(e, step.target.device)  # told here, where the exception is: rank 0 gets text
         res.problems["traceback"] = [traceback.format_exc(limit=-6)]
+        if rank:  # also in the rank's log (beside the init file): rank 0 reports only its first line
+            print(f"rank {rank}: {res.problems['traceback'][0]}", file=sys.stderr, flush=True)
         return res
 
 

@@ -196,6 +196,35 @@ def moved_call(e: BaseException) -> str | None:
                        for f in shown) + f": {type(e).__name__}: {str(e).strip()[:400]}")
 
 
+def unanswerable_device_query(e: BaseException) -> str | None:
+    """Where exception `e` is a CPU host's torch refusing a device query vLLM made (the innermost frame in torch's
+    `accelerator` or `cuda` package, and no CUDA error: "Cannot access accelerator device when none is available",
+    "Torch not compiled with CUDA enabled"), that query and the vLLM line that made it, in words; None otherwise.
+    A release that asks something new of the device meets this until attnfuzz answers it on a CPU (a shim in the
+    backend's runtime): the case was not tested, which says nothing about vLLM. Told by type and frames, as
+    `moved_call`."""
+    import torch
+
+    tbs, t = [], e.__traceback__
+    while t is not None:
+        tbs.append(t)
+        t = t.tb_next
+    if not tbs or isinstance(e, getattr(torch, "AcceleratorError", ())):
+        return None
+    package = Path(torch.__file__).parent
+    inside = [tb for tb in tbs if Path(tb.tb_frame.f_code.co_filename).is_relative_to(package)]
+    last = Path(tbs[-1].tb_frame.f_code.co_filename)
+    if not any(last.is_relative_to(package / sub) for sub in ("accelerator", "cuda")):
+        return None
+    asked = inside[0] if inside else tbs[-1]
+    caller = tbs[tbs.index(asked) - 1] if tbs.index(asked) > 0 else asked
+    module = [p for p in Path(asked.tb_frame.f_code.co_filename).relative_to(package).with_suffix("").parts
+              if p != "__init__"]
+    query = ".".join(["torch", *module, asked.tb_frame.f_code.co_name])
+    return (f"{query}() at {caller.tb_frame.f_code.co_filename}:{caller.tb_lineno}: "
+            f"{type(e).__name__}: {str(e).strip()[:200]}")
+
+
 def _module_getattr(tb) -> bool:
     """torch.nn.Module.__getattr__'s frame (a layer's attribute it does not have: a method this release lacks)."""
     import torch

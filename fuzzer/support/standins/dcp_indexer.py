@@ -16,16 +16,22 @@ included. `standin_module()` is a module of the same name holding the two entry 
     flipped, else the sign bit flipped) << 32 | ~uint32(id), and 0 for an id < 0; each selected key written as
     ~low32(key) (its id; a 0 key: -1). So a higher score wins, and among equal scores the smaller id. The kernel
     writes the selected ids in the order its atomics arrive (none promised); the stand-in writes them by key,
-    highest first.
+    highest first. 0.34 reads the candidates rank-major in place ([world_size, rows, topk, 2]) and keys only the
+    score's high `score_bits` (16 for bf16 logits) above the id's low `id_bits` (enough for max_model_len's
+    positions): the selected id is decoded from the key (~field & mask), so an id past `id_bits` would alias.
 
-Plain torch; CPU and CUDA tensors. Source: vLLM 0.33.0's wheel, model_executor/kernels/attention/dsa/
-dcp_indexer_cutedsl.py (the kernels above, read in full) and sparse_attn_indexer.py (the call site).
+Plain torch; CPU and CUDA tensors. Source: vLLM 0.33.0's and 0.34.0's wheels, model_executor/kernels/attention/dsa/
+dcp_indexer_cutedsl.py (the kernels above, read in full) and sparse_attn_indexer.py (the call site). 0.34's key
+widths (`dcp_topk_score_bits`, `dcp_topk_id_bits`) are vLLM's functions, compiled from the installed file.
 """
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import sys
 import types
+from pathlib import Path
 
 import torch
 
@@ -34,6 +40,7 @@ from fuzzer.support.standins.indexer_ops import _Flat, _need
 MODULE = "vllm.model_executor.kernels.attention.dsa.dcp_indexer_cutedsl"
 PACK_BLOCK = 512  # the pack kernel's BLOCK_SIZE (its columns per program)
 TB_SIZE = 512  # the stable top-k's threads per row: the candidate count must be a multiple of it
+KEY_WIDTHS = ("dcp_topk_score_bits", "dcp_topk_id_bits")  # 0.34's key widths: vLLM's functions, run as they are
 
 
 def pack_dcp_topk_candidates_cutedsl(logits: torch.Tensor, topk_indices: torch.Tensor, packed: torch.Tensor,
@@ -66,21 +73,32 @@ def pack_dcp_topk_candidates_cutedsl(logits: torch.Tensor, topk_indices: torch.T
     out.store(base + packed.stride(2), gid.to(torch.float32))
 
 
-def _keys(score: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's 64-bit stable key as (high word, low word), each an int64 in [0, 2**32)."""
+def _keys(score: torch.Tensor, ids: torch.Tensor, score_bits: int = 32, id_bits: int = 32
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's 64-bit stable key as its two fields (score field, id field), each an int64: the score's bits
+    made monotone (sign set -> all bits flipped, else the sign bit flipped), their high `score_bits`; then
+    ~uint32(id), its low `id_bits` (0.34 keys only these; 0.33 all 32 of each). 0 for an id < 0 (padding)."""
     bits = score.contiguous().view(torch.int32).long() & 0xFFFFFFFF
-    high = torch.where(bits >= 0x80000000, bits ^ 0xFFFFFFFF, bits ^ 0x80000000)
-    low = (~ids.long()) & 0xFFFFFFFF
+    high = torch.where(bits >= 0x80000000, bits ^ 0xFFFFFFFF, bits ^ 0x80000000) >> (32 - score_bits)
+    low = (~ids.long()) & ((1 << id_bits) - 1)
     invalid = ids < 0
     return high.masked_fill(invalid, 0), low.masked_fill(invalid, 0)
 
 
-def stable_topk_from_gathered_candidates_cutedsl(gathered: torch.Tensor, topk: int,
-                                                 out: torch.Tensor | None = None) -> torch.Tensor:
+def stable_topk_from_gathered_candidates_cutedsl(gathered: torch.Tensor, topk: int, out: torch.Tensor | None = None,
+                                                 score_bits: int = 32, id_bits: int = 32) -> torch.Tensor:
     op = "stable_topk_from_gathered_candidates (CuTe StableTopKFromGatheredCandidatesKernel)"
+    rank_major = gathered.dim() == 4  # 0.34: [world_size, rows, topk, 2] read in place; 0.33: [rows, candidates, 2]
+    if rank_major:  # the wrapper's own asserts (0.34)
+        assert gathered.shape[2:] == (topk, 2), (f"Expected [world_size, rows, {topk}, 2] candidates, "
+                                                 f"got {tuple(gathered.shape)}")
+        assert gathered.stride(-1) == 1 and gathered.stride(-2) == 2, (
+            f"Candidate pairs must be contiguous, got strides {gathered.stride()}")
+        assert 0 < score_bits <= 32 and 0 < id_bits <= 32
+    rows = gathered.shape[1] if rank_major else gathered.shape[0]
+    num_candidates = gathered.shape[0] * topk if rank_major else gathered.shape[1]
     if out is None:
-        out = torch.empty((gathered.shape[0], topk), dtype=torch.int32, device=gathered.device)
-    rows, num_candidates = gathered.shape[0], gathered.shape[1]
+        out = torch.empty((rows, topk), dtype=torch.int32, device=gathered.device)
     _need(num_candidates % TB_SIZE == 0, "StableTopKFromGatheredCandidatesKernel requires candidate count to be a "
                                          f"multiple of {TB_SIZE}, got {num_candidates}")
     _need(gathered.dtype == torch.float32 and out.dtype == torch.int32,
@@ -90,16 +108,21 @@ def stable_topk_from_gathered_candidates_cutedsl(gathered: torch.Tensor, topk: i
     src = _Flat(op, "gathered", gathered)
     r = torch.arange(rows)[:, None].expand(rows, num_candidates).reshape(-1)
     c = torch.arange(num_candidates)[None, :].expand(rows, num_candidates).reshape(-1)
-    base = r * gathered.stride(0) + c * gathered.stride(1)
+    if rank_major:  # candidate c of a row: rank c // topk's entry c % topk
+        base = (c // topk) * gathered.stride(0) + r * gathered.stride(1) + (c % topk) * gathered.stride(2)
+        id_stride = gathered.stride(3)
+    else:
+        base, id_stride = r * gathered.stride(0) + c * gathered.stride(1), gathered.stride(2)
     score = src.load(base, float("-inf")).float().cpu().view(rows, num_candidates)
-    ids = src.load(base + gathered.stride(2), -1.0).float().cpu().to(torch.int32).view(rows, num_candidates)
-    high, low = _keys(score, ids)
-    # Largest key first: by the high word, then the low word (two stable sorts, the minor key first).
+    ids = src.load(base + id_stride, -1.0).float().cpu().to(torch.int32).view(rows, num_candidates)
+    high, low = _keys(score, ids, score_bits, id_bits)
+    # Largest key first: by the score field, then the id field (two stable sorts, the minor key first).
     order = torch.sort(low, dim=1, descending=True, stable=True).indices
     order = order.gather(1, torch.sort(high.gather(1, order), dim=1, descending=True, stable=True).indices)
     take = order[:, :topk]
-    chosen = ids.gather(1, take)
-    chosen = torch.where((high.gather(1, take) == 0) & (low.gather(1, take) == 0), -1, chosen)
+    key_high, key_low = high.gather(1, take), low.gather(1, take)
+    # Each selected key decoded to its id (the id field's bits: ~field & mask); a 0 key (padding) to -1.
+    chosen = torch.where((key_high == 0) & (key_low == 0), -1, (~key_low) & ((1 << id_bits) - 1)).to(torch.int32)
     result = torch.full((rows, topk), -1, dtype=torch.int32)
     result[:, : chosen.shape[1]] = chosen
     # The kernel writes output[row, i] through the tensor's layout (out may be a strided view of vLLM's buffer).
@@ -109,11 +132,26 @@ def stable_topk_from_gathered_candidates_cutedsl(gathered: torch.Tensor, topk: i
     return out
 
 
+def _vllm_key_widths(module: types.ModuleType) -> None:
+    """vLLM's own `dcp_topk_score_bits` and `dcp_topk_id_bits` (0.34: plain Python beside the kernels, in a module
+    that cannot be imported here), compiled from the installed file under its name: the code under test, not ours."""
+    dsa = importlib.util.find_spec(MODULE.rsplit(".", 1)[0])
+    path = Path(next(iter(dsa.submodule_search_locations))) / (MODULE.rsplit(".", 1)[1] + ".py")
+    if not path.is_file():
+        return
+    tree = ast.parse(path.read_text(), str(path))
+    wanted = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in KEY_WIDTHS]
+    if wanted:
+        module.__dict__.setdefault("torch", torch)
+        exec(compile(ast.Module(body=wanted, type_ignores=[]), str(path), "exec"), module.__dict__)
+
+
 def standin_module() -> types.ModuleType:
     """A module standing where vLLM's dcp_indexer_cutedsl is imported from, holding the two entry points."""
     module = types.ModuleType(MODULE, __doc__)
     module.pack_dcp_topk_candidates_cutedsl = pack_dcp_topk_candidates_cutedsl
     module.stable_topk_from_gathered_candidates_cutedsl = stable_topk_from_gathered_candidates_cutedsl
+    _vllm_key_widths(module)
     module.__attnfuzz_standin__ = True
     return module
 

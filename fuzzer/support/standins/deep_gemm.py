@@ -19,11 +19,12 @@ from types import SimpleNamespace
 
 import torch
 
+from fuzzer.support.errors import StandInRefused
 from fuzzer.support.interp.sanitizer import VIOLATIONS, MemoryViolation
 
 DEEP_GEMM_SOURCE = (
-    "DeepGEMM 2.8.1 as vendored in vLLM 0.33.0 (vllm/third_party/deep_gemm): op schemas in _C_extension.abi3.so and "
-    "_C.py's wrappers; SM90 kernels include/deep_gemm/impls/sm90_fp8_mqa_logits.cuh (schedule 126-143, store "
+    "DeepGEMM 2.8.1 as vendored in vLLM 0.33.0 and 0.34.0 (vllm/third_party/deep_gemm: 0.34's wrappers add "
+    "logits_dtype, its SM90 kernels are 0.33's): op schemas in _C_extension.abi3.so and _C.py's wrappers; SM90 kernels include/deep_gemm/impls/sm90_fp8_mqa_logits.cuh (schedule 126-143, store "
     "306-310), impls/sm90_fp8_paged_mqa_logits.cuh (Q prefetch 164-203, block-table read 205-221, store 283, "
     "354-355) and scheduler/sm90_paged_mqa_logits.cuh (metadata kernel 9-127, SM90PagedMQALogitsScheduler "
     "138-278); host checks of csrc/apis/attention.hpp and csrc/jit_kernels/impls/sm90_fp8_mqa_logits.hpp (not in "
@@ -130,7 +131,15 @@ def _head_logits(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, scales: t
     return torch.bmm(w.float()[:, None, :], s)[:, 0] * scales.float()[None, :]
 
 
-def fp8_fp4_mqa_logits(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, max_seqlen_k, schedule_meta=None):
+def _fp32_logits(logits_dtype) -> None:
+    """SM90's logits kernels store fp32 (their headers have no other output type); vLLM 0.34 asks for bf16 logits only
+    where the MQA kernels take MX scales (SM100: `mqa_logits_use_mx_scales`), so another dtype is not modelled."""
+    if logits_dtype != torch.float32:
+        raise StandInRefused(f"attnfuzz's DeepGEMM stand-in models SM90's fp32 logits, not logits_dtype={logits_dtype}")
+
+
+def fp8_fp4_mqa_logits(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, max_seqlen_k, logits_dtype=torch.float32,
+                       schedule_meta=None):
     """`deep_gemm.fp8_fp4_mqa_logits` on SM90 (impls/sm90_fp8_mqa_logits.cuh): compressed logits.
 
     Returns a [M, max_seqlen_k] fp32 view of an [align(M, 128 / H), align(max_seqlen_k, 256)] allocation. Row i holds
@@ -167,6 +176,7 @@ def fp8_fp4_mqa_logits(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, max
     _dg_assert(0 < num_heads <= 128 and num_heads % 4 == 0, "num_heads > 0 and num_heads <= 128 and num_heads % 4 == 0")
     block_q = 128 // num_heads
     _dg_assert(schedule_meta is None, "not schedule_meta.has_value()")
+    _fp32_logits(logits_dtype)
     _dg_assert(num_heads in (32, 64), "num_heads == 32 or num_heads == 64")
     if seq_len == 0 or seq_len_kv == 0:
         raise _tma_zero_extent("q" if seq_len == 0 else "kv")
@@ -350,7 +360,7 @@ def _walk(cluster: int, start, end, batch_size: int, num_kv_of, faults: _Faults,
 
 
 def fp8_fp4_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
-                             indices=None):
+                             logits_dtype=torch.float32, indices=None):
     """`deep_gemm.fp8_fp4_paged_mqa_logits` on SM90 (impls/sm90_fp8_paged_mqa_logits.cuh).
 
     kv_cache [num_blocks, block_kv, 1, D + 4] uint8 is read block-major, as attention.hpp's from_blob views make it:
@@ -399,6 +409,7 @@ def fp8_fp4_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, sc
     _dg_assert(block_table.dtype == torch.int32, "block_table.scalar_type() == torch::headeronly::ScalarType::Int")
     _dg_assert(indices is None, "arch_major == 12 or is_varlen == (arch_major == 10)",
                "SM90 has no varlen (indices) path")
+    _fp32_logits(logits_dtype)
     multicast = 2 if next_n == 4 else 1
     num_clusters = NUM_SMS // multicast
     _dg_assert(schedule_meta.dim() == 2 and tuple(schedule_meta.shape) == (num_clusters + 1, 2),

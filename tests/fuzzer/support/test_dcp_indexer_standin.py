@@ -88,3 +88,49 @@ def test_pack_reads_only_valid_entries_and_bounds_checks_the_rest(violations):
 def test_the_candidate_count_must_be_a_multiple_of_512():
     with pytest.raises(RuntimeError, match="multiple of 512"):
         merge.stable_topk_from_gathered_candidates_cutedsl(torch.zeros(1, 768, 2), 512)
+
+
+def _candidates(world: int, rows: int, seed: int = 0) -> torch.Tensor:
+    """Rank-major [world, rows, K, 2] fp32 candidates: scores with ties, distinct ids, some padding (-inf, -1)."""
+    g = torch.Generator().manual_seed(seed)
+    score = torch.randint(-8, 8, (world, rows, K), generator=g).float() / 4
+    ids = torch.randperm(world * rows * K, generator=g).view(world, rows, K).float()
+    pad = torch.rand(world, rows, K, generator=g) < 0.1
+    return torch.stack([score.masked_fill(pad, float("-inf")), ids.masked_fill(pad, -1.0)], dim=-1)
+
+
+def test_rank_major_candidates_select_as_the_side_by_side_form():
+    """0.34 reads [world, rows, topk, 2] in place; with 32-bit fields it selects what 0.33's [rows, world * topk, 2]
+    selects."""
+    gathered = _candidates(2, 3)
+    side_by_side = gathered.permute(1, 0, 2, 3).reshape(3, 2 * K, 2).contiguous()
+    assert torch.equal(merge.stable_topk_from_gathered_candidates_cutedsl(gathered, K),
+                       merge.stable_topk_from_gathered_candidates_cutedsl(side_by_side, K))
+
+
+def test_narrow_keys_rank_the_high_score_bits_and_decode_ids_from_the_key():
+    """score_bits 16: scores equal in their high half tie, and the smaller id wins; id_bits: the id decoded from the
+    key keeps its low bits only (an id past them aliases)."""
+    gathered = torch.full((1, 1, K, 2), -1.0)
+    a, b = 1.0, torch.tensor(1.0).view(torch.int32).add(1).view(torch.float32).item()  # same high 16 bits, b > a
+    gathered[0, 0, :2] = torch.tensor([[a, 7.0], [b, 9.0]])
+    wide = merge.stable_topk_from_gathered_candidates_cutedsl(gathered, K)
+    narrow = merge.stable_topk_from_gathered_candidates_cutedsl(gathered, K, score_bits=16)
+    assert wide[0, :3].tolist() == [9, 7, -1] and narrow[0, :3].tolist() == [7, 9, -1]
+    gathered[0, 0, 0] = torch.tensor([a, 1024.0 + 7])
+    assert merge.stable_topk_from_gathered_candidates_cutedsl(gathered, K, id_bits=10)[0, :2].tolist() == [9, 7]
+
+
+def test_rank_major_form_keeps_vllms_asserts():
+    with pytest.raises(AssertionError, match="Expected \\[world_size, rows, 512, 2\\]"):
+        merge.stable_topk_from_gathered_candidates_cutedsl(torch.zeros(2, 1, 256, 2), K)
+
+
+def test_the_key_widths_are_vllms_own_where_the_release_has_them():
+    vllm = pytest.importorskip("vllm")
+    module = merge.standin_module()
+    if not hasattr(module, "dcp_topk_id_bits"):
+        pytest.skip(f"vLLM {vllm.__version__} keys whole 32-bit fields (no dcp_topk_id_bits)")
+    assert module.dcp_topk_id_bits.__code__.co_filename.endswith("dcp_indexer_cutedsl.py")
+    assert (module.dcp_topk_score_bits(torch.bfloat16), module.dcp_topk_score_bits(torch.float32)) == (16, 32)
+    assert module.dcp_topk_id_bits(8192) == 13

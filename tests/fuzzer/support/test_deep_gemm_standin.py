@@ -266,13 +266,31 @@ def test_refused_call_forms(change, match):
         q = q.view(torch.int8)[..., : D // 2].contiguous()
     with pytest.raises(RuntimeError, match=match):
         dg.fp8_fp4_paged_mqa_logits((q, q_sf), cache, w, ctx.view(-1) if change.get("ctx1d") else ctx, table, meta,
-                                    256, torch.zeros(1, dtype=torch.int32) if change.get("indices") else None)
+                                    256, indices=torch.zeros(1, dtype=torch.int32) if change.get("indices") else None)
     with pytest.raises(RuntimeError, match=r"context_lens.dim\(\) == 2"):
         dg.get_paged_mqa_logits_metadata(torch.ones(3, dtype=torch.int32), 64, 132)
     with pytest.raises(RuntimeError, match="not schedule_meta.has_value"):
         g = _gen()
         dg.fp8_fp4_mqa_logits((fp8(2, 32, D, g=g), None), (fp8(4, D, g=g), torch.ones(4)), torch.ones(2, 32),
-                              torch.zeros(2, dtype=torch.int32), torch.ones(2, dtype=torch.int32), 4, torch.zeros(1))
+                              torch.zeros(2, dtype=torch.int32), torch.ones(2, dtype=torch.int32), 4,
+                              schedule_meta=torch.zeros(1))
+
+
+def test_logits_dtype_other_than_fp32_is_refused_not_computed():
+    """0.34's wrappers pass logits_dtype; SM90's kernels store fp32 only, and vLLM asks bf16 only of SM100's."""
+    from fuzzer.support.errors import StandInRefused
+
+    q, cache, _values, _scales, w, ctx, table = paged_setup(1, [[10]], heads=32, block_size=64)
+    meta = dg.get_paged_mqa_logits_metadata(ctx, 64, dg.NUM_SMS)
+    fp32 = dg.fp8_fp4_paged_mqa_logits((q, None), cache, w, ctx, table, meta, 256, logits_dtype=torch.float32)
+    assert torch.equal(fp32, dg.fp8_fp4_paged_mqa_logits((q, None), cache, w, ctx, table, meta, 256))
+    with pytest.raises(StandInRefused, match="logits_dtype=torch.bfloat16"):
+        dg.fp8_fp4_paged_mqa_logits((q, None), cache, w, ctx, table, meta, 256, logits_dtype=torch.bfloat16)
+    g = _gen()
+    with pytest.raises(StandInRefused, match="logits_dtype"):
+        dg.fp8_fp4_mqa_logits((fp8(2, 32, D, g=g), None), (fp8(4, D, g=g), torch.ones(4)), torch.ones(2, 32),
+                              torch.zeros(2, dtype=torch.int32), torch.ones(2, dtype=torch.int32), 4,
+                              logits_dtype=torch.bfloat16)
 
 
 def test_standin_module_names_the_three_functions_as_deep_gemm_does():

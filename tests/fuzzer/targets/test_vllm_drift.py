@@ -33,6 +33,8 @@ NAMED = {
                      "(FlashMLASparseImpl.__init__(**mla_args) takes it in)",
     "fallback": "FlashInferMLASparseTRTLLMBackend.customize_spec is vllm.v1.attention.backend.AttentionBackend's "
                 "fallback in this release, not FlashInferMLASparseTRTLLMBackend's own",
+    "device-query": "vLLM asked this CPU host for a device and attnfuzz has no CPU answer for it (a shim in the "
+                    "backend's runtime): torch.accelerator.current_device_index() at",
 }
 
 

@@ -62,6 +62,12 @@ DRIFTS = {
                       "def customize_kv_cache_spec(", renamed="customize_kv_cache_spec",
                       target="vllm.flashinfer_sparse_sm100",
                       why="FlashInfer's sparse backends' customize_spec renamed customize_kv_cache_spec"),
+    # A device query a CPU host's torch cannot answer, as 0.34's FlashMLASparseImpl.__init__ made one
+    # (`torch.accelerator.current_device_index()`): not a call that moved, and not vLLM's answer either.
+    "device-query": Drift(SPARSE_UTILS, "triton_convert_req_index_to_global_index",
+                          "    num_tokens = req_id.shape[0]\n",
+                          "    num_tokens = req_id.shape[0] + 0 * torch.accelerator.current_device_index()\n",
+                          target="vllm.index_remap", why="the remap asks torch.accelerator for its device index"),
 }
 
 
