@@ -103,11 +103,16 @@ def rank_slot_mapping(case: Case, undivided_slots: torch.Tensor, rank: int) -> t
     return torch.where(owner == rank, slot, torch.full_like(slot, -1))
 
 
-def outside_envelope(case: Case) -> str | None:
-    """Why vLLM must refuse this DCP configuration for FlashMLA sparse (None: it must run it): DCP only on the
-    fp8 mixed-batch path (fewer than 32 heads per rank), and local and gathered heads padded to one fp8 kernel
-    envelope (64 or 128 heads)."""
+def outside_envelope(case: Case, dcp_cache_dtypes: tuple[str, ...] = ("fp8_ds_mla",)) -> str | None:
+    """Why vLLM must refuse this DCP configuration for FlashMLA sparse (None: it must run it): a cache the release
+    does not run under DCP (`dcp_cache_dtypes`: 0.34 adds bf16, whose kernel pads the gathered heads itself); on
+    fp8_ds_mla, DCP only on the fp8 mixed-batch path (fewer than 32 heads per rank), and local and gathered heads
+    padded to one fp8 kernel envelope (64 or 128 heads)."""
     if case.dcp.size == 1:
+        return None
+    if case.kv_cache_dtype not in dcp_cache_dtypes:
+        return f"this release runs FlashMLA sparse under DCP on {' and '.join(dcp_cache_dtypes)} caches only"
+    if case.kv_cache_dtype != "fp8_ds_mla":
         return None
     if case.heads >= 32:
         return f"{case.heads} heads per rank take the fp8 separate path, which has no DCP"
@@ -145,7 +150,7 @@ def judge_dcp(case: Case, obs) -> list[Verdict]:
     over the undivided context; each rank's filtered top-k exactly; each rank's LSE against attention over its
     share, and -inf (the merge's identity) where it owns none of a row's tokens. Outside FlashMLA's DCP
     envelope vLLM must refuse with NotImplementedError; it may also run the case, and is then judged."""
-    why = outside_envelope(case)
+    why = outside_envelope(case, tuple(obs.notes.get("dcp_cache_dtypes", ("fp8_ds_mla",))))
     if why and "NotImplementedError" in f"{obs.error_type} {obs.error}":
         return [Verdict("contract", True, f"refused ({why}): {obs.error_type}: {obs.error}")]
     whole = undivided(case)
@@ -212,6 +217,7 @@ def _rank_verdicts(case: Case, whole: Case, inputs, slot_values, obs) -> list[Ve
     owner, _ = owner_and_local(case, index.topk_indices.long().clamp(min=0))
     # The filter is judged on its own contract, for the block stride its call site passed (None: block_size).
     stride = obs.notes.get("dcp_filter_call", {}).get("block_stride_rows") or case.block_size
+    compacted = obs.notes.get("dcp_filter_call", {}).get("compacted", False)  # valid entries to the front (any order)
     for r in range(case.dcp.size):
         filtered = obs.outputs.get(f"rank{r}.topk")
         if filtered is not None:
@@ -219,7 +225,7 @@ def _rank_verdicts(case: Case, whole: Case, inputs, slot_values, obs) -> list[Ve
                 req_id=index.req_id_per_token, block_table=index.block_table, token_indices=index.topk_indices,
                 block_size=case.block_size, block_stride_rows=stride, dcp_size=case.dcp.size, dcp_rank=r,
                 dcp_interleave=case.dcp.interleave))
-            for m in compare_remap(filtered, None, expected, compacted=False, limit=2):
+            for m in compare_remap(filtered, None, expected, compacted=compacted, limit=2):
                 verdicts.append(Verdict("dcp_filter", False, f"rank {r}: top-k filtered to local slots, row {m.row}: "
                                                              f"{m.detail}", "G", where="dcp_filter"))
         lse = obs.outputs.get(f"rank{r}.lse")

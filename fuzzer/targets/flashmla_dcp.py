@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import threading
 
 import torch
@@ -47,10 +48,20 @@ from strategies.tensors import materialize_attention_inputs
 # vLLM's direct DCP query gather (symmetric memory, multicast) needs a real process group: kept off.
 DIRECT_Q_GATHER = ("VLLM_USE_DIRECT_DCP_Q_GATHER",)
 
-# Per-rank records of vLLM's DCP filter (the rank's local top-k, and the BLOCK_STRIDE_ROWS it was called
-# with: the fp8 kernel addresses 64-row pages, so vLLM passes none for 64-token blocks), filled per case.
-_FILTERED: dict[int, tuple[torch.Tensor, int | None]] = {}
+# Per-rank records of vLLM's DCP filter (the rank's local top-k, the BLOCK_STRIDE_ROWS it was called with: the fp8
+# kernel addresses 64-row pages, so vLLM passes none for 64-token blocks; whether it compacted the valid entries to
+# each row's front: 0.34's bf16 path does), filled per case.
+_FILTERED: dict[int, tuple[torch.Tensor, int | None, bool]] = {}
 _FILTER_LOCK = threading.Lock()  # emulated ranks are threads
+
+
+def dcp_cache_dtypes() -> tuple[str, ...]:
+    """The caches this release runs FlashMLA sparse under DCP on: fp8_ds_mla, and bf16 where the bf16 forward filters
+    the global top-k to the rank's slots itself (0.34; 0.33's impl refuses a bf16 cache under DCP)."""
+    impl = importlib.import_module(BACKEND_MODULE).FlashMLASparseImpl
+    bf16_forward = getattr(impl, "_forward_bf16_kv", None)
+    filters = bf16_forward is not None and "triton_filter_and_convert_dcp_index" in inspect.getsource(bf16_forward)
+    return ("fp8_ds_mla", "bfloat16") if filters else ("fp8_ds_mla",)
 
 
 def record_dcp_filter() -> None:
@@ -60,11 +71,16 @@ def record_dcp_filter() -> None:
     if getattr(real, "_attnfuzz_recorded", False):
         return
 
+    signature = inspect.signature(real)
+
     def recorded(*args, **kwargs):
         result = real(*args, **kwargs)
         out = result[0] if isinstance(result, tuple) else result
+        call = signature.bind(*args, **kwargs)
+        call.apply_defaults()
+        compacted = bool(call.arguments.get("compact_valid_to_front", False))  # a release without it: never
         with _FILTER_LOCK:
-            _FILTERED[int(kwargs["dcp_rank"])] = (out.detach().clone(), kwargs.get("BLOCK_STRIDE_ROWS"))
+            _FILTERED[int(kwargs["dcp_rank"])] = (out.detach().clone(), kwargs.get("BLOCK_STRIDE_ROWS"), compacted)
         return result
 
     recorded._attnfuzz_recorded = True
@@ -80,7 +96,11 @@ class FlashMLASparseDcp(FlashMLASparse):
     real_parts = ("MLADCPManager (query gather, cp_lse_ag_out_rs combine)", "FlashMLASparseMetadataBuilder",
                   "FlashMLASparseImpl.forward_mqa (fp8 mixed batch)", "triton_filter_and_convert_dcp_index",
                   "correct_attn_out (Triton)")
-    kv_cache_dtypes = ("fp8_ds_mla",)  # vLLM runs FlashMLA sparse under DCP on an fp8_ds_mla cache only
+    # vLLM runs FlashMLA sparse under DCP on an fp8_ds_mla cache, and from 0.34 on a bf16 one (`dcp_cache_dtypes`:
+    # this release's; on one that refuses bf16 the cases check that it does)
+    kv_cache_dtypes = ("fp8_ds_mla", "bfloat16")
+    dcp_cache_dtypes: tuple[str, ...] = ("fp8_ds_mla",)
+    PLANNED = (*FlashMLASparse.PLANNED, "dcp_cache_dtypes")
 
     def unavailable(self) -> str | None:
         return super().unavailable() or self.needs_dcp_manager()
@@ -97,6 +117,7 @@ class FlashMLASparseDcp(FlashMLASparse):
         direct_dcp_off(DIRECT_Q_GATHER)
         super().prepare()
         record_dcp_filter()
+        self.dcp_cache_dtypes = dcp_cache_dtypes()
 
     def cases(self, profile, plan: RunPlan = WHOLE):
         # The mixed-batch path (< 32 heads per rank) with gathered heads inside one fp8 envelope (<= 64).
@@ -224,6 +245,7 @@ class RankResult:
     partial: torch.Tensor | None = None  # the rank's partial output over the gathered heads, before the combine
     topk: torch.Tensor | None = None  # the DCP filter's output: the rank's local slots [T, K]
     block_stride_rows: int | None = None  # as the filter was called
+    compacted: bool = False  # the filter compacted each row's valid entries to its front
     entries: torch.Tensor | None = None  # the fp8 entries written for the undivided slots this rank owns
     cache_changed: int = 0  # cache rows the attention call wrote
     problems: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # buffer_overrun, guard
@@ -302,7 +324,7 @@ class DcpStep:
             res.partial = partial.detach().to("cpu", copy=True)
         res.merged = out.detach().cpu()
         if r in _FILTERED:
-            topk, res.block_stride_rows = _FILTERED.pop(r)
+            topk, res.block_stride_rows, res.compacted = _FILTERED.pop(r)
             res.topk = topk.cpu()
         if overruns := [f"rank {r}: {m}" for m in check_overrun(case.num_tokens)]:
             res.problems["buffer_overrun"] = overruns
@@ -331,9 +353,11 @@ class DcpStep:
             for r, res in enumerate(results):
                 entries[(owner == r).cpu()] = res.entries
             obs.outputs["cache_slots"], obs.outputs["cache_entries"] = self.slots.cpu(), entries
-        strides = {res.block_stride_rows for res in results if res.topk is not None}
-        if strides:
-            obs.notes["dcp_filter_call"] = {"block_stride_rows": strides.pop()}
+        calls = {(res.block_stride_rows, res.compacted) for res in results if res.topk is not None}
+        if calls:
+            stride, compacted = calls.pop()
+            obs.notes["dcp_filter_call"] = {"block_stride_rows": stride, "compacted": compacted}
+        obs.notes["dcp_cache_dtypes"] = list(self.target.dcp_cache_dtypes)
         if changed := [f"rank {r}: {res.cache_changed} rows" for r, res in enumerate(results) if res.cache_changed]:
             obs.notes["cache_changed"] = ", ".join(changed)
         for key in ("buffer_overrun", "guard"):

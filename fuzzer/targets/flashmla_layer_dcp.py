@@ -55,7 +55,7 @@ class FlashMLASparseLayerDcp(FlashMLASparseLayer):
                "with the query gather and LSE combine, short prefill -> dense MHA with the DCP context gather")
     bug_classes = "A B C E F G I J"
     oracle = staticmethod(judge_layer_dcp)
-    kv_cache_dtypes = ("fp8_ds_mla",)  # vLLM runs FlashMLA sparse under DCP on an fp8_ds_mla cache only
+    kv_cache_dtypes = ("fp8_ds_mla",)  # the layer under DCP on fp8_ds_mla (0.34 also runs bf16: not drawn here yet)
 
     def unavailable(self) -> str | None:
         return super().unavailable() or FlashMLASparseDcp.needs_dcp_manager()

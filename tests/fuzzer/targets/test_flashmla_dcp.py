@@ -224,6 +224,30 @@ def test_configurations_outside_flashmlas_envelope_are_refused(heads, size):
 
 
 @pytest.mark.vllm
+def test_a_bf16_cache_under_dcp_runs_where_the_release_runs_it_and_is_refused_where_not():
+    """0.34 runs FlashMLA sparse under DCP on a bf16 cache (its bf16 forward filters the top-k to the rank's slots,
+    compacted to each row's front); 0.33 refuses it. The target reads which from the installed impl, and the oracle
+    judges the refusal or the run: either way the case passes on a correct vLLM."""
+    from fuzzer.targets.flashmla_dcp import FlashMLASparseDcp
+    from oracles.dcp import outside_envelope
+
+    target = FlashMLASparseDcp("cpu")
+    target.prepare()
+    case = Case((Request(1, 10), Request(1, 40)), 2, 64, ((1,), (2,)), 128, (TopkSpec(5), TopkSpec(30)), heads=16,
+                dcp=Dcp(2, 0, 1), kv_cache_dtype="bfloat16").validate()
+    runs = "bfloat16" in target.dcp_cache_dtypes
+    assert bool(outside_envelope(case, target.dcp_cache_dtypes)) != runs
+    assert outside_envelope(case) and outside_envelope(case, ("fp8_ds_mla", "bfloat16")) is None
+    obs = target.run(case)
+    verdicts = target.oracle(case, obs)
+    assert all(v.ok for v in verdicts), [v.detail for v in verdicts if not v.ok]
+    if runs:
+        assert obs.error_type is None and obs.notes["dcp_filter_call"]["compacted"]
+    else:
+        assert obs.error_type == "NotImplementedError" and [v.check for v in verdicts] == ["contract"]
+
+
+@pytest.mark.vllm
 def test_enable_pynccl_skips_only_the_optional_sleep_mode_symbols(monkeypatch):
     """PyTorch 2.11's NCCL (2.28.9) lacks ncclCommSuspend/Resume, which vLLM 0.33 loads on CUDA; without them
     PyNccl is disabled and vLLM's reduce_scatter returns an unwritten tensor (seen on 2 x H200)."""
