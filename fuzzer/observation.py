@@ -18,7 +18,8 @@ class Notes(TypedDict, total=False):
     buffer_overrun: list[str]  # writes past the index group's persistent buffers
     cache_changed: str  # rows of the KV cache an attention call changed (it must write none)
     rerun_differs: str  # the last step run again on the same metadata gave other bits (nondeterminism)
-    dcp_filter_call: dict[str, Any]  # how vLLM called the DCP filter (its block stride)
+    dcp_filter_call: dict[str, Any]  # how vLLM called the DCP filter (its block stride, whether it compacted)
+    dcp_cache_dtypes: list[str]  # the caches this release runs FlashMLA sparse under DCP on
     rank_batches: list[Any]  # each PCP x TP rank's share of the step, as the runner partitioned it (pcp_dcp)
     query_fp8_scale: float  # the layer's q_scale: forward_mqa was handed the query quantized to fp8 with it
     case_fields: dict[str, Any]  # a side-by-side part's form of the step: the case fields it ran with (vllm.dsv4.all)
