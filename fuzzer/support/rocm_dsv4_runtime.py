@@ -191,7 +191,7 @@ def rotary_emb(cfg, compress_ratio: int, version: str = "4"):
 def _rocm_attributes(layer, cfg, version: str, num_heads: int) -> None:
     """What the ROCm layer's __init__ (over DeepseekV4Attention's) sets that its forward_mqa reads: the rank's heads,
     the NoPE/RoPE split, the resolved cache dtype (fp8_ds_mla for every name the backend takes), the RoPE, no KV
-    connector, no fp8 wo_a (the BF16 path: forward_mqa owes the inverse RoPE), AITER's sparse MLA off."""
+    connector, no fp8 wo_a (the BF16 path: forward_mqa owes the inverse RoPE), AITER's sparse MLA (and its prefill) off."""
     base = type(layer).__mro__[1]  # DeepseekV4Attention of V4's or V4.1's attention.py
     resolve = importlib.import_module(base.__module__)._resolve_dsv4_kv_cache_dtype
     layer.kv_cache_dtype, layer.kv_cache_torch_dtype = resolve(True, cfg.cache_config.cache_dtype, None)
@@ -202,6 +202,7 @@ def _rocm_attributes(layer, cfg, version: str, num_heads: int) -> None:
     layer._has_kv_transfer = False
     layer._wo_a_fp8_weight = None
     layer._use_aiter_sparse_mla = False
+    layer._use_aiter_sparse_mla_decode = layer._use_aiter_sparse_mla_prefill = False  # 0.34's two names for it
 
 
 # -- the step's calls, as the target makes them and its reproducers show them ------------------------------------

@@ -45,10 +45,11 @@ def test_torch_writers_equal_vllms_triton_update(block):
     from fuzzer.support.interp.corrections import install_corrections
     from fuzzer.support.interp.sanitizer import SANITIZER
     from fuzzer.support.standins.cpu_shims import install_cpu_shims
-    from fuzzer.support.step5_runtime import _interpreted_libdevice, import_package
+    from fuzzer.support.step5_runtime import _interpreted_libdevice, import_moved, import_package
 
     import_package()  # vllm.models.step5's __init__ needs torchvision (the VL model): its ops imported without it
-    from vllm.models.step5.nvidia.ops.summary_update import update_decode
+    update_decode = import_moved(("vllm.models.step5.nvidia.ops.summary_update",  # 0.34: common/ops
+                                  "vllm.models.step5.common.ops.summary_update")).update_decode
 
     install_cpu_shims()
     install_corrections()
