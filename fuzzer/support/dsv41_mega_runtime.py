@@ -85,7 +85,8 @@ def step_layer(cfg, compress_ratio: int, kv_source: str, window_size: int, swa_b
     if compressed_pages is not None:
         spec = compressed_spec(compress_ratio, compressed_block_size, compressed_record)
         kv_cache = v41.paged(compressed_pages, entries_per_block, compressed_record)
-    cls = getattr(importlib.import_module(MEGA_LAYER_MODULE), MEGA_LAYER_CLASS)
+    module = importlib.import_module(MEGA_LAYER_MODULE)
+    cls = getattr(module, MEGA_LAYER_CLASS)
     layer = v41.attention_layers(cfg, compress_ratio, kv_source, swa_layer, kv_cache, topk_indices_buffer, attn_sink,
                                  num_heads, cls=cls)
     layer.n_local_groups = num_heads // GROUP
@@ -94,7 +95,6 @@ def step_layer(cfg, compress_ratio: int, kv_source: str, window_size: int, swa_b
     # on the step's device, as the layer's rotary embedding keeps it (the kernel indexes it with the positions)
     layer.rotary_emb = SimpleNamespace(
         cos_sin_cache=rope_cos_sin(cfg.model_config.max_model_len + 1).to(topk_indices_buffer.device))
-    module = importlib.import_module(MEGA_LAYER_MODULE)
     if hasattr(module, "_swapab_decode_supported"):  # 0.34: small decodes' swap-AB kernel, decided as __init__ does
         layer._use_swapab = module._swapab_decode_supported(layer)  # (SM100 with the CuTe DSL only: not here)
     dummy_run(cfg, layer, topk_indices_buffer.device)
