@@ -17,15 +17,19 @@ def mutate_jit(jit, namespace, edits, label):
 
 def _rewritten(fn, edits, label, where, namespace, keep_decorators=False):
     """`fn` defined anew in a copy of `namespace` from its source (its decorators dropped unless kept) with `edits`
-    ((old, new) pairs) applied; `where` names it when an edit's text is not found."""
+    applied; `where` names it when an edit's text is not found. An edit is an (old, new) pair, or a tuple of such
+    pairs where releases word the same code differently: the first whose old text this release has is applied."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
     if not keep_decorators:
         tree.body[0].decorator_list = []
     src = ast.unparse(tree)
-    for old, new in edits:
-        if old not in src:
-            raise RuntimeError(f"mutant {label}: `{old}` not found in this vLLM's {where}")
-        src = src.replace(old, new)
+    for edit in edits:
+        alternatives = edit if isinstance(edit[0], tuple) else (edit,)
+        found = [(old, new) for old, new in alternatives if old in src]
+        if not found:
+            raise RuntimeError(f"mutant {label}: `{'` or `'.join(old for old, _ in alternatives)}` not found in this "
+                               f"vLLM's {where}")
+        src = src.replace(*found[0])
     # One file name per rewritten function: Triton's interpreter reads a kernel's source back by its file name, and a
     # mutant that rewrites a kernel and a method under one name would hand it the method's.
     filename = f"<attnfuzz mutant {label}: {where}>"

@@ -16,7 +16,10 @@ TARGETS = ("vllm.dsv4.flashinfer",)
 def apply():
     patch_method("vllm.models.deepseek_v4.nvidia.flashinfer_sparse", "DeepseekV4FlashInferMLAAttention",
                  "_build_sparse_index_metadata",
-                 [("swa_block_span = _packed_block_span(swa_k_cache)", "swa_block_span = swa_metadata.block_size"),
-                  ("compressed_block_span = _packed_block_span(compressed_kv_cache)",
-                   "compressed_block_span = compressed_block_size")],
+                 [(("swa_block_span = _packed_block_span(swa_k_cache)", "swa_block_span = swa_metadata.block_size"),
+                   ("swa_block_span = packed_block_span(swa_k_cache)", "swa_block_span = swa_metadata.block_size")),
+                  (("compressed_block_span = _packed_block_span(compressed_kv_cache)",
+                    "compressed_block_span = compressed_block_size"),  # 0.34 made the helper public
+                   ("compressed_block_span = packed_block_span(compressed_kv_cache)",
+                    "compressed_block_span = compressed_block_size"))],
                  "dsv4-flashinfer-packed-span-ignored")

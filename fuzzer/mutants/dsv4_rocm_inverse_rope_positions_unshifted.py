@@ -19,5 +19,6 @@ def unavailable(device: str) -> str | None:
 
 def apply():
     patch_method("vllm.models.deepseek_v4.amd.rocm", "DeepseekV4ROCMAiterMLAAttention", "forward_mqa",
-                 [("positions[rotated:]", "positions[:positions.shape[0] - rotated]")],  # the standalone pass's
+                 [(("positions[rotated:]", "positions[:positions.shape[0] - rotated]"),  # the standalone pass's
+                   ("positions[rotated:end]", "positions[:end - rotated]"))],  # 0.34: it ends where the kernel's begin
                  "dsv4-rocm-inverse-rope-positions-unshifted")

@@ -55,7 +55,8 @@ INDEXER_OP = "vllm.model_executor.layers.sparse_attn_indexer"
 INDEXER_TOPK = "vllm.model_executor.layers.indexer_topk"
 DCP_OPS = "vllm.v1.attention.ops.dcp"
 STEP5_ADAPTER = "vllm.models.step5.nvidia.flashinfer_sparse"
-STEP5_SUMMARY = "vllm.models.step5.nvidia.sparse_summary_cache"
+STEP5_SUMMARY = ("vllm.models.step5.nvidia.sparse_summary_cache",  # where releases keep it (0.34: common/)
+                 "vllm.models.step5.common.sparse_summary_cache")
 
 Classify = Callable[[tuple, dict], Iterable[str]]
 
@@ -134,9 +135,13 @@ def _pcp_shards(args: tuple, kwargs: dict, result) -> Iterator[str]:
 
 
 def _fp8_kernel_heads(args: tuple, kwargs: dict) -> Iterator[str]:
-    # _fp8_flash_mla_kernel(self, q [B, S, H, D], ...): vLLM pads H up to its fp8_decode_padded_heads
+    # _fp8_flash_mla_kernel(self, q [B, S, H, D], ...): vLLM pads H up to its fp8_decode_padded_heads (0.34: the
+    # impl computes it per call, the attribute moved to the builder)
     self, q = args[0], _arg(args, kwargs, "q", 1)
     padded = getattr(self, "fp8_decode_padded_heads", None)
+    compute = getattr(self, "_compute_fp8_decode_padded_heads", None)
+    if padded is None and compute is not None and q is not None:
+        padded = compute(q.size(2))
     if q is not None and padded is not None and q.size(2) < padded:
         yield "kernel.fp8_decode.padded_heads"
 
@@ -401,7 +406,7 @@ PROBES: tuple[Probe, ...] = (
     Probe(DSV41_LAYER, "flash_mla_sparse_fwd", "dsv41.kernel.prefill"),
     # Step5's DSA decode route (STEP5_DSA): the summary update, the indexer's scores, the region selection, the
     # paged sparse attention
-    Probe(STEP5_SUMMARY, "Step5SparseSummaryCache.update_decode", "step5.summary.decode"),
+    *(Probe(m, "Step5SparseSummaryCache.update_decode", "step5.summary.decode") for m in STEP5_SUMMARY),
     Probe(STEP5_ADAPTER, "decode_summary_scores", "step5.scores.direct"),
     Probe(STEP5_ADAPTER, "Step5FlashInferSparse.pack_decode_summaries", "step5.scores.packed"),
     Probe(STEP5_ADAPTER, "select_regions", before=_step5_select),

@@ -9,7 +9,7 @@ import json
 import os
 import re
 import xml.etree.ElementTree as ET
-from importlib.metadata import entry_points
+from importlib.metadata import PackageNotFoundError, entry_points, version
 from pathlib import Path
 
 import pytest
@@ -25,6 +25,11 @@ from strategies.case import Case, Request, TopkSpec
 from tests.conftest import ROOT
 
 pytest_plugins = ["pytester"]
+
+try:  # the replays are judged for the installed release
+    VLLM = version("vllm")
+except PackageNotFoundError:
+    VLLM = "0.33.0"
 
 # Installed (`pip install`), pytest loads the plugin by its entry point; from a checkout, -p names it.
 PLUGIN = () if any(ep.value == "fuzzer.pytest_plugin" for ep in entry_points(group="pytest11")) else \
@@ -144,22 +149,22 @@ def _repro(root: Path, id: str, exits: int, **record) -> None:
     d.mkdir(parents=True)
     (d / "finding.json").write_text(json.dumps({
         "id": id, "target": "vllm.index_remap", "signature": "memory:out_ptr", "status": "open",
-        "host": {"vllm": "0.33.0", "device": "cpu"}, "verdicts": [{"check": "memory", "ok": False,
+        "host": {"vllm": VLLM, "device": "cpu"}, "verdicts": [{"check": "memory", "ok": False,
                                                                    "detail": "out-of-bounds store"}], **record}))
     (d / "repro.py").write_text(f"import sys\nprint('repro {id}')\nsys.exit({exits})\n")
 
 
 def test_replays_are_items_one_per_reproducer_judged_by_the_gates_rules(pytester, tmp_path):
-    """--attnfuzz-replay: each reproducer replayed as the gate replays it, for the installed vLLM (0.33.0 here): a
+    """--attnfuzz-replay: each reproducer replayed as the gate replays it, for the installed vLLM: a
     known bug still there and a fixed one still gone pass, one expected present that now passes passes and says so, a
     fixed bug back fails, a reproducer that cannot run its call errs, one made on a GPU is skipped on a CPU."""
     repros = tmp_path / "repros"
     _repro(repros, "known", 1)
     _repro(repros, "now-passes", 0)
-    _repro(repros, "fixed", 0, status="fixed", releases={"0.33.0": "absent"})
-    _repro(repros, "regressed", 1, status="fixed", releases={"0.23.0": "present", "0.33.0": "absent"})
+    _repro(repros, "fixed", 0, status="fixed", releases={VLLM: "absent"})
+    _repro(repros, "regressed", 1, status="fixed", releases={"0.23.0": "present", VLLM: "absent"})
     _repro(repros, "broken", 2)
-    _repro(repros, "gpu", 1, host={"vllm": "0.33.0", "device": "cuda"})
+    _repro(repros, "gpu", 1, host={"vllm": VLLM, "device": "cuda"})
     junit = tmp_path / "j.xml"
     common = (*PLUGIN, "--attnfuzz-replay", "--attnfuzz-repros", str(repros), "--attnfuzz-device", "cpu",
               "--attnfuzz-out", str(tmp_path / "out"))
@@ -169,10 +174,10 @@ def test_replays_are_items_one_per_reproducer_judged_by_the_gates_rules(pytester
     result.assert_outcomes(passed=3, failed=1, errors=1, skipped=1)
     result.stdout.fnmatch_lines([  # in order: errors, failures, the attnfuzz summary, pytest's skips
         "*COULD NOT TEST replay broken (vllm.index_remap): BROKEN: the reproducer could not run its call (exit 2)*",
-        "*REGRESSION: a fixed bug is back on vLLM 0.33.0: out-of-bounds store*",
+        f"*REGRESSION: a fixed bug is back on vLLM {VLLM}: out-of-bounds store*",
         f"*reproducer: cd {repros / 'regressed'} && python repro.py*",
-        "replay known: known (*): known bug, still present on vLLM 0.33.0*",
-        "replay now-passes: now-passes (*): expected present on vLLM 0.33.0, now passes: good news; record it in "
+        f"replay known: known (*): known bug, still present on vLLM {VLLM}*",
+        f"replay now-passes: now-passes (*): expected present on vLLM {VLLM}, now passes: good news; record it in "
         "finding.json*",
         "*replay gpu: not runnable here: made on cuda; this host runs cpu*"])
     cases = {c.get("name"): c for c in ET.parse(junit).getroot().iter("testcase")}
