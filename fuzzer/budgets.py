@@ -51,6 +51,7 @@ BUDGETS: dict[str, dict[str, Budget]] = {
         "vllm.dsv32.attention.flashattn": Budget(gate=24, selftest=20),  # indexer steps of up to 300 tokens: ~2.6 s a case
         "vllm.dsv32.attention.flashinfer_sm90": Budget(gate=24, selftest=20),  # and FlashInfer's stand-in: ~3.8 s a case
         "vllm.dsv32.attention.dcp": Budget(gate=24, selftest=12),  # 2-8 ranks' indexer and layer, interpreted combine: ~5 s a case
+        "vllm.dsv32.attention.shardq": Budget(gate=30, selftest=20),  # 2-4 TP ranks' indexer and layer: 0.3-0.5 case/s
         "vllm.step5_dsa": Budget(gate=24, selftest=20),  # interpreted decode kernels, up to 9 steps a case: ~0.2-1 case/s
     },
     "cuda": {  # native kernels, 2-13 cases/s (mostly host-side work per case)
@@ -84,6 +85,7 @@ BUDGETS: dict[str, dict[str, Budget]] = {
         "vllm.dsv32.attention.flashattn": Budget(gate=40, selftest=30),
         "vllm.dsv32.attention.flashinfer_sm90": Budget(gate=40, selftest=30),
         "vllm.dsv32.attention.dcp": Budget(gate=40, selftest=30),  # every rank in one process: the ranks' calls in turn
+        "vllm.dsv32.attention.shardq": Budget(gate=40, selftest=30),  # every TP rank in one process, as the DCP module's
         "vllm.step5_dsa": Budget(gate=100, selftest=60),  # native Triton decode kernels: 150 cases in 116-137 s on an H100
     },
 }

@@ -104,7 +104,8 @@ class Dcp:
     # long enough to split (the others every rank whole), `tp` TP ranks each (the world: pcp x tp ranks, the
     # step's heads split over the TP ranks). DCP spans the PCP ranks (size == pcp) or all of them (pcp * tp),
     # as vLLM's ParallelConfig allows; size 1: PCP alone (every rank holds the whole cache, decodes sharded over
-    # the PCP ranks). pcp 1: DCP alone, which reuses the TP ranks (tp unused, 1).
+    # the PCP ranks). pcp 1: DCP alone, which reuses the TP ranks (tp unused, 1); or, with size 1, TP alone: `tp`
+    # ranks each holding the whole cache and its share of the heads (the world ShardQ splits prefill tokens over).
     pcp: int = 1
     tp: int = 1
 
@@ -112,15 +113,16 @@ class Dcp:
     def layout(self) -> str:
         """The PCP x DCP (x TP) layout's name: pcp2.dcp4, pcp2.dcp2.tp2, ... ("dcp<size>" without PCP)."""
         if self.pcp == 1:
-            return f"dcp{self.size}"
+            return f"tp{self.tp}" if self.tp > 1 else f"dcp{self.size}"
         if self.size == 1:
             return f"pcp{self.pcp}" + (f".tp{self.tp}" if self.tp > 1 else "")
         return f"pcp{self.pcp}.dcp{self.size}" + (f".tp{self.tp}" if self.tp > 1 and self.size == self.pcp else "")
 
     @property
     def tp_ranks(self) -> int:
-        """The TP ranks the step's heads are split over: DCP alone reuses its ranks as TP ranks; under PCP, `tp`."""
-        return self.tp if self.pcp > 1 else self.size
+        """The TP ranks the step's heads are split over: DCP alone reuses its ranks as TP ranks; under PCP (or TP
+        alone), `tp`."""
+        return self.tp if self.pcp > 1 or self.tp > 1 else self.size
 
 
 @dataclass(frozen=True)
@@ -230,6 +232,9 @@ class IndexerStep:
     # set_num_sms): 0 the device's (an H100/H200's 132; the CPU's stand-ins model one). Fewer give each SM's share
     # several requests at steps a CPU affords, so its traversal crosses request boundaries there too.
     num_sms: int = 0
+    # ShardQ (0.34+: TP ranks split a prefill step's tokens, `dcp.tp` of them): attention_config's
+    # sparse_mla_shard_q_min_tokens, the fewest prefill tokens a step splits (0: vLLM's default, 1024)
+    shardq_min_tokens: int = 0
 
 
 # Step5's DSA (Case.step5, vLLM's STEP5_DSA backend): query heads per KV group its kernels take, indexer heads per
@@ -355,6 +360,8 @@ class Case:
             extra.append(f"pcp={self.dcp.pcp}/dcp={self.dcp.size}/tp={self.dcp.tp}/i{self.dcp.interleave}")
         elif self.dcp.size > 1:
             extra.append(f"dcp={self.dcp.size}/r{self.dcp.rank}/i{self.dcp.interleave}")
+        elif self.dcp.tp > 1:
+            extra.append(f"tp={self.dcp.tp}")
         if self.call != IndexCall():
             extra.append(f"call={_nondefault(self.call)}")
         if self.padded_tokens:
@@ -384,7 +391,8 @@ class Case:
                          + (f" max_logits_mb={x.max_logits_mb}" if x.max_logits_mb != 512 else "")
                          + (f" attention_heads={x.attention_heads}" if x.attention_heads else "")
                          + (" skip_topk_layer" if x.skip_topk_layer else "")
-                         + (f" sms={x.num_sms}" if x.num_sms else ""))
+                         + (f" sms={x.num_sms}" if x.num_sms else "")
+                         + (f" shardq_min_tokens={x.shardq_min_tokens}" if x.shardq_min_tokens else ""))
         if self.step5 is not None:
             x = self.step5
             extra.append(f"step5: groups={x.groups} heads/group={self.heads // x.groups} index_heads={x.index_heads} "
@@ -454,7 +462,8 @@ class Case:
         )
         _check(d.pcp >= 1 and d.tp >= 1, "dcp.pcp", f"pcp and tp must be >= 1, got {d.pcp} and {d.tp}")
         if d.pcp == 1:
-            _check(d.tp == 1, "dcp.tp", f"only under PCP (pcp > 1), got {d.tp}")
+            _check(d.tp == 1 or d.size == 1, "dcp.tp", f"under PCP (pcp > 1) or TP alone (size 1), got tp {d.tp} "
+                                                       f"with DCP size {d.size}")
         else:  # vLLM's ParallelConfig: with PCP, DCP spans the PCP axis or the whole TP x PCP one (or is off)
             _check(d.size in (1, d.pcp, d.pcp * d.tp) and d.rank == 0, "dcp.size",
                    f"under PCP {d.pcp} x TP {d.tp}, DCP is 1, spans the PCP ranks ({d.pcp}) or all ({d.pcp * d.tp}) "
@@ -493,6 +502,7 @@ class Case:
                    f"'cooperative' takes at most {COOPERATIVE_MAX_ROWS} decode rows (vLLM refuses more), got {rows}")
             _check(0 <= x.attention_heads <= 128, "indexer.attention_heads",
                    f"must be in [0, 128], got {x.attention_heads}")
+            _check(x.shardq_min_tokens >= 0, "indexer.shardq_min_tokens", f"must be >= 0, got {x.shardq_min_tokens}")
             _check(x.attention_heads or not x.skip_topk_layer, "indexer.skip_topk_layer",
                    "a skip_topk layer needs the attention module (attention_heads > 0)")
             _check(all(q <= 1 + x.num_speculative_tokens for q in dq), "num_decodes",
@@ -531,6 +541,8 @@ class Case:
                     del step[name]
             if step["dcp"]["pcp"] == 1 and step["dcp"]["tp"] == 1:  # nor one without PCP
                 del step["dcp"]["pcp"], step["dcp"]["tp"]
+            if step.get("indexer") and not step["indexer"]["shardq_min_tokens"]:  # nor an indexer step without ShardQ
+                del step["indexer"]["shardq_min_tokens"]
         return data
 
     def to_json(self, indent: int | None = 1) -> str:

@@ -215,6 +215,34 @@ def attention_module_dcp_cases(draw, p: Profile, attention_heads: tuple[int, ...
     return dataclasses.replace(case, indexer=x, earlier=earlier).validate()
 
 
+SHARDQ_TP_SIZES = (2, 4)  # TP ranks ShardQ splits a prefill's tokens over (each rank runs a step's whole seam)
+
+
+def attention_module_shardq_space(p: Profile, attention_heads: tuple[int, ...]) -> CaseSpace:
+    """DeepSeek-V3.2's attention module under TP with ShardQ (`vllm.dsv32.attention.shardq`, vLLM 0.34+): 2 or 4 TP
+    ranks, heads per rank under FlashMLA's bf16-prefill threshold (ShardQ runs the fp8 mixed-batch kernel: fewer
+    than 32, every rank's heads at most 128), the indexer's steps on an fp8_ds_mla cache every rank holds whole,
+    eager (vLLM turns ShardQ off under full graphs), half the time a skip_topk layer, and the fewest prefill tokens
+    ShardQ splits (sparse_mla_shard_q_min_tokens) drawn up to the step's prefill tokens, so that the step splits
+    wherever a prompt reaches past the top-k and every rank gets a token."""
+    return CaseSpace(lambda swarm: attention_module_shardq_cases(p, attention_heads, swarm), indexer_knobs(p))
+
+
+@st.composite
+def attention_module_shardq_cases(draw, p: Profile, attention_heads: tuple[int, ...],
+                                  swarm: Swarm | None = None) -> Case:
+    fits = [(h, n) for n in SHARDQ_TP_SIZES for h in attention_heads if h < 32 and (TOTAL_HEADS // h) % n == 0]
+    tp = draw(st.sampled_from(sorted({n for _, n in fits})))
+    heads = draw(st.sampled_from([h for h, n in fits if n == tp]))
+    case = draw(indexer_cases(p, INDEXER_TOPK_BACKENDS, swarm, dcp=Dcp(1, 0, 1, 1, tp), kv_cache_dtype="fp8_ds_mla",
+                              graph_modes=("none",)))
+    prefill_tokens = case.num_tokens - case.num_decode_tokens
+    x = dataclasses.replace(case.indexer, attention_heads=heads, skip_topk_layer=draw(st.booleans()),
+                            shardq_min_tokens=draw(st.integers(1, max(1, prefill_tokens))))
+    earlier = tuple(dataclasses.replace(e, indexer=x) for e in case.earlier)
+    return dataclasses.replace(case, indexer=x, earlier=earlier).validate()
+
+
 def attention_module_pcp_space(p: Profile, attention_heads: tuple[int, ...],
                                combine_rows: int | None = None) -> CaseSpace:
     """DeepSeek-V3.2's attention module under PCP x DCP (`vllm.dsv32.attention.pcp_dcp`): a PCP x DCP (x TP) layout

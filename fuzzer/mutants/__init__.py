@@ -56,6 +56,7 @@ MUTANTS: dict[str, str] = {
     "dsv4-compressed-slot-partial-state": "fuzzer.mutants.dsv4_compressed_slot_partial_state",
     "dsv41-ratio1-swa-only": "fuzzer.mutants.dsv41_ratio1_swa_only",
     "dsv4-flashinfer-packed-span-ignored": "fuzzer.mutants.dsv4_flashinfer_packed_span_ignored",
+    "shardq-req-id-decode-offset-dropped": "fuzzer.mutants.shardq_req_id_decode_offset_dropped",
     "dsv41-flashinfer-prefill-cu-not-rebased": "fuzzer.mutants.dsv41_flashinfer_prefill_cu_not_rebased",
     "dsv41-combine-topk-len-off-by-one": "fuzzer.mutants.dsv41_combine_topk_len_off_by_one",
     "dsv41-mega-prefill-positions-unsliced": "fuzzer.mutants.dsv41_mega_prefill_positions_unsliced",

@@ -241,6 +241,40 @@ class EmulatedGroup:
     def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
         return torch.stack([t.float() for t in self._exchange(input_, "all_reduce")]).sum(0).to(input_.dtype)
 
+    def all_to_all_single(self, output: torch.Tensor, input_: torch.Tensor, output_split_sizes=None,
+                          input_split_sizes=None) -> None:
+        """torch.distributed.all_to_all_single over the group: the input's dim-0 split (input_split_sizes, else
+        equal) j goes to group rank j; the output holds what each rank sent this one, in rank order, split by
+        output_split_sizes (else equal), as bytes (the two tensors' rows may differ in width, as NCCL takes them).
+        What vLLM calls on the TP group's device_group: ShardQ's NCCL fallback."""
+        members, world, me = self._group_of[self.ranks.rank], self.world_size, self.rank_in_group
+        row_in = input_[:1].numel() * input_.element_size() if input_.shape[0] else 0
+        sizes = [n * row_in for n in _splits(input_split_sizes, input_.shape[0], world, "input_split_sizes")]
+        flat = input_.contiguous().view(-1).view(torch.uint8)
+        parts = self.ranks.exchange(flat, members)  # each rank's whole input: ranks send different sizes
+        splits = [s.tolist() for s in self.ranks.exchange(torch.tensor(sizes), members)]
+        received = [t[sum(sp[:me]): sum(sp[:me]) + sp[me]] for t, sp in zip(parts, splits)]
+        row_out = output[:1].numel() * output.element_size() if output.shape[0] else 0
+        expected = [n * row_out for n in _splits(output_split_sizes, output.shape[0], world, "output_split_sizes")]
+        got = [r.numel() for r in received]
+        if expected != got:  # NCCL would read past or short of what each peer sent
+            raise RuntimeError(f"all_to_all_single over the emulated {self.unique_name.rsplit('-', 1)[-1].upper()} "
+                               f"group: rank {me} expects {expected} bytes from the ranks, they send {got}")
+        output.view(-1).view(torch.uint8).copy_(torch.cat(received))
+
+
+def _splits(sizes, rows: int, world: int, name: str) -> list[int]:
+    """all_to_all_single's split sizes: as given (they must sum to the rows), else `rows` split equally (torch
+    refuses rows the world does not divide)."""
+    if sizes is None:
+        if rows % world:
+            raise ValueError(f"all_to_all_single: {rows} rows do not split equally over {world} ranks ({name} None)")
+        return [rows // world] * world
+    sizes = [int(x) for x in sizes]
+    if len(sizes) != world or sum(sizes) != rows:
+        raise ValueError(f"all_to_all_single: {name} {sizes} for {rows} rows over {world} ranks")
+    return sizes
+
 
 class EmulatedDcpGroup(EmulatedGroup):
     """vLLM's DCP group over every emulated rank (DCP without PCP reuses the TP ranks)."""
@@ -319,4 +353,13 @@ def emulated_dist():
             return None
         return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
-    return SimpleNamespace(**{**vars(dist), "all_gather_into_tensor": all_gather_into_tensor})
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                          async_op=False):
+        if isinstance(group, EmulatedProcessGroup):
+            group.coordinator.all_to_all_single(output, input, output_split_sizes, input_split_sizes)
+            return None
+        return dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group,
+                                      async_op=async_op)
+
+    return SimpleNamespace(**{**vars(dist), "all_gather_into_tensor": all_gather_into_tensor,
+                              "all_to_all_single": all_to_all_single})

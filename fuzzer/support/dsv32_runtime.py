@@ -46,10 +46,11 @@ def index_group_builder(cfg, topk_indices_buffer: torch.Tensor):
 
 
 def dsv32_layer(cfg, heads: int, kv_b_weight: torch.Tensor, topk_indices_buffer: torch.Tensor, indexer, group_builder,
-                device: str, prefix: str = LAYER, backend=None, disable_tp: bool = False):
+                device: str, prefix: str = LAYER, backend=None, disable_tp: bool = False, shardq_eligible: bool = False):
     """`DeepseekV32Attention` on `backend` (vLLM's sparse-MLA backend class; None: FLASHMLA_SPARSE) with `indexer` (a DeepseekV32Indexer, or None: a skip_topk layer),
     vLLM's CPU_SDPA_MLA prefill backend, kv_b_proj holding `kv_b_weight`, registered as `prefix`. disable_tp: kv_b_proj
     outside TP (`kv_b_weight` is already this rank's rows of the TP-split projection, under an emulated TP group).
+    shardq_eligible: as DeepSeek-V3.2 makes its non-MTP layers (0.34+: ShardQ where the impl supports it).
     Call inside `set_current_vllm_config(cfg)`."""
     from vllm.model_executor.layers.attention.mla_attention import MLAAttention
     from vllm.model_executor.layers.linear import ColumnParallelLinear
@@ -60,6 +61,7 @@ def dsv32_layer(cfg, heads: int, kv_b_weight: torch.Tensor, topk_indices_buffer:
     layer_cls = attention.DeepseekV32Attention
     cfg.compilation_config.static_forward_context.pop(prefix, None)
     outside_tp = {"disable_tp": True} if disable_tp else {}
+    shardq = {"shardq_eligible": True} if shardq_eligible else {}  # a keyword releases before 0.34 lack
     kv_b_proj = ColumnParallelLinear(KV_LORA_RANK, heads * (QK_NOPE + V_HEAD), bias=False, params_dtype=torch.bfloat16,
                                      prefix=f"{prefix}.kv_b_proj", **outside_tp).to(device)
     kv_b_proj.weight.data.copy_(kv_b_weight)
@@ -71,7 +73,7 @@ def dsv32_layer(cfg, heads: int, kv_b_weight: torch.Tensor, topk_indices_buffer:
             cache_config=cfg.cache_config, prefix=prefix,
             attn_backend=backend or importlib.import_module(BACKEND_MODULE).FlashMLASparseBackend, use_sparse=True,
             indexer=indexer, topk_indices_buffer=topk_indices_buffer, index_group_builder=group_builder,
-            prefill_backend_cls=importlib.import_module(CPU_SDPA_PREFILL_MODULE).CPUSDPAMLAPrefillBackend)
+            prefill_backend_cls=importlib.import_module(CPU_SDPA_PREFILL_MODULE).CPUSDPAMLAPrefillBackend, **shardq)
     after_loading(layer)
     # What DeepseekV32Attention.__init__ sets after MLAAttention.__init__, as it computes it (no MTP layer here).
     layer.num_local_heads, layer.qk_head_dim = heads, QK_NOPE + ROPE_DIM

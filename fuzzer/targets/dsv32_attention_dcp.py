@@ -87,6 +87,7 @@ class Dsv32AttentionDcp(Dsv32Attention):
                   "MLADCPManager (query gather, cp_lse_ag_out_rs combine, context gather)", "correct_attn_out (Triton)",
                   "triton_filter_and_convert_dcp_index", "FlashMLASparseImpl's fp8 mixed-batch path")
     kv_cache_dtypes = ("fp8_ds_mla",)  # vLLM runs FlashMLA sparse under DCP on an fp8_ds_mla cache only
+    shardq = False  # the layers ShardQ-eligible, over an emulated TP world (vllm.dsv32.attention.shardq)
 
     def unavailable(self) -> str | None:
         return super().unavailable() or FlashMLASparseDcp.needs_dcp_manager()
@@ -162,19 +163,20 @@ class Dsv32AttentionDcp(Dsv32Attention):
         from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens
 
         dev, case, inp = self.device, s.case, s.inp
-        if not st.engine:
-            self.new_rank_engine(r, st, cfg, case, s.layer_inputs)
+        if not st.engine:  # under TP alone the TP group is an emulated one: kv_b_proj takes the rank's rows as given
+            self.new_rank_engine(r, st, cfg, case, s.layer_inputs, disable_tp=self.shardq)
+        dr = r if case.dcp.size > 1 else 0  # the rank's DCP rank (TP alone: every rank holds the whole cache)
         with set_current_vllm_config(cfg), torch.inference_mode():
-            slots = own_slots(case, inp.slots, r)  # the rank's slot mapping: -1 for others' tokens and padding
+            slots = own_slots(case, inp.slots, dr)  # the rank's slot mapping: -1 for others' tokens and padding
             mine = slots >= 0
-            fresh = own_slots(case, s.fresh, r)
+            fresh = own_slots(case, s.fresh, dr)
             if bool((fresh >= 0).any()):  # what earlier steps (or a prefix-cache hit) left there
                 write_index_keys(s.fresh_keys[fresh >= 0], st.index_kv, fresh[fresh >= 0])
             if bool(mine.any()):
                 write_index_keys(inp.k[mine], st.index_kv, slots[mine])
             for ls, li, cache in zip(s.layer_steps, s.layer_inputs, st.caches):
                 w = written_slots(ls).to(dev)
-                local = own_slots(case, w, r)
+                local = own_slots(case, w, dr)
                 keep = local >= 0
                 if bool(keep.any()):  # an empty write is not launched (see dcp-pcp.md: the emulated ranks)
                     write(li.attention.kv_c[w[keep]], li.attention.k_pe[w[keep]], cache, local[keep])
@@ -186,7 +188,7 @@ class Dsv32AttentionDcp(Dsv32Attention):
                 route.update(mqa_tokens=0, mha_tokens=0)
             check_overrun = guard_index_group(st.engine["layers"][0].impl, poison=s.first)
             common = Indexer.common_metadata(s.whole, inp, dev)
-            local_lens = get_dcp_local_seq_lens(common.seq_lens, case.dcp.size, r, case.dcp.interleave)
+            local_lens = get_dcp_local_seq_lens(common.seq_lens, case.dcp.size, dr, case.dcp.interleave)
             extra = {k: v for k, v in {"dcp_local_seq_lens": local_lens,
                                        "dcp_local_seq_lens_cpu_upper_bound": local_lens.cpu()}.items()
                      if hasattr(common, k)}
@@ -206,7 +208,7 @@ class Dsv32AttentionDcp(Dsv32Attention):
                        for c, b in zip(st.caches, cache_before)]
             return {"outs": [o.clone() for o in outs], "topk": st.topk.clone(), "topk_before": before,
                     "index_kv": st.index_kv.clone(), "caches": [c.clone() for c in st.caches], "overruns": overruns,
-                    "changed": changed}
+                    "changed": changed, "shardq": getattr(mla_md, "shardq", None)}
 
     def new_rank_engine(self, r: int, st: RankState, cfg, case, layer_inputs, disable_tp: bool = False) -> None:
         """What rank r's runner keeps for the engine's life: its indexer and the indexer's builder, its heads of the
@@ -226,7 +228,7 @@ class Dsv32AttentionDcp(Dsv32Attention):
                 layer = dsv32_layer(cfg, h, rank_kv_b_weight(li.kv_b_weight, h, r), st.topk,
                                     indexer if i == 0 else None, group, dev,
                                     prefix=LAYER if i == 0 else SKIP_TOPK_LAYER, backend=self.backend,
-                                    disable_tp=disable_tp)
+                                    disable_tp=disable_tp, shardq_eligible=self.shardq)
                 layer.kv_cache = st.caches[i]
                 route: dict = {}
                 record_routes(layer.impl, route)

@@ -290,6 +290,16 @@ def _dcp_merge(args: tuple, kwargs: dict) -> Iterator[str]:
         yield "indexer.dcp_merge"
 
 
+def _shardq_split(args: tuple, kwargs: dict, result) -> Iterator[str]:
+    # build_shardq_metadata(cam, vllm_config, metadata, device): the step's ShardQ split over the TP ranks, or None
+    if result is None:
+        yield "shardq.none"
+        return
+    yield "shardq.split"
+    if result.num_decode_tokens:
+        yield "shardq.split.after_decodes"  # head-sharded decodes first: the split's top-k starts past them
+
+
 def _indexer_topk(args: tuple, kwargs: dict, result) -> Iterator[str]:
     yield f"indexer.topk.{result}"  # SparseIndexerTopk.resolve_backend: the decode top-k kernel it chose
 
@@ -318,6 +328,7 @@ PROBES: tuple[Probe, ...] = (
     Probe(INDEXER_OP, "pack_seq_triton", "indexer.decode.pack"),
     Probe(INDEXER_TOPK, "SparseIndexerTopk.resolve_backend", after=_indexer_topk),
     Probe(INDEXER_OP, "_merge_dcp_topk_global", before=_dcp_merge),
+    Probe(SPARSE_MLA, "build_shardq_metadata", after=_shardq_split),  # 0.34+: ShardQ's token split over TP
     # MLA's DCP collectives as MLADCPManager makes them (the query all-gather, the LSE combine's all-gather +
     # reduce-scatter), bound when a layer makes its manager
     Probe(DCP_OPS, "MLADCPManager._gather_query", "dcp.query_gather"),
@@ -439,7 +450,7 @@ KNOWN_PATHS: tuple[str, ...] = (
     "indexer.decode", "indexer.decode.native_mtp", "indexer.decode.flattened", "indexer.decode.requires_padding",
     "indexer.decode.pack", "indexer.prefill", "indexer.prefill.chunks", "indexer.prefill.query_subchunks",
     "dsv32.layer.indexer", "dsv32.layer.skip_topk", "dsv32.indexer_op", "indexer.dcp_merge", "dcp.query_gather",
-    "dcp.combine",
+    "dcp.combine", "shardq.none", "shardq.split", "shardq.split.after_decodes",
     "step5.summary.decode", "step5.scores.direct", "step5.scores.packed", "step5.select.all", "step5.select.topk",
     "step5.attention.splits", "step5.attention.one_split", "step5.attention.fp8", "step5.attention.gated",
     "step5.attention.groups",

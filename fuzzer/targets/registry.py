@@ -41,6 +41,7 @@ REGISTERED: dict[str, str] = {
     "vllm.dsv32.attention.flashinfer_sm90": "fuzzer.targets.dsv32_attention_backends:Dsv32AttentionFlashInferSM90",
     "vllm.dsv32.attention.dcp": "fuzzer.targets.dsv32_attention_dcp:Dsv32AttentionDcp",
     "vllm.dsv32.attention.pcp_dcp": "fuzzer.targets.dsv32_attention_pcp:Dsv32AttentionPcp",
+    "vllm.dsv32.attention.shardq": "fuzzer.targets.dsv32_attention_shardq:Dsv32AttentionShardQ",
     "vllm.dsv4.flashmla": "fuzzer.targets.dsv4_flashmla:Dsv4FlashMLA",
     "vllm.dsv41.flashmla": "fuzzer.targets.dsv41_flashmla:Dsv41FlashMLA",
     "vllm.dsv41.flashmla_mega": "fuzzer.targets.dsv41_flashmla_mega:Dsv41FlashMLAMega",

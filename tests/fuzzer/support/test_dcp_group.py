@@ -90,3 +90,33 @@ def test_a_world_whose_rank_raised_goes_by_reference_counting():
             ranks.run(functools.partial(gather_then_raise_on_rank_1, group))
         del ranks, group
         assert [r() for r in held] == [None] * 2
+
+
+def test_all_to_all_single_sends_each_rank_its_split_as_torch_distributed_does():
+    """ShardQ's NCCL fallback on the emulated TP group: rank r's input split j (its input_split_sizes) lands on rank
+    j, the splits a rank receives in rank order; rows may differ in width between input and output (the bytes
+    count, as NCCL takes them: shard_q receives [world, tokens, ...]); split sizes that disagree are refused."""
+    import torch
+
+    from fuzzer.support import dcp_group
+
+    ranks = dcp_group.LockstepRanks(3)
+    group = dcp_group.EmulatedGroup(ranks, [[0, 1, 2]], "tp")
+    sends = {0: [1, 2, 0], 1: [0, 1, 3], 2: [2, 0, 1]}  # rows rank r sends ranks 0, 1, 2
+
+    def step(r):
+        rows = torch.tensor([[10 * r + j, -(10 * r + j)] for j in range(sum(sends[r]))], dtype=torch.int32)
+        got = sum(sends[p][r] for p in range(3))
+        out = torch.empty(got, 2, dtype=torch.int32)
+        dist = dcp_group.emulated_dist()
+        dist.all_to_all_single(out, rows, [sends[p][r] for p in range(3)], sends[r], group=group.device_group)
+        return out[:, 0].tolist()
+
+    assert ranks.run(step) == [[0, 20, 21], [1, 2, 10], [11, 12, 13, 22]]
+
+    def wrong_output_splits(r):
+        out = torch.empty(2, 2, dtype=torch.int32)
+        group.all_to_all_single(out, torch.zeros(3, 2, dtype=torch.int32), [1, 1, 0], [1, 1, 1])
+
+    with pytest.raises(RuntimeError, match="expects"):
+        ranks.run(wrong_output_splits)
