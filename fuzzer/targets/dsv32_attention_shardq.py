@@ -36,8 +36,8 @@ from fuzzer.support.dcp_steps import direct_dcp_off, on_pcp_ranks
 from fuzzer.support.indexer_runtime import index_cache, indexer_config, logits_budget
 from fuzzer.support.sparse_mla_steps import uninitialized_memory_as_nan
 from fuzzer.targets.base import WHOLE, RunPlan
-from fuzzer.targets.dsv32_attention import EMULATED, engines_ended
-from fuzzer.targets.dsv32_attention_dcp import COLLECTIVES, Dsv32AttentionDcp, RankState, StepInputs
+from fuzzer.targets.dsv32_attention import EMULATED, Dsv32Attention, engines_ended
+from fuzzer.targets.dsv32_attention_dcp import Dsv32AttentionDcp, RankState, StepInputs
 from fuzzer.targets.harness import index_trace_step, max_batched_tokens, topk_buffer_for, trace_observation
 from oracles.dsv32 import undivided_trace
 from strategies.indexer_batches import attention_module_shardq_space
@@ -54,7 +54,7 @@ class Dsv32AttentionShardQ(Dsv32AttentionDcp):
                "process: the real indexer on the rank's token shard feeding FLASHMLA_SPARSE over all heads "
                "(shard_q / unshard_out all-to-alls, topk_start), head-sharded decodes, skip_topk layers, traces")
     bug_classes = "A C D G H I O"
-    real_parts = (*Dsv32AttentionDcp.real_parts[:4],
+    real_parts = (*Dsv32Attention.real_parts,
                   "build_shardq_split / zigzag_split / build_shardq_metadata (both builders' token split)",
                   "the indexer's ShardQ path (shardq_gather_indices, the split tokens' positions)",
                   "shard_q / unshard_out (the NCCL fallback's index_select / index_copy_)",
@@ -68,7 +68,7 @@ class Dsv32AttentionShardQ(Dsv32AttentionDcp):
 
     def prepare(self) -> None:
         direct_dcp_off()
-        super().prepare()
+        Dsv32Attention.prepare(self)  # the module's, not the DCP module's: no DCP merge (nor its stand-ins) under TP alone
         shardq = importlib.import_module(SHARDQ_MODULE)
         if not getattr(shardq.dist, "attnfuzz_emulated", False):
             shardq.dist = dcp_group.emulated_dist()
@@ -108,8 +108,7 @@ class Dsv32AttentionShardQ(Dsv32AttentionDcp):
                            index_kv=index_cache(case.pool_blocks, case.block_size, dev),
                            caches=[self.cache(attention_view(case, i), dev) for i in range(layers)])
                  for _ in range(tp)]
-        emulated = tuple(dict.fromkeys(e for e in (*self.emulated, write_emulated, *EMULATED, COLLECTIVES,
-                                                     SHARDQ_COLLECTIVES) if e))
+        emulated = tuple(dict.fromkeys(e for e in (*self.emulated, write_emulated, *EMULATED, SHARDQ_COLLECTIVES) if e))
         index_written = torch.zeros(pool.shape[0], dtype=torch.bool, device=dev)
         observed = []
         with engines_ended([st.engine for st in state]):
