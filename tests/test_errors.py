@@ -256,6 +256,31 @@ def test_a_device_query_a_cpu_host_cannot_answer_is_could_not_test_not_vllm_s_an
         assert vllms_answer(e)
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a CPU host's torch refusing pinned memory")
+def test_pinned_memory_a_cpu_host_cannot_give_is_could_not_test_not_vllm_s_answer():
+    """vLLM's host buffers ask for pinned memory (CpuGpuBuffer, `cpu.pin_memory()`): on a host without CUDA torch's C++
+    refuses with a plain RuntimeError and no frame of torch's; the statement that asked names it (0.34's ShardQ
+    buffers met this before the target unpinned them). The same words raised by another statement stay vLLM's."""
+    import torch
+
+    from fuzzer.errors import DeviceQueryUnanswered
+
+    def asks():
+        t = torch.zeros(4)
+        return {"x": t.pin_memory(
+        )}
+
+    try:
+        asks()
+    except RuntimeError as e:
+        refused = e
+    else:
+        pytest.skip("this host's torch pins memory")
+    with pytest.raises(DeviceQueryUnanswered, match="pinned memory at .*t.pin_memory"):
+        _Calls(asks).run(None)
+    assert _Calls(_raises(RuntimeError(str(refused)))).run(None).error_type == "RuntimeError"
+
+
 def test_a_method_a_layer_lacks_in_this_release_is_could_not_test_in_a_campaign_and_a_reproducer():
     """torch.nn.Module.__getattr__ raises a layer's missing attribute: the support frame that asked for it is the one
     that raised (a method this release's layer lacks), not vLLM; a layer of vLLM's asking for its own is vLLM's."""

@@ -202,7 +202,7 @@ def unanswerable_device_query(e: BaseException) -> str | None:
     "Torch not compiled with CUDA enabled"), that query and the vLLM line that made it, in words; None otherwise.
     A release that asks something new of the device meets this until attnfuzz answers it on a CPU (a shim in the
     backend's runtime): the case was not tested, which says nothing about vLLM. Told by type and frames, as
-    `moved_call`."""
+    `moved_call`; pinned memory, which torch refuses from C++, by the raising statement (`_pinned_memory_asked`)."""
     import torch
 
     tbs, t = [], e.__traceback__
@@ -215,7 +215,7 @@ def unanswerable_device_query(e: BaseException) -> str | None:
     inside = [tb for tb in tbs if Path(tb.tb_frame.f_code.co_filename).is_relative_to(package)]
     last = Path(tbs[-1].tb_frame.f_code.co_filename)
     if not any(last.is_relative_to(package / sub) for sub in ("accelerator", "cuda")):
-        return None
+        return _pinned_memory_asked(e, tbs[-1])
     asked = inside[0] if inside else tbs[-1]
     caller = tbs[tbs.index(asked) - 1] if tbs.index(asked) > 0 else asked
     module = [p for p in Path(asked.tb_frame.f_code.co_filename).relative_to(package).with_suffix("").parts
@@ -223,6 +223,23 @@ def unanswerable_device_query(e: BaseException) -> str | None:
     query = ".".join(["torch", *module, asked.tb_frame.f_code.co_name])
     return (f"{query}() at {caller.tb_frame.f_code.co_filename}:{caller.tb_lineno}: "
             f"{type(e).__name__}: {str(e).strip()[:200]}")
+
+
+def _pinned_memory_asked(e: BaseException, tb) -> str | None:
+    """Where a statement of vLLM's asking for pinned memory (`pin_memory` in its text: `t.pin_memory()`,
+    `torch.zeros(..., pin_memory=True)`) raised a plain RuntimeError on a host without CUDA: torch's C++ refusing it
+    (no pinned-memory allocator there), with no Python frame of torch's to tell it by. The statement, in words."""
+    import torch
+
+    if type(e) is not RuntimeError or torch.cuda.is_available():
+        return None
+    filename, first = tb.tb_frame.f_code.co_filename, tb.tb_lineno
+    last = next((end for start, end, *_ in tb.tb_frame.f_code.co_positions()
+                 if start == first and end is not None), first)  # the raising call's last line
+    statement = " ".join(linecache.getline(filename, n).strip() for n in range(first, max(first, last) + 1))
+    if "pin_memory" not in statement:
+        return None
+    return f"pinned memory at {filename}:{first} ({statement[:120]}): {type(e).__name__}: {str(e).strip()[:200]}"
 
 
 def _module_getattr(tb) -> bool:
