@@ -6,6 +6,7 @@ stand-in and through the real op on copies of the same tensors:
   gather_and_maybe_dequant_cache (bf16; fp8_ds_mla as   the workspace compared bit for bit (NaN == NaN)
     flat fp8, the misuse behind vLLM issue 48611 bug 2)
   concat_mla_q                                          q_out compared bit for bit
+  cp_gather_cache (bf16: DCP's context gather, 0.34)    the workspace compared bit for bit
   concat_and_cache_mla with 0 tokens (fp8_ds_mla, bf16) whether it fails, at once or at the next kernel launch
     (the real op launches a grid of num_tokens blocks with no launch check: an empty grid's launch error surfaces
     at whatever launches next, far from its cause; the stand-in raises at the call)
@@ -39,7 +40,8 @@ from fuzzer.support.standins import cache_ops, flashmla_ops  # noqa: E402
 # The misuse last: should the real op fault on it, the CUDA context is lost for whatever runs after it.
 OPS = ("concat_and_cache_mla[bf16]", "concat_and_cache_mla[fp8_ds_mla]", "cp_gather_and_upconvert_fp8_kv_cache",
        "gather_and_maybe_dequant_cache[bf16]", "concat_mla_q", "concat_and_cache_mla[fp8_ds_mla, 0 tokens]",
-       "concat_and_cache_mla[bf16, 0 tokens]", "gather_and_maybe_dequant_cache[fp8_ds_mla as flat fp8]")
+       "concat_and_cache_mla[bf16, 0 tokens]", "gather_and_maybe_dequant_cache[fp8_ds_mla as flat fp8]",
+       "cp_gather_cache[bf16]")
 NOPE, ROPE, ENTRY = 512, 64, 656
 
 
@@ -53,6 +55,7 @@ def real_ops():
     return SimpleNamespace(concat_and_cache_mla=flashmla_ops.concat_and_cache_mla,
                            cp_gather_and_upconvert_fp8_kv_cache=flashmla_ops.cp_gather_and_upconvert_fp8_kv_cache,
                            gather_and_maybe_dequant_cache=cache_ops.gather_and_maybe_dequant_cache,
+                           cp_gather_cache=cache_ops.cp_gather_cache,
                            concat_mla_q=flashmla_ops.concat_mla_q)
 
 
@@ -175,6 +178,25 @@ def case_gather_dequant(d: Draw, dtype: str):
     return bits_equal(mine, real), f"{b} requests, {num_tokens} of {total} tokens"
 
 
+def case_cp_gather(d: Draw):
+    """DCP's bf16 context gather: each request's rows at cu_seq_lens, its positions from seq_starts (or 0)."""
+    ops = real_ops()
+    num_blocks, block_size = d.cache_geometry()
+    table, lens, starts = d.requests(num_blocks, block_size)
+    cache = d.normal(num_blocks, block_size, NOPE + ROPE)
+    use_starts = d.int(0, 1)
+    if not use_starts:
+        lens = [min(n + s, table.shape[1] * block_size) for n, s in zip(lens, starts)]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32).to(DEVICE)
+    total = int(cu[-1])
+    dst = torch.full((total + d.int(0, 4), NOPE + ROPE), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    mine, real = dst.clone(), dst.clone()
+    seq_starts = torch.tensor(starts, dtype=torch.int32).to(DEVICE) if use_starts else None
+    cache_ops.cp_gather_cache(cache, mine, table, cu, table.shape[0], seq_starts)
+    ops.cp_gather_cache(cache, real, table, cu, table.shape[0], seq_starts)
+    return bits_equal(mine, real), f"{table.shape[0]} requests, {total} tokens"
+
+
 def case_concat_mla_q(d: Draw):
     ops = real_ops()
     t, h = d.int(1, 300), d.choice((1, 8, 16, 32, 64, 128))
@@ -229,6 +251,7 @@ CASES = {
     OPS[5]: lambda d: case_empty_concat_and_cache(d, "fp8_ds_mla"),
     OPS[6]: lambda d: case_empty_concat_and_cache(d, "auto"),
     OPS[7]: lambda d: case_gather_dequant(d, "fp8_ds_mla"),
+    OPS[8]: case_cp_gather,
 }
 
 

@@ -169,7 +169,11 @@ def judge_dcp(case: Case, obs) -> list[Verdict]:
 
 def judge_layer_dcp(case, obs):
     """The ranks' heads, in rank order, as the layer's output over the undivided context; as `judge_dcp` does,
-    a wrong merged output under DCP (size > 1) points at the split and merge (class G) unless it names another."""
+    a wrong merged output under DCP (size > 1) points at the split and merge (class G) unless it names another, and
+    outside FlashMLA's DCP envelope (a cache this release does not run under DCP) vLLM must refuse."""
+    why = outside_envelope(case, tuple(obs.notes.get("dcp_cache_dtypes", ("fp8_ds_mla",))))
+    if why and "NotImplementedError" in f"{obs.error_type} {obs.error}":
+        return [Verdict("contract", True, f"refused ({why}): {obs.error_type}: {obs.error}")]
     verdicts = judge_layer(undivided(case), obs)
     if case.dcp.size == 1:
         return verdicts

@@ -206,6 +206,7 @@ def install_layer_standins(device: str) -> tuple[str, ...]:
 
     mla, bound = importlib.import_module(MLA_MODULE), []
     standins = {"gather_and_maybe_dequant_cache": cache_ops.gather_and_maybe_dequant_cache,
+                "cp_gather_cache": cache_ops.cp_gather_cache,  # DCP's context gather on a bf16 cache (0.34)
                 "cp_gather_and_upconvert_fp8_kv_cache": flashmla_ops.cp_gather_and_upconvert_fp8_kv_cache}
     missing = {name: op for name, op in standins.items() if device == "cpu" or not has_cache_op(name)}
     if missing:  # mla_attention binds vLLM's _custom_ops as `ops`: rebind it to a copy carrying the stand-ins

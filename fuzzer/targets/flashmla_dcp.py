@@ -357,7 +357,7 @@ class DcpStep:
         if calls:
             stride, compacted = calls.pop()
             obs.notes["dcp_filter_call"] = {"block_stride_rows": stride, "compacted": compacted}
-        if (dtypes := getattr(self.target, "dcp_cache_dtypes", None)) is not None:  # (the layer's DCP targets: none)
+        if (dtypes := getattr(self.target, "dcp_cache_dtypes", None)) is not None:  # (PCP's layer target: none)
             obs.notes["dcp_cache_dtypes"] = list(dtypes)
         if changed := [f"rank {r}: {res.cache_changed} rows" for r, res in enumerate(results) if res.cache_changed]:
             obs.notes["cache_changed"] = ", ".join(changed)

@@ -34,6 +34,7 @@ from fuzzer.targets.flashmla_dcp import (
     FlashMLASparseDcp,
     RankResult,
     dcp_cache_args,
+    dcp_cache_dtypes,
     dcp_constants,
     dcp_report,
     dcp_repro_tensors,
@@ -55,7 +56,11 @@ class FlashMLASparseLayerDcp(FlashMLASparseLayer):
                "with the query gather and LSE combine, short prefill -> dense MHA with the DCP context gather")
     bug_classes = "A B C E F G I J"
     oracle = staticmethod(judge_layer_dcp)
-    kv_cache_dtypes = ("fp8_ds_mla",)  # the layer under DCP on fp8_ds_mla (0.34 also runs bf16: not drawn here yet)
+    # the layer under DCP on fp8_ds_mla, and from 0.34 on bf16 (`dcp_cache_dtypes`: this release's; on one that
+    # refuses bf16 the cases check that it does)
+    kv_cache_dtypes = ("fp8_ds_mla", "bfloat16")
+    dcp_cache_dtypes: tuple[str, ...] = ("fp8_ds_mla",)
+    PLANNED = (*FlashMLASparseLayer.PLANNED, "dcp_cache_dtypes")
 
     def unavailable(self) -> str | None:
         return super().unavailable() or FlashMLASparseDcp.needs_dcp_manager()
@@ -64,6 +69,7 @@ class FlashMLASparseLayerDcp(FlashMLASparseLayer):
         direct_dcp_off()  # no symmetric memory over emulated ranks (CUDA would probe for it)
         super().prepare()
         self.real_parts = (*self.real_parts, "MLADCPManager (query gather, LSE combine, context gather)")
+        self.dcp_cache_dtypes = dcp_cache_dtypes()
 
     def cases(self, profile, plan: RunPlan = WHOLE):
         # The mixed-batch path (< 32 heads per rank), gathered heads inside one fp8 envelope (<= 64).
@@ -99,9 +105,9 @@ class FlashMLASparseLayerDcp(FlashMLASparseLayer):
                                                    **dcp_cache_args(), device="DEVICE", found="found"),
                       assign="out, route", note="every rank, emulated in one process: its MLAAttention's output")
         return ReproSpec(
-            about=f"Shrunk case: {case.summary()}; {case.heads} heads per rank, fp8_ds_mla, values {case.values}.\n"
-                  "Inputs in tensors.safetensors beside this file; the expected output is attnfuzz's fp32 oracle of "
-                  "the layer (after W_UV) over the undivided context.",
+            about=f"Shrunk case: {case.summary()}; {case.heads} heads per rank, {case.kv_cache_dtype}, values "
+                  f"{case.values}.\nInputs in tensors.safetensors beside this file; the expected output is attnfuzz's "
+                  "fp32 oracle of the layer (after W_UV) over the undivided context.",
             constants=dict(dcp_constants(case, whole, topk_buffer), ATOL=atol, RTOL=rtol, LSE_TOL=0.0),
             tensors=tensors,
             prepare=(Call(direct_dcp_off), *self.repro_prepare(layer=True)),

@@ -124,3 +124,53 @@ def gather_and_maybe_dequant_cache(src_cache: torch.Tensor, dst: torch.Tensor, b
             _violation(op, "cu_seq_lens", b_stop + 1, cu.numel(), 4, access="load")
     elif num_tokens > tts.numel():
         _violation(op, "token_to_seq", tts.numel(), tts.numel(), 4, access="load")
+
+
+
+def cp_gather_cache(src_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tensor, cu_seq_lens: torch.Tensor,
+                    batch_size: int, seq_starts: torch.Tensor | None = None) -> None:
+    """`ops.cp_gather_cache` (csrc/cache_kernels.cu, the unquantized context gather; DCP's on a bf16 cache): request
+    b's rows cu_seq_lens[b] .. cu_seq_lens[b + 1] of dst are its positions (+ seq_starts[b]) read through
+    block_table[b] (its row stride), each a whole entry of the cache's element type, copied as is. A request whose
+    cu_seq_lens go backwards copies nothing (its splits are inactive); nothing checks dst's rows or the table's
+    width (each a fault of the real op here)."""
+    op = "cp_gather_cache"
+    for name, t in (("block_table", block_table), ("cu_seq_lens", cu_seq_lens)) + (
+            (("seq_starts", seq_starts),) if seq_starts is not None else ()):
+        if t.dtype != torch.int32:
+            raise RuntimeError(f"{name} must be int32")
+    if src_cache.dtype != dst.dtype:
+        raise RuntimeError("src_cache and dst must have the same dtype")
+    num_blocks, block_size = src_cache.shape[:2]
+    entry_elems = src_cache.shape[2:].numel()
+    cu = cu_seq_lens.long().cpu()
+    if batch_size + 1 > cu.numel():  # the grid has batch_size blocks in x: each reads cu_seq_lens[b + 1]
+        _violation(op, "cu_seq_lens", cu.numel(), cu.numel(), 4, access="load")
+        batch_size = cu.numel() - 1
+    starts = seq_starts.long().cpu() if seq_starts is not None else torch.zeros(batch_size, dtype=torch.long)
+    flat_table = block_table.reshape(-1).long().cpu() if block_table.is_contiguous() else \
+        block_table.contiguous().reshape(-1).long().cpu()
+    dst_rows = dst.reshape(dst.shape[0], -1)
+    for b in range(batch_size):
+        first, n = int(cu[b]), int(cu[b + 1] - cu[b])
+        if n <= 0:
+            continue
+        pos = torch.arange(n) + int(starts[b])
+        at = b * block_table.stride(0) + torch.div(pos, block_size, rounding_mode="floor")
+        bad_at = (at < 0) | (at >= flat_table.numel())
+        block = torch.where(bad_at, 0, flat_table[at.clamp(0, max(flat_table.numel() - 1, 0))])
+        bad_block = ~bad_at & ((block < 0) | (block >= num_blocks))
+        rows = first + torch.arange(n)
+        bad_dst = ~bad_at & ~bad_block & ((rows < 0) | (rows >= dst.shape[0]))
+        for i in (bad_at | bad_block | bad_dst).nonzero().flatten().tolist()[:4]:
+            if bad_at[i]:
+                _violation(op, "block_table", int(at[i]), flat_table.numel(), 4, access="load")
+            elif bad_block[i]:
+                _violation(op, "src_cache", int(block[i]) * block_size + int(pos[i]) % block_size,
+                           num_blocks * block_size, entry_elems * src_cache.element_size(), access="load")
+            else:
+                _violation(op, "dst", int(rows[i]), dst.shape[0], entry_elems * dst.element_size())
+        ok = ~(bad_at | bad_block | bad_dst)
+        if ok.any():
+            entries = src_cache[block[ok].to(src_cache.device), (pos[ok] % block_size).to(src_cache.device)]
+            dst_rows[rows[ok].to(dst.device)] = entries.reshape(int(ok.sum()), -1)

@@ -22,7 +22,7 @@ def target():
     return t
 
 
-def production_step(size: int, interleave: int, heads: int) -> Case:
+def production_step(size: int, interleave: int, heads: int, kv_cache_dtype: str = "fp8_ds_mla") -> Case:
     """A decode with long context, a short prefill with cached context (chunked) and a fresh one."""
     reqs, virtual = (Request(1, 200), Request(6, 70), Request(4, 0)), 64 * size
     table, nxt = [], 1
@@ -31,7 +31,7 @@ def production_step(size: int, interleave: int, heads: int) -> Case:
         table.append(tuple(range(nxt, nxt + n)) + (0,) * (3 - n))
         nxt += n
     return Case(reqs, 1, 64, tuple(table), 128, (TopkSpec(100), TopkSpec(128), TopkSpec(128)), heads=heads,
-                kv_cache_dtype="fp8_ds_mla", dcp=Dcp(size, 0, interleave), seed=5).validate()
+                kv_cache_dtype=kv_cache_dtype, dcp=Dcp(size, 0, interleave), seed=5).validate()
 
 
 @pytest.mark.parametrize("size, interleave, heads", [(2, 1, 16), (4, 16, 16), (8, 1, 8)])
@@ -45,6 +45,21 @@ def test_the_production_route_is_right_under_dcp(size, interleave, heads):
     assert {"mha.chunked_context.dcp", "dcp.filter", "mqa"} <= set(obs.notes["paths"])  # the DCP context gather ran
     assert obs.notes["route"]["mha_tokens"] == 10 and obs.notes["route"]["chunked_context"]
     assert any("DCP collectives" in e for e in obs.emulated)
+
+
+def test_a_bf16_cache_under_dcp_runs_the_layer_where_the_release_runs_it_and_is_refused_where_not():
+    """0.34 runs the layer under DCP on a bf16 cache (its bf16 forward filters the top-k to the rank's slots; dense
+    MHA gathers the bf16 context over the group); 0.33 refuses it with NotImplementedError, which the oracle takes."""
+    t = target()
+    case = production_step(2, 1, 16, "bfloat16")
+    obs = t.run(case)
+    verdicts = t.oracle(case, obs)
+    assert all(v.ok for v in verdicts), verdicts
+    if "bfloat16" in t.dcp_cache_dtypes:
+        assert obs.error_type is None and obs.notes["route"]["mha_tokens"] == 10
+        assert {"mha.chunked_context.dcp", "dcp.filter.compacted", "kernel.bf16_sparse"} <= set(obs.notes["paths"])
+    else:
+        assert obs.error_type == "NotImplementedError" and [v.check for v in verdicts] == ["contract"]
 
 
 def test_a_finding_gets_a_reproducer_that_emulates_the_ranks_and_shows_it(tmp_path):
