@@ -136,12 +136,7 @@ class Dsv32AttentionDcp(Dsv32Attention):
         observed = []
         with installed_groups(_DCP=groups["_DCP"]), engines_ended([st.engine for st in state]):
             for k, step in enumerate(steps):
-                inp = materialize_indexer_inputs(whole.steps[k], pool)  # undivided slots (-1: padding tokens)
-                fresh = inp.context_slots[~index_written[inp.context_slots]]
-                layer_steps = [v.steps[k] for v in views]
-                layer_inputs = [materialize_layer_inputs(s, dev) for s in layer_steps]
-                shared = StepInputs(case=step, whole=whole.steps[k], inp=inp, fresh=fresh, fresh_keys=pool[fresh],
-                                    layer_steps=layer_steps, layer_inputs=layer_inputs, first=k == 0)
+                shared = StepInputs.of(k, step, whole, views, pool, index_written, dev)
 
                 def call(shared=shared):
                     with logits_budget(shared.case.indexer.max_logits_mb), uninitialized_memory_as_nan():
@@ -151,7 +146,7 @@ class Dsv32AttentionDcp(Dsv32Attention):
                 obs = self.observe_step(call, lambda: state[0].routes,
                                         notes={"dcp": f"{size} ranks emulated in one process, interleave "
                                                       f"{case.dcp.interleave}, {heads} heads a rank"})
-                if index_trace_step(observed, obs, step, inp, index_written, emulated, self.shims):
+                if index_trace_step(observed, obs, step, shared.inp, index_written, emulated, self.shims):
                     break
         return trace_observation(observed)
 
@@ -297,6 +292,17 @@ class StepInputs:
     layer_steps: list
     layer_inputs: list
     first: bool
+
+    @classmethod
+    def of(cls, k: int, step, whole, views: list, pool: torch.Tensor, index_written: torch.Tensor, device: str):
+        """Step k of a trace: `whole` the indexer's undivided trace, `views` each layer's, `pool` the index keys by
+        undivided slot, `index_written` the slots an earlier step of the engine wrote."""
+        inp = materialize_indexer_inputs(whole.steps[k], pool)  # undivided slots (-1: padding tokens)
+        fresh = inp.context_slots[~index_written[inp.context_slots]]
+        layer_steps = [v.steps[k] for v in views]
+        return cls(case=step, whole=whole.steps[k], inp=inp, fresh=fresh, fresh_keys=pool[fresh],
+                   layer_steps=layer_steps, layer_inputs=[materialize_layer_inputs(s, device) for s in layer_steps],
+                   first=k == 0)
 
 
 def own_slots(case, undivided_slots: torch.Tensor, rank: int) -> torch.Tensor:

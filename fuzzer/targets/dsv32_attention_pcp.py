@@ -54,6 +54,7 @@ from fuzzer.targets.dsv32_attention_dcp import (
     INTERPRETED_COMBINE_ROWS,
     Dsv32AttentionDcp,
     RankState,
+    StepInputs,
     own_slots,
     undivided_index_cache,
 )
@@ -65,8 +66,8 @@ from oracles.dcp import rank_slots
 from oracles.dsv32 import undivided_trace
 from strategies.case import pcp_splits
 from strategies.indexer_batches import attention_module_pcp_space
-from strategies.indexer_tensors import attention_view, key_pool, materialize_indexer_inputs
-from strategies.tensors import materialize_layer_inputs, written_slots
+from strategies.indexer_tensors import attention_view, key_pool
+from strategies.tensors import written_slots
 
 # Under PCP the seam's callers write nothing before it: the index keys and MLA entries of the step are the seam's.
 EMULATED = (MODULE_EMULATED[0].replace("the MLA cache write (concat_and_cache_mla), the index K-cache write "
@@ -132,15 +133,10 @@ class Dsv32AttentionPcp(Dsv32AttentionDcp):
         observed = []
         with engines_ended([st.engine for st in state]):
             for k, step in enumerate(steps := case.steps):
-                inp = materialize_indexer_inputs(whole.steps[k], pool)
-                fresh = inp.context_slots[~index_written[inp.context_slots]]
-                layer_steps = [v.steps[k] for v in views]
-                layer_inputs = [materialize_layer_inputs(s, dev) for s in layer_steps]
                 reqs = step.requests
                 batch = pcp_runtime.global_batch([r.query_len for r in reqs], [r.context_len for r in reqs],
                                                  [i >= step.num_decodes for i in range(len(reqs))], dev)
-                shared = dict(case=step, whole=whole.steps[k], inp=inp, fresh=fresh, fresh_keys=pool[fresh],
-                              layer_steps=layer_steps, layer_inputs=layer_inputs, first=k == 0, batch=batch,
+                shared = dict(vars(StepInputs.of(k, step, whole, views, pool, index_written, dev)), batch=batch,
                               write=context_write)
 
                 def call(shared=shared):
@@ -160,7 +156,7 @@ class Dsv32AttentionPcp(Dsv32AttentionDcp):
                                   "dcp_merge": d.size > 1}})
                 if "mha_rows" in obs.outputs:  # every rank's dense-MHA rows, not rank 0's alone
                     obs.notes["route"] = dict(obs.notes["route"], mha_tokens=int(obs.outputs["mha_rows"].sum()))
-                if index_trace_step(observed, obs, step, inp, index_written, emulated, self.shims):
+                if index_trace_step(observed, obs, step, shared["inp"], index_written, emulated, self.shims):
                     break
         return trace_observation(observed)
 

@@ -41,8 +41,7 @@ from fuzzer.targets.dsv32_attention_dcp import Dsv32AttentionDcp, RankState, Ste
 from fuzzer.targets.harness import index_trace_step, max_batched_tokens, topk_buffer_for, trace_observation
 from oracles.dsv32 import undivided_trace
 from strategies.indexer_batches import attention_module_shardq_space
-from strategies.indexer_tensors import attention_view, key_pool, materialize_indexer_inputs
-from strategies.tensors import materialize_layer_inputs
+from strategies.indexer_tensors import attention_view, key_pool
 
 SHARDQ_MODULE = "vllm.v1.attention.ops.shardq"
 SHARDQ_COLLECTIVES = "ShardQ's all-to-all (its NCCL fallback, torch.distributed.all_to_all_single) over attnfuzz's in-process TP group"
@@ -112,13 +111,8 @@ class Dsv32AttentionShardQ(Dsv32AttentionDcp):
         index_written = torch.zeros(pool.shape[0], dtype=torch.bool, device=dev)
         observed = []
         with engines_ended([st.engine for st in state]):
-            for k, step in enumerate(steps := case.steps):
-                inp = materialize_indexer_inputs(whole.steps[k], pool)
-                fresh = inp.context_slots[~index_written[inp.context_slots]]
-                layer_steps = [v.steps[k] for v in views]
-                layer_inputs = [materialize_layer_inputs(s, dev) for s in layer_steps]
-                shared = StepInputs(case=step, whole=whole.steps[k], inp=inp, fresh=fresh, fresh_keys=pool[fresh],
-                                    layer_steps=layer_steps, layer_inputs=layer_inputs, first=k == 0)
+            for k, step in enumerate(case.steps):
+                shared = StepInputs.of(k, step, whole, views, pool, index_written, dev)
 
                 def call(shared=shared):
                     with logits_budget(shared.case.indexer.max_logits_mb), uninitialized_memory_as_nan():
@@ -130,7 +124,7 @@ class Dsv32AttentionShardQ(Dsv32AttentionDcp):
                                         notes={"shardq": f"{tp} TP ranks emulated in one process, {heads} heads a "
                                                          f"rank, ShardQ from {cfg.attention_config.sparse_mla_shard_q_min_tokens} "
                                                          "prefill tokens"})
-                if index_trace_step(observed, obs, step, inp, index_written, emulated, self.shims):
+                if index_trace_step(observed, obs, step, shared.inp, index_written, emulated, self.shims):
                     break
         return trace_observation(observed)
 
