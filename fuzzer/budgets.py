@@ -26,7 +26,7 @@ BUDGETS: dict[str, dict[str, Budget]] = {
         "vllm.flashmla_sparse.nvfp4": Budget(gate=100, selftest=40),
         "vllm.flashmla_sparse.layer": Budget(gate=50, selftest=30),
         "vllm.flashmla_sparse.dcp": Budget(gate=20, selftest=16),  # every DCP rank emulated: ~5 s a case
-        "vllm.flashmla_sparse.layer.dcp": Budget(gate=12, selftest=12),  # every rank's layer emulated: 5-10 s a case
+        "vllm.flashmla_sparse.layer.dcp": Budget(gate=24, selftest=12),  # every rank's layer emulated: 1-2 s a case (16 bf16: 0.6998 of the pairs)
         "vllm.flashmla_sparse.layer.pcp_dcp": Budget(gate=20, selftest=12),  # 2-4 PCP x TP ranks emulated: 1-5 s a case (12: 0.68 of the pairs)
         "vllm.flashattn_sparse": Budget(gate=60, selftest=30),
         "vllm.flashattn_sparse.layer": Budget(gate=30, selftest=20),  # steps of up to 300 tokens: 2-7 s a case
@@ -51,6 +51,7 @@ BUDGETS: dict[str, dict[str, Budget]] = {
         "vllm.dsv32.attention.flashattn": Budget(gate=24, selftest=20),  # indexer steps of up to 300 tokens: ~2.6 s a case
         "vllm.dsv32.attention.flashinfer_sm90": Budget(gate=24, selftest=20),  # and FlashInfer's stand-in: ~3.8 s a case
         "vllm.dsv32.attention.dcp": Budget(gate=24, selftest=12),  # 2-8 ranks' indexer and layer, interpreted combine: ~5 s a case
+        "vllm.dsv32.attention.pcp_dcp": Budget(gate=40, selftest=30),  # PCP x TP ranks' indexer and layer: ~1 case/s (30: 0.698 of the pairs)
         "vllm.dsv32.attention.shardq": Budget(gate=30, selftest=20),  # 2-4 TP ranks' indexer and layer: 0.3-0.5 case/s
         "vllm.step5_dsa": Budget(gate=24, selftest=20),  # interpreted decode kernels, up to 9 steps a case: ~0.2-1 case/s
     },
