@@ -17,7 +17,7 @@ mkdir -p "$DEST/so-$VER"
 python3 -m pip download -q --no-deps "vllm==$VER" -d "$TMP/w"
 WHL=$(ls "$TMP"/w/vllm-*.whl)
 unzip -q "$WHL" -d "$TMP/x" -x 'vllm/vllm_flash_attn/*' 'vllm/vllm-rs' 'vllm/kernels/helion/configs/*' '*.so' '*.hpp' '*.h' '*.cuh' '*.cu' '*.cpp' '*.js' '*.css'
-(cd "$TMP/x" && tar czf - vllm) > "$DEST/vllm-$VER.tgz"
+(cd "$TMP/x" && tar czf - vllm vllm-*.dist-info) > "$DEST/vllm-$VER.tgz"  # its metadata too: vLLM detects its platform by it
 unzip -q -o -j "$WHL" 'vllm/_flashmla_C.abi3.so' 'vllm/_flashmla_extension_C.abi3.so' -d "$DEST/so-$VER"
 if [ "${2:-}" = --deep-gemm ]; then
   # Releases before 0.33 ship one extension per CPython (_C.cpython-3XX); the host needs its own only.
