@@ -281,6 +281,19 @@ def test_pinned_memory_a_cpu_host_cannot_give_is_could_not_test_not_vllm_s_answe
     assert _Calls(_raises(RuntimeError(str(refused)))).run(None).error_type == "RuntimeError"
 
 
+def test_a_platform_that_does_not_answer_is_could_not_test_not_vllm_s_answer():
+    """vLLM's platform base class raises NotImplementedError for what a platform does not implement (on a GPU host
+    whose vLLM detected no platform, FlashMLA's builder met it at `num_compute_units`, and two campaigns reported it
+    as a finding): the host's, not the backend's. The same error raised by vLLM's own code stays its answer."""
+    from vllm.platforms.interface import Platform
+
+    from fuzzer.errors import DeviceQueryUnanswered
+
+    with pytest.raises(DeviceQueryUnanswered, match="Platform.get_device_name: NotImplementedError"):
+        _Calls(lambda: {"x": Platform.get_device_name(0)}).run(None)
+    assert _Calls(_raises(NotImplementedError("vLLM refuses"))).run(None).error_type == "NotImplementedError"
+
+
 def test_a_method_a_layer_lacks_in_this_release_is_could_not_test_in_a_campaign_and_a_reproducer():
     """torch.nn.Module.__getattr__ raises a layer's missing attribute: the support frame that asked for it is the one
     that raised (a method this release's layer lacks), not vLLM; a layer of vLLM's asking for its own is vLLM's."""

@@ -21,7 +21,7 @@ from fuzzer.observation import Observation
 from fuzzer.repro_spec import ReproSpec
 from fuzzer.support.interp.sanitizer import SANITIZER, speed_up_interpreter
 from fuzzer.targets.guards import poison_free_memory
-from fuzzer.targets.vllm_api import moved_call, unanswerable_device_query, vllm_version
+from fuzzer.targets.vllm_api import moved_call, platform_unanswered, unanswerable_device_query, vllm_version
 from oracles.verdict import Verdict
 from strategies.batches import CaseSpace
 from strategies.case import Case
@@ -182,10 +182,15 @@ def call_fault(target: str, e: BaseException) -> None:
 
 def host_fault(target: str, e: BaseException, device: str) -> None:
     """Raise a DeviceQueryUnanswered when, on a CPU host, `e` is torch refusing a device query vLLM made
-    (`vllm_api.unanswerable_device_query`): attnfuzz lacks the CPU shim that answers it, so the case was not tested."""
+    (`vllm_api.unanswerable_device_query`): attnfuzz lacks the CPU shim that answers it, so the case was not tested;
+    on any host, when it is vLLM's platform class saying it has no answer (`vllm_api.platform_unanswered`: a
+    platform vLLM did not detect, or the CPU platform asked for a GPU's figure)."""
     if device == "cpu" and (why := unanswerable_device_query(e)) is not None:
         raise DeviceQueryUnanswered(f"{target} on vLLM {vllm_version()}: vLLM asked this CPU host for a device and "
                                  f"attnfuzz has no CPU answer for it (a shim in the backend's runtime): {why}") from e
+    if (why := platform_unanswered(e)) is not None:
+        raise DeviceQueryUnanswered(f"{target} on vLLM {vllm_version()}: vLLM's platform on this host does not "
+                                    f"answer what the backend asked: {why}") from e
 
 
 def as_moved(target: str, e: BaseException) -> VllmCallMoved | None:

@@ -225,6 +225,23 @@ def unanswerable_device_query(e: BaseException) -> str | None:
             f"{type(e).__name__}: {str(e).strip()[:200]}")
 
 
+def platform_unanswered(e: BaseException) -> str | None:
+    """Where exception `e` is vLLM's platform class raising NotImplementedError from its base (the innermost frame in
+    vllm/platforms/interface.py: `num_compute_units`, `get_device_name`, ... on a platform that does not implement
+    them; a host whose vLLM detected no platform answers none), the method and the platform, in words; None
+    otherwise. The host's, not the backend's: nothing about the code under test."""
+    if not isinstance(e, NotImplementedError) or e.__traceback__ is None:
+        return None
+    tb = e.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    if not tb.tb_frame.f_code.co_filename.replace("\\", "/").endswith("vllm/platforms/interface.py"):
+        return None
+    platform = tb.tb_frame.f_locals.get("cls") or tb.tb_frame.f_locals.get("self")
+    name = getattr(platform, "__name__", type(platform).__name__)
+    return f"{name}.{tb.tb_frame.f_code.co_name}: NotImplementedError: {str(e).strip()[:160]}"
+
+
 def _pinned_memory_asked(e: BaseException, tb) -> str | None:
     """Where a statement of vLLM's asking for pinned memory (`pin_memory` in its text: `t.pin_memory()`,
     `torch.zeros(..., pin_memory=True)`) raised a plain RuntimeError on a host without CUDA: torch's C++ refusing it
