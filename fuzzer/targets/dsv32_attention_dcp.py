@@ -237,22 +237,27 @@ class Dsv32AttentionDcp(Dsv32Attention):
         st.engine["indexer_builder"] = indexer_builder(cfg, indexer, dev, len(case.block_table[0]))
         st.engine["layers"] = layers
 
-    def merged(self, s: StepInputs, results: list[dict]):
-        """What every rank left, as the undivided step's observation: each layer's output (the ranks' heads side by
-        side), rank 0's top-k buffer and the rows where another rank's differs, the index cache and the MLA entries
-        of the step's slots read back from the ranks that hold them. Returns (outputs, overruns, cache changes)."""
-        case, n = s.case, s.case.num_tokens
-        out = {"topk_indices_buffer": results[0]["topk"], "topk_before": results[0]["topk_before"],
-               "index_cache": undivided_index_cache(case, [res["index_kv"] for res in results])}
-        rows, width = case.num_actual_tokens, case.topk_width
+    def topk_rows(self, s: StepInputs, results: list[dict]) -> dict:
+        """The step's top-k rows: rank 0's buffer, and the rows where another rank's differs after the DCP merge
+        (which must leave every rank the same rows), each as the first rank that differs has it."""
+        rows, width = s.case.num_actual_tokens, s.case.topk_width
         differ = torch.zeros(rows, dtype=torch.bool, device=results[0]["topk"].device)
-        other = results[0]["topk"].clone()  # rank 0's buffer, each differing row as the first rank that differs has it
+        other = results[0]["topk"].clone()
         for res in results[1:]:  # as sets: the top-k kernels promise no order within a row
             these = (res["topk"][:rows, :width].sort(dim=1).values !=
                      results[0]["topk"][:rows, :width].sort(dim=1).values).any(dim=1)
             other[:rows][these & ~differ] = res["topk"][:rows][these & ~differ]
             differ |= these
-        out["dcp_topk_rows_differ"], out["dcp_topk_other"] = differ.nonzero().flatten(), other
+        return {"topk_indices_buffer": results[0]["topk"], "dcp_topk_rows_differ": differ.nonzero().flatten(),
+                "dcp_topk_other": other}
+
+    def merged(self, s: StepInputs, results: list[dict]):
+        """What every rank left, as the undivided step's observation: each layer's output (the ranks' heads side by
+        side), the ranks' top-k rows (`topk_rows`), the index cache and the MLA entries of the step's slots read
+        back from the ranks that hold them. Returns (outputs, overruns, cache changes)."""
+        case, n = s.case, s.case.num_tokens
+        out = {"topk_before": results[0]["topk_before"], **self.topk_rows(s, results),
+               "index_cache": undivided_index_cache(case, [res["index_kv"] for res in results])}
         for i, (ls, li) in enumerate(zip(s.layer_steps, s.layer_inputs)):
             name = "out" if i == 0 else "out_skip_topk"
             o = torch.cat([res["outs"][i] for res in results], dim=1)  # [rows, ranks x heads x 128]

@@ -128,17 +128,14 @@ class Dsv32AttentionShardQ(Dsv32AttentionDcp):
                     break
         return trace_observation(observed)
 
-    def merged(self, s: StepInputs, results: list[dict]):
-        """As the DCP module's (every rank's heads side by side, the caches read back), with each token's top-k row
-        put back from the rank that scored it: under a ShardQ split a rank's rows hold the decodes', then its own
-        tokens' (`ShardQMetadata.token_ids` grouped by rank). The rows every rank scores itself (the decodes', or every
-        row where the step did not split) are each rank's own choice among tied scores, and its heads attend with
-        them: `topk_by_tp`, each rank's rows judged as a top-k and its heads judged with them. Every rank's MLA cache
-        entries of the step's slots must be alike (under TP each writes every token)."""
-        out, overruns, changed = super().merged(s, results)
-        case, rows = s.case, s.case.num_actual_tokens
+    def topk_rows(self, s: StepInputs, results: list[dict]) -> dict:
+        """Each token's top-k row put back from the rank that scored it: under a ShardQ split a rank's rows hold the
+        decodes', then its own tokens' (`ShardQMetadata.token_ids` grouped by rank). The rows every rank scores itself
+        (the decodes', or every row of a step that did not split) are each rank's own choice among tied scores, and its
+        heads attend with them: `topk_by_tp`, each rank's rows judged as a top-k and its heads judged on them (no DCP
+        merge makes the ranks' ties agree)."""
         split = results[0]["shardq"]
-        shared_rows = split.num_decode_tokens if split is not None else rows
+        shared_rows = split.num_decode_tokens if split is not None else s.case.num_actual_tokens
         buffer = results[0]["topk"].clone()
         if split is not None:
             ids, nd, start = split.token_ids.long().cpu().tolist(), split.num_decode_tokens, 0
@@ -149,11 +146,15 @@ class Dsv32AttentionShardQ(Dsv32AttentionDcp):
         by_tp = buffer[None].repeat(len(results), 1, 1)
         for t, res in enumerate(results):
             by_tp[t, :shared_rows] = res["topk"][:shared_rows]
-        out["topk_indices_buffer"], out["topk_by_tp"] = buffer, by_tp
-        del out["dcp_topk_rows_differ"], out["dcp_topk_other"]  # no DCP merge: nothing makes the ranks' ties agree
+        return {"topk_indices_buffer": buffer, "topk_by_tp": by_tp}
+
+    def merged(self, s: StepInputs, results: list[dict]):
+        """As the DCP module's, with the top-k rows of `topk_rows`, and every rank's MLA cache entries of the step's
+        slots alike (under TP each rank writes every token)."""
+        out, overruns, changed = super().merged(s, results)
         for i, name in enumerate(("out", "out_skip_topk")[:len(s.layer_steps)]):
             slots = out[f"{name}.cache_slots"]
-            block, offset = slots // case.block_size, slots % case.block_size
+            block, offset = slots // s.case.block_size, slots % s.case.block_size
             entries = [res["caches"][i][block, offset] for res in results]
             bad = torch.stack([(e != entries[0]).any(dim=-1) for e in entries[1:]]).any(dim=0)
             out[f"{name}.replica_slots_differ"] = slots[bad]
